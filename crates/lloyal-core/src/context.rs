@@ -1,0 +1,391 @@
+//! A llama.cpp context behind one lock: the flat decode path, sampling, logits and raw KV ops.
+
+use std::sync::{Arc, Mutex, MutexGuard};
+
+use llama_cpp_sys_2 as sys;
+
+use crate::backend::{clear_recent_errors, recent_errors};
+use crate::error::{LloyalError, Result};
+use crate::metrics::{entropy, surprisal, Base};
+use crate::model::Model;
+use crate::options::ContextOptions;
+use crate::raw::{Batch, RawContext};
+use crate::sampler::Sampler;
+use crate::sampling::SamplingParams;
+
+/// Sizes fixed at creation (readable without the lock).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct ContextShape {
+    pub n_ctx: u32,
+    pub n_batch: u32,
+    pub n_seq_max: u32,
+    pub n_vocab: i32,
+    pub n_threads: i32,
+    pub embeddings: bool,
+}
+
+/// A context handle shared by its Python objects. All work goes through [`Context::with`],
+/// which serialises callers on one mutex; `close()` waits for the running call.
+pub struct Context {
+    model: Arc<Model>,
+    shape: ContextShape,
+    options: ContextOptions,
+    state: Mutex<Option<ContextState>>,
+}
+
+impl std::fmt::Debug for Context {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Context").field("shape", &self.shape).finish()
+    }
+}
+
+impl Context {
+    /// Create a context for `model` (validated options; llama.cpp failures explained).
+    pub fn new(model: Arc<Model>, options: ContextOptions) -> Result<Arc<Context>> {
+        let params = options.to_llama()?;
+        clear_recent_errors();
+        let mut raw = RawContext::new(model.clone(), params).ok_or_else(|| {
+            LloyalError::Backend(format!(
+                "llama.cpp could not create the context ({}); try a smaller n_ctx or other cache types",
+                recent_errors()
+            ))
+        })?;
+        // SAFETY: valid context pointer held exclusively here.
+        let (n_ctx, n_batch, n_seq_max) = unsafe {
+            let p = raw.as_ptr();
+            (sys::llama_n_ctx(p), sys::llama_n_batch(p), sys::llama_n_seq_max(p))
+        };
+        let shape = ContextShape {
+            n_ctx,
+            n_batch,
+            n_seq_max,
+            n_vocab: model.n_vocab(),
+            n_threads: params.n_threads,
+            embeddings: options.embeddings,
+        };
+        let state = ContextState {
+            batch: Batch::new(n_batch as usize),
+            raw,
+            shape,
+            logits: Vec::new(),
+            sampler: None,
+            leased: vec![false; n_seq_max as usize],
+            kv_cell_bytes: model.kv_bytes_per_cell(params.type_k, params.type_v),
+        };
+        Ok(Arc::new(Context {
+            model,
+            shape,
+            options,
+            state: Mutex::new(Some(state)),
+        }))
+    }
+
+    /// The model this context runs.
+    pub fn model(&self) -> &Arc<Model> {
+        &self.model
+    }
+
+    /// Sizes fixed at creation.
+    pub fn shape(&self) -> ContextShape {
+        self.shape
+    }
+
+    /// The options the context was created with.
+    pub fn options(&self) -> &ContextOptions {
+        &self.options
+    }
+
+    fn guard(&self) -> MutexGuard<'_, Option<ContextState>> {
+        // A panic while holding the lock cannot leave llama.cpp half-updated in a way the
+        // next call could observe more than any failed call could, so keep going.
+        self.state.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// Run `f` on the open context state, holding the context lock.
+    pub fn with<T>(&self, f: impl FnOnce(&mut ContextState) -> Result<T>) -> Result<T> {
+        let mut guard = self.guard();
+        let state = guard.as_mut().ok_or(LloyalError::ContextClosed)?;
+        f(state)
+    }
+
+    /// Free the llama.cpp context (waits for a running call). Idempotent.
+    pub fn close(&self) {
+        let state = self.guard().take();
+        drop(state);
+    }
+
+    /// Whether `close()` ran.
+    pub fn is_closed(&self) -> bool {
+        self.guard().is_none()
+    }
+}
+
+/// The mutable state behind the lock: the llama.cpp context and the flat path's snapshot.
+pub struct ContextState {
+    raw: RawContext,
+    batch: Batch,
+    shape: ContextShape,
+    /// Logits of the last flat-path decode (empty before any).
+    logits: Vec<f32>,
+    /// Flat-path sampler, rebuilt when the parameters change (history kept).
+    sampler: Option<Sampler>,
+    /// Which sequence ids a live branch owns.
+    leased: Vec<bool>,
+    /// K+V bytes per cell (for `memory_size`).
+    kv_cell_bytes: u64,
+}
+
+impl ContextState {
+    /// Sizes fixed at creation.
+    pub fn shape(&self) -> ContextShape {
+        self.shape
+    }
+
+    /// The model.
+    pub fn model(&self) -> Arc<Model> {
+        self.raw.model().clone()
+    }
+
+    /// Bytes of KV cache memory (cells x per-cell K+V size over all layers).
+    pub fn memory_size(&self) -> u64 {
+        u64::from(self.shape.n_ctx) * self.kv_cell_bytes
+    }
+
+    /// Mark a sequence as owned (or released) by a branch.
+    pub fn set_leased(&mut self, seq_id: i32, leased: bool) {
+        if let Some(l) = self.leased.get_mut(seq_id as usize) {
+            *l = leased;
+        }
+    }
+
+    fn check_seq(&self, seq_id: i32) -> Result<()> {
+        if seq_id < 0 || seq_id as u32 >= self.shape.n_seq_max {
+            return Err(LloyalError::invalid(format!(
+                "seq_id {seq_id} is out of range: this context has n_seq_max={} (valid 0..{})",
+                self.shape.n_seq_max, self.shape.n_seq_max
+            )));
+        }
+        Ok(())
+    }
+
+    /// Validate a seq id for a flat-path write: in range and not owned by a branch.
+    fn check_flat_seq(&self, seq_id: i32) -> Result<()> {
+        self.check_seq(seq_id)?;
+        if self.leased[seq_id as usize] {
+            return Err(LloyalError::SeqLeased { seq_id });
+        }
+        Ok(())
+    }
+
+    fn check_no_leases_except(&self, keep: Option<i32>) -> Result<()> {
+        match self.leased.iter().enumerate().find(|(i, &l)| l && Some(*i as i32) != keep) {
+            Some((seq, _)) => Err(LloyalError::SeqLeased { seq_id: seq as i32 }),
+            None => Ok(()),
+        }
+    }
+
+    /// Largest position stored for `seq_id` (-1 when empty).
+    pub fn seq_pos_max(&mut self, seq_id: i32) -> Result<i32> {
+        self.check_seq(seq_id)?;
+        let mem = self.raw.memory();
+        // SAFETY: valid memory handle; seq id range-checked above.
+        Ok(unsafe { sys::llama_memory_seq_pos_max(mem, seq_id) })
+    }
+
+    /// Decode `tokens` for `seq_id` starting at `pos`, chunked by n_batch; keeps the last
+    /// token's logits. All-or-nothing: a failure removes the cells written by this call.
+    pub fn decode(&mut self, tokens: &[i32], pos: i32, seq_id: i32) -> Result<()> {
+        self.check_flat_seq(seq_id)?;
+        self.raw.model().check_tokens(tokens)?;
+        if tokens.is_empty() {
+            return Ok(());
+        }
+        if tokens.len() > self.shape.n_ctx as usize {
+            return Err(LloyalError::KvCacheFull {
+                needed: tokens.len(),
+                n_ctx: self.shape.n_ctx,
+                detail: "more tokens than the whole cache holds".into(),
+            });
+        }
+        let pos_max = self.seq_pos_max(seq_id)?;
+        if pos < 0 || (pos_max >= 0 && pos != pos_max + 1) {
+            return Err(LloyalError::invalid(format!(
+                "decode at pos {pos} on seq {seq_id}: the sequence ends at position {pos_max}, so the next \
+                 position must be {}; remove cells with kv_cache_remove to rewrite history",
+                pos_max + 1
+            )));
+        }
+        let last = self.decode_rows(tokens, pos, seq_id)?;
+        self.logits = self.copy_logits_row(last)?;
+        Ok(())
+    }
+
+    /// Decode one sequence's tokens in n_batch chunks, logits only on the final token.
+    /// Returns the batch row of that final token. Rolls back on failure.
+    fn decode_rows(&mut self, tokens: &[i32], pos: i32, seq_id: i32) -> Result<i32> {
+        let n_batch = self.shape.n_batch as usize;
+        let total = tokens.len();
+        for (c, chunk) in tokens.chunks(n_batch).enumerate() {
+            let start = c * n_batch;
+            self.batch.clear();
+            for (i, &t) in chunk.iter().enumerate() {
+                let at = start + i;
+                self.batch.push(t, pos + at as i32, seq_id, at + 1 == total);
+            }
+            if let Err(e) = self.run_batch() {
+                self.remove_cells(seq_id, pos, -1);
+                return Err(e);
+            }
+        }
+        Ok(self.batch.len() as i32 - 1)
+    }
+
+    /// Run `llama_decode` on the current batch, mapping its return codes.
+    pub(crate) fn run_batch(&mut self) -> Result<()> {
+        clear_recent_errors();
+        let n = self.batch.len();
+        let raw_batch = self.batch.raw();
+        // SAFETY: the batch holds n valid rows (tokens and seq ids validated by callers).
+        let code = unsafe { sys::llama_decode(self.raw.as_ptr(), raw_batch) };
+        match code {
+            0 => Ok(()),
+            1 => Err(LloyalError::KvCacheFull {
+                needed: n,
+                n_ctx: self.shape.n_ctx,
+                detail: "no contiguous free cells for this batch".into(),
+            }),
+            2 => Err(LloyalError::Interrupted),
+            _ => Err(LloyalError::Decode {
+                code,
+                detail: match recent_errors() {
+                    d if d.is_empty() => "see LLOYAL_LOG=1 for llama.cpp's log".into(),
+                    d => d,
+                },
+            }),
+        }
+    }
+
+    /// Copy the logits of batch row `row` (which must have requested logits).
+    pub(crate) fn copy_logits_row(&mut self, row: i32) -> Result<Vec<f32>> {
+        // SAFETY: valid context; llama.cpp returns null (not abort) for a row without logits.
+        let ptr = unsafe { sys::llama_get_logits_ith(self.raw.as_ptr(), row) };
+        if ptr.is_null() {
+            return Err(LloyalError::Backend(format!("llama.cpp has no logits for batch row {row}")));
+        }
+        // SAFETY: llama.cpp guarantees n_vocab floats at a non-null logits row.
+        Ok(unsafe { std::slice::from_raw_parts(ptr, self.shape.n_vocab as usize) }.to_vec())
+    }
+
+    /// Remove cells `[p0, p1)` of a sequence (p1 = -1: to the end). Returns llama.cpp's verdict.
+    pub(crate) fn remove_cells(&mut self, seq_id: i32, p0: i32, p1: i32) -> bool {
+        let mem = self.raw.memory();
+        // SAFETY: valid memory; seq id range-checked by every caller.
+        unsafe { sys::llama_memory_seq_rm(mem, seq_id, p0, p1) }
+    }
+
+    /// The flat path's last logits.
+    pub fn logits(&self) -> Result<&[f32]> {
+        if self.logits.is_empty() {
+            return Err(LloyalError::NoLogits);
+        }
+        Ok(&self.logits)
+    }
+
+    /// Sample from the flat path's last logits with `params`, then accept the token into the
+    /// flat sampler's history (penalties persist across calls, as in the original API).
+    pub fn sample(&mut self, params: SamplingParams) -> Result<i32> {
+        if self.logits.is_empty() {
+            return Err(LloyalError::NoLogits);
+        }
+        let model = self.model();
+        match &mut self.sampler {
+            Some(s) => s.set_params(&model, params)?,
+            None => self.sampler = Some(Sampler::new(&model, params)?),
+        }
+        let sampler = self.sampler.as_mut().ok_or(LloyalError::NoLogits)?;
+        let token = sampler.sample(&self.logits, &[]);
+        sampler.accept(token);
+        Ok(token)
+    }
+
+    /// Forget the flat sampler's history (penalties, DRY, RNG).
+    pub fn reset_sampler(&mut self) {
+        self.sampler = None;
+    }
+
+    /// Entropy of the flat path's last logits.
+    pub fn model_entropy(&self, base: Base) -> Result<f64> {
+        Ok(entropy(self.logits()?, base))
+    }
+
+    /// Surprisal of `token` under the flat path's last logits.
+    pub fn model_surprisal(&self, token: i32, base: Base) -> Result<f64> {
+        self.raw.model().check_token(i64::from(token))?;
+        Ok(surprisal(self.logits()?, token as usize, base))
+    }
+
+    /// `kv_cache_clear`: empty every sequence (refused while any branch holds one).
+    pub fn kv_clear(&mut self) -> Result<()> {
+        self.check_no_leases_except(None)?;
+        let mem = self.raw.memory();
+        // SAFETY: valid memory handle.
+        unsafe { sys::llama_memory_clear(mem, true) };
+        self.logits.clear();
+        Ok(())
+    }
+
+    /// `kv_cache_remove(seq, start, end)`: drop positions `[start, end)`; `end = -1` = to the end.
+    pub fn kv_remove(&mut self, seq_id: i32, start: i32, end: i32) -> Result<()> {
+        self.check_flat_seq(seq_id)?;
+        check_range(start, end)?;
+        if !self.remove_cells(seq_id, start, end) {
+            return Err(LloyalError::Backend(format!(
+                "llama.cpp refused to remove positions [{start}, {end}) of seq {seq_id}"
+            )));
+        }
+        Ok(())
+    }
+
+    /// `kv_seq_copy(src, dst, p0, p1)`: share `src`'s cells `[p0, p1)` with `dst` (no tensor copy).
+    pub fn kv_copy(&mut self, src: i32, dst: i32, p0: i32, p1: i32) -> Result<()> {
+        self.check_seq(src)?;
+        self.check_flat_seq(dst)?;
+        check_range(p0, p1)?;
+        if src == dst {
+            return Ok(());
+        }
+        let mem = self.raw.memory();
+        // SAFETY: valid memory; both ids range-checked; unified KV makes partial copies legal.
+        unsafe { sys::llama_memory_seq_cp(mem, src, dst, p0, p1) };
+        Ok(())
+    }
+
+    /// `kv_seq_keep(seq)`: drop every other sequence (refused if a branch holds another one).
+    pub fn kv_keep(&mut self, seq_id: i32) -> Result<()> {
+        self.check_flat_seq(seq_id)?;
+        self.check_no_leases_except(None)?;
+        let mem = self.raw.memory();
+        // SAFETY: valid memory; id range-checked.
+        unsafe { sys::llama_memory_seq_keep(mem, seq_id) };
+        Ok(())
+    }
+
+    /// Raw context pointer for sibling core modules (branches, state I/O).
+    pub(crate) fn raw_mut(&mut self) -> &mut RawContext {
+        &mut self.raw
+    }
+
+    /// The shared decode batch for sibling core modules.
+    pub(crate) fn batch_mut(&mut self) -> &mut Batch {
+        &mut self.batch
+    }
+}
+
+fn check_range(start: i32, end: i32) -> Result<()> {
+    if start < 0 || (end != -1 && end < start) {
+        return Err(LloyalError::invalid(format!(
+            "invalid position range [{start}, {end}): need 0 <= start and end == -1 or end >= start"
+        )));
+    }
+    Ok(())
+}

@@ -1,0 +1,95 @@
+//! The core's one error type: every failure a user can cause, with the data to explain it.
+
+use thiserror::Error;
+
+/// Result alias used throughout the core.
+pub type Result<T> = std::result::Result<T, LloyalError>;
+
+/// Every error the core reports. The Python glue maps each variant to exactly one
+/// exception class of `lloyal.errors` (see `src/errors.rs`); messages say what was
+/// wrong and what to do about it.
+#[derive(Debug, Error, Clone, PartialEq)]
+pub enum LloyalError {
+    /// The model file could not be opened or parsed.
+    #[error("cannot load model {path:?}: {reason}")]
+    ModelLoad { path: String, reason: String },
+
+    /// A call on a context (or one of its branches) after `close()`.
+    #[error("the context is closed; create a new Context to continue")]
+    ContextClosed,
+
+    /// llama.cpp refused or failed a decode for a reason other than a full cache.
+    #[error("llama_decode failed with code {code}: {detail}")]
+    Decode { code: i32, detail: String },
+
+    /// No room left in the KV cache for the tokens of this call.
+    #[error(
+        "KV cache full: {needed} cells needed ({detail}; n_ctx={n_ctx}); prune branches, remove \
+         cells (kv_cache_remove) or create the context with a larger n_ctx"
+    )]
+    KvCacheFull {
+        needed: usize,
+        n_ctx: u32,
+        detail: String,
+    },
+
+    /// The branch was pruned (or its context closed) and can no longer be used.
+    #[error("branch {handle} is disposed (pruned or retained away); fork or create a new branch")]
+    BranchDisposed { handle: u64 },
+
+    /// Every sequence id of the context is held by a live branch.
+    #[error(
+        "no free KV lease: all {n_seq_max} sequences (n_seq_max) are held by {live} live branches; \
+         prune a branch or create the context with a larger n_seq_max"
+    )]
+    LeaseExhausted { n_seq_max: u32, live: u32 },
+
+    /// A topology rule was broken (e.g. RESTRICT prune of a branch with live children).
+    #[error("{0}")]
+    Topology(String),
+
+    /// A flat-path call touched a sequence a live branch owns.
+    #[error(
+        "seq_id {seq_id} is leased by a live branch; use the Branch API for it, or prune the branch first"
+    )]
+    SeqLeased { seq_id: i32 },
+
+    /// A token id outside the vocabulary.
+    #[error("token id {token} is out of range: valid ids are 0..{n_vocab} (exclusive)")]
+    InvalidToken { token: i64, n_vocab: i32 },
+
+    /// A grammar could not be parsed, or a token it forbids was accepted.
+    #[error("{0}")]
+    Grammar(String),
+
+    /// Saved state that is corrupt, truncated or from another model/version.
+    #[error("{0}")]
+    State(String),
+
+    /// A chat template could not be rendered.
+    #[error("{0}")]
+    ChatTemplate(String),
+
+    /// A bad argument (maps to Python `ValueError`).
+    #[error("{0}")]
+    InvalidArgument(String),
+
+    /// A request that needs logits before any decode produced them.
+    #[error("no logits available: decode (or prefill) at least one token first")]
+    NoLogits,
+
+    /// llama.cpp failed in a way the user cannot fix by changing arguments (out of memory...).
+    #[error("{0}")]
+    Backend(String),
+
+    /// The call was interrupted (e.g. Ctrl-C) and rolled back.
+    #[error("interrupted; the call was rolled back")]
+    Interrupted,
+}
+
+impl LloyalError {
+    /// Shorthand for [`LloyalError::InvalidArgument`].
+    pub fn invalid(msg: impl Into<String>) -> Self {
+        LloyalError::InvalidArgument(msg.into())
+    }
+}

@@ -1,0 +1,25 @@
+//! lloyal-core: forkable, branch-parallel inference over llama.cpp, with no Python in sight.
+//!
+//! Layout: `model` (weights, vocab), `context` (one lock per llama.cpp context; flat decode
+//! path), `sampling`/`sampler` (parameters and llama.cpp chains), `metrics` (entropy,
+//! perplexity), `utf8` (streaming text), `raw` (the only raw pointers), `error`.
+
+pub mod backend;
+pub mod context;
+pub mod error;
+pub mod metrics;
+pub mod model;
+pub mod model_file;
+pub mod options;
+pub mod raw;
+pub mod sampler;
+pub mod sampling;
+pub mod utf8;
+
+pub use context::{Context, ContextShape, ContextState};
+pub use error::{LloyalError, Result};
+pub use metrics::{Base, PerplexityTracker};
+pub use model::{Model, ModelOptions};
+pub use options::{ContextOptions, Pooling};
+pub use sampling::{Dry, Mirostat, SamplingParams, Xtc};
+pub use utf8::Utf8Stream;

@@ -1,0 +1,232 @@
+//! Loaded model weights and vocabulary: loading (shared per path), tokenizer, token queries.
+
+use std::collections::HashMap;
+use std::path::{Path, PathBuf};
+use std::sync::{Arc, Mutex, Weak};
+
+use llama_cpp_2::model::params::LlamaModelParams;
+use llama_cpp_2::model::LlamaModel;
+use llama_cpp_2::token::LlamaToken;
+
+use crate::backend::{backend, clear_recent_errors, recent_errors};
+use crate::error::{LloyalError, Result};
+use crate::model_file::check_gguf_file;
+
+/// How to load weights. Two loads with equal options and the same file share one [`Model`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub struct ModelOptions {
+    /// Layers to offload to the GPU (0 = CPU only).
+    pub n_gpu_layers: u32,
+    /// Memory-map the file instead of reading it.
+    pub use_mmap: bool,
+}
+
+impl Default for ModelOptions {
+    fn default() -> Self {
+        ModelOptions {
+            n_gpu_layers: 0,
+            use_mmap: true,
+        }
+    }
+}
+
+type RegistryKey = (PathBuf, ModelOptions);
+static REGISTRY: Mutex<Option<HashMap<RegistryKey, Weak<Model>>>> = Mutex::new(None);
+
+/// Model weights plus vocabulary facts read once at load time.
+pub struct Model {
+    llama: LlamaModel,
+    path: PathBuf,
+    options: ModelOptions,
+    n_vocab: i32,
+}
+
+impl std::fmt::Debug for Model {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Model").field("path", &self.path).field("n_vocab", &self.n_vocab).finish()
+    }
+}
+
+impl Model {
+    /// Load `path` (or return the already-loaded weights for the same file and options).
+    pub fn load(path: &Path, options: ModelOptions) -> Result<Arc<Model>> {
+        check_gguf_file(path)?;
+        let canonical = path.canonicalize().unwrap_or_else(|_| path.to_path_buf());
+        let key = (canonical.clone(), options);
+        let mut guard = REGISTRY.lock().unwrap_or_else(|p| p.into_inner());
+        let registry = guard.get_or_insert_with(HashMap::new);
+        registry.retain(|_, w| w.strong_count() > 0);
+        if let Some(model) = registry.get(&key).and_then(Weak::upgrade) {
+            return Ok(model);
+        }
+        let model = Arc::new(Self::load_uncached(&canonical, options)?);
+        registry.insert(key, Arc::downgrade(&model));
+        Ok(model)
+    }
+
+    fn load_uncached(path: &Path, options: ModelOptions) -> Result<Model> {
+        let params = LlamaModelParams::default()
+            .with_n_gpu_layers(options.n_gpu_layers)
+            .with_use_mmap(options.use_mmap);
+        clear_recent_errors();
+        let llama = LlamaModel::load_from_file(backend(), path, &params).map_err(|e| {
+            let detail = recent_errors();
+            LloyalError::ModelLoad {
+                path: path.display().to_string(),
+                reason: if detail.is_empty() { e.to_string() } else { detail },
+            }
+        })?;
+        let n_vocab = llama.n_vocab();
+        Ok(Model {
+            llama,
+            path: path.to_path_buf(),
+            options,
+            n_vocab,
+        })
+    }
+
+    /// The underlying llama-cpp-2 model.
+    pub fn llama(&self) -> &LlamaModel {
+        &self.llama
+    }
+
+    /// The file the weights came from (canonicalised).
+    pub fn path(&self) -> &Path {
+        &self.path
+    }
+
+    /// Options the weights were loaded with.
+    pub fn options(&self) -> ModelOptions {
+        self.options
+    }
+
+    /// Vocabulary size.
+    pub fn n_vocab(&self) -> i32 {
+        self.n_vocab
+    }
+
+    /// Context length the model was trained with.
+    pub fn n_ctx_train(&self) -> u32 {
+        self.llama.n_ctx_train()
+    }
+
+    /// Embedding width.
+    pub fn n_embd(&self) -> i32 {
+        self.llama.n_embd()
+    }
+
+    /// Number of layers.
+    pub fn n_layer(&self) -> u32 {
+        self.llama.n_layer()
+    }
+
+    /// Parameter count.
+    pub fn n_params(&self) -> u64 {
+        self.llama.n_params()
+    }
+
+    /// Size of the weights in bytes.
+    pub fn size_bytes(&self) -> u64 {
+        self.llama.size()
+    }
+
+    /// A GGUF metadata string value, if present.
+    pub fn meta(&self, key: &str) -> Option<String> {
+        self.llama.meta_val_str(key).ok()
+    }
+
+    /// `general.architecture` (e.g. "gemma3").
+    pub fn architecture(&self) -> String {
+        self.meta("general.architecture").unwrap_or_default()
+    }
+
+    /// The Jinja chat template stored in the file, if any.
+    pub fn chat_template(&self) -> Option<String> {
+        self.meta("tokenizer.chat_template")
+    }
+
+    fn meta_u64(&self, suffix: &str) -> Option<u64> {
+        let key = format!("{}.{suffix}", self.architecture());
+        self.meta(&key)?.trim().parse().ok()
+    }
+
+    /// Bytes of K and V per KV cell across all layers, for cache types `type_k`/`type_v`
+    /// (from GGUF metadata; head width falls back to n_embd / n_head).
+    pub fn kv_bytes_per_cell(&self, type_k: llama_cpp_sys_2::ggml_type, type_v: llama_cpp_sys_2::ggml_type) -> u64 {
+        let n_layer = u64::from(self.n_layer());
+        let n_head = self.meta_u64("attention.head_count").unwrap_or(1).max(1);
+        let n_head_kv = self.meta_u64("attention.head_count_kv").unwrap_or(n_head);
+        let head = self.n_embd().max(0) as u64 / n_head;
+        let k = self.meta_u64("attention.key_length").unwrap_or(head) * n_head_kv;
+        let v = self.meta_u64("attention.value_length").unwrap_or(head) * n_head_kv;
+        // SAFETY: pure size arithmetic on a valid ggml type id.
+        let (kb, vb) = unsafe {
+            (
+                llama_cpp_sys_2::ggml_row_size(type_k, k as i64),
+                llama_cpp_sys_2::ggml_row_size(type_v, v as i64),
+            )
+        };
+        n_layer * (kb as u64 + vb as u64)
+    }
+
+    /// Check that `token` is a valid id for this vocabulary.
+    pub fn check_token(&self, token: i64) -> Result<i32> {
+        if token < 0 || token >= i64::from(self.n_vocab) {
+            return Err(LloyalError::InvalidToken {
+                token,
+                n_vocab: self.n_vocab,
+            });
+        }
+        Ok(token as i32)
+    }
+
+    /// Check every token of a slice.
+    pub fn check_tokens(&self, tokens: &[i32]) -> Result<()> {
+        tokens.iter().try_for_each(|&t| self.check_token(i64::from(t)).map(|_| ()))
+    }
+
+    /// Tokenize UTF-8 text. `parse_special` turns `<start_of_turn>`-style text into control tokens.
+    pub fn tokenize(&self, text: &str, add_special: bool, parse_special: bool) -> Vec<i32> {
+        self.llama
+            .vocab()
+            .tokenize(text.as_bytes(), add_special, parse_special)
+            .into_iter()
+            .map(|t| t.0)
+            .collect()
+    }
+
+    /// Detokenize to text (invalid UTF-8 replaced by U+FFFD). `special` renders control tokens.
+    pub fn detokenize(&self, tokens: &[i32], special: bool) -> Result<String> {
+        self.check_tokens(tokens)?;
+        let tokens: Vec<LlamaToken> = tokens.iter().map(|&t| LlamaToken(t)).collect();
+        let bytes = self.llama.vocab().detokenize(&tokens, false, special);
+        Ok(String::from_utf8_lossy(&bytes).into_owned())
+    }
+
+    /// The raw bytes of one token's piece (may be a partial UTF-8 sequence).
+    pub fn token_bytes(&self, token: i32, special: bool) -> Result<Vec<u8>> {
+        self.check_token(i64::from(token))?;
+        Ok(self.llama.vocab().token_to_piece(LlamaToken(token), special, None))
+    }
+
+    /// Whether `token` ends generation (EOS, EOT, `<end_of_turn>`...).
+    pub fn is_eog(&self, token: i32) -> bool {
+        token >= 0 && token < self.n_vocab && self.llama.vocab().is_eog(LlamaToken(token))
+    }
+
+    /// Beginning-of-sequence token.
+    pub fn bos(&self) -> i32 {
+        self.llama.vocab().bos().0
+    }
+
+    /// The model's end-of-generation token (EOT when the model has one, else EOS).
+    pub fn eog(&self) -> i32 {
+        let vocab = self.llama.vocab();
+        let eot = vocab.eot().0;
+        if eot >= 0 {
+            eot
+        } else {
+            vocab.eos().0
+        }
+    }
+}

@@ -1,0 +1,257 @@
+//! A sampler chain owned at the llama.cpp sys level: built from SamplingParams, cloneable
+//! (RNG and DRY history included), applied to a logits snapshot.
+
+use std::ffi::CString;
+use std::ptr::NonNull;
+
+use llama_cpp_sys_2 as sys;
+
+use crate::error::{LloyalError, Result};
+use crate::model::Model;
+use crate::sampling::{apply_penalties, SamplingParams};
+
+/// llama.cpp's LLAMA_DEFAULT_SEED: draw a random seed.
+const RANDOM_SEED: u32 = 0xFFFF_FFFF;
+
+/// Most tokens of accepted history kept for penalties (and replayed when rebuilding).
+pub const MAX_HISTORY: usize = 8192;
+
+/// Owned `llama_sampler*` chain. Freed on drop.
+struct RawChain(NonNull<sys::llama_sampler>);
+
+// SAFETY: a llama_sampler is plain heap state with no thread affinity; the chain is only
+// used through &mut (one thread at a time), and the context lock serialises use.
+unsafe impl Send for RawChain {}
+
+impl Drop for RawChain {
+    fn drop(&mut self) {
+        // SAFETY: the pointer came from llama_sampler_chain_init/clone and is freed once.
+        unsafe { sys::llama_sampler_free(self.0.as_ptr()) }
+    }
+}
+
+impl RawChain {
+    fn new() -> Self {
+        // SAFETY: plain constructor calls with default params.
+        let ptr = unsafe { sys::llama_sampler_chain_init(sys::llama_sampler_chain_default_params()) };
+        RawChain(NonNull::new(ptr).expect("llama_sampler_chain_init returned null"))
+    }
+
+    fn add(&mut self, smpl: *mut sys::llama_sampler) -> Result<()> {
+        if smpl.is_null() {
+            return Err(LloyalError::invalid("llama.cpp rejected a sampler setting"));
+        }
+        // SAFETY: the chain takes ownership of a valid, non-null sampler.
+        unsafe { sys::llama_sampler_chain_add(self.0.as_ptr(), smpl) };
+        Ok(())
+    }
+}
+
+/// One sequence's sampling machinery: the llama.cpp chain plus the Rust-side token history
+/// (used for penalties, which are applied on the logits in O(history)).
+pub struct Sampler {
+    chain: RawChain,
+    params: SamplingParams,
+    history: Vec<i32>,
+    candidates: Vec<sys::llama_token_data>,
+}
+
+fn seed_of(params: &SamplingParams) -> u32 {
+    params.seed.unwrap_or(RANDOM_SEED)
+}
+
+fn build_chain(model: &Model, params: &SamplingParams) -> Result<RawChain> {
+    params.validate()?;
+    let mut chain = RawChain::new();
+    let vocab = crate::raw::vocab_ptr(model.llama());
+    if let Some(dry) = params.dry.as_ref().filter(|d| d.multiplier > 0.0) {
+        let breakers: Vec<CString> = dry
+            .sequence_breakers
+            .iter()
+            .map(|s| CString::new(s.as_str()).map_err(|_| LloyalError::invalid("NUL in dry sequence breaker")))
+            .collect::<Result<_>>()?;
+        let mut ptrs: Vec<*const std::ffi::c_char> = breakers.iter().map(|c| c.as_ptr()).collect();
+        // SAFETY: vocab outlives the call; breaker strings live until after init copies them.
+        let smpl = unsafe {
+            sys::llama_sampler_init_dry(
+                vocab,
+                dry.multiplier,
+                dry.base,
+                dry.allowed_length,
+                dry.penalty_last_n,
+                ptrs.as_mut_ptr(),
+                ptrs.len(),
+            )
+        };
+        chain.add(smpl)?;
+    }
+    // SAFETY (all init calls below): plain constructors taking scalars; results checked by add().
+    if let Some(m) = &params.mirostat {
+        chain.add(unsafe { sys::llama_sampler_init_temp(params.temperature.max(0.0)) })?;
+        let smpl = if m.version == 1 {
+            unsafe { sys::llama_sampler_init_mirostat(model.n_vocab(), seed_of(params), m.tau, m.eta, 100) }
+        } else {
+            unsafe { sys::llama_sampler_init_mirostat_v2(seed_of(params), m.tau, m.eta) }
+        };
+        chain.add(smpl)?;
+        return Ok(chain);
+    }
+    if params.is_greedy() {
+        chain.add(unsafe { sys::llama_sampler_init_greedy() })?;
+        return Ok(chain);
+    }
+    if params.top_k > 0 {
+        chain.add(unsafe { sys::llama_sampler_init_top_k(params.top_k) })?;
+    }
+    if params.typical_p < 1.0 {
+        chain.add(unsafe { sys::llama_sampler_init_typical(params.typical_p, 1) })?;
+    }
+    if params.top_p < 1.0 {
+        chain.add(unsafe { sys::llama_sampler_init_top_p(params.top_p, 1) })?;
+    }
+    if params.min_p > 0.0 {
+        chain.add(unsafe { sys::llama_sampler_init_min_p(params.min_p, 1) })?;
+    }
+    if let Some(x) = params.xtc.as_ref().filter(|x| x.probability > 0.0) {
+        chain.add(unsafe { sys::llama_sampler_init_xtc(x.probability, x.threshold, x.min_keep.max(1), seed_of(params)) })?;
+    }
+    chain.add(unsafe { sys::llama_sampler_init_temp(params.temperature) })?;
+    chain.add(unsafe { sys::llama_sampler_init_dist(seed_of(params)) })?;
+    Ok(chain)
+}
+
+impl Sampler {
+    /// Build a sampler for `params` (validated first).
+    pub fn new(model: &Model, params: SamplingParams) -> Result<Self> {
+        let chain = build_chain(model, &params)?;
+        Ok(Sampler {
+            chain,
+            params,
+            history: Vec::new(),
+            candidates: Vec::new(),
+        })
+    }
+
+    /// The parameters this sampler was built with.
+    pub fn params(&self) -> &SamplingParams {
+        &self.params
+    }
+
+    /// Accepted-token history (most recent last, at most [`MAX_HISTORY`]).
+    pub fn history(&self) -> &[i32] {
+        &self.history
+    }
+
+    /// Switch to new parameters, keeping the token history (replayed into stateful samplers).
+    /// A no-op when the parameters are unchanged.
+    pub fn set_params(&mut self, model: &Model, params: SamplingParams) -> Result<()> {
+        if params == self.params {
+            return Ok(());
+        }
+        let chain = build_chain(model, &params)?;
+        self.chain = chain;
+        self.params = params;
+        for &t in &self.history {
+            // SAFETY: valid chain; replaying accepted tokens into DRY/mirostat state.
+            unsafe { sys::llama_sampler_accept(self.chain.0.as_ptr(), t) };
+        }
+        Ok(())
+    }
+
+    /// Restart the RNG with `seed` (history kept).
+    pub fn reseed(&mut self, model: &Model, seed: u32) -> Result<()> {
+        let params = SamplingParams {
+            seed: Some(seed),
+            ..self.params.clone()
+        };
+        // Force a rebuild even if the seed is unchanged, so the RNG restarts.
+        self.params.seed = None.or(Some(seed.wrapping_add(1)));
+        self.set_params(model, params)
+    }
+
+    /// Pick a token from `logits` (not modified). Penalties use this sampler's history.
+    /// `extra_bias` entries are added to the logits first (logit bias, steering).
+    pub fn sample(&mut self, logits: &[f32], extra_bias: &[(i32, f32)]) -> i32 {
+        let mut work: Option<Vec<f32>> = None;
+        if self.params.has_penalties() || !extra_bias.is_empty() {
+            let mut l = logits.to_vec();
+            apply_penalties(&mut l, &self.history, &self.params);
+            for &(t, b) in extra_bias {
+                if let Some(x) = l.get_mut(t as usize) {
+                    *x += b;
+                }
+            }
+            work = Some(l);
+        }
+        let logits = work.as_deref().unwrap_or(logits);
+        if self.params.is_greedy() && self.params.dry.is_none() {
+            return argmax(logits);
+        }
+        self.candidates.clear();
+        self.candidates.extend(logits.iter().enumerate().map(|(i, &logit)| sys::llama_token_data {
+            id: i as i32,
+            logit,
+            p: 0.0,
+        }));
+        let mut arr = sys::llama_token_data_array {
+            data: self.candidates.as_mut_ptr(),
+            size: self.candidates.len(),
+            selected: -1,
+            sorted: false,
+        };
+        // SAFETY: arr points into our candidate buffer, alive and exclusively borrowed for the call.
+        unsafe { sys::llama_sampler_apply(self.chain.0.as_ptr(), &mut arr) };
+        if arr.selected < 0 || arr.selected as usize >= arr.size {
+            return argmax(logits);
+        }
+        // SAFETY: selected is within [0, size) of the (possibly re-pointed) data array.
+        unsafe { (*arr.data.add(arr.selected as usize)).id }
+    }
+
+    /// Record an accepted token (penalty history, DRY/mirostat state).
+    pub fn accept(&mut self, token: i32) {
+        // SAFETY: valid chain; token ids are validated by callers.
+        unsafe { sys::llama_sampler_accept(self.chain.0.as_ptr(), token) };
+        if self.history.len() == MAX_HISTORY {
+            self.history.drain(..MAX_HISTORY / 2);
+        }
+        self.history.push(token);
+    }
+
+    /// Deep copy: RNG state, DRY/mirostat state and history included.
+    pub fn try_clone(&self) -> Result<Self> {
+        // SAFETY: cloning a valid chain; the result is checked for null.
+        let ptr = unsafe { sys::llama_sampler_clone(self.chain.0.as_ptr()) };
+        let chain = NonNull::new(ptr).map(RawChain).ok_or_else(|| LloyalError::invalid("sampler clone failed"))?;
+        Ok(Sampler {
+            chain,
+            params: self.params.clone(),
+            history: self.history.clone(),
+            candidates: Vec::new(),
+        })
+    }
+}
+
+/// Index of the largest value (first on ties); 0 for an empty slice.
+pub fn argmax(values: &[f32]) -> i32 {
+    let mut best = 0usize;
+    let mut best_v = f32::NEG_INFINITY;
+    for (i, &v) in values.iter().enumerate() {
+        if v > best_v {
+            best = i;
+            best_v = v;
+        }
+    }
+    best as i32
+}
+
+#[cfg(test)]
+mod tests {
+    use super::argmax;
+
+    #[test]
+    fn argmax_first_on_ties() {
+        assert_eq!(argmax(&[1.0, 3.0, 3.0, -1.0]), 1);
+        assert_eq!(argmax(&[f32::NEG_INFINITY, 0.0]), 1);
+    }
+}

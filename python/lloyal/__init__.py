@@ -1,0 +1,83 @@
+"""lloyal: forkable, branch-parallel LLM inference over llama.cpp.
+
+Example:
+    >>> import lloyal
+    >>> ctx = lloyal.Context(lloyal.default_model_path(), n_ctx=512)
+    >>> tokens = ctx.tokenize("The capital of France is")
+    >>> ctx.decode(tokens, 0)
+    >>> ctx.get_logits().shape == (ctx.n_vocab,)
+    True
+    >>> ctx.close()
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+from lloyal._lloyal import (
+    Context,
+    Model,
+    PerplexityTracker,
+    TextStream,
+    __version__,
+)
+from lloyal._model_path import default_model_path
+from lloyal.errors import (
+    BranchDisposedError,
+    ChatTemplateError,
+    ContextClosedError,
+    DecodeError,
+    GrammarError,
+    InvalidTokenError,
+    KvCacheFullError,
+    LeaseExhaustedError,
+    LloyalError,
+    ModelLoadError,
+    SeqLeasedError,
+    StateError,
+    TopologyError,
+)
+from lloyal.sampling import Dry, Mirostat, SamplingParams, Xtc
+
+__all__ = [
+    "BranchDisposedError",
+    "ChatTemplateError",
+    "Context",
+    "ContextClosedError",
+    "DecodeError",
+    "Dry",
+    "GrammarError",
+    "InvalidTokenError",
+    "KvCacheFullError",
+    "LeaseExhaustedError",
+    "LloyalError",
+    "Mirostat",
+    "Model",
+    "ModelLoadError",
+    "PerplexityTracker",
+    "SamplingParams",
+    "SeqLeasedError",
+    "StateError",
+    "TextStream",
+    "TopologyError",
+    "Xtc",
+    "__version__",
+    "create_context",
+    "default_model_path",
+]
+
+
+def create_context(model_path: str | os.PathLike[str] | None = None, **options: Any) -> Context:
+    """Open ``model_path`` (default: :func:`default_model_path`) and create a context.
+
+    ``options`` are those of :class:`Context` (``n_ctx``, ``n_batch``, ``n_seq_max``...).
+
+    Example:
+        >>> import lloyal
+        >>> with lloyal.create_context(n_ctx=256) as ctx:
+        ...     ctx.n_ctx
+        256
+    """
+    path = default_model_path() if model_path is None else model_path
+    return Context(path, **options)

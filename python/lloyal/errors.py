@@ -1,0 +1,83 @@
+"""The exception hierarchy of lloyal (API.md §6).
+
+Every error a user can cause derives from :class:`LloyalError`; each message says what
+was wrong and what to do. The Rust core raises these classes through one error map.
+
+Example:
+    >>> import lloyal
+    >>> try:
+    ...     lloyal.Model("/no/such/model.gguf")
+    ... except lloyal.ModelLoadError as e:
+    ...     print("cannot load:", e)  # doctest: +ELLIPSIS
+    cannot load: ...
+"""
+
+from __future__ import annotations
+
+__all__ = [
+    "BranchDisposedError",
+    "ChatTemplateError",
+    "ContextClosedError",
+    "DecodeError",
+    "GrammarError",
+    "InvalidTokenError",
+    "KvCacheFullError",
+    "LeaseExhaustedError",
+    "LloyalError",
+    "ModelLoadError",
+    "SeqLeasedError",
+    "StateError",
+    "TopologyError",
+]
+
+
+class LloyalError(Exception):
+    """Base class of every error raised by lloyal."""
+
+
+class ModelLoadError(LloyalError):
+    """The model file is missing, not a GGUF file, truncated, or of an unsupported architecture."""
+
+
+class ContextClosedError(LloyalError):
+    """A context (or one of its branches) was used after ``close()``."""
+
+
+class DecodeError(LloyalError):
+    """``llama_decode`` failed; nothing was changed."""
+
+
+class KvCacheFullError(DecodeError):
+    """No room left in the KV cache for this call; nothing was changed."""
+
+
+class BranchDisposedError(LloyalError):
+    """The branch was pruned or retained away and can no longer be used."""
+
+
+class LeaseExhaustedError(LloyalError):
+    """Every sequence id (``n_seq_max``) is held by a live branch."""
+
+
+class TopologyError(LloyalError):
+    """A branch-tree rule was broken (e.g. ``prune()`` of a branch with live children)."""
+
+
+class SeqLeasedError(LloyalError):
+    """A flat-path call touched a sequence owned by a live branch."""
+
+
+class InvalidTokenError(LloyalError, ValueError):
+    """A token id outside ``[0, n_vocab)``."""
+
+
+class GrammarError(LloyalError):
+    """A grammar failed to parse, or a token it forbids was accepted."""
+
+
+class StateError(LloyalError):
+    """Saved state is corrupt, truncated or foreign; nothing was half-written."""
+
+
+class ChatTemplateError(LloyalError):
+    """A chat template could not be rendered."""

@@ -1,0 +1,315 @@
+//! `lloyal.Context`: one llama.cpp context; tokenizer, flat decode path, sampling, raw KV ops.
+
+use std::path::PathBuf;
+use std::sync::Arc;
+
+use lloyal_core::{Base, Context, ContextOptions, ModelOptions, Pooling};
+use numpy::PyArray1;
+use pyo3::prelude::*;
+use pyo3::types::{PyDict, PyType};
+
+use crate::convert::readonly_f32;
+use crate::detach::{detached, run};
+use crate::errors::IntoPyResult;
+use crate::metrics::PyPerplexityTracker;
+use crate::model::PyModel;
+use crate::sampling::extract_params;
+use crate::text::PyTextStream;
+
+/// A llama.cpp context: KV cache, sequences and the flat decode path.
+#[pyclass(name = "Context", module = "lloyal._lloyal", frozen)]
+pub struct PyContext {
+    pub(crate) inner: Arc<Context>,
+    model: Py<PyModel>,
+}
+
+impl PyContext {
+    fn ctx(&self) -> &Context {
+        &self.inner
+    }
+
+    fn check_open(&self) -> PyResult<()> {
+        self.inner.with(|_| Ok(())).py()
+    }
+}
+
+#[pymethods]
+impl PyContext {
+    #[new]
+    #[pyo3(signature = (model, *, n_ctx=2048, n_batch=512, n_seq_max=1, n_threads=None,
+                        embeddings=false, pooling="mean", type_k="f16", type_v="f16"))]
+    #[allow(clippy::too_many_arguments)]
+    fn new(
+        py: Python<'_>,
+        model: &Bound<'_, PyAny>,
+        n_ctx: u32,
+        n_batch: u32,
+        n_seq_max: u32,
+        n_threads: Option<i32>,
+        embeddings: bool,
+        pooling: &str,
+        type_k: &str,
+        type_v: &str,
+    ) -> PyResult<Self> {
+        let options = ContextOptions {
+            n_ctx,
+            n_batch,
+            n_seq_max,
+            n_threads,
+            embeddings,
+            pooling: Pooling::parse(pooling).py()?,
+            type_k: type_k.to_string(),
+            type_v: type_v.to_string(),
+        };
+        options.validate().py()?;
+        let model: Py<PyModel> = match model.cast::<PyModel>() {
+            Ok(m) => m.clone().unbind(),
+            Err(_) => {
+                let path: PathBuf = model.extract()?;
+                let inner = PyModel::load(py, path, ModelOptions::default())?;
+                Py::new(py, PyModel { inner })?
+            }
+        };
+        let core_model = model.get().inner.clone();
+        let inner = detached(py, move || Context::new(core_model, options))?;
+        Ok(PyContext { inner, model })
+    }
+
+    /// The :class:`Model` this context runs.
+    #[getter]
+    fn model(&self, py: Python<'_>) -> Py<PyModel> {
+        self.model.clone_ref(py)
+    }
+
+    /// Total KV cells (tokens) across all sequences.
+    #[getter]
+    fn n_ctx(&self) -> u32 {
+        self.inner.shape().n_ctx
+    }
+
+    /// Most tokens per ``llama_decode`` call.
+    #[getter]
+    fn n_batch(&self) -> u32 {
+        self.inner.shape().n_batch
+    }
+
+    /// Number of sequence ids (branch leases).
+    #[getter]
+    fn n_seq_max(&self) -> u32 {
+        self.inner.shape().n_seq_max
+    }
+
+    /// Vocabulary size.
+    #[getter]
+    fn n_vocab(&self) -> i32 {
+        self.inner.shape().n_vocab
+    }
+
+    /// Vocabulary size (alias of ``n_vocab``).
+    #[getter]
+    fn vocab_size(&self) -> i32 {
+        self.inner.shape().n_vocab
+    }
+
+    /// Threads used for decoding.
+    #[getter]
+    fn n_threads(&self) -> i32 {
+        self.inner.shape().n_threads
+    }
+
+    /// Whether this is an embeddings context.
+    #[getter]
+    fn embeddings(&self) -> bool {
+        self.inner.shape().embeddings
+    }
+
+    /// Bytes of KV cache memory.
+    #[getter]
+    fn memory_size(&self) -> PyResult<u64> {
+        self.inner.with(|s| Ok(s.memory_size())).py()
+    }
+
+    /// Whether ``close()`` has run.
+    #[getter]
+    fn closed(&self) -> bool {
+        self.inner.is_closed()
+    }
+
+    /// Free the context (waits for a running call; idempotent).
+    fn close(&self, py: Python<'_>) {
+        let inner = self.inner.clone();
+        py.detach(move || inner.close());
+    }
+
+    fn __enter__(slf: Py<Self>) -> Py<Self> {
+        slf
+    }
+
+    #[pyo3(signature = (*_exc))]
+    fn __exit__(&self, py: Python<'_>, _exc: &Bound<'_, pyo3::types::PyTuple>) -> bool {
+        self.close(py);
+        false
+    }
+
+    // ----- tokens and text -----
+
+    /// Text to token ids. ``parse_special`` turns control-token text into control tokens.
+    #[pyo3(signature = (text, add_special=true, parse_special=false))]
+    fn tokenize(&self, py: Python<'_>, text: &str, add_special: bool, parse_special: bool) -> PyResult<Vec<i32>> {
+        self.check_open()?;
+        let model = self.inner.model().clone();
+        let text = text.to_owned();
+        detached(py, move || Ok(model.tokenize(&text, add_special, parse_special)))
+    }
+
+    /// Token ids to text. ``special`` renders control tokens.
+    #[pyo3(signature = (tokens, special=false))]
+    fn detokenize(&self, py: Python<'_>, tokens: Vec<i64>, special: bool) -> PyResult<String> {
+        self.check_open()?;
+        let model = self.inner.model().clone();
+        let tokens = to_i32(&model, &tokens)?;
+        detached(py, move || model.detokenize(&tokens, special))
+    }
+
+    /// One token's text (a partial UTF-8 character becomes U+FFFD; use ``text_stream()``).
+    #[pyo3(signature = (token, special=false))]
+    fn token_to_text(&self, token: i64, special: bool) -> PyResult<String> {
+        self.check_open()?;
+        let model = self.inner.model();
+        let t = model.check_token(token).py()?;
+        Ok(String::from_utf8_lossy(&model.token_bytes(t, special).py()?).into_owned())
+    }
+
+    /// A UTF-8-safe streaming detokenizer.
+    fn text_stream(&self) -> PyResult<PyTextStream> {
+        self.check_open()?;
+        Ok(PyTextStream::new(self.inner.model().clone()))
+    }
+
+    /// Whether ``token`` ends generation (EOS/EOT).
+    fn is_stop_token(&self, token: i64) -> PyResult<bool> {
+        let model = self.inner.model();
+        let t = model.check_token(token).py()?;
+        Ok(model.is_eog(t))
+    }
+
+    /// The end-of-generation token id.
+    #[getter]
+    fn eog_token(&self) -> i32 {
+        self.inner.model().eog()
+    }
+
+    /// The beginning-of-sequence token id.
+    #[getter]
+    fn bos_token(&self) -> i32 {
+        self.inner.model().bos()
+    }
+
+    // ----- flat decode path -----
+
+    /// Decode ``tokens`` on ``seq_id`` starting at ``pos`` (chunked by n_batch; all-or-nothing).
+    #[pyo3(signature = (tokens, pos, seq_id=0))]
+    fn decode(&self, py: Python<'_>, tokens: Vec<i64>, pos: i32, seq_id: i32) -> PyResult<()> {
+        let tokens = to_i32(self.inner.model(), &tokens)?;
+        run(py, self.ctx(), move |s| s.decode(&tokens, pos, seq_id))
+    }
+
+    /// Sample a token from the last decode's logits (accepted into the penalty history).
+    #[pyo3(signature = (params=None, **overrides))]
+    fn sample(&self, py: Python<'_>, params: Option<&Bound<'_, PyAny>>, overrides: Option<&Bound<'_, PyDict>>) -> PyResult<i32> {
+        let params = extract_params(params, overrides)?;
+        run(py, self.ctx(), move |s| s.sample(params))
+    }
+
+    /// Forget the flat sampler's penalty history and RNG state.
+    fn reset_sampler(&self) -> PyResult<()> {
+        self.inner.with(|s| {
+            s.reset_sampler();
+            Ok(())
+        }).py()
+    }
+
+    /// The last decode's logits: a read-only float32 array of shape ``(n_vocab,)``.
+    fn get_logits<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyArray1<f32>>> {
+        let logits = run(py, self.ctx(), |s| Ok(s.logits()?.to_vec()))?;
+        readonly_f32(py, logits)
+    }
+
+    /// Entropy of the next-token distribution, in ``"nats"`` or ``"bits"``.
+    #[pyo3(signature = (base="nats"))]
+    fn model_entropy(&self, py: Python<'_>, base: &str) -> PyResult<f64> {
+        let base = Base::parse(base).py()?;
+        run(py, self.ctx(), move |s| s.model_entropy(base))
+    }
+
+    /// Surprisal ``-log p(token)`` under the last logits, in ``"nats"`` or ``"bits"``.
+    #[pyo3(signature = (token, base="nats"))]
+    fn model_surprisal(&self, py: Python<'_>, token: i64, base: &str) -> PyResult<f64> {
+        let base = Base::parse(base).py()?;
+        let t = self.inner.model().check_token(token).py()?;
+        run(py, self.ctx(), move |s| s.model_surprisal(t, base))
+    }
+
+    /// A new, empty perplexity tracker.
+    fn create_perplexity_tracker(&self) -> PyPerplexityTracker {
+        PyPerplexityTracker::from_core(lloyal_core::PerplexityTracker::new())
+    }
+
+    // ----- raw KV ops -----
+
+    /// Largest position stored for ``seq_id`` (-1 when empty).
+    #[pyo3(signature = (seq_id=0))]
+    fn kv_cache_size(&self, py: Python<'_>, seq_id: i32) -> PyResult<i32> {
+        run(py, self.ctx(), move |s| s.seq_pos_max(seq_id))
+    }
+
+    /// Largest position stored for ``seq_id`` (-1 when empty).
+    fn kv_seq_pos_max(&self, py: Python<'_>, seq_id: i32) -> PyResult<i32> {
+        run(py, self.ctx(), move |s| s.seq_pos_max(seq_id))
+    }
+
+    /// Empty every sequence (refused while a branch holds one).
+    fn kv_cache_clear(&self, py: Python<'_>) -> PyResult<()> {
+        run(py, self.ctx(), |s| s.kv_clear())
+    }
+
+    /// Remove positions ``[start, end)`` of ``seq_id``; ``end=-1`` means to the end.
+    #[pyo3(signature = (seq_id, start, end=-1))]
+    fn kv_cache_remove(&self, py: Python<'_>, seq_id: i32, start: i32, end: i32) -> PyResult<()> {
+        run(py, self.ctx(), move |s| s.kv_remove(seq_id, start, end))
+    }
+
+    /// Share ``src``'s cells ``[p0, p1)`` with ``dst`` (metadata only, no tensor copy).
+    #[pyo3(signature = (src, dst, p0=0, p1=-1))]
+    fn kv_seq_copy(&self, py: Python<'_>, src: i32, dst: i32, p0: i32, p1: i32) -> PyResult<()> {
+        run(py, self.ctx(), move |s| s.kv_copy(src, dst, p0, p1))
+    }
+
+    /// Keep only ``seq_id``; drop every other sequence's cells.
+    fn kv_seq_keep(&self, py: Python<'_>, seq_id: i32) -> PyResult<()> {
+        run(py, self.ctx(), move |s| s.kv_keep(seq_id))
+    }
+
+    fn __repr__(&self) -> String {
+        let s = self.inner.shape();
+        format!(
+            "Context(n_ctx={}, n_batch={}, n_seq_max={}, closed={})",
+            s.n_ctx,
+            s.n_batch,
+            s.n_seq_max,
+            self.inner.is_closed()
+        )
+    }
+
+    /// Create a context from a model path (``Context(path, **options)``).
+    #[classmethod]
+    #[pyo3(signature = (path, **options))]
+    fn from_path<'py>(cls: &Bound<'py, PyType>, path: PathBuf, options: Option<&Bound<'py, PyDict>>) -> PyResult<Bound<'py, PyAny>> {
+        cls.call((path,), options)
+    }
+}
+
+/// Validate Python ints as token ids.
+pub(crate) fn to_i32(model: &lloyal_core::Model, tokens: &[i64]) -> PyResult<Vec<i32>> {
+    tokens.iter().map(|&t| model.check_token(t)).collect::<Result<Vec<_>, _>>().py()
+}

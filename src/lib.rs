@@ -1,0 +1,25 @@
+//! `lloyal._lloyal`: the thin PyO3 layer over lloyal-core. Logic lives in the core; each
+//! class here converts arguments, runs core work through `detach::run`, converts results.
+
+mod context;
+mod convert;
+mod detach;
+mod errors;
+mod metrics;
+mod model;
+mod sampling;
+mod text;
+
+use pyo3::prelude::*;
+
+/// The native module.
+#[pymodule]
+fn _lloyal(m: &Bound<'_, PyModule>) -> PyResult<()> {
+    m.add("__version__", env!("CARGO_PKG_VERSION"))?;
+    m.add_class::<model::PyModel>()?;
+    m.add_class::<context::PyContext>()?;
+    m.add_class::<metrics::PyPerplexityTracker>()?;
+    m.add_class::<text::PyTextStream>()?;
+    m.add_function(wrap_pyfunction!(sampling::validate_sampling_params, m)?)?;
+    Ok(())
+}

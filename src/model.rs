@@ -1,0 +1,100 @@
+//! `lloyal.Model`: loaded weights and vocabulary, shared by contexts.
+
+use std::path::PathBuf;
+use std::sync::Arc;
+
+use lloyal_core::{Model, ModelOptions};
+use pyo3::prelude::*;
+
+use crate::detach::detached;
+
+/// Model weights (thread-safe, shared by every context created from it).
+#[pyclass(name = "Model", module = "lloyal._lloyal", frozen)]
+pub struct PyModel {
+    pub(crate) inner: Arc<Model>,
+}
+
+impl PyModel {
+    /// Load `path` with the GIL released (weights are shared per path and options).
+    pub(crate) fn load(py: Python<'_>, path: PathBuf, options: ModelOptions) -> PyResult<Arc<Model>> {
+        detached(py, move || Model::load(&path, options))
+    }
+}
+
+#[pymethods]
+impl PyModel {
+    #[new]
+    #[pyo3(signature = (path, *, n_gpu_layers=0, use_mmap=true))]
+    fn new(py: Python<'_>, path: PathBuf, n_gpu_layers: u32, use_mmap: bool) -> PyResult<Self> {
+        let inner = Self::load(py, path, ModelOptions { n_gpu_layers, use_mmap })?;
+        Ok(PyModel { inner })
+    }
+
+    /// Path of the GGUF file.
+    #[getter]
+    fn path(&self) -> PathBuf {
+        self.inner.path().to_path_buf()
+    }
+
+    /// Vocabulary size.
+    #[getter]
+    fn n_vocab(&self) -> i32 {
+        self.inner.n_vocab()
+    }
+
+    /// Training context length.
+    #[getter]
+    fn n_ctx_train(&self) -> u32 {
+        self.inner.n_ctx_train()
+    }
+
+    /// Embedding width.
+    #[getter]
+    fn n_embd(&self) -> i32 {
+        self.inner.n_embd()
+    }
+
+    /// Number of layers.
+    #[getter]
+    fn n_layer(&self) -> u32 {
+        self.inner.n_layer()
+    }
+
+    /// Number of parameters.
+    #[getter]
+    fn n_params(&self) -> u64 {
+        self.inner.n_params()
+    }
+
+    /// Size of the weights in bytes.
+    #[getter]
+    fn size(&self) -> u64 {
+        self.inner.size_bytes()
+    }
+
+    /// Architecture name from the GGUF metadata (e.g. ``"gemma3"``).
+    #[getter]
+    fn architecture(&self) -> String {
+        self.inner.architecture()
+    }
+
+    /// The model's Jinja chat template, or None.
+    #[getter]
+    fn chat_template(&self) -> Option<String> {
+        self.inner.chat_template()
+    }
+
+    /// A GGUF metadata value as a string, or None.
+    fn meta(&self, key: &str) -> Option<String> {
+        self.inner.meta(key)
+    }
+
+    fn __repr__(&self) -> String {
+        format!(
+            "Model(path={:?}, architecture={:?}, n_vocab={})",
+            self.inner.path().display().to_string(),
+            self.inner.architecture(),
+            self.inner.n_vocab()
+        )
+    }
+}
