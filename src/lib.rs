@@ -1,6 +1,8 @@
 //! `lloyal._lloyal`: the thin PyO3 layer over lloyal-core. Logic lives in the core; each
 //! class here converts arguments, runs core work through `detach::run`, converts results.
 
+mod aio;
+mod branch;
 mod context;
 mod convert;
 mod detach;
@@ -8,6 +10,7 @@ mod errors;
 mod metrics;
 mod model;
 mod sampling;
+mod store;
 mod text;
 
 use pyo3::prelude::*;
@@ -20,6 +23,12 @@ fn _lloyal(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<context::PyContext>()?;
     m.add_class::<metrics::PyPerplexityTracker>()?;
     m.add_class::<text::PyTextStream>()?;
+    m.add_class::<branch::PyBranch>()?;
+    m.add_class::<branch::PyProduced>()?;
+    m.add_class::<branch::PyToken>()?;
+    m.add_class::<branch::PyTokenIter>()?;
+    m.add_class::<store::PyBranchStore>()?;
+    m.add_class::<store::PyKvPressure>()?;
     m.add_function(wrap_pyfunction!(sampling::validate_sampling_params, m)?)?;
     Ok(())
 }

@@ -16,10 +16,16 @@ import os
 from typing import Any
 
 from lloyal._lloyal import (
+    Branch,
+    BranchStore,
     Context,
+    KvPressure,
     Model,
     PerplexityTracker,
+    Produced,
     TextStream,
+    Token,
+    TokenIterator,
     __version__,
 )
 from lloyal._model_path import default_model_path
@@ -41,7 +47,9 @@ from lloyal.errors import (
 from lloyal.sampling import Dry, Mirostat, SamplingParams, Xtc
 
 __all__ = [
+    "Branch",
     "BranchDisposedError",
+    "BranchStore",
     "ChatTemplateError",
     "Context",
     "ContextClosedError",
@@ -50,16 +58,20 @@ __all__ = [
     "GrammarError",
     "InvalidTokenError",
     "KvCacheFullError",
+    "KvPressure",
     "LeaseExhaustedError",
     "LloyalError",
     "Mirostat",
     "Model",
     "ModelLoadError",
     "PerplexityTracker",
+    "Produced",
     "SamplingParams",
     "SeqLeasedError",
     "StateError",
     "TextStream",
+    "Token",
+    "TokenIterator",
     "TopologyError",
     "Xtc",
     "__version__",

@@ -5,6 +5,9 @@ use std::sync::{Arc, Mutex, MutexGuard};
 use llama_cpp_sys_2 as sys;
 
 use crate::backend::{clear_recent_errors, recent_errors};
+use crate::branch::BranchState;
+use crate::tenancy::{Leases, Slots};
+use crate::topology::Topology;
 use crate::error::{LloyalError, Result};
 use crate::metrics::{entropy, surprisal, Base};
 use crate::model::Model;
@@ -69,7 +72,10 @@ impl Context {
             shape,
             logits: Vec::new(),
             sampler: None,
-            leased: vec![false; n_seq_max as usize],
+            branches: Slots::default(),
+            topology: Topology::default(),
+            leases: Leases::new(n_seq_max),
+            cells_used: 0,
             kv_cell_bytes: model.kv_bytes_per_cell(params.type_k, params.type_v),
         };
         Ok(Arc::new(Context {
@@ -129,8 +135,14 @@ pub struct ContextState {
     logits: Vec<f32>,
     /// Flat-path sampler, rebuilt when the parameters change (history kept).
     sampler: Option<Sampler>,
-    /// Which sequence ids a live branch owns.
-    leased: Vec<bool>,
+    /// Live branches (generation-checked handles).
+    pub(crate) branches: Slots<BranchState>,
+    /// Parent/children links between branches.
+    pub(crate) topology: Topology,
+    /// Which sequence ids live branches hold.
+    pub(crate) leases: Leases,
+    /// KV cells held by branches (exact: prefill +n, commit +N, fork +0, prune -own cells).
+    pub(crate) cells_used: usize,
     /// K+V bytes per cell (for `memory_size`).
     kv_cell_bytes: u64,
 }
@@ -151,14 +163,12 @@ impl ContextState {
         u64::from(self.shape.n_ctx) * self.kv_cell_bytes
     }
 
-    /// Mark a sequence as owned (or released) by a branch.
-    pub fn set_leased(&mut self, seq_id: i32, leased: bool) {
-        if let Some(l) = self.leased.get_mut(seq_id as usize) {
-            *l = leased;
-        }
+    /// Whether a live branch holds `seq_id`.
+    pub fn is_leased(&self, seq_id: i32) -> bool {
+        self.branches.handles().iter().any(|&h| self.branches.get(h).is_some_and(|b| b.seq_id == seq_id))
     }
 
-    fn check_seq(&self, seq_id: i32) -> Result<()> {
+    pub(crate) fn check_seq(&self, seq_id: i32) -> Result<()> {
         if seq_id < 0 || seq_id as u32 >= self.shape.n_seq_max {
             return Err(LloyalError::invalid(format!(
                 "seq_id {seq_id} is out of range: this context has n_seq_max={} (valid 0..{})",
@@ -171,15 +181,15 @@ impl ContextState {
     /// Validate a seq id for a flat-path write: in range and not owned by a branch.
     fn check_flat_seq(&self, seq_id: i32) -> Result<()> {
         self.check_seq(seq_id)?;
-        if self.leased[seq_id as usize] {
+        if self.is_leased(seq_id) {
             return Err(LloyalError::SeqLeased { seq_id });
         }
         Ok(())
     }
 
-    fn check_no_leases_except(&self, keep: Option<i32>) -> Result<()> {
-        match self.leased.iter().enumerate().find(|(i, &l)| l && Some(*i as i32) != keep) {
-            Some((seq, _)) => Err(LloyalError::SeqLeased { seq_id: seq as i32 }),
+    fn check_no_leases(&self) -> Result<()> {
+        match self.branches.handles().first().and_then(|&h| self.branches.get(h)) {
+            Some(b) => Err(LloyalError::SeqLeased { seq_id: b.seq_id }),
             None => Ok(()),
         }
     }
@@ -326,7 +336,7 @@ impl ContextState {
 
     /// `kv_cache_clear`: empty every sequence (refused while any branch holds one).
     pub fn kv_clear(&mut self) -> Result<()> {
-        self.check_no_leases_except(None)?;
+        self.check_no_leases()?;
         let mem = self.raw.memory();
         // SAFETY: valid memory handle.
         unsafe { sys::llama_memory_clear(mem, true) };
@@ -363,7 +373,7 @@ impl ContextState {
     /// `kv_seq_keep(seq)`: drop every other sequence (refused if a branch holds another one).
     pub fn kv_keep(&mut self, seq_id: i32) -> Result<()> {
         self.check_flat_seq(seq_id)?;
-        self.check_no_leases_except(None)?;
+        self.check_no_leases()?;
         let mem = self.raw.memory();
         // SAFETY: valid memory; id range-checked.
         unsafe { sys::llama_memory_seq_keep(mem, seq_id) };
@@ -378,6 +388,20 @@ impl ContextState {
     /// The shared decode batch for sibling core modules.
     pub(crate) fn batch_mut(&mut self) -> &mut Batch {
         &mut self.batch
+    }
+
+    /// Copy the logits of batch row `row` into `out` (reusing its allocation).
+    pub(crate) fn copy_logits_into(&mut self, row: i32, out: &mut Vec<f32>) -> Result<()> {
+        // SAFETY: valid context; llama.cpp returns null (not abort) for a row without logits.
+        let ptr = unsafe { sys::llama_get_logits_ith(self.raw.as_ptr(), row) };
+        if ptr.is_null() {
+            return Err(LloyalError::Backend(format!("llama.cpp has no logits for batch row {row}")));
+        }
+        // SAFETY: llama.cpp guarantees n_vocab floats at a non-null logits row.
+        let src = unsafe { std::slice::from_raw_parts(ptr, self.shape.n_vocab as usize) };
+        out.clear();
+        out.extend_from_slice(src);
+        Ok(())
     }
 }
 

@@ -5,15 +5,20 @@
 //! perplexity), `utf8` (streaming text), `raw` (the only raw pointers), `error`.
 
 pub mod backend;
+pub mod branch;
 pub mod context;
 pub mod error;
 pub mod metrics;
 pub mod model;
 pub mod model_file;
 pub mod options;
+pub mod packing;
 pub mod raw;
 pub mod sampler;
 pub mod sampling;
+pub mod store;
+pub mod tenancy;
+pub mod topology;
 pub mod utf8;
 
 pub use context::{Context, ContextShape, ContextState};
@@ -22,4 +27,6 @@ pub use metrics::{Base, PerplexityTracker};
 pub use model::{Model, ModelOptions};
 pub use options::{ContextOptions, Pooling};
 pub use sampling::{Dry, Mirostat, SamplingParams, Xtc};
+pub use store::{BranchInfo, KvPressure};
+pub use tenancy::Handle;
 pub use utf8::Utf8Stream;

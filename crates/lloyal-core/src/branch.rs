@@ -1,0 +1,155 @@
+//! One branch's private state: its sequence, sampler, logits snapshot, metrics and biases.
+
+use crate::error::{LloyalError, Result};
+use crate::metrics::{surprisal, Base, PerplexityTracker};
+use crate::sampler::Sampler;
+use crate::sampling::apply_penalties;
+
+/// Everything a branch owns besides its KV cells and tree links.
+pub struct BranchState {
+    /// The leased sequence id.
+    pub seq_id: i32,
+    /// Next position to write (= cells of this sequence when it starts at 0).
+    pub position: i32,
+    /// Position where this branch diverged from its parent (its own cells are `[fork_head, position)`).
+    pub fork_head: i32,
+    pub(crate) sampler: Sampler,
+    /// A produced-but-not-accepted token with the sampler state that produced it, so
+    /// `produce()` is idempotent and accepting that token keeps the RNG stream.
+    pub(crate) pending: Option<(i32, Sampler)>,
+    pub(crate) model_ppl: PerplexityTracker,
+    pub(crate) sampling_ppl: PerplexityTracker,
+    /// Logits after the last decode (empty before any).
+    pub(crate) logits: Vec<f32>,
+    /// Where a decode writes new logits before they are published.
+    pub(crate) next_logits: Vec<f32>,
+    /// Inherited by forks; `-inf` bans a token.
+    pub(crate) logit_bias: Vec<(i32, f32)>,
+    /// Per-branch steering, not inherited.
+    pub(crate) steer: Vec<(i32, f32)>,
+}
+
+impl BranchState {
+    /// A fresh branch on `seq_id` at `position`.
+    pub fn new(seq_id: i32, position: i32, sampler: Sampler) -> Self {
+        BranchState {
+            seq_id,
+            position,
+            fork_head: position,
+            sampler,
+            pending: None,
+            model_ppl: PerplexityTracker::new(),
+            sampling_ppl: PerplexityTracker::new(),
+            logits: Vec::new(),
+            next_logits: Vec::new(),
+            logit_bias: Vec::new(),
+            steer: Vec::new(),
+        }
+    }
+
+    /// A child on `seq_id`: same position, cloned sampler/metrics/bias, logits if asked.
+    pub fn fork(&self, seq_id: i32, clone_logits: bool) -> Result<Self> {
+        Ok(BranchState {
+            seq_id,
+            position: self.position,
+            fork_head: self.position,
+            sampler: self.sampler.try_clone()?,
+            pending: None,
+            model_ppl: self.model_ppl.clone(),
+            sampling_ppl: self.sampling_ppl.clone(),
+            logits: if clone_logits { self.logits.clone() } else { Vec::new() },
+            next_logits: Vec::new(),
+            logit_bias: self.logit_bias.clone(),
+            steer: Vec::new(),
+        })
+    }
+
+    /// The logits snapshot, or `NoLogits`.
+    pub fn logits(&self) -> Result<&[f32]> {
+        if self.logits.is_empty() {
+            Err(LloyalError::NoLogits)
+        } else {
+            Ok(&self.logits)
+        }
+    }
+
+    /// Logit bias then steering, as one list.
+    pub(crate) fn biases(&self) -> Vec<(i32, f32)> {
+        self.logit_bias.iter().chain(self.steer.iter()).copied().collect()
+    }
+
+    /// Sample without side effects on the branch's committed state (idempotent until the
+    /// logits, sampler or biases change).
+    pub fn produce(&mut self) -> Result<i32> {
+        if let Some((token, _)) = &self.pending {
+            return Ok(*token);
+        }
+        let biases = self.biases();
+        let mut sampler = self.sampler.try_clone()?;
+        let token = sampler.sample(self.logits()?, &biases);
+        self.pending = Some((token, sampler));
+        Ok(token)
+    }
+
+    /// Surprisals (model, sampling) of `token` under the current snapshot, in nats.
+    /// `None` before any logits exist.
+    pub(crate) fn surprisals(&self, token: i32) -> Option<(f64, f64)> {
+        if self.logits.is_empty() {
+            return None;
+        }
+        let model = surprisal(&self.logits, token as usize, Base::Nats);
+        let params = self.sampler.params();
+        let biases = self.biases();
+        let sampling = if !params.has_penalties() && biases.is_empty() && (params.temperature <= 0.0 || params.temperature == 1.0) {
+            model
+        } else {
+            let mut adjusted = self.logits.clone();
+            apply_penalties(&mut adjusted, self.sampler.history(), params);
+            for (t, b) in biases {
+                if let Some(x) = adjusted.get_mut(t as usize) {
+                    *x += b;
+                }
+            }
+            if params.temperature > 0.0 && params.temperature != 1.0 {
+                let inv = 1.0 / params.temperature;
+                adjusted.iter_mut().for_each(|x| *x *= inv);
+            }
+            surprisal(&adjusted, token as usize, Base::Nats)
+        };
+        Some((model, sampling))
+    }
+
+    /// Record an accepted token: metrics (from precomputed surprisals) and sampler history.
+    pub(crate) fn accept_with(&mut self, token: i32, surprisals: Option<(f64, f64)>) {
+        if let Some((m, s)) = surprisals {
+            self.model_ppl.add(m);
+            self.sampling_ppl.add(s);
+        }
+        match self.pending.take() {
+            Some((t, advanced)) if t == token => self.sampler = advanced,
+            _ => {}
+        }
+        self.sampler.accept(token);
+    }
+
+    /// Forget a produced token (the inputs it was drawn from changed).
+    pub(crate) fn invalidate(&mut self) {
+        self.pending = None;
+    }
+
+    /// Publish `next_logits` as the snapshot.
+    pub(crate) fn publish_logits(&mut self) {
+        std::mem::swap(&mut self.logits, &mut self.next_logits);
+        self.pending = None;
+    }
+
+    /// Model perplexity of accepted tokens (`inf` before any).
+    pub fn perplexity(&self) -> f64 {
+        self.model_ppl.perplexity()
+    }
+
+    /// Perplexity under the sampling distribution (penalties, biases, temperature).
+    pub fn sampling_perplexity(&self) -> f64 {
+        self.sampling_ppl.perplexity()
+    }
+}

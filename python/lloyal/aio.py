@@ -1,0 +1,38 @@
+"""asyncio helpers: run native (GIL-releasing) work on a worker thread, off the event loop.
+
+The ``a*`` methods of :class:`Branch` and :class:`BranchStore` and ``async for tok in branch``
+are built on these; the event loop keeps running while llama.cpp decodes.
+
+Example:
+    >>> import asyncio
+    >>> asyncio.run(run_in_thread(sum, [1, 2, 3]))
+    6
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+from collections.abc import Callable, Iterator
+from typing import Any, TypeVar
+
+T = TypeVar("T")
+
+__all__ = ["next_in_thread", "run_in_thread"]
+
+_DONE = object()
+
+
+async def run_in_thread(fn: Callable[..., T], *args: Any) -> T:
+    """Await ``fn(*args)`` run in the loop's default executor."""
+    loop = asyncio.get_running_loop()
+    return await loop.run_in_executor(None, functools.partial(fn, *args))
+
+
+async def next_in_thread(iterator: Iterator[T]) -> T:
+    """Await ``next(iterator)`` in a worker thread; ``StopAsyncIteration`` at the end."""
+    loop = asyncio.get_running_loop()
+    item = await loop.run_in_executor(None, next, iterator, _DONE)
+    if item is _DONE:
+        raise StopAsyncIteration
+    return item  # type: ignore[no-any-return]

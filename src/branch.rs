@@ -1,0 +1,395 @@
+//! `lloyal.Branch`: a handle to one branch of a context (KV sequence + sampler + metrics).
+
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex};
+
+use lloyal_core::{Base, Context, ContextState, Handle, Utf8Stream};
+use numpy::{PyArray1, PyReadonlyArray1};
+use pyo3::exceptions::PyNotImplementedError;
+use pyo3::prelude::*;
+use pyo3::types::{PyDict, PyTuple, PyType};
+
+use crate::aio;
+use crate::context::PyContext;
+use crate::detach::run;
+use crate::errors::IntoPyResult;
+use crate::sampling::extract_params;
+
+/// A sampled-but-not-written token.
+#[pyclass(name = "Produced", module = "lloyal._lloyal", frozen, get_all, eq)]
+#[derive(Clone, PartialEq)]
+pub struct PyProduced {
+    /// Token id.
+    pub token: i32,
+    /// The token's text (may be a partial UTF-8 character).
+    pub text: String,
+    /// Whether the token ends generation.
+    pub is_stop: bool,
+}
+
+#[pymethods]
+impl PyProduced {
+    fn __repr__(&self) -> String {
+        format!("Produced(token={}, text={:?}, is_stop={})", self.token, self.text, self.is_stop)
+    }
+}
+
+/// A generated (committed) token.
+#[pyclass(name = "Token", module = "lloyal._lloyal", frozen, get_all, eq)]
+#[derive(Clone, PartialEq)]
+pub struct PyToken {
+    /// Token id.
+    pub token: i32,
+    /// The text it completes (UTF-8 safe: may be empty mid-character).
+    pub text: String,
+}
+
+#[pymethods]
+impl PyToken {
+    fn __repr__(&self) -> String {
+        format!("Token(token={}, text={:?})", self.token, self.text)
+    }
+}
+
+/// One branch: a leased KV sequence with its own sampler, logits, metrics and tree links.
+#[pyclass(name = "Branch", module = "lloyal._lloyal", frozen)]
+pub struct PyBranch {
+    pub(crate) ctx: Py<PyContext>,
+    pub(crate) handle: Handle,
+}
+
+impl PyBranch {
+    pub(crate) fn core(&self) -> &Arc<Context> {
+        &self.ctx.get().inner
+    }
+
+    fn call<T: Send>(&self, py: Python<'_>, f: impl FnOnce(&mut ContextState, Handle) -> lloyal_core::Result<T> + Send) -> PyResult<T> {
+        let h = self.handle;
+        run(py, self.core(), move |s| f(s, h))
+    }
+
+    fn wrap(&self, py: Python<'_>, handle: Handle) -> PyBranch {
+        PyBranch { ctx: self.ctx.clone_ref(py), handle }
+    }
+
+    pub(crate) fn produced(ctx: &Context, token: i32) -> PyProduced {
+        let model = ctx.model();
+        let bytes = model.token_bytes(token, false).unwrap_or_default();
+        PyProduced { token, text: String::from_utf8_lossy(&bytes).into_owned(), is_stop: model.is_eog(token) }
+    }
+}
+
+/// Token ids and biases from a `{token: bias}` dict.
+fn bias_list(bias: &Bound<'_, PyDict>) -> PyResult<Vec<(i32, f32)>> {
+    let map: HashMap<i64, f32> = bias.extract()?;
+    let mut v: Vec<(i32, f32)> = map.into_iter().map(|(t, b)| (t.clamp(i64::from(i32::MIN), i64::from(i32::MAX)) as i32, b)).collect();
+    v.sort_by_key(|x| x.0);
+    Ok(v)
+}
+
+#[pymethods]
+impl PyBranch {
+    /// Create a root branch on ``ctx`` at ``position`` (takes a lease; its sequence starts empty).
+    #[classmethod]
+    #[pyo3(signature = (ctx, position=0, params=None, *, grammar=None))]
+    fn create(
+        _cls: &Bound<'_, PyType>,
+        py: Python<'_>,
+        ctx: Py<PyContext>,
+        position: i32,
+        params: Option<&Bound<'_, PyAny>>,
+        grammar: Option<&str>,
+    ) -> PyResult<PyBranch> {
+        if grammar.is_some() {
+            return Err(PyNotImplementedError::new_err("grammar-constrained branches are not available yet"));
+        }
+        let params = extract_params(params, None)?;
+        let core = ctx.get().inner.clone();
+        let handle = run(py, &core, move |s| s.branch_create(position, params))?;
+        Ok(PyBranch { ctx, handle })
+    }
+
+    /// A child sharing this branch's KV prefix (no tensor copy); sampler, metrics, logit bias
+    /// and (if ``clone_logits``) logits are cloned. Takes a lease.
+    #[pyo3(signature = (clone_logits=true))]
+    fn fork(&self, py: Python<'_>, clone_logits: bool) -> PyResult<PyBranch> {
+        let child = self.call(py, move |s, h| s.branch_fork(h, clone_logits))?;
+        Ok(self.wrap(py, child))
+    }
+
+    /// Dispose this branch (RESTRICT: raises TopologyError while children live). Idempotent.
+    fn prune(&self, py: Python<'_>) -> PyResult<()> {
+        self.call(py, |s, h| s.branch_prune(h))
+    }
+
+    /// Dispose this branch and every descendant (CASCADE). Idempotent.
+    fn prune_subtree(&self, py: Python<'_>) -> PyResult<()> {
+        self.call(py, |s, h| s.branch_prune_subtree(h))
+    }
+
+    /// Sample the next token without writing anything (idempotent until state changes).
+    fn produce(&self, py: Python<'_>) -> PyResult<PyProduced> {
+        let token = self.call(py, |s, h| s.branch_produce(h))?;
+        Ok(Self::produced(self.core(), token))
+    }
+
+    /// The token ``produce()`` would return.
+    fn sample(&self, py: Python<'_>) -> PyResult<i32> {
+        self.call(py, |s, h| s.branch_produce(h))
+    }
+
+    /// Record ``token`` in the sampler history, grammar and metrics without decoding it.
+    fn accept(&self, py: Python<'_>, token: i32) -> PyResult<()> {
+        self.call(py, move |s, h| s.branch_accept(h, token))
+    }
+
+    /// Accept ``token``, decode it, and capture the new logits; on failure nothing changes.
+    fn commit(&self, py: Python<'_>, token: i32) -> PyResult<()> {
+        self.call(py, move |s, h| s.commit(&[(h, token)]))
+    }
+
+    /// Write ``tokens`` to this branch's KV (not accepted into penalties/perplexity).
+    fn prefill(&self, py: Python<'_>, tokens: Vec<i32>) -> PyResult<()> {
+        self.call(py, move |s, h| s.prefill(&[(h, tokens)]))
+    }
+
+    /// Await ``prefill(tokens)`` off the event loop.
+    fn aprefill<'py>(slf: &Bound<'py, Self>, tokens: Bound<'py, PyAny>) -> PyResult<Bound<'py, PyAny>> {
+        aio::in_thread(slf.py(), slf.getattr("prefill")?, vec![tokens])
+    }
+
+    /// Await ``commit(token)`` off the event loop.
+    fn acommit<'py>(slf: &Bound<'py, Self>, token: Bound<'py, PyAny>) -> PyResult<Bound<'py, PyAny>> {
+        aio::in_thread(slf.py(), slf.getattr("commit")?, vec![token])
+    }
+
+    /// Restart the sampler's RNG with ``seed`` (history kept).
+    fn reseed_sampler(&self, py: Python<'_>, seed: u32) -> PyResult<()> {
+        self.call(py, move |s, h| s.branch_reseed(h, seed))
+    }
+
+    /// Replace the sampling parameters (history kept; no rebuild when unchanged).
+    #[pyo3(signature = (params=None, **overrides))]
+    fn set_sampler_params(&self, py: Python<'_>, params: Option<&Bound<'_, PyAny>>, overrides: Option<&Bound<'_, PyDict>>) -> PyResult<()> {
+        let params = extract_params(params, overrides)?;
+        self.call(py, move |s, h| s.branch_set_params(h, params))
+    }
+
+    /// Set ``{token: bias}`` added to the logits before sampling; inherited by forks; ``-inf`` bans.
+    fn set_logit_bias(&self, py: Python<'_>, bias: &Bound<'_, PyDict>) -> PyResult<()> {
+        let bias = bias_list(bias)?;
+        self.call(py, move |s, h| s.branch_set_logit_bias(h, bias))
+    }
+
+    /// Set per-branch steering ``{token: bias}`` (not inherited by forks).
+    fn steer(&self, py: Python<'_>, bias: &Bound<'_, PyDict>) -> PyResult<()> {
+        let bias = bias_list(bias)?;
+        self.call(py, move |s, h| s.branch_steer(h, bias))
+    }
+
+    /// Remove steering.
+    fn clear_steer(&self, py: Python<'_>) -> PyResult<()> {
+        self.call(py, |s, h| s.branch_steer(h, Vec::new()))
+    }
+
+    /// A float32 copy of the current logits, shape ``(n_vocab,)``.
+    #[getter]
+    fn logits<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyArray1<f32>>> {
+        let v = self.call(py, |s, h| Ok(s.branch(h)?.logits()?.to_vec()))?;
+        Ok(PyArray1::from_vec(py, v))
+    }
+
+    /// Replace the logits snapshot (shape ``(n_vocab,)``).
+    fn set_logits(&self, py: Python<'_>, logits: PyReadonlyArray1<'_, f32>) -> PyResult<()> {
+        let v = logits.as_array().to_vec();
+        self.call(py, move |s, h| s.branch_set_logits(h, v))
+    }
+
+    /// Entropy of the next-token distribution in ``"nats"`` or ``"bits"``.
+    #[pyo3(signature = (base="nats"))]
+    fn model_entropy(&self, py: Python<'_>, base: &str) -> PyResult<f64> {
+        let base = Base::parse(base).py()?;
+        self.call(py, move |s, h| s.branch_entropy(h, base))
+    }
+
+    /// Surprisal of ``token`` under the current logits.
+    #[pyo3(signature = (token, base="nats"))]
+    fn model_surprisal(&self, py: Python<'_>, token: i32, base: &str) -> PyResult<f64> {
+        let base = Base::parse(base).py()?;
+        self.call(py, move |s, h| s.branch_surprisal(h, token, base))
+    }
+
+    /// Generate until a stop token (not yielded) or ``max_tokens``, committing each token
+    /// before yielding it.
+    #[pyo3(signature = (max_tokens=None))]
+    fn generate(&self, py: Python<'_>, max_tokens: Option<usize>) -> PyTokenIter {
+        PyTokenIter::new(self.wrap(py, self.handle), max_tokens)
+    }
+
+    fn __iter__(&self, py: Python<'_>) -> PyTokenIter {
+        PyTokenIter::new(self.wrap(py, self.handle), None)
+    }
+
+    fn __aiter__(&self, py: Python<'_>) -> PyTokenIter {
+        PyTokenIter::new(self.wrap(py, self.handle), None)
+    }
+
+    /// Next position to write.
+    #[getter]
+    fn position(&self, py: Python<'_>) -> PyResult<i32> {
+        self.call(py, |s, h| Ok(s.branch(h)?.position))
+    }
+
+    /// Position where this branch diverged from its parent.
+    #[getter]
+    fn fork_head(&self, py: Python<'_>) -> PyResult<i32> {
+        self.call(py, |s, h| Ok(s.branch(h)?.fork_head))
+    }
+
+    /// exp(mean surprisal) of accepted tokens under the model; ``inf`` before any.
+    #[getter]
+    fn perplexity(&self, py: Python<'_>) -> PyResult<f64> {
+        self.call(py, |s, h| Ok(s.branch(h)?.perplexity()))
+    }
+
+    /// Perplexity under the sampling distribution (penalties, biases, temperature).
+    #[getter]
+    fn sampling_perplexity(&self, py: Python<'_>) -> PyResult<f64> {
+        self.call(py, |s, h| Ok(s.branch(h)?.sampling_perplexity()))
+    }
+
+    /// The parent branch, or None for a root.
+    #[getter]
+    fn parent(&self, py: Python<'_>) -> PyResult<Option<PyBranch>> {
+        let p = self.call(py, |s, h| Ok(s.branch_info(h)?.parent))?;
+        Ok(p.map(|p| self.wrap(py, p)))
+    }
+
+    /// Live children, in fork order.
+    #[getter]
+    fn children(&self, py: Python<'_>) -> PyResult<Vec<PyBranch>> {
+        let c = self.call(py, |s, h| Ok(s.branch_info(h)?.children))?;
+        Ok(c.into_iter().map(|c| self.wrap(py, c)).collect())
+    }
+
+    /// Whether the branch has no live children.
+    #[getter]
+    fn is_leaf(&self, py: Python<'_>) -> PyResult<bool> {
+        self.call(py, |s, h| Ok(s.branch_info(h)?.children.is_empty()))
+    }
+
+    /// Whether the branch is live (holds a lease).
+    #[getter]
+    fn is_active(&self) -> bool {
+        self.core().with(|s| Ok(s.is_live(self.handle))).unwrap_or(false)
+    }
+
+    /// Whether the branch was pruned, retained away, or its context closed.
+    #[getter]
+    fn disposed(&self) -> bool {
+        !self.is_active()
+    }
+
+    /// The branch's handle (stable identity; never reused for another branch).
+    #[getter]
+    fn handle(&self) -> Handle {
+        self.handle
+    }
+
+    /// The leased sequence id (read-only; for interop with the flat path).
+    #[getter]
+    fn seq_id(&self, py: Python<'_>) -> PyResult<i32> {
+        self.call(py, |s, h| Ok(s.branch(h)?.seq_id))
+    }
+
+    /// The context this branch lives in.
+    #[getter]
+    fn context(&self, py: Python<'_>) -> Py<PyContext> {
+        self.ctx.clone_ref(py)
+    }
+
+    fn __enter__(slf: Py<Self>) -> Py<Self> {
+        slf
+    }
+
+    #[pyo3(signature = (*_exc))]
+    fn __exit__(&self, py: Python<'_>, _exc: &Bound<'_, PyTuple>) -> PyResult<bool> {
+        if self.core().is_closed() {
+            return Ok(false);
+        }
+        self.prune_subtree(py)?;
+        Ok(false)
+    }
+
+    fn __eq__(&self, other: &Bound<'_, PyAny>) -> bool {
+        other.cast::<PyBranch>().is_ok_and(|o| {
+            let o = o.get();
+            o.handle == self.handle && Arc::ptr_eq(o.core(), self.core())
+        })
+    }
+
+    fn __hash__(&self) -> u64 {
+        self.handle ^ (Arc::as_ptr(self.core()) as u64).rotate_left(17)
+    }
+
+    fn __repr__(&self) -> String {
+        match self.core().with(|s| s.branch_info(self.handle)) {
+            Ok(i) => format!("Branch(handle={}, seq_id={}, position={}, perplexity={:.3})", self.handle, i.seq_id, i.position, i.perplexity),
+            Err(_) => format!("Branch(handle={}, disposed)", self.handle),
+        }
+    }
+}
+
+/// Iterator behind ``for tok in branch`` / ``branch.generate()`` / ``async for``.
+#[pyclass(name = "TokenIterator", module = "lloyal._lloyal", frozen)]
+pub struct PyTokenIter {
+    branch: PyBranch,
+    state: Mutex<(Option<usize>, Utf8Stream, bool)>,
+}
+
+impl PyTokenIter {
+    fn new(branch: PyBranch, max_tokens: Option<usize>) -> Self {
+        PyTokenIter { branch, state: Mutex::new((max_tokens, Utf8Stream::new(), false)) }
+    }
+}
+
+#[pymethods]
+impl PyTokenIter {
+    fn __iter__(slf: Py<Self>) -> Py<Self> {
+        slf
+    }
+
+    fn __next__(&self, py: Python<'_>) -> PyResult<Option<PyToken>> {
+        let mut st = self.state.lock().unwrap_or_else(|p| p.into_inner());
+        if st.2 || st.0 == Some(0) {
+            st.2 = true;
+            return Ok(None);
+        }
+        let next = self.branch.call(py, |s, h| {
+            let t = s.branch_produce(h)?;
+            if s.model().is_eog(t) {
+                return Ok(None);
+            }
+            s.commit(&[(h, t)])?;
+            Ok(Some(t))
+        });
+        let Some(token) = next? else {
+            st.2 = true;
+            return Ok(None);
+        };
+        if let Some(n) = st.0.as_mut() {
+            *n -= 1;
+        }
+        let bytes = self.branch.core().model().token_bytes(token, false).py()?;
+        let text = st.1.push(&bytes);
+        Ok(Some(PyToken { token, text }))
+    }
+
+    fn __aiter__(slf: Py<Self>) -> Py<Self> {
+        slf
+    }
+
+    fn __anext__<'py>(slf: &Bound<'py, Self>) -> PyResult<Bound<'py, PyAny>> {
+        aio::next_in_thread(slf.py(), slf.clone().into_any())
+    }
+}

@@ -1,0 +1,113 @@
+//! `lloyal.BranchStore`: batched commit, packed prefill and lease management for one context.
+
+use std::sync::Arc;
+
+use lloyal_core::{Context, Handle};
+use pyo3::exceptions::PyValueError;
+use pyo3::prelude::*;
+
+use crate::aio;
+use crate::branch::{PyBranch, PyProduced};
+use crate::context::PyContext;
+use crate::detach::run;
+
+/// KV occupancy by branches.
+#[pyclass(name = "KvPressure", module = "lloyal._lloyal", frozen, get_all, eq)]
+#[derive(Clone, PartialEq)]
+pub struct PyKvPressure {
+    /// Total cells.
+    pub n_ctx: u32,
+    /// Cells held by branches.
+    pub cells_used: usize,
+    /// Cells left.
+    pub remaining: usize,
+}
+
+#[pymethods]
+impl PyKvPressure {
+    fn __repr__(&self) -> String {
+        format!("KvPressure(n_ctx={}, cells_used={}, remaining={})", self.n_ctx, self.cells_used, self.remaining)
+    }
+}
+
+/// Multi-branch operations on one context: one ``llama_decode`` for N branches.
+#[pyclass(name = "BranchStore", module = "lloyal._lloyal", frozen)]
+pub struct PyBranchStore {
+    ctx: Py<PyContext>,
+}
+
+impl PyBranchStore {
+    fn core(&self) -> &Arc<Context> {
+        &self.ctx.get().inner
+    }
+
+    fn handle_of(&self, b: &Bound<'_, PyBranch>) -> PyResult<Handle> {
+        let b = b.get();
+        if !Arc::ptr_eq(b.core(), self.core()) {
+            return Err(PyValueError::new_err("branch belongs to a different context than this BranchStore"));
+        }
+        Ok(b.handle)
+    }
+}
+
+#[pymethods]
+impl PyBranchStore {
+    #[new]
+    fn new(ctx: Py<PyContext>) -> Self {
+        PyBranchStore { ctx }
+    }
+
+    /// Accept and decode one token per branch in ONE ``llama_decode``; all-or-nothing.
+    fn commit(&self, py: Python<'_>, pairs: Vec<(Bound<'_, PyBranch>, i32)>) -> PyResult<()> {
+        let pairs: Vec<(Handle, i32)> = pairs.iter().map(|(b, t)| Ok((self.handle_of(b)?, *t))).collect::<PyResult<_>>()?;
+        run(py, self.core(), move |s| s.commit(&pairs))
+    }
+
+    /// Write each branch's tokens, bin-packed into ``ceil(total / n_batch)`` decodes; all-or-nothing.
+    fn prefill(&self, py: Python<'_>, items: Vec<(Bound<'_, PyBranch>, Vec<i32>)>) -> PyResult<()> {
+        let items: Vec<(Handle, Vec<i32>)> = items.into_iter().map(|(b, t)| Ok((self.handle_of(&b)?, t))).collect::<PyResult<_>>()?;
+        run(py, self.core(), move |s| s.prefill(&items))
+    }
+
+    /// Keep ``winner``'s sequence only; every other branch is disposed; the winner becomes a root.
+    fn retain_only(&self, py: Python<'_>, winner: &Bound<'_, PyBranch>) -> PyResult<()> {
+        let h = self.handle_of(winner)?;
+        run(py, self.core(), move |s| s.retain_only(h))
+    }
+
+    /// Sample every branch in one native call (GIL released).
+    fn produce_all(&self, py: Python<'_>, branches: Vec<Bound<'_, PyBranch>>) -> PyResult<Vec<PyProduced>> {
+        let handles: Vec<Handle> = branches.iter().map(|b| self.handle_of(b)).collect::<PyResult<_>>()?;
+        let tokens = run(py, self.core(), move |s| s.produce_all(&handles))?;
+        Ok(tokens.into_iter().map(|t| PyBranch::produced(self.core(), t)).collect())
+    }
+
+    /// Await ``commit(pairs)`` off the event loop.
+    fn acommit<'py>(slf: &Bound<'py, Self>, pairs: Bound<'py, PyAny>) -> PyResult<Bound<'py, PyAny>> {
+        aio::in_thread(slf.py(), slf.getattr("commit")?, vec![pairs])
+    }
+
+    /// Await ``prefill(items)`` off the event loop.
+    fn aprefill<'py>(slf: &Bound<'py, Self>, items: Bound<'py, PyAny>) -> PyResult<Bound<'py, PyAny>> {
+        aio::in_thread(slf.py(), slf.getattr("prefill")?, vec![items])
+    }
+
+    /// Free leases.
+    #[getter]
+    fn available(&self, py: Python<'_>) -> PyResult<u32> {
+        run(py, self.core(), |s| Ok(s.available()))
+    }
+
+    /// KV cells used by branches.
+    #[getter]
+    fn kv_pressure(&self, py: Python<'_>) -> PyResult<PyKvPressure> {
+        let p = run(py, self.core(), |s| Ok(s.kv_pressure()))?;
+        Ok(PyKvPressure { n_ctx: p.n_ctx, cells_used: p.cells_used, remaining: p.remaining })
+    }
+
+    /// The context.
+    #[getter]
+    fn context(&self, py: Python<'_>) -> Py<PyContext> {
+        self.ctx.clone_ref(py)
+    }
+}
