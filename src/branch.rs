@@ -30,7 +30,10 @@ pub struct PyProduced {
 #[pymethods]
 impl PyProduced {
     fn __repr__(&self) -> String {
-        format!("Produced(token={}, text={:?}, is_stop={})", self.token, self.text, self.is_stop)
+        format!(
+            "Produced(token={}, text={:?}, is_stop={})",
+            self.token, self.text, self.is_stop
+        )
     }
 }
 
@@ -63,26 +66,40 @@ impl PyBranch {
         &self.ctx.get().inner
     }
 
-    fn call<T: Send>(&self, py: Python<'_>, f: impl FnOnce(&mut ContextState, Handle) -> lloyal_core::Result<T> + Send) -> PyResult<T> {
+    fn call<T: Send>(
+        &self,
+        py: Python<'_>,
+        f: impl FnOnce(&mut ContextState, Handle) -> lloyal_core::Result<T> + Send,
+    ) -> PyResult<T> {
         let h = self.handle;
         run(py, self.core(), move |s| f(s, h))
     }
 
     fn wrap(&self, py: Python<'_>, handle: Handle) -> PyBranch {
-        PyBranch { ctx: self.ctx.clone_ref(py), handle }
+        PyBranch {
+            ctx: self.ctx.clone_ref(py),
+            handle,
+        }
     }
 
     pub(crate) fn produced(ctx: &Context, token: i32) -> PyProduced {
         let model = ctx.model();
         let bytes = model.token_bytes(token, false).unwrap_or_default();
-        PyProduced { token, text: String::from_utf8_lossy(&bytes).into_owned(), is_stop: model.is_eog(token) }
+        PyProduced {
+            token,
+            text: String::from_utf8_lossy(&bytes).into_owned(),
+            is_stop: model.is_eog(token),
+        }
     }
 }
 
 /// Token ids and biases from a `{token: bias}` dict.
 fn bias_list(bias: &Bound<'_, PyDict>) -> PyResult<Vec<(i32, f32)>> {
     let map: HashMap<i64, f32> = bias.extract()?;
-    let mut v: Vec<(i32, f32)> = map.into_iter().map(|(t, b)| (t.clamp(i64::from(i32::MIN), i64::from(i32::MAX)) as i32, b)).collect();
+    let mut v: Vec<(i32, f32)> = map
+        .into_iter()
+        .map(|(t, b)| (t.clamp(i64::from(i32::MIN), i64::from(i32::MAX)) as i32, b))
+        .collect();
     v.sort_by_key(|x| x.0);
     Ok(v)
 }
@@ -101,7 +118,9 @@ impl PyBranch {
         grammar: Option<&str>,
     ) -> PyResult<PyBranch> {
         if grammar.is_some() {
-            return Err(PyNotImplementedError::new_err("grammar-constrained branches are not available yet"));
+            return Err(PyNotImplementedError::new_err(
+                "grammar-constrained branches are not available yet",
+            ));
         }
         let params = extract_params(params, None)?;
         let core = ctx.get().inner.clone();
@@ -154,12 +173,18 @@ impl PyBranch {
     }
 
     /// Await ``prefill(tokens)`` off the event loop.
-    fn aprefill<'py>(slf: &Bound<'py, Self>, tokens: Bound<'py, PyAny>) -> PyResult<Bound<'py, PyAny>> {
+    fn aprefill<'py>(
+        slf: &Bound<'py, Self>,
+        tokens: Bound<'py, PyAny>,
+    ) -> PyResult<Bound<'py, PyAny>> {
         aio::in_thread(slf.py(), slf.getattr("prefill")?, vec![tokens])
     }
 
     /// Await ``commit(token)`` off the event loop.
-    fn acommit<'py>(slf: &Bound<'py, Self>, token: Bound<'py, PyAny>) -> PyResult<Bound<'py, PyAny>> {
+    fn acommit<'py>(
+        slf: &Bound<'py, Self>,
+        token: Bound<'py, PyAny>,
+    ) -> PyResult<Bound<'py, PyAny>> {
         aio::in_thread(slf.py(), slf.getattr("commit")?, vec![token])
     }
 
@@ -170,7 +195,12 @@ impl PyBranch {
 
     /// Replace the sampling parameters (history kept; no rebuild when unchanged).
     #[pyo3(signature = (params=None, **overrides))]
-    fn set_sampler_params(&self, py: Python<'_>, params: Option<&Bound<'_, PyAny>>, overrides: Option<&Bound<'_, PyDict>>) -> PyResult<()> {
+    fn set_sampler_params(
+        &self,
+        py: Python<'_>,
+        params: Option<&Bound<'_, PyAny>>,
+        overrides: Option<&Bound<'_, PyDict>>,
+    ) -> PyResult<()> {
         let params = extract_params(params, overrides)?;
         self.call(py, move |s, h| s.branch_set_params(h, params))
     }
@@ -281,7 +311,9 @@ impl PyBranch {
     /// Whether the branch is live (holds a lease).
     #[getter]
     fn is_active(&self) -> bool {
-        self.core().with(|s| Ok(s.is_live(self.handle))).unwrap_or(false)
+        self.core()
+            .with(|s| Ok(s.is_live(self.handle)))
+            .unwrap_or(false)
     }
 
     /// Whether the branch was pruned, retained away, or its context closed.
@@ -334,7 +366,10 @@ impl PyBranch {
 
     fn __repr__(&self) -> String {
         match self.core().with(|s| s.branch_info(self.handle)) {
-            Ok(i) => format!("Branch(handle={}, seq_id={}, position={}, perplexity={:.3})", self.handle, i.seq_id, i.position, i.perplexity),
+            Ok(i) => format!(
+                "Branch(handle={}, seq_id={}, position={}, perplexity={:.3})",
+                self.handle, i.seq_id, i.position, i.perplexity
+            ),
             Err(_) => format!("Branch(handle={}, disposed)", self.handle),
         }
     }
@@ -349,7 +384,10 @@ pub struct PyTokenIter {
 
 impl PyTokenIter {
     fn new(branch: PyBranch, max_tokens: Option<usize>) -> Self {
-        PyTokenIter { branch, state: Mutex::new((max_tokens, Utf8Stream::new(), false)) }
+        PyTokenIter {
+            branch,
+            state: Mutex::new((max_tokens, Utf8Stream::new(), false)),
+        }
     }
 }
 

@@ -155,11 +155,19 @@ impl PyContext {
 
     /// Text to token ids. ``parse_special`` turns control-token text into control tokens.
     #[pyo3(signature = (text, add_special=true, parse_special=false))]
-    fn tokenize(&self, py: Python<'_>, text: &str, add_special: bool, parse_special: bool) -> PyResult<Vec<i32>> {
+    fn tokenize(
+        &self,
+        py: Python<'_>,
+        text: &str,
+        add_special: bool,
+        parse_special: bool,
+    ) -> PyResult<Vec<i32>> {
         self.check_open()?;
         let model = self.inner.model().clone();
         let text = text.to_owned();
-        detached(py, move || Ok(model.tokenize(&text, add_special, parse_special)))
+        detached(py, move || {
+            Ok(model.tokenize(&text, add_special, parse_special))
+        })
     }
 
     /// Token ids to text. ``special`` renders control tokens.
@@ -216,17 +224,24 @@ impl PyContext {
 
     /// Sample a token from the last decode's logits (accepted into the penalty history).
     #[pyo3(signature = (params=None, **overrides))]
-    fn sample(&self, py: Python<'_>, params: Option<&Bound<'_, PyAny>>, overrides: Option<&Bound<'_, PyDict>>) -> PyResult<i32> {
+    fn sample(
+        &self,
+        py: Python<'_>,
+        params: Option<&Bound<'_, PyAny>>,
+        overrides: Option<&Bound<'_, PyDict>>,
+    ) -> PyResult<i32> {
         let params = extract_params(params, overrides)?;
         run(py, self.ctx(), move |s| s.sample(params))
     }
 
     /// Forget the flat sampler's penalty history and RNG state.
     fn reset_sampler(&self) -> PyResult<()> {
-        self.inner.with(|s| {
-            s.reset_sampler();
-            Ok(())
-        }).py()
+        self.inner
+            .with(|s| {
+                s.reset_sampler();
+                Ok(())
+            })
+            .py()
     }
 
     /// The last decode's logits: a read-only float32 array of shape ``(n_vocab,)``.
@@ -304,12 +319,20 @@ impl PyContext {
     /// Create a context from a model path (``Context(path, **options)``).
     #[classmethod]
     #[pyo3(signature = (path, **options))]
-    fn from_path<'py>(cls: &Bound<'py, PyType>, path: PathBuf, options: Option<&Bound<'py, PyDict>>) -> PyResult<Bound<'py, PyAny>> {
+    fn from_path<'py>(
+        cls: &Bound<'py, PyType>,
+        path: PathBuf,
+        options: Option<&Bound<'py, PyDict>>,
+    ) -> PyResult<Bound<'py, PyAny>> {
         cls.call((path,), options)
     }
 }
 
 /// Validate Python ints as token ids.
 pub(crate) fn to_i32(model: &lloyal_core::Model, tokens: &[i64]) -> PyResult<Vec<i32>> {
-    tokens.iter().map(|&t| model.check_token(t)).collect::<Result<Vec<_>, _>>().py()
+    tokens
+        .iter()
+        .map(|&t| model.check_token(t))
+        .collect::<Result<Vec<_>, _>>()
+        .py()
 }

@@ -35,7 +35,11 @@ fn field<'py>(obj: &Bound<'py, PyAny>, name: &str) -> PyResult<Option<Bound<'py,
     Ok(None)
 }
 
-fn get<'py, T: FromPyObjectOwned<'py>>(obj: &Bound<'py, PyAny>, name: &str, default: T) -> PyResult<T> {
+fn get<'py, T: FromPyObjectOwned<'py>>(
+    obj: &Bound<'py, PyAny>,
+    name: &str,
+    default: T,
+) -> PyResult<T> {
     match field(obj, name)? {
         Some(v) => extract_as(name, &v),
         None => Ok(default),
@@ -51,7 +55,10 @@ fn mirostat(v: &Bound<'_, PyAny>) -> PyResult<Mirostat> {
 }
 
 fn dry(v: &Bound<'_, PyAny>) -> PyResult<Dry> {
-    let default_breakers: Vec<String> = ["\n", ":", "\"", "*"].iter().map(|s| s.to_string()).collect();
+    let default_breakers: Vec<String> = ["\n", ":", "\"", "*"]
+        .iter()
+        .map(|s| s.to_string())
+        .collect();
     Ok(Dry {
         multiplier: get(v, "multiplier", 0.8f32)?,
         base: get(v, "base", 1.75f32)?,
@@ -103,7 +110,10 @@ fn set_field(p: &mut SamplingParams, key: &str, value: &Bound<'_, PyAny>) -> PyR
 }
 
 /// Build validated core parameters from an optional params object plus keyword overrides.
-pub fn extract_params(params: Option<&Bound<'_, PyAny>>, overrides: Option<&Bound<'_, PyDict>>) -> PyResult<SamplingParams> {
+pub fn extract_params(
+    params: Option<&Bound<'_, PyAny>>,
+    overrides: Option<&Bound<'_, PyDict>>,
+) -> PyResult<SamplingParams> {
     let mut p = SamplingParams::default();
     if let Some(obj) = params.filter(|o| !o.is_none()) {
         for name in FIELDS {

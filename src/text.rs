@@ -30,11 +30,18 @@ impl PyTextStream {
     fn push(&self, token: i64) -> PyResult<String> {
         let t = self.model.check_token(token).py()?;
         let bytes = self.model.token_bytes(t, false).py()?;
-        Ok(self.stream.lock().unwrap_or_else(|p| p.into_inner()).push(&bytes))
+        Ok(self
+            .stream
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .push(&bytes))
     }
 
     /// Release any incomplete tail (as U+FFFD).
     fn flush(&self) -> String {
-        self.stream.lock().unwrap_or_else(|p| p.into_inner()).flush()
+        self.stream
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .flush()
     }
 }

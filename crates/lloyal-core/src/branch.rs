@@ -57,7 +57,11 @@ impl BranchState {
             pending: None,
             model_ppl: self.model_ppl.clone(),
             sampling_ppl: self.sampling_ppl.clone(),
-            logits: if clone_logits { self.logits.clone() } else { Vec::new() },
+            logits: if clone_logits {
+                self.logits.clone()
+            } else {
+                Vec::new()
+            },
             next_logits: Vec::new(),
             logit_bias: self.logit_bias.clone(),
             steer: Vec::new(),
@@ -75,7 +79,11 @@ impl BranchState {
 
     /// Logit bias then steering, as one list.
     pub(crate) fn biases(&self) -> Vec<(i32, f32)> {
-        self.logit_bias.iter().chain(self.steer.iter()).copied().collect()
+        self.logit_bias
+            .iter()
+            .chain(self.steer.iter())
+            .copied()
+            .collect()
     }
 
     /// Sample without side effects on the branch's committed state (idempotent until the
@@ -100,7 +108,10 @@ impl BranchState {
         let model = surprisal(&self.logits, token as usize, Base::Nats);
         let params = self.sampler.params();
         let biases = self.biases();
-        let sampling = if !params.has_penalties() && biases.is_empty() && (params.temperature <= 0.0 || params.temperature == 1.0) {
+        let sampling = if !params.has_penalties()
+            && biases.is_empty()
+            && (params.temperature <= 0.0 || params.temperature == 1.0)
+        {
             model
         } else {
             let mut adjusted = self.logits.clone();

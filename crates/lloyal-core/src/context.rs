@@ -6,8 +6,6 @@ use llama_cpp_sys_2 as sys;
 
 use crate::backend::{clear_recent_errors, recent_errors};
 use crate::branch::BranchState;
-use crate::tenancy::{Leases, Slots};
-use crate::topology::Topology;
 use crate::error::{LloyalError, Result};
 use crate::metrics::{entropy, surprisal, Base};
 use crate::model::Model;
@@ -15,6 +13,8 @@ use crate::options::ContextOptions;
 use crate::raw::{Batch, RawContext};
 use crate::sampler::Sampler;
 use crate::sampling::SamplingParams;
+use crate::tenancy::{Leases, Slots};
+use crate::topology::Topology;
 
 /// Sizes fixed at creation (readable without the lock).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -38,7 +38,9 @@ pub struct Context {
 
 impl std::fmt::Debug for Context {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("Context").field("shape", &self.shape).finish()
+        f.debug_struct("Context")
+            .field("shape", &self.shape)
+            .finish()
     }
 }
 
@@ -56,7 +58,11 @@ impl Context {
         // SAFETY: valid context pointer held exclusively here.
         let (n_ctx, n_batch, n_seq_max) = unsafe {
             let p = raw.as_ptr();
-            (sys::llama_n_ctx(p), sys::llama_n_batch(p), sys::llama_n_seq_max(p))
+            (
+                sys::llama_n_ctx(p),
+                sys::llama_n_batch(p),
+                sys::llama_n_seq_max(p),
+            )
         };
         let shape = ContextShape {
             n_ctx,
@@ -165,7 +171,10 @@ impl ContextState {
 
     /// Whether a live branch holds `seq_id`.
     pub fn is_leased(&self, seq_id: i32) -> bool {
-        self.branches.handles().iter().any(|&h| self.branches.get(h).is_some_and(|b| b.seq_id == seq_id))
+        self.branches
+            .handles()
+            .iter()
+            .any(|&h| self.branches.get(h).is_some_and(|b| b.seq_id == seq_id))
     }
 
     pub(crate) fn check_seq(&self, seq_id: i32) -> Result<()> {
@@ -188,7 +197,12 @@ impl ContextState {
     }
 
     fn check_no_leases(&self) -> Result<()> {
-        match self.branches.handles().first().and_then(|&h| self.branches.get(h)) {
+        match self
+            .branches
+            .handles()
+            .first()
+            .and_then(|&h| self.branches.get(h))
+        {
             Some(b) => Err(LloyalError::SeqLeased { seq_id: b.seq_id }),
             None => Ok(()),
         }
@@ -280,7 +294,9 @@ impl ContextState {
         // SAFETY: valid context; llama.cpp returns null (not abort) for a row without logits.
         let ptr = unsafe { sys::llama_get_logits_ith(self.raw.as_ptr(), row) };
         if ptr.is_null() {
-            return Err(LloyalError::Backend(format!("llama.cpp has no logits for batch row {row}")));
+            return Err(LloyalError::Backend(format!(
+                "llama.cpp has no logits for batch row {row}"
+            )));
         }
         // SAFETY: llama.cpp guarantees n_vocab floats at a non-null logits row.
         Ok(unsafe { std::slice::from_raw_parts(ptr, self.shape.n_vocab as usize) }.to_vec())
@@ -395,7 +411,9 @@ impl ContextState {
         // SAFETY: valid context; llama.cpp returns null (not abort) for a row without logits.
         let ptr = unsafe { sys::llama_get_logits_ith(self.raw.as_ptr(), row) };
         if ptr.is_null() {
-            return Err(LloyalError::Backend(format!("llama.cpp has no logits for batch row {row}")));
+            return Err(LloyalError::Backend(format!(
+                "llama.cpp has no logits for batch row {row}"
+            )));
         }
         // SAFETY: llama.cpp guarantees n_vocab floats at a non-null logits row.
         let src = unsafe { std::slice::from_raw_parts(ptr, self.shape.n_vocab as usize) };

@@ -15,7 +15,9 @@ impl Base {
         match s {
             "nats" => Ok(Base::Nats),
             "bits" => Ok(Base::Bits),
-            other => Err(LloyalError::invalid(format!("base must be \"nats\" or \"bits\", got {other:?}"))),
+            other => Err(LloyalError::invalid(format!(
+                "base must be \"nats\" or \"bits\", got {other:?}"
+            ))),
         }
     }
 
@@ -57,7 +59,9 @@ pub fn entropy(logits: &[f32], base: Base) -> f64 {
 
 /// Surprisal `-log p(token)` under softmax(logits); `inf` for a banned token.
 pub fn surprisal(logits: &[f32], token: usize, base: Base) -> f64 {
-    let Some(&l) = logits.get(token) else { return f64::INFINITY };
+    let Some(&l) = logits.get(token) else {
+        return f64::INFINITY;
+    };
     let lse = log_sum_exp(logits);
     base.scale((lse - f64::from(l)).max(0.0))
 }

@@ -43,7 +43,10 @@ pub struct Model {
 
 impl std::fmt::Debug for Model {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("Model").field("path", &self.path).field("n_vocab", &self.n_vocab).finish()
+        f.debug_struct("Model")
+            .field("path", &self.path)
+            .field("n_vocab", &self.n_vocab)
+            .finish()
     }
 }
 
@@ -73,7 +76,11 @@ impl Model {
             let detail = recent_errors();
             LloyalError::ModelLoad {
                 path: path.display().to_string(),
-                reason: if detail.is_empty() { e.to_string() } else { detail },
+                reason: if detail.is_empty() {
+                    e.to_string()
+                } else {
+                    detail
+                },
             }
         })?;
         let n_vocab = llama.n_vocab();
@@ -152,7 +159,11 @@ impl Model {
 
     /// Bytes of K and V per KV cell across all layers, for cache types `type_k`/`type_v`
     /// (from GGUF metadata; head width falls back to n_embd / n_head).
-    pub fn kv_bytes_per_cell(&self, type_k: llama_cpp_sys_2::ggml_type, type_v: llama_cpp_sys_2::ggml_type) -> u64 {
+    pub fn kv_bytes_per_cell(
+        &self,
+        type_k: llama_cpp_sys_2::ggml_type,
+        type_v: llama_cpp_sys_2::ggml_type,
+    ) -> u64 {
         let n_layer = u64::from(self.n_layer());
         let n_head = self.meta_u64("attention.head_count").unwrap_or(1).max(1);
         let n_head_kv = self.meta_u64("attention.head_count_kv").unwrap_or(n_head);
@@ -182,7 +193,9 @@ impl Model {
 
     /// Check every token of a slice.
     pub fn check_tokens(&self, tokens: &[i32]) -> Result<()> {
-        tokens.iter().try_for_each(|&t| self.check_token(i64::from(t)).map(|_| ()))
+        tokens
+            .iter()
+            .try_for_each(|&t| self.check_token(i64::from(t)).map(|_| ()))
     }
 
     /// Tokenize UTF-8 text. `parse_special` turns `<start_of_turn>`-style text into control tokens.
@@ -206,7 +219,10 @@ impl Model {
     /// The raw bytes of one token's piece (may be a partial UTF-8 sequence).
     pub fn token_bytes(&self, token: i32, special: bool) -> Result<Vec<u8>> {
         self.check_token(i64::from(token))?;
-        Ok(self.llama.vocab().token_to_piece(LlamaToken(token), special, None))
+        Ok(self
+            .llama
+            .vocab()
+            .token_to_piece(LlamaToken(token), special, None))
     }
 
     /// Whether `token` ends generation (EOS, EOT, `<end_of_turn>`...).

@@ -33,7 +33,8 @@ impl Drop for RawChain {
 impl RawChain {
     fn new() -> Self {
         // SAFETY: plain constructor calls with default params.
-        let ptr = unsafe { sys::llama_sampler_chain_init(sys::llama_sampler_chain_default_params()) };
+        let ptr =
+            unsafe { sys::llama_sampler_chain_init(sys::llama_sampler_chain_default_params()) };
         RawChain(NonNull::new(ptr).expect("llama_sampler_chain_init returned null"))
     }
 
@@ -60,6 +61,116 @@ fn seed_of(params: &SamplingParams) -> u32 {
     params.seed.unwrap_or(RANDOM_SEED)
 }
 
+/// One llama.cpp sampler of a chain, in order.
+#[derive(Debug, Clone, Copy, PartialEq)]
+enum Step {
+    Temp(f32),
+    Mirostat {
+        n_vocab: i32,
+        seed: u32,
+        tau: f32,
+        eta: f32,
+    },
+    MirostatV2 {
+        seed: u32,
+        tau: f32,
+        eta: f32,
+    },
+    Greedy,
+    TopK(i32),
+    Typical(f32),
+    TopP(f32),
+    MinP(f32),
+    Xtc {
+        p: f32,
+        t: f32,
+        min_keep: usize,
+        seed: u32,
+    },
+    Dist(u32),
+}
+
+/// The chain order of llama.cpp's common sampler (penalties and biases are applied on the
+/// logits before the chain; DRY is added first by `build_chain`).
+fn plan_steps(params: &SamplingParams, n_vocab: i32) -> Vec<Step> {
+    let seed = seed_of(params);
+    if let Some(m) = &params.mirostat {
+        let last = if m.version == 1 {
+            Step::Mirostat {
+                n_vocab,
+                seed,
+                tau: m.tau,
+                eta: m.eta,
+            }
+        } else {
+            Step::MirostatV2 {
+                seed,
+                tau: m.tau,
+                eta: m.eta,
+            }
+        };
+        return vec![Step::Temp(params.temperature.max(0.0)), last];
+    }
+    if params.is_greedy() {
+        return vec![Step::Greedy];
+    }
+    let mut steps = Vec::new();
+    if params.top_k > 0 {
+        steps.push(Step::TopK(params.top_k));
+    }
+    if params.typical_p < 1.0 {
+        steps.push(Step::Typical(params.typical_p));
+    }
+    if params.top_p < 1.0 {
+        steps.push(Step::TopP(params.top_p));
+    }
+    if params.min_p > 0.0 {
+        steps.push(Step::MinP(params.min_p));
+    }
+    if let Some(x) = params.xtc.as_ref().filter(|x| x.probability > 0.0) {
+        steps.push(Step::Xtc {
+            p: x.probability,
+            t: x.threshold,
+            min_keep: x.min_keep.max(1),
+            seed,
+        });
+    }
+    steps.push(Step::Temp(params.temperature));
+    steps.push(Step::Dist(seed));
+    steps
+}
+
+fn init_step(step: Step) -> *mut sys::llama_sampler {
+    // SAFETY: each llama_sampler_init_* is a plain constructor taking scalars (validated by
+    // SamplingParams::validate); the result is null-checked by RawChain::add.
+    unsafe {
+        match step {
+            Step::Temp(t) => sys::llama_sampler_init_temp(t),
+            Step::Mirostat {
+                n_vocab,
+                seed,
+                tau,
+                eta,
+            } => sys::llama_sampler_init_mirostat(n_vocab, seed, tau, eta, 100),
+            Step::MirostatV2 { seed, tau, eta } => {
+                sys::llama_sampler_init_mirostat_v2(seed, tau, eta)
+            }
+            Step::Greedy => sys::llama_sampler_init_greedy(),
+            Step::TopK(k) => sys::llama_sampler_init_top_k(k),
+            Step::Typical(p) => sys::llama_sampler_init_typical(p, 1),
+            Step::TopP(p) => sys::llama_sampler_init_top_p(p, 1),
+            Step::MinP(p) => sys::llama_sampler_init_min_p(p, 1),
+            Step::Xtc {
+                p,
+                t,
+                min_keep,
+                seed,
+            } => sys::llama_sampler_init_xtc(p, t, min_keep, seed),
+            Step::Dist(seed) => sys::llama_sampler_init_dist(seed),
+        }
+    }
+}
+
 fn build_chain(model: &Model, params: &SamplingParams) -> Result<RawChain> {
     params.validate()?;
     let mut chain = RawChain::new();
@@ -68,7 +179,10 @@ fn build_chain(model: &Model, params: &SamplingParams) -> Result<RawChain> {
         let breakers: Vec<CString> = dry
             .sequence_breakers
             .iter()
-            .map(|s| CString::new(s.as_str()).map_err(|_| LloyalError::invalid("NUL in dry sequence breaker")))
+            .map(|s| {
+                CString::new(s.as_str())
+                    .map_err(|_| LloyalError::invalid("NUL in dry sequence breaker"))
+            })
             .collect::<Result<_>>()?;
         let mut ptrs: Vec<*const std::ffi::c_char> = breakers.iter().map(|c| c.as_ptr()).collect();
         // SAFETY: vocab outlives the call; breaker strings live until after init copies them.
@@ -85,38 +199,9 @@ fn build_chain(model: &Model, params: &SamplingParams) -> Result<RawChain> {
         };
         chain.add(smpl)?;
     }
-    // SAFETY (all init calls below): plain constructors taking scalars; results checked by add().
-    if let Some(m) = &params.mirostat {
-        chain.add(unsafe { sys::llama_sampler_init_temp(params.temperature.max(0.0)) })?;
-        let smpl = if m.version == 1 {
-            unsafe { sys::llama_sampler_init_mirostat(model.n_vocab(), seed_of(params), m.tau, m.eta, 100) }
-        } else {
-            unsafe { sys::llama_sampler_init_mirostat_v2(seed_of(params), m.tau, m.eta) }
-        };
-        chain.add(smpl)?;
-        return Ok(chain);
+    for step in plan_steps(params, model.n_vocab()) {
+        chain.add(init_step(step))?;
     }
-    if params.is_greedy() {
-        chain.add(unsafe { sys::llama_sampler_init_greedy() })?;
-        return Ok(chain);
-    }
-    if params.top_k > 0 {
-        chain.add(unsafe { sys::llama_sampler_init_top_k(params.top_k) })?;
-    }
-    if params.typical_p < 1.0 {
-        chain.add(unsafe { sys::llama_sampler_init_typical(params.typical_p, 1) })?;
-    }
-    if params.top_p < 1.0 {
-        chain.add(unsafe { sys::llama_sampler_init_top_p(params.top_p, 1) })?;
-    }
-    if params.min_p > 0.0 {
-        chain.add(unsafe { sys::llama_sampler_init_min_p(params.min_p, 1) })?;
-    }
-    if let Some(x) = params.xtc.as_ref().filter(|x| x.probability > 0.0) {
-        chain.add(unsafe { sys::llama_sampler_init_xtc(x.probability, x.threshold, x.min_keep.max(1), seed_of(params)) })?;
-    }
-    chain.add(unsafe { sys::llama_sampler_init_temp(params.temperature) })?;
-    chain.add(unsafe { sys::llama_sampler_init_dist(seed_of(params)) })?;
     Ok(chain)
 }
 
@@ -188,11 +273,17 @@ impl Sampler {
             return argmax(logits);
         }
         self.candidates.clear();
-        self.candidates.extend(logits.iter().enumerate().map(|(i, &logit)| sys::llama_token_data {
-            id: i as i32,
-            logit,
-            p: 0.0,
-        }));
+        self.candidates
+            .extend(
+                logits
+                    .iter()
+                    .enumerate()
+                    .map(|(i, &logit)| sys::llama_token_data {
+                        id: i as i32,
+                        logit,
+                        p: 0.0,
+                    }),
+            );
         let mut arr = sys::llama_token_data_array {
             data: self.candidates.as_mut_ptr(),
             size: self.candidates.len(),
@@ -222,7 +313,9 @@ impl Sampler {
     pub fn try_clone(&self) -> Result<Self> {
         // SAFETY: cloning a valid chain; the result is checked for null.
         let ptr = unsafe { sys::llama_sampler_clone(self.chain.0.as_ptr()) };
-        let chain = NonNull::new(ptr).map(RawChain).ok_or_else(|| LloyalError::invalid("sampler clone failed"))?;
+        let chain = NonNull::new(ptr)
+            .map(RawChain)
+            .ok_or_else(|| LloyalError::invalid("sampler clone failed"))?;
         Ok(Sampler {
             chain,
             params: self.params.clone(),
@@ -247,7 +340,55 @@ pub fn argmax(values: &[f32]) -> i32 {
 
 #[cfg(test)]
 mod tests {
-    use super::argmax;
+    use super::{argmax, plan_steps, Step};
+    use crate::sampling::{Mirostat, SamplingParams};
+
+    #[test]
+    fn chain_order_and_disabled_steps() {
+        let p = SamplingParams {
+            seed: Some(3),
+            ..Default::default()
+        };
+        assert_eq!(
+            plan_steps(&p, 10),
+            vec![
+                Step::TopK(40),
+                Step::TopP(0.95),
+                Step::MinP(0.05),
+                Step::Temp(0.8),
+                Step::Dist(3)
+            ]
+        );
+        assert_eq!(
+            plan_steps(&SamplingParams::greedy(), 10),
+            vec![Step::Greedy]
+        );
+        let m = SamplingParams {
+            mirostat: Some(Mirostat {
+                version: 2,
+                tau: 5.0,
+                eta: 0.1,
+            }),
+            seed: Some(1),
+            ..Default::default()
+        };
+        assert_eq!(
+            plan_steps(&m, 10)[1],
+            Step::MirostatV2 {
+                seed: 1,
+                tau: 5.0,
+                eta: 0.1
+            }
+        );
+        let all = SamplingParams {
+            top_k: 0,
+            top_p: 1.0,
+            min_p: 0.0,
+            seed: Some(0),
+            ..Default::default()
+        };
+        assert_eq!(plan_steps(&all, 10), vec![Step::Temp(0.8), Step::Dist(0)]);
+    }
 
     #[test]
     fn argmax_first_on_ties() {
