@@ -1,9 +1,9 @@
 //! One branch's private state: its sequence, sampler, logits snapshot, metrics and biases.
 
 use crate::error::{LloyalError, Result};
-use crate::metrics::{surprisal, Base, PerplexityTracker};
+use crate::metrics::{log_sum_exp_scaled, surprisal, Base, PerplexityTracker};
 use crate::sampler::Sampler;
-use crate::sampling::apply_penalties;
+use crate::sampling::adjusted_replacements;
 
 /// Everything a branch owns besides its KV cells and tree links.
 pub struct BranchState {
@@ -107,25 +107,18 @@ impl BranchState {
         }
         let model = surprisal(&self.logits, token as usize, Base::Nats);
         let params = self.sampler.params();
-        let biases = self.biases();
-        let sampling = if !params.has_penalties()
-            && biases.is_empty()
-            && (params.temperature <= 0.0 || params.temperature == 1.0)
-        {
+        let repl = adjusted_replacements(&self.logits, self.sampler.history(), params, &self.biases());
+        let scale = if params.temperature > 0.0 { 1.0 / params.temperature } else { 1.0 };
+        let sampling = if repl.is_empty() && scale == 1.0 {
             model
         } else {
-            let mut adjusted = self.logits.clone();
-            apply_penalties(&mut adjusted, self.sampler.history(), params);
-            for (t, b) in biases {
-                if let Some(x) = adjusted.get_mut(t as usize) {
-                    *x += b;
-                }
+            let t = token as usize;
+            let raw = repl.iter().find(|(i, _)| *i == t).map(|r| r.1).unwrap_or(self.logits[t]);
+            if raw == f32::NEG_INFINITY {
+                f64::INFINITY
+            } else {
+                (log_sum_exp_scaled(&self.logits, scale, &repl) - f64::from(raw * scale)).max(0.0)
             }
-            if params.temperature > 0.0 && params.temperature != 1.0 {
-                let inv = 1.0 / params.temperature;
-                adjusted.iter_mut().for_each(|x| *x *= inv);
-            }
-            surprisal(&adjusted, token as usize, Base::Nats)
         };
         Some((model, sampling))
     }

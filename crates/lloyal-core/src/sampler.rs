@@ -8,7 +8,7 @@ use llama_cpp_sys_2 as sys;
 
 use crate::error::{LloyalError, Result};
 use crate::model::Model;
-use crate::sampling::{apply_penalties, SamplingParams};
+use crate::sampling::{adjusted_replacements, SamplingParams};
 
 /// llama.cpp's LLAMA_DEFAULT_SEED: draw a random seed.
 const RANDOM_SEED: u32 = 0xFFFF_FFFF;
@@ -256,34 +256,30 @@ impl Sampler {
 
     /// Pick a token from `logits` (not modified). Penalties use this sampler's history.
     /// `extra_bias` entries are added to the logits first (logit bias, steering).
+    ///
+    /// With top-k active (and no DRY, which must see every candidate), the k best tokens
+    /// are selected here in one O(n) pass and only they reach llama.cpp's chain, instead of
+    /// a 262k-entry candidate array that llama.cpp would partially sort.
     pub fn sample(&mut self, logits: &[f32], extra_bias: &[(i32, f32)]) -> i32 {
-        let mut work: Option<Vec<f32>> = None;
-        if self.params.has_penalties() || !extra_bias.is_empty() {
-            let mut l = logits.to_vec();
-            apply_penalties(&mut l, &self.history, &self.params);
-            for &(t, b) in extra_bias {
-                if let Some(x) = l.get_mut(t as usize) {
-                    *x += b;
-                }
-            }
-            work = Some(l);
-        }
-        let logits = work.as_deref().unwrap_or(logits);
-        if self.params.is_greedy() && self.params.dry.is_none() {
-            return argmax(logits);
+        let repl = adjusted_replacements(logits, &self.history, &self.params, extra_bias);
+        let p = &self.params;
+        if p.is_greedy() && p.dry.is_none() {
+            return top_candidates(logits, &repl, 1).first().map(|c| c.0).unwrap_or(0);
         }
         self.candidates.clear();
-        self.candidates
-            .extend(
-                logits
-                    .iter()
-                    .enumerate()
-                    .map(|(i, &logit)| sys::llama_token_data {
-                        id: i as i32,
-                        logit,
-                        p: 0.0,
-                    }),
-            );
+        if p.top_k > 0 && p.dry.is_none() && p.mirostat.is_none() {
+            let top = top_candidates(logits, &repl, p.top_k as usize);
+            self.candidates.extend(top.into_iter().map(|(id, logit)| sys::llama_token_data { id, logit, p: 0.0 }));
+        } else {
+            self.candidates.extend(logits.iter().enumerate().map(|(i, &logit)| sys::llama_token_data {
+                id: i as i32,
+                logit,
+                p: 0.0,
+            }));
+            for &(i, v) in &repl {
+                self.candidates[i].logit = v;
+            }
+        }
         let mut arr = sys::llama_token_data_array {
             data: self.candidates.as_mut_ptr(),
             size: self.candidates.len(),
@@ -293,7 +289,7 @@ impl Sampler {
         // SAFETY: arr points into our candidate buffer, alive and exclusively borrowed for the call.
         unsafe { sys::llama_sampler_apply(self.chain.0.as_ptr(), &mut arr) };
         if arr.selected < 0 || arr.selected as usize >= arr.size {
-            return argmax(logits);
+            return top_candidates(logits, &repl, 1).first().map(|c| c.0).unwrap_or(0);
         }
         // SAFETY: selected is within [0, size) of the (possibly re-pointed) data array.
         unsafe { (*arr.data.add(arr.selected as usize)).id }
@@ -325,6 +321,57 @@ impl Sampler {
     }
 }
 
+#[derive(Clone, Copy, PartialEq)]
+struct Cand(f32, i32);
+
+impl Eq for Cand {}
+
+impl PartialOrd for Cand {
+    fn partial_cmp(&self, other: &Self) -> Option<std::cmp::Ordering> {
+        Some(self.cmp(other))
+    }
+}
+
+impl Ord for Cand {
+    /// By value, then lower id first (so ties prefer the lower token id, like argmax).
+    fn cmp(&self, other: &Self) -> std::cmp::Ordering {
+        self.0.total_cmp(&other.0).then(other.1.cmp(&self.1))
+    }
+}
+
+/// The `k` highest `(token, value)` pairs of `logits` with `replace` entries substituted,
+/// best first, in one pass with a bounded heap. Exact: the true top-k is contained in the
+/// top-(k + |replace|) of the unreplaced values plus the replaced entries.
+pub fn top_candidates(logits: &[f32], replace: &[(usize, f32)], k: usize) -> Vec<(i32, f32)> {
+    use std::cmp::Reverse;
+    use std::collections::BinaryHeap;
+    let cap = (k + replace.len()).min(logits.len()).max(1);
+    let mut heap: BinaryHeap<Reverse<Cand>> = BinaryHeap::with_capacity(cap + 1);
+    let mut floor = Cand(f32::NEG_INFINITY, i32::MAX);
+    for (i, &x) in logits.iter().enumerate() {
+        let c = Cand(x, i as i32);
+        if heap.len() < cap {
+            heap.push(Reverse(c));
+            if heap.len() == cap {
+                floor = heap.peek().map(|r| r.0).unwrap_or(floor);
+            }
+        } else if c > floor {
+            heap.pop();
+            heap.push(Reverse(c));
+            floor = heap.peek().map(|r| r.0).unwrap_or(floor);
+        }
+    }
+    let mut out: Vec<Cand> = heap
+        .into_iter()
+        .map(|r| r.0)
+        .filter(|c| !replace.iter().any(|&(i, _)| i as i32 == c.1))
+        .collect();
+    out.extend(replace.iter().filter(|(i, _)| *i < logits.len()).map(|&(i, v)| Cand(v, i as i32)));
+    out.sort_unstable_by(|a, b| b.cmp(a));
+    out.truncate(k);
+    out.into_iter().map(|c| (c.1, c.0)).collect()
+}
+
 /// Index of the largest value (first on ties); 0 for an empty slice.
 pub fn argmax(values: &[f32]) -> i32 {
     let mut best = 0usize;
@@ -340,7 +387,7 @@ pub fn argmax(values: &[f32]) -> i32 {
 
 #[cfg(test)]
 mod tests {
-    use super::{argmax, plan_steps, Step};
+    use super::{argmax, plan_steps, top_candidates, Step};
     use crate::sampling::{Mirostat, SamplingParams};
 
     #[test]
@@ -388,6 +435,21 @@ mod tests {
             ..Default::default()
         };
         assert_eq!(plan_steps(&all, 10), vec![Step::Temp(0.8), Step::Dist(0)]);
+    }
+
+    #[test]
+    fn top_candidates_is_exact_with_replacements() {
+        let logits: Vec<f32> = (0..1000).map(|i| ((i * 37) % 101) as f32).collect();
+        let repl = vec![(37usize, -5.0f32), (3, 500.0)];
+        let mut adjusted = logits.clone();
+        for &(i, v) in &repl {
+            adjusted[i] = v;
+        }
+        let mut want: Vec<(i32, f32)> = adjusted.iter().enumerate().map(|(i, &v)| (i as i32, v)).collect();
+        want.sort_by(|a, b| b.1.total_cmp(&a.1).then(a.0.cmp(&b.0)));
+        want.truncate(10);
+        assert_eq!(top_candidates(&logits, &repl, 10), want);
+        assert_eq!(top_candidates(&[1.0, 3.0, 3.0], &[], 1), vec![(1, 3.0)]);
     }
 
     #[test]

@@ -179,11 +179,11 @@ impl SamplingParams {
     }
 }
 
-/// Apply llama.cpp-style repeat/frequency/presence penalties to `logits` in place,
-/// iterating the token history (O(history)) rather than the whole vocabulary.
-pub fn apply_penalties(logits: &mut [f32], history: &[i32], params: &SamplingParams) {
+/// The logits that llama.cpp-style repeat/frequency/presence penalties change, as
+/// `(token, new value)` pairs, computed from the token history (O(history), not O(vocab)).
+pub fn penalty_replacements(logits: &[f32], history: &[i32], params: &SamplingParams) -> Vec<(usize, f32)> {
     if !params.has_penalties() || history.is_empty() {
-        return;
+        return Vec::new();
     }
     let window = match params.penalty_last_n {
         -1 => history.len(),
@@ -191,18 +191,41 @@ pub fn apply_penalties(logits: &mut [f32], history: &[i32], params: &SamplingPar
     };
     let mut recent = history[history.len() - window..].to_vec();
     recent.sort_unstable();
+    let mut out = Vec::new();
     for run in recent.chunk_by(|a, b| a == b) {
-        let (token, count) = (run[0], run.len());
-        let Some(l) = logits.get_mut(token as usize) else {
-            continue;
-        };
-        if *l <= 0.0 {
-            *l *= params.repeat_penalty;
-        } else {
-            *l /= params.repeat_penalty;
-        }
-        *l -= count as f32 * params.frequency_penalty + params.presence_penalty;
+        let (token, count) = (run[0] as usize, run.len());
+        let Some(&l) = logits.get(token) else { continue };
+        let mut v = if l <= 0.0 { l * params.repeat_penalty } else { l / params.repeat_penalty };
+        v -= count as f32 * params.frequency_penalty + params.presence_penalty;
+        out.push((token, v));
     }
+    out
+}
+
+/// Apply llama.cpp-style repeat/frequency/presence penalties to `logits` in place.
+pub fn apply_penalties(logits: &mut [f32], history: &[i32], params: &SamplingParams) {
+    for (i, v) in penalty_replacements(logits, history, params) {
+        logits[i] = v;
+    }
+}
+
+/// Penalties then additive biases, as replacements for the given logits.
+pub fn adjusted_replacements(
+    logits: &[f32],
+    history: &[i32],
+    params: &SamplingParams,
+    biases: &[(i32, f32)],
+) -> Vec<(usize, f32)> {
+    let mut repl = penalty_replacements(logits, history, params);
+    for &(t, b) in biases {
+        let t = t as usize;
+        if let Some(entry) = repl.iter_mut().find(|(i, _)| *i == t) {
+            entry.1 += b;
+        } else if let Some(&l) = logits.get(t) {
+            repl.push((t, l + b));
+        }
+    }
+    repl
 }
 
 #[cfg(test)]
