@@ -1,6 +1,5 @@
 """Type stubs for the native module ``lloyal._lloyal`` (checked by ``mypy.stubtest``)."""
 
-
 import os
 from collections.abc import Mapping
 from typing import Any, final

@@ -41,7 +41,7 @@ def demo(model: str | None, prompt: str, n: int, max_tokens: int, jsonl: bool) -
             start = time.perf_counter()
             while live and steps < max_tokens:
                 produced = store.produce_all([branches[i] for i in live])
-                step = [(i, p) for i, p in zip(live, produced) if not p.is_stop]
+                step = [(i, p) for i, p in zip(live, produced, strict=True) if not p.is_stop]
                 live = [i for i, _ in step]
                 if step:
                     store.commit([(branches[i], p.token) for i, p in step])
@@ -54,7 +54,8 @@ def demo(model: str | None, prompt: str, n: int, max_tokens: int, jsonl: bool) -
             for i, b in enumerate(branches):
                 text = ctx.detokenize(tokens[i])
                 if jsonl:
-                    print(json.dumps({"branch": i, "perplexity": b.perplexity, "tokens": len(tokens[i]), "text": text}))
+                    event = {"branch": i, "perplexity": b.perplexity, "tokens": len(tokens[i]), "text": text}
+                    print(json.dumps(event))
                 else:
                     mark = "  <- winner" if i == winner else ""
                     print(f"--- branch {i}  perplexity {b.perplexity:.2f}  tokens {len(tokens[i])}{mark}")

