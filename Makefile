@@ -3,6 +3,7 @@ SHELL := /bin/bash
 PY := .venv/bin/python
 export CARGO_TARGET_DIR ?= $(HOME)/.cache/lloyal/target
 export VIRTUAL_ENV := $(CURDIR)/.venv
+export PYO3_PYTHON := $(CURDIR)/.venv/bin/python
 PYDIRS := python tests benches examples
 
 .PHONY: sysdeps venv build test test-rust test-py lint bench demo clean

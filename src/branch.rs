@@ -30,10 +30,7 @@ pub struct PyProduced {
 #[pymethods]
 impl PyProduced {
     fn __repr__(&self) -> String {
-        format!(
-            "Produced(token={}, text={:?}, is_stop={})",
-            self.token, self.text, self.is_stop
-        )
+        format!("Produced(token={}, text={:?}, is_stop={})", self.token, self.text, self.is_stop)
     }
 }
 
@@ -76,30 +73,21 @@ impl PyBranch {
     }
 
     fn wrap(&self, py: Python<'_>, handle: Handle) -> PyBranch {
-        PyBranch {
-            ctx: self.ctx.clone_ref(py),
-            handle,
-        }
+        PyBranch { ctx: self.ctx.clone_ref(py), handle }
     }
 
     pub(crate) fn produced(ctx: &Context, token: i32) -> PyProduced {
         let model = ctx.model();
         let bytes = model.token_bytes(token, false).unwrap_or_default();
-        PyProduced {
-            token,
-            text: String::from_utf8_lossy(&bytes).into_owned(),
-            is_stop: model.is_eog(token),
-        }
+        PyProduced { token, text: String::from_utf8_lossy(&bytes).into_owned(), is_stop: model.is_eog(token) }
     }
 }
 
 /// Token ids and biases from a `{token: bias}` dict.
 fn bias_list(bias: &Bound<'_, PyDict>) -> PyResult<Vec<(i32, f32)>> {
     let map: HashMap<i64, f32> = bias.extract()?;
-    let mut v: Vec<(i32, f32)> = map
-        .into_iter()
-        .map(|(t, b)| (t.clamp(i64::from(i32::MIN), i64::from(i32::MAX)) as i32, b))
-        .collect();
+    let mut v: Vec<(i32, f32)> =
+        map.into_iter().map(|(t, b)| (t.clamp(i64::from(i32::MIN), i64::from(i32::MAX)) as i32, b)).collect();
     v.sort_by_key(|x| x.0);
     Ok(v)
 }
@@ -118,9 +106,7 @@ impl PyBranch {
         grammar: Option<&str>,
     ) -> PyResult<PyBranch> {
         if grammar.is_some() {
-            return Err(PyNotImplementedError::new_err(
-                "grammar-constrained branches are not available yet",
-            ));
+            return Err(PyNotImplementedError::new_err("grammar-constrained branches are not available yet"));
         }
         let params = extract_params(params, None)?;
         let core = ctx.get().inner.clone();
@@ -173,18 +159,12 @@ impl PyBranch {
     }
 
     /// Await ``prefill(tokens)`` off the event loop.
-    fn aprefill<'py>(
-        slf: &Bound<'py, Self>,
-        tokens: Bound<'py, PyAny>,
-    ) -> PyResult<Bound<'py, PyAny>> {
+    fn aprefill<'py>(slf: &Bound<'py, Self>, tokens: Bound<'py, PyAny>) -> PyResult<Bound<'py, PyAny>> {
         aio::in_thread(slf.py(), slf.getattr("prefill")?, vec![tokens])
     }
 
     /// Await ``commit(token)`` off the event loop.
-    fn acommit<'py>(
-        slf: &Bound<'py, Self>,
-        token: Bound<'py, PyAny>,
-    ) -> PyResult<Bound<'py, PyAny>> {
+    fn acommit<'py>(slf: &Bound<'py, Self>, token: Bound<'py, PyAny>) -> PyResult<Bound<'py, PyAny>> {
         aio::in_thread(slf.py(), slf.getattr("commit")?, vec![token])
     }
 
@@ -311,9 +291,7 @@ impl PyBranch {
     /// Whether the branch is live (holds a lease).
     #[getter]
     fn is_active(&self) -> bool {
-        self.core()
-            .with(|s| Ok(s.is_live(self.handle)))
-            .unwrap_or(false)
+        self.core().with(|s| Ok(s.is_live(self.handle))).unwrap_or(false)
     }
 
     /// Whether the branch was pruned, retained away, or its context closed.
@@ -384,10 +362,7 @@ pub struct PyTokenIter {
 
 impl PyTokenIter {
     fn new(branch: PyBranch, max_tokens: Option<usize>) -> Self {
-        PyTokenIter {
-            branch,
-            state: Mutex::new((max_tokens, Utf8Stream::new(), false)),
-        }
+        PyTokenIter { branch, state: Mutex::new((max_tokens, Utf8Stream::new(), false)) }
     }
 }
 

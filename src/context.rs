@@ -165,9 +165,7 @@ impl PyContext {
         self.check_open()?;
         let model = self.inner.model().clone();
         let text = text.to_owned();
-        detached(py, move || {
-            Ok(model.tokenize(&text, add_special, parse_special))
-        })
+        detached(py, move || Ok(model.tokenize(&text, add_special, parse_special)))
     }
 
     /// Token ids to text. ``special`` renders control tokens.
@@ -330,9 +328,5 @@ impl PyContext {
 
 /// Validate Python ints as token ids.
 pub(crate) fn to_i32(model: &lloyal_core::Model, tokens: &[i64]) -> PyResult<Vec<i32>> {
-    tokens
-        .iter()
-        .map(|&t| model.check_token(t))
-        .collect::<Result<Vec<_>, _>>()
-        .py()
+    tokens.iter().map(|&t| model.check_token(t)).collect::<Result<Vec<_>, _>>().py()
 }

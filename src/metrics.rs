@@ -17,9 +17,7 @@ impl PyPerplexityTracker {
     }
 
     pub(crate) fn from_core(t: PerplexityTracker) -> Self {
-        PyPerplexityTracker {
-            inner: Mutex::new(t),
-        }
+        PyPerplexityTracker { inner: Mutex::new(t) }
     }
 }
 
@@ -59,10 +57,6 @@ impl PyPerplexityTracker {
 
     fn __repr__(&self) -> String {
         let t = self.get();
-        format!(
-            "PerplexityTracker(perplexity={}, count={})",
-            t.perplexity(),
-            t.count()
-        )
+        format!("PerplexityTracker(perplexity={}, count={})", t.perplexity(), t.count())
     }
 }

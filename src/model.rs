@@ -16,11 +16,7 @@ pub struct PyModel {
 
 impl PyModel {
     /// Load `path` with the GIL released (weights are shared per path and options).
-    pub(crate) fn load(
-        py: Python<'_>,
-        path: PathBuf,
-        options: ModelOptions,
-    ) -> PyResult<Arc<Model>> {
+    pub(crate) fn load(py: Python<'_>, path: PathBuf, options: ModelOptions) -> PyResult<Arc<Model>> {
         detached(py, move || Model::load(&path, options))
     }
 }
@@ -30,14 +26,7 @@ impl PyModel {
     #[new]
     #[pyo3(signature = (path, *, n_gpu_layers=0, use_mmap=true))]
     fn new(py: Python<'_>, path: PathBuf, n_gpu_layers: u32, use_mmap: bool) -> PyResult<Self> {
-        let inner = Self::load(
-            py,
-            path,
-            ModelOptions {
-                n_gpu_layers,
-                use_mmap,
-            },
-        )?;
+        let inner = Self::load(py, path, ModelOptions { n_gpu_layers, use_mmap })?;
         Ok(PyModel { inner })
     }
 

@@ -35,11 +35,7 @@ fn field<'py>(obj: &Bound<'py, PyAny>, name: &str) -> PyResult<Option<Bound<'py,
     Ok(None)
 }
 
-fn get<'py, T: FromPyObjectOwned<'py>>(
-    obj: &Bound<'py, PyAny>,
-    name: &str,
-    default: T,
-) -> PyResult<T> {
+fn get<'py, T: FromPyObjectOwned<'py>>(obj: &Bound<'py, PyAny>, name: &str, default: T) -> PyResult<T> {
     match field(obj, name)? {
         Some(v) => extract_as(name, &v),
         None => Ok(default),
@@ -55,10 +51,7 @@ fn mirostat(v: &Bound<'_, PyAny>) -> PyResult<Mirostat> {
 }
 
 fn dry(v: &Bound<'_, PyAny>) -> PyResult<Dry> {
-    let default_breakers: Vec<String> = ["\n", ":", "\"", "*"]
-        .iter()
-        .map(|s| s.to_string())
-        .collect();
+    let default_breakers: Vec<String> = ["\n", ":", "\"", "*"].iter().map(|s| s.to_string()).collect();
     Ok(Dry {
         multiplier: get(v, "multiplier", 0.8f32)?,
         base: get(v, "base", 1.75f32)?,

@@ -47,9 +47,7 @@ impl PyBranchStore {
     fn handle_of(&self, b: &Bound<'_, PyBranch>) -> PyResult<Handle> {
         let b = b.get();
         if !Arc::ptr_eq(b.core(), self.core()) {
-            return Err(PyValueError::new_err(
-                "branch belongs to a different context than this BranchStore",
-            ));
+            return Err(PyValueError::new_err("branch belongs to a different context than this BranchStore"));
         }
         Ok(b.handle)
     }
@@ -64,19 +62,15 @@ impl PyBranchStore {
 
     /// Accept and decode one token per branch in ONE ``llama_decode``; all-or-nothing.
     fn commit(&self, py: Python<'_>, pairs: Vec<(Bound<'_, PyBranch>, i32)>) -> PyResult<()> {
-        let pairs: Vec<(Handle, i32)> = pairs
-            .iter()
-            .map(|(b, t)| Ok((self.handle_of(b)?, *t)))
-            .collect::<PyResult<_>>()?;
+        let pairs: Vec<(Handle, i32)> =
+            pairs.iter().map(|(b, t)| Ok((self.handle_of(b)?, *t))).collect::<PyResult<_>>()?;
         run(py, self.core(), move |s| s.commit(&pairs))
     }
 
     /// Write each branch's tokens, bin-packed into ``ceil(total / n_batch)`` decodes; all-or-nothing.
     fn prefill(&self, py: Python<'_>, items: Vec<(Bound<'_, PyBranch>, Vec<i32>)>) -> PyResult<()> {
-        let items: Vec<(Handle, Vec<i32>)> = items
-            .into_iter()
-            .map(|(b, t)| Ok((self.handle_of(&b)?, t)))
-            .collect::<PyResult<_>>()?;
+        let items: Vec<(Handle, Vec<i32>)> =
+            items.into_iter().map(|(b, t)| Ok((self.handle_of(&b)?, t))).collect::<PyResult<_>>()?;
         run(py, self.core(), move |s| s.prefill(&items))
     }
 
@@ -87,35 +81,19 @@ impl PyBranchStore {
     }
 
     /// Sample every branch in one native call (GIL released).
-    fn produce_all(
-        &self,
-        py: Python<'_>,
-        branches: Vec<Bound<'_, PyBranch>>,
-    ) -> PyResult<Vec<PyProduced>> {
-        let handles: Vec<Handle> = branches
-            .iter()
-            .map(|b| self.handle_of(b))
-            .collect::<PyResult<_>>()?;
+    fn produce_all(&self, py: Python<'_>, branches: Vec<Bound<'_, PyBranch>>) -> PyResult<Vec<PyProduced>> {
+        let handles: Vec<Handle> = branches.iter().map(|b| self.handle_of(b)).collect::<PyResult<_>>()?;
         let tokens = run(py, self.core(), move |s| s.produce_all(&handles))?;
-        Ok(tokens
-            .into_iter()
-            .map(|t| PyBranch::produced(self.core(), t))
-            .collect())
+        Ok(tokens.into_iter().map(|t| PyBranch::produced(self.core(), t)).collect())
     }
 
     /// Await ``commit(pairs)`` off the event loop.
-    fn acommit<'py>(
-        slf: &Bound<'py, Self>,
-        pairs: Bound<'py, PyAny>,
-    ) -> PyResult<Bound<'py, PyAny>> {
+    fn acommit<'py>(slf: &Bound<'py, Self>, pairs: Bound<'py, PyAny>) -> PyResult<Bound<'py, PyAny>> {
         aio::in_thread(slf.py(), slf.getattr("commit")?, vec![pairs])
     }
 
     /// Await ``prefill(items)`` off the event loop.
-    fn aprefill<'py>(
-        slf: &Bound<'py, Self>,
-        items: Bound<'py, PyAny>,
-    ) -> PyResult<Bound<'py, PyAny>> {
+    fn aprefill<'py>(slf: &Bound<'py, Self>, items: Bound<'py, PyAny>) -> PyResult<Bound<'py, PyAny>> {
         aio::in_thread(slf.py(), slf.getattr("prefill")?, vec![items])
     }
 
@@ -129,11 +107,7 @@ impl PyBranchStore {
     #[getter]
     fn kv_pressure(&self, py: Python<'_>) -> PyResult<PyKvPressure> {
         let p = run(py, self.core(), |s| Ok(s.kv_pressure()))?;
-        Ok(PyKvPressure {
-            n_ctx: p.n_ctx,
-            cells_used: p.cells_used,
-            remaining: p.remaining,
-        })
+        Ok(PyKvPressure { n_ctx: p.n_ctx, cells_used: p.cells_used, remaining: p.remaining })
     }
 
     /// The context.

@@ -17,10 +17,7 @@ pub struct PyTextStream {
 
 impl PyTextStream {
     pub(crate) fn new(model: Arc<Model>) -> Self {
-        PyTextStream {
-            model,
-            stream: Mutex::new(Utf8Stream::new()),
-        }
+        PyTextStream { model, stream: Mutex::new(Utf8Stream::new()) }
     }
 }
 
@@ -30,18 +27,11 @@ impl PyTextStream {
     fn push(&self, token: i64) -> PyResult<String> {
         let t = self.model.check_token(token).py()?;
         let bytes = self.model.token_bytes(t, false).py()?;
-        Ok(self
-            .stream
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .push(&bytes))
+        Ok(self.stream.lock().unwrap_or_else(|p| p.into_inner()).push(&bytes))
     }
 
     /// Release any incomplete tail (as U+FFFD).
     fn flush(&self) -> String {
-        self.stream
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .flush()
+        self.stream.lock().unwrap_or_else(|p| p.into_inner()).flush()
     }
 }

@@ -26,11 +26,7 @@ fn verbose() -> bool {
     std::env::var_os("LLOYAL_LOG").is_some_and(|v| v != "0" && !v.is_empty())
 }
 
-unsafe extern "C" fn route_log(
-    level: llama_cpp_sys_2::ggml_log_level,
-    text: *const c_char,
-    _: *mut c_void,
-) {
+unsafe extern "C" fn route_log(level: llama_cpp_sys_2::ggml_log_level, text: *const c_char, _: *mut c_void) {
     if text.is_null() {
         return;
     }
@@ -39,9 +35,7 @@ unsafe extern "C" fn route_log(
     if verbose() {
         eprint!("{line}");
     }
-    if level == llama_cpp_sys_2::GGML_LOG_LEVEL_ERROR
-        || level == llama_cpp_sys_2::GGML_LOG_LEVEL_WARN
-    {
+    if level == llama_cpp_sys_2::GGML_LOG_LEVEL_ERROR || level == llama_cpp_sys_2::GGML_LOG_LEVEL_WARN {
         if let Ok(mut q) = RECENT_ERRORS.lock() {
             if q.len() == KEEP_LINES {
                 q.pop_front();
@@ -67,12 +61,6 @@ pub fn clear_recent_errors() {
 pub fn recent_errors() -> String {
     RECENT_ERRORS
         .lock()
-        .map(|q| {
-            q.iter()
-                .filter(|l| !l.is_empty())
-                .cloned()
-                .collect::<Vec<_>>()
-                .join("; ")
-        })
+        .map(|q| q.iter().filter(|l| !l.is_empty()).cloned().collect::<Vec<_>>().join("; "))
         .unwrap_or_default()
 }

@@ -57,11 +57,7 @@ impl BranchState {
             pending: None,
             model_ppl: self.model_ppl.clone(),
             sampling_ppl: self.sampling_ppl.clone(),
-            logits: if clone_logits {
-                self.logits.clone()
-            } else {
-                Vec::new()
-            },
+            logits: if clone_logits { self.logits.clone() } else { Vec::new() },
             next_logits: Vec::new(),
             logit_bias: self.logit_bias.clone(),
             steer: Vec::new(),
@@ -79,11 +75,7 @@ impl BranchState {
 
     /// Logit bias then steering, as one list.
     pub(crate) fn biases(&self) -> Vec<(i32, f32)> {
-        self.logit_bias
-            .iter()
-            .chain(self.steer.iter())
-            .copied()
-            .collect()
+        self.logit_bias.iter().chain(self.steer.iter()).copied().collect()
     }
 
     /// Sample without side effects on the branch's committed state (idempotent until the

@@ -38,9 +38,7 @@ pub struct Context {
 
 impl std::fmt::Debug for Context {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("Context")
-            .field("shape", &self.shape)
-            .finish()
+        f.debug_struct("Context").field("shape", &self.shape).finish()
     }
 }
 
@@ -58,11 +56,7 @@ impl Context {
         // SAFETY: valid context pointer held exclusively here.
         let (n_ctx, n_batch, n_seq_max) = unsafe {
             let p = raw.as_ptr();
-            (
-                sys::llama_n_ctx(p),
-                sys::llama_n_batch(p),
-                sys::llama_n_seq_max(p),
-            )
+            (sys::llama_n_ctx(p), sys::llama_n_batch(p), sys::llama_n_seq_max(p))
         };
         let shape = ContextShape {
             n_ctx,
@@ -84,12 +78,7 @@ impl Context {
             cells_used: 0,
             kv_cell_bytes: model.kv_bytes_per_cell(params.type_k, params.type_v),
         };
-        Ok(Arc::new(Context {
-            model,
-            shape,
-            options,
-            state: Mutex::new(Some(state)),
-        }))
+        Ok(Arc::new(Context { model, shape, options, state: Mutex::new(Some(state)) }))
     }
 
     /// The model this context runs.
@@ -171,10 +160,7 @@ impl ContextState {
 
     /// Whether a live branch holds `seq_id`.
     pub fn is_leased(&self, seq_id: i32) -> bool {
-        self.branches
-            .handles()
-            .iter()
-            .any(|&h| self.branches.get(h).is_some_and(|b| b.seq_id == seq_id))
+        self.branches.handles().iter().any(|&h| self.branches.get(h).is_some_and(|b| b.seq_id == seq_id))
     }
 
     pub(crate) fn check_seq(&self, seq_id: i32) -> Result<()> {
@@ -197,12 +183,7 @@ impl ContextState {
     }
 
     fn check_no_leases(&self) -> Result<()> {
-        match self
-            .branches
-            .handles()
-            .first()
-            .and_then(|&h| self.branches.get(h))
-        {
+        match self.branches.handles().first().and_then(|&h| self.branches.get(h)) {
             Some(b) => Err(LloyalError::SeqLeased { seq_id: b.seq_id }),
             None => Ok(()),
         }
@@ -294,9 +275,7 @@ impl ContextState {
         // SAFETY: valid context; llama.cpp returns null (not abort) for a row without logits.
         let ptr = unsafe { sys::llama_get_logits_ith(self.raw.as_ptr(), row) };
         if ptr.is_null() {
-            return Err(LloyalError::Backend(format!(
-                "llama.cpp has no logits for batch row {row}"
-            )));
+            return Err(LloyalError::Backend(format!("llama.cpp has no logits for batch row {row}")));
         }
         // SAFETY: llama.cpp guarantees n_vocab floats at a non-null logits row.
         Ok(unsafe { std::slice::from_raw_parts(ptr, self.shape.n_vocab as usize) }.to_vec())
@@ -411,9 +390,7 @@ impl ContextState {
         // SAFETY: valid context; llama.cpp returns null (not abort) for a row without logits.
         let ptr = unsafe { sys::llama_get_logits_ith(self.raw.as_ptr(), row) };
         if ptr.is_null() {
-            return Err(LloyalError::Backend(format!(
-                "llama.cpp has no logits for batch row {row}"
-            )));
+            return Err(LloyalError::Backend(format!("llama.cpp has no logits for batch row {row}")));
         }
         // SAFETY: llama.cpp guarantees n_vocab floats at a non-null logits row.
         let src = unsafe { std::slice::from_raw_parts(ptr, self.shape.n_vocab as usize) };

@@ -27,11 +27,7 @@ pub enum LloyalError {
         "KV cache full: {needed} cells needed ({detail}; n_ctx={n_ctx}); prune branches, remove \
          cells (kv_cache_remove) or create the context with a larger n_ctx"
     )]
-    KvCacheFull {
-        needed: usize,
-        n_ctx: u32,
-        detail: String,
-    },
+    KvCacheFull { needed: usize, n_ctx: u32, detail: String },
 
     /// The branch was pruned (or its context closed) and can no longer be used.
     #[error("branch {handle} is disposed (pruned or retained away); fork or create a new branch")]

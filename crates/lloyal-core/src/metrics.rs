@@ -15,9 +15,7 @@ impl Base {
         match s {
             "nats" => Ok(Base::Nats),
             "bits" => Ok(Base::Bits),
-            other => Err(LloyalError::invalid(format!(
-                "base must be \"nats\" or \"bits\", got {other:?}"
-            ))),
+            other => Err(LloyalError::invalid(format!("base must be \"nats\" or \"bits\", got {other:?}"))),
         }
     }
 
@@ -42,7 +40,8 @@ fn exp_f32(x: f32) -> f32 {
     let t = x.clamp(-87.0, 88.0) * std::f32::consts::LOG2_E;
     let n = (t + MAGIC) - MAGIC;
     let f = (t - n) * std::f32::consts::LN_2;
-    let p = 1.0 + f * (1.0 + f * (0.5 + f * (1.0 / 6.0 + f * (1.0 / 24.0 + f * (1.0 / 120.0 + f * (1.0 / 720.0))))));
+    let p = 1.0
+        + f * (1.0 + f * (0.5 + f * (1.0 / 6.0 + f * (1.0 / 24.0 + f * (1.0 / 120.0 + f * (1.0 / 720.0))))));
     let scale = f32::from_bits(((n as i32 + 127) as u32) << 23);
     if x < -87.0 {
         0.0
@@ -222,7 +221,13 @@ mod tests {
         let m = logits.iter().copied().fold(f32::MIN, f32::max) as f64;
         let z: f64 = logits.iter().map(|&l| (l as f64 - m).exp()).sum();
         let lse = m + z.ln();
-        let h: f64 = -logits.iter().map(|&l| { let lp = l as f64 - lse; lp.exp() * lp }).sum::<f64>();
+        let h: f64 = -logits
+            .iter()
+            .map(|&l| {
+                let lp = l as f64 - lse;
+                lp.exp() * lp
+            })
+            .sum::<f64>();
         assert!((log_sum_exp(&logits) - lse).abs() < 1e-5);
         assert!((entropy(&logits, Base::Nats) - h).abs() < 1e-5);
         let mut replaced = logits.clone();

@@ -23,10 +23,7 @@ pub struct ModelOptions {
 
 impl Default for ModelOptions {
     fn default() -> Self {
-        ModelOptions {
-            n_gpu_layers: 0,
-            use_mmap: true,
-        }
+        ModelOptions { n_gpu_layers: 0, use_mmap: true }
     }
 }
 
@@ -43,10 +40,7 @@ pub struct Model {
 
 impl std::fmt::Debug for Model {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("Model")
-            .field("path", &self.path)
-            .field("n_vocab", &self.n_vocab)
-            .finish()
+        f.debug_struct("Model").field("path", &self.path).field("n_vocab", &self.n_vocab).finish()
     }
 }
 
@@ -76,20 +70,11 @@ impl Model {
             let detail = recent_errors();
             LloyalError::ModelLoad {
                 path: path.display().to_string(),
-                reason: if detail.is_empty() {
-                    e.to_string()
-                } else {
-                    detail
-                },
+                reason: if detail.is_empty() { e.to_string() } else { detail },
             }
         })?;
         let n_vocab = llama.n_vocab();
-        Ok(Model {
-            llama,
-            path: path.to_path_buf(),
-            options,
-            n_vocab,
-        })
+        Ok(Model { llama, path: path.to_path_buf(), options, n_vocab })
     }
 
     /// The underlying llama-cpp-2 model.
@@ -183,19 +168,14 @@ impl Model {
     /// Check that `token` is a valid id for this vocabulary.
     pub fn check_token(&self, token: i64) -> Result<i32> {
         if token < 0 || token >= i64::from(self.n_vocab) {
-            return Err(LloyalError::InvalidToken {
-                token,
-                n_vocab: self.n_vocab,
-            });
+            return Err(LloyalError::InvalidToken { token, n_vocab: self.n_vocab });
         }
         Ok(token as i32)
     }
 
     /// Check every token of a slice.
     pub fn check_tokens(&self, tokens: &[i32]) -> Result<()> {
-        tokens
-            .iter()
-            .try_for_each(|&t| self.check_token(i64::from(t)).map(|_| ()))
+        tokens.iter().try_for_each(|&t| self.check_token(i64::from(t)).map(|_| ()))
     }
 
     /// Tokenize UTF-8 text. `parse_special` turns `<start_of_turn>`-style text into control tokens.
@@ -219,10 +199,7 @@ impl Model {
     /// The raw bytes of one token's piece (may be a partial UTF-8 sequence).
     pub fn token_bytes(&self, token: i32, special: bool) -> Result<Vec<u8>> {
         self.check_token(i64::from(token))?;
-        Ok(self
-            .llama
-            .vocab()
-            .token_to_piece(LlamaToken(token), special, None))
+        Ok(self.llama.vocab().token_to_piece(LlamaToken(token), special, None))
     }
 
     /// Whether `token` ends generation (EOS, EOT, `<end_of_turn>`...).

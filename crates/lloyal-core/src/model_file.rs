@@ -11,10 +11,7 @@ const GGUF_HEADER_LEN: u64 = 4 + 4 + 8 + 8;
 const GGUF_MAGIC: &[u8; 4] = b"GGUF";
 
 fn load_error(path: &Path, reason: impl Into<String>) -> LloyalError {
-    LloyalError::ModelLoad {
-        path: path.display().to_string(),
-        reason: reason.into(),
-    }
+    LloyalError::ModelLoad { path: path.display().to_string(), reason: reason.into() }
 }
 
 /// Verify that `path` names a readable GGUF file (v2 or v3) with a plausible header.
@@ -31,10 +28,7 @@ pub fn check_gguf_file(path: &Path) -> Result<()> {
     if meta.len() < GGUF_HEADER_LEN {
         return Err(load_error(
             path,
-            format!(
-                "the file is {} bytes, too small to be a GGUF model (truncated or empty?)",
-                meta.len()
-            ),
+            format!("the file is {} bytes, too small to be a GGUF model (truncated or empty?)", meta.len()),
         ));
     }
     let mut header = [0u8; GGUF_HEADER_LEN as usize];
@@ -47,15 +41,11 @@ pub fn check_gguf_file(path: &Path) -> Result<()> {
 /// Pure header check (unit-tested): magic and a supported version.
 pub fn check_gguf_header(header: &[u8]) -> std::result::Result<(), String> {
     if header.len() < GGUF_HEADER_LEN as usize || &header[..4] != GGUF_MAGIC {
-        return Err(
-            "not a GGUF file (wrong magic bytes); lloyal loads llama.cpp .gguf models".into(),
-        );
+        return Err("not a GGUF file (wrong magic bytes); lloyal loads llama.cpp .gguf models".into());
     }
     let version = u32::from_le_bytes([header[4], header[5], header[6], header[7]]);
     if !(2..=3).contains(&version) {
-        return Err(format!(
-            "unsupported GGUF version {version} (expected 2 or 3)"
-        ));
+        return Err(format!("unsupported GGUF version {version} (expected 2 or 3)"));
     }
     Ok(())
 }
@@ -78,12 +68,8 @@ mod tests {
 
     #[test]
     fn rejects_wrong_magic_and_version() {
-        assert!(check_gguf_header(&header(b"GGML", 3))
-            .unwrap_err()
-            .contains("magic"));
-        assert!(check_gguf_header(&header(b"GGUF", 9))
-            .unwrap_err()
-            .contains("version 9"));
+        assert!(check_gguf_header(&header(b"GGML", 3)).unwrap_err().contains("magic"));
+        assert!(check_gguf_header(&header(b"GGUF", 9)).unwrap_err().contains("version 9"));
         assert!(check_gguf_header(b"GG").is_err());
     }
 
@@ -95,15 +81,9 @@ mod tests {
         assert!(err.contains("directory"), "{err}");
         let empty = dir.join("empty.gguf");
         std::fs::write(&empty, b"").unwrap();
-        assert!(check_gguf_file(&empty)
-            .unwrap_err()
-            .to_string()
-            .contains("0 bytes"));
+        assert!(check_gguf_file(&empty).unwrap_err().to_string().contains("0 bytes"));
         let missing = dir.join("missing.gguf");
-        assert!(check_gguf_file(&missing)
-            .unwrap_err()
-            .to_string()
-            .contains("missing.gguf"));
+        assert!(check_gguf_file(&missing).unwrap_err().to_string().contains("missing.gguf"));
         std::fs::remove_dir_all(&dir).unwrap();
     }
 }

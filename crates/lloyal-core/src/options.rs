@@ -60,17 +60,10 @@ const KV_TYPES: &[(&str, sys::ggml_type)] = &[
 
 /// Parse a KV cache type name.
 pub fn parse_kv_type(field: &str, s: &str) -> Result<sys::ggml_type> {
-    KV_TYPES
-        .iter()
-        .find(|(n, _)| *n == s)
-        .map(|(_, t)| *t)
-        .ok_or_else(|| {
-            let names: Vec<&str> = KV_TYPES.iter().map(|(n, _)| *n).collect();
-            LloyalError::invalid(format!(
-                "{field} must be one of {}; got {s:?}",
-                names.join(", ")
-            ))
-        })
+    KV_TYPES.iter().find(|(n, _)| *n == s).map(|(_, t)| *t).ok_or_else(|| {
+        let names: Vec<&str> = KV_TYPES.iter().map(|(n, _)| *n).collect();
+        LloyalError::invalid(format!("{field} must be one of {}; got {s:?}", names.join(", ")))
+    })
 }
 
 /// Everything `Context(...)` accepts besides the model.
@@ -103,9 +96,7 @@ impl Default for ContextOptions {
 
 /// Threads to use when the caller does not say: every available core.
 pub fn default_threads() -> i32 {
-    std::thread::available_parallelism()
-        .map(|n| n.get() as i32)
-        .unwrap_or(4)
+    std::thread::available_parallelism().map(|n| n.get() as i32).unwrap_or(4)
 }
 
 impl ContextOptions {
@@ -118,19 +109,14 @@ impl ContextOptions {
             )));
         }
         if self.n_ctx < 8 {
-            return Err(LloyalError::invalid(format!(
-                "n_ctx must be >= 8, got {}",
-                self.n_ctx
-            )));
+            return Err(LloyalError::invalid(format!("n_ctx must be >= 8, got {}", self.n_ctx)));
         }
         if self.n_batch < 1 {
             return Err(LloyalError::invalid("n_batch must be >= 1"));
         }
         if let Some(t) = self.n_threads {
             if !(1..=1024).contains(&t) {
-                return Err(LloyalError::invalid(format!(
-                    "n_threads must be in 1..=1024, got {t}"
-                )));
+                return Err(LloyalError::invalid(format!("n_threads must be in 1..=1024, got {t}")));
             }
         }
         parse_kv_type("type_k", &self.type_k)?;
@@ -152,11 +138,7 @@ impl ContextOptions {
         p.n_threads = threads;
         p.n_threads_batch = threads;
         p.embeddings = self.embeddings;
-        p.pooling_type = if self.embeddings {
-            self.pooling.raw()
-        } else {
-            sys::LLAMA_POOLING_TYPE_NONE
-        };
+        p.pooling_type = if self.embeddings { self.pooling.raw() } else { sys::LLAMA_POOLING_TYPE_NONE };
         p.type_k = parse_kv_type("type_k", &self.type_k)?;
         p.type_v = parse_kv_type("type_v", &self.type_v)?;
         p.kv_unified = true;
@@ -174,40 +156,19 @@ mod tests {
     fn defaults_are_valid_and_unified() {
         let p = ContextOptions::default().to_llama().unwrap();
         assert!(p.kv_unified && p.swa_full);
-        assert_eq!(
-            (p.n_ctx, p.n_batch, p.n_ubatch, p.n_seq_max),
-            (2048, 512, 512, 1)
-        );
+        assert_eq!((p.n_ctx, p.n_batch, p.n_ubatch, p.n_seq_max), (2048, 512, 512, 1));
     }
 
     #[test]
     fn rejects_bad_options() {
         for o in [
-            ContextOptions {
-                n_seq_max: 0,
-                ..Default::default()
-            },
-            ContextOptions {
-                n_seq_max: 257,
-                ..Default::default()
-            },
-            ContextOptions {
-                n_batch: 0,
-                ..Default::default()
-            },
-            ContextOptions {
-                type_k: "f8".into(),
-                ..Default::default()
-            },
-            ContextOptions {
-                n_threads: Some(0),
-                ..Default::default()
-            },
+            ContextOptions { n_seq_max: 0, ..Default::default() },
+            ContextOptions { n_seq_max: 257, ..Default::default() },
+            ContextOptions { n_batch: 0, ..Default::default() },
+            ContextOptions { type_k: "f8".into(), ..Default::default() },
+            ContextOptions { n_threads: Some(0), ..Default::default() },
         ] {
-            assert!(
-                matches!(o.validate(), Err(LloyalError::InvalidArgument(_))),
-                "{o:?}"
-            );
+            assert!(matches!(o.validate(), Err(LloyalError::InvalidArgument(_))), "{o:?}");
         }
         assert!(Pooling::parse("max").is_err());
     }

@@ -29,11 +29,7 @@ pub fn plan(lens: &[usize], n_batch: usize) -> Vec<Vec<Piece>> {
             }
             let take = room.min(len - start);
             if let Some(chunk) = chunks.last_mut() {
-                chunk.push(Piece {
-                    item,
-                    start,
-                    end: start + take,
-                });
+                chunk.push(Piece { item, start, end: start + take });
             }
             start += take;
             room -= take;
@@ -49,11 +45,7 @@ mod tests {
     fn check_invariants(lens: &[usize], n_batch: usize) {
         let chunks = plan(lens, n_batch);
         let total: usize = lens.iter().sum();
-        assert_eq!(
-            chunks.len(),
-            total.div_ceil(n_batch.max(1)),
-            "dispatch count"
-        );
+        assert_eq!(chunks.len(), total.div_ceil(n_batch.max(1)), "dispatch count");
         let mut next = vec![0usize; lens.len()];
         for chunk in &chunks {
             let rows: usize = chunk.iter().map(|p| p.end - p.start).sum();
@@ -73,18 +65,7 @@ mod tests {
         assert_eq!(chunks.len(), 2);
         assert_eq!(
             chunks[0],
-            vec![
-                Piece {
-                    item: 0,
-                    start: 0,
-                    end: 300
-                },
-                Piece {
-                    item: 1,
-                    start: 0,
-                    end: 212
-                }
-            ]
+            vec![Piece { item: 0, start: 0, end: 300 }, Piece { item: 1, start: 0, end: 212 }]
         );
     }
 
@@ -97,12 +78,7 @@ mod tests {
     #[test]
     fn many_shapes() {
         for n_batch in [1, 7, 32, 512] {
-            for lens in [
-                vec![1; 50],
-                vec![3, 9, 27, 81],
-                vec![100],
-                vec![513, 1, 511],
-            ] {
+            for lens in [vec![1; 50], vec![3, 9, 27, 81], vec![100], vec![513, 1, 511]] {
                 check_invariants(&lens, n_batch);
             }
         }

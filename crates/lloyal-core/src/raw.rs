@@ -14,8 +14,7 @@ use crate::model::Model;
 
 // `LlamaModel` is `#[repr(transparent)]` over a `NonNull<llama_model>` (llama-cpp-2 0.1.160,
 // pinned with `=`); fail the build if that ever changes size.
-const _: () =
-    assert!(std::mem::size_of::<LlamaModel>() == std::mem::size_of::<*mut sys::llama_model>());
+const _: () = assert!(std::mem::size_of::<LlamaModel>() == std::mem::size_of::<*mut sys::llama_model>());
 
 /// The raw `llama_model*` behind a llama-cpp-2 model.
 pub fn model_ptr(model: &LlamaModel) -> *mut sys::llama_model {

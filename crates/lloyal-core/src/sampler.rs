@@ -33,8 +33,7 @@ impl Drop for RawChain {
 impl RawChain {
     fn new() -> Self {
         // SAFETY: plain constructor calls with default params.
-        let ptr =
-            unsafe { sys::llama_sampler_chain_init(sys::llama_sampler_chain_default_params()) };
+        let ptr = unsafe { sys::llama_sampler_chain_init(sys::llama_sampler_chain_default_params()) };
         RawChain(NonNull::new(ptr).expect("llama_sampler_chain_init returned null"))
     }
 
@@ -65,28 +64,14 @@ fn seed_of(params: &SamplingParams) -> u32 {
 #[derive(Debug, Clone, Copy, PartialEq)]
 enum Step {
     Temp(f32),
-    Mirostat {
-        n_vocab: i32,
-        seed: u32,
-        tau: f32,
-        eta: f32,
-    },
-    MirostatV2 {
-        seed: u32,
-        tau: f32,
-        eta: f32,
-    },
+    Mirostat { n_vocab: i32, seed: u32, tau: f32, eta: f32 },
+    MirostatV2 { seed: u32, tau: f32, eta: f32 },
     Greedy,
     TopK(i32),
     Typical(f32),
     TopP(f32),
     MinP(f32),
-    Xtc {
-        p: f32,
-        t: f32,
-        min_keep: usize,
-        seed: u32,
-    },
+    Xtc { p: f32, t: f32, min_keep: usize, seed: u32 },
     Dist(u32),
 }
 
@@ -96,18 +81,9 @@ fn plan_steps(params: &SamplingParams, n_vocab: i32) -> Vec<Step> {
     let seed = seed_of(params);
     if let Some(m) = &params.mirostat {
         let last = if m.version == 1 {
-            Step::Mirostat {
-                n_vocab,
-                seed,
-                tau: m.tau,
-                eta: m.eta,
-            }
+            Step::Mirostat { n_vocab, seed, tau: m.tau, eta: m.eta }
         } else {
-            Step::MirostatV2 {
-                seed,
-                tau: m.tau,
-                eta: m.eta,
-            }
+            Step::MirostatV2 { seed, tau: m.tau, eta: m.eta }
         };
         return vec![Step::Temp(params.temperature.max(0.0)), last];
     }
@@ -128,12 +104,7 @@ fn plan_steps(params: &SamplingParams, n_vocab: i32) -> Vec<Step> {
         steps.push(Step::MinP(params.min_p));
     }
     if let Some(x) = params.xtc.as_ref().filter(|x| x.probability > 0.0) {
-        steps.push(Step::Xtc {
-            p: x.probability,
-            t: x.threshold,
-            min_keep: x.min_keep.max(1),
-            seed,
-        });
+        steps.push(Step::Xtc { p: x.probability, t: x.threshold, min_keep: x.min_keep.max(1), seed });
     }
     steps.push(Step::Temp(params.temperature));
     steps.push(Step::Dist(seed));
@@ -146,26 +117,16 @@ fn init_step(step: Step) -> *mut sys::llama_sampler {
     unsafe {
         match step {
             Step::Temp(t) => sys::llama_sampler_init_temp(t),
-            Step::Mirostat {
-                n_vocab,
-                seed,
-                tau,
-                eta,
-            } => sys::llama_sampler_init_mirostat(n_vocab, seed, tau, eta, 100),
-            Step::MirostatV2 { seed, tau, eta } => {
-                sys::llama_sampler_init_mirostat_v2(seed, tau, eta)
+            Step::Mirostat { n_vocab, seed, tau, eta } => {
+                sys::llama_sampler_init_mirostat(n_vocab, seed, tau, eta, 100)
             }
+            Step::MirostatV2 { seed, tau, eta } => sys::llama_sampler_init_mirostat_v2(seed, tau, eta),
             Step::Greedy => sys::llama_sampler_init_greedy(),
             Step::TopK(k) => sys::llama_sampler_init_top_k(k),
             Step::Typical(p) => sys::llama_sampler_init_typical(p, 1),
             Step::TopP(p) => sys::llama_sampler_init_top_p(p, 1),
             Step::MinP(p) => sys::llama_sampler_init_min_p(p, 1),
-            Step::Xtc {
-                p,
-                t,
-                min_keep,
-                seed,
-            } => sys::llama_sampler_init_xtc(p, t, min_keep, seed),
+            Step::Xtc { p, t, min_keep, seed } => sys::llama_sampler_init_xtc(p, t, min_keep, seed),
             Step::Dist(seed) => sys::llama_sampler_init_dist(seed),
         }
     }
@@ -180,8 +141,7 @@ fn build_chain(model: &Model, params: &SamplingParams) -> Result<RawChain> {
             .sequence_breakers
             .iter()
             .map(|s| {
-                CString::new(s.as_str())
-                    .map_err(|_| LloyalError::invalid("NUL in dry sequence breaker"))
+                CString::new(s.as_str()).map_err(|_| LloyalError::invalid("NUL in dry sequence breaker"))
             })
             .collect::<Result<_>>()?;
         let mut ptrs: Vec<*const std::ffi::c_char> = breakers.iter().map(|c| c.as_ptr()).collect();
@@ -209,12 +169,7 @@ impl Sampler {
     /// Build a sampler for `params` (validated first).
     pub fn new(model: &Model, params: SamplingParams) -> Result<Self> {
         let chain = build_chain(model, &params)?;
-        Ok(Sampler {
-            chain,
-            params,
-            history: Vec::new(),
-            candidates: Vec::new(),
-        })
+        Ok(Sampler { chain, params, history: Vec::new(), candidates: Vec::new() })
     }
 
     /// The parameters this sampler was built with.
@@ -245,10 +200,7 @@ impl Sampler {
 
     /// Restart the RNG with `seed` (history kept).
     pub fn reseed(&mut self, model: &Model, seed: u32) -> Result<()> {
-        let params = SamplingParams {
-            seed: Some(seed),
-            ..self.params.clone()
-        };
+        let params = SamplingParams { seed: Some(seed), ..self.params.clone() };
         // Force a rebuild even if the seed is unchanged, so the RNG restarts.
         self.params.seed = None.or(Some(seed.wrapping_add(1)));
         self.set_params(model, params)
@@ -269,7 +221,11 @@ impl Sampler {
         self.candidates.clear();
         if p.top_k > 0 && p.dry.is_none() && p.mirostat.is_none() {
             let top = top_candidates(logits, &repl, p.top_k as usize);
-            self.candidates.extend(top.into_iter().map(|(id, logit)| sys::llama_token_data { id, logit, p: 0.0 }));
+            self.candidates.extend(top.into_iter().map(|(id, logit)| sys::llama_token_data {
+                id,
+                logit,
+                p: 0.0,
+            }));
         } else {
             self.candidates.extend(logits.iter().enumerate().map(|(i, &logit)| sys::llama_token_data {
                 id: i as i32,
@@ -309,9 +265,8 @@ impl Sampler {
     pub fn try_clone(&self) -> Result<Self> {
         // SAFETY: cloning a valid chain; the result is checked for null.
         let ptr = unsafe { sys::llama_sampler_clone(self.chain.0.as_ptr()) };
-        let chain = NonNull::new(ptr)
-            .map(RawChain)
-            .ok_or_else(|| LloyalError::invalid("sampler clone failed"))?;
+        let chain =
+            NonNull::new(ptr).map(RawChain).ok_or_else(|| LloyalError::invalid("sampler clone failed"))?;
         Ok(Sampler {
             chain,
             params: self.params.clone(),
@@ -361,11 +316,8 @@ pub fn top_candidates(logits: &[f32], replace: &[(usize, f32)], k: usize) -> Vec
             floor = heap.peek().map(|r| r.0).unwrap_or(floor);
         }
     }
-    let mut out: Vec<Cand> = heap
-        .into_iter()
-        .map(|r| r.0)
-        .filter(|c| !replace.iter().any(|&(i, _)| i as i32 == c.1))
-        .collect();
+    let mut out: Vec<Cand> =
+        heap.into_iter().map(|r| r.0).filter(|c| !replace.iter().any(|&(i, _)| i as i32 == c.1)).collect();
     out.extend(replace.iter().filter(|(i, _)| *i < logits.len()).map(|&(i, v)| Cand(v, i as i32)));
     out.sort_unstable_by(|a, b| b.cmp(a));
     out.truncate(k);
@@ -392,48 +344,19 @@ mod tests {
 
     #[test]
     fn chain_order_and_disabled_steps() {
-        let p = SamplingParams {
-            seed: Some(3),
-            ..Default::default()
-        };
+        let p = SamplingParams { seed: Some(3), ..Default::default() };
         assert_eq!(
             plan_steps(&p, 10),
-            vec![
-                Step::TopK(40),
-                Step::TopP(0.95),
-                Step::MinP(0.05),
-                Step::Temp(0.8),
-                Step::Dist(3)
-            ]
+            vec![Step::TopK(40), Step::TopP(0.95), Step::MinP(0.05), Step::Temp(0.8), Step::Dist(3)]
         );
-        assert_eq!(
-            plan_steps(&SamplingParams::greedy(), 10),
-            vec![Step::Greedy]
-        );
+        assert_eq!(plan_steps(&SamplingParams::greedy(), 10), vec![Step::Greedy]);
         let m = SamplingParams {
-            mirostat: Some(Mirostat {
-                version: 2,
-                tau: 5.0,
-                eta: 0.1,
-            }),
+            mirostat: Some(Mirostat { version: 2, tau: 5.0, eta: 0.1 }),
             seed: Some(1),
             ..Default::default()
         };
-        assert_eq!(
-            plan_steps(&m, 10)[1],
-            Step::MirostatV2 {
-                seed: 1,
-                tau: 5.0,
-                eta: 0.1
-            }
-        );
-        let all = SamplingParams {
-            top_k: 0,
-            top_p: 1.0,
-            min_p: 0.0,
-            seed: Some(0),
-            ..Default::default()
-        };
+        assert_eq!(plan_steps(&m, 10)[1], Step::MirostatV2 { seed: 1, tau: 5.0, eta: 0.1 });
+        let all = SamplingParams { top_k: 0, top_p: 1.0, min_p: 0.0, seed: Some(0), ..Default::default() };
         assert_eq!(plan_steps(&all, 10), vec![Step::Temp(0.8), Step::Dist(0)]);
     }
 

@@ -76,18 +76,13 @@ fn check(ok: bool, msg: impl FnOnce() -> String) -> Result<()> {
 }
 
 fn unit(name: &str, v: f32) -> Result<()> {
-    check((0.0..=1.0).contains(&v), || {
-        format!("{name} must be in [0, 1], got {v}")
-    })
+    check((0.0..=1.0).contains(&v), || format!("{name} must be in [0, 1], got {v}"))
 }
 
 impl SamplingParams {
     /// Greedy parameters (temperature 0).
     pub fn greedy() -> Self {
-        SamplingParams {
-            temperature: 0.0,
-            ..Self::default()
-        }
+        SamplingParams { temperature: 0.0, ..Self::default() }
     }
 
     /// Whether sampling is deterministic argmax.
@@ -98,9 +93,7 @@ impl SamplingParams {
     /// Whether repeat/frequency/presence penalties do anything.
     pub fn has_penalties(&self) -> bool {
         self.penalty_last_n != 0
-            && (self.repeat_penalty != 1.0
-                || self.frequency_penalty != 0.0
-                || self.presence_penalty != 0.0)
+            && (self.repeat_penalty != 1.0 || self.frequency_penalty != 0.0 || self.presence_penalty != 0.0)
     }
 
     /// Reject values llama.cpp would misbehave on, with a message naming the field.
@@ -108,68 +101,35 @@ impl SamplingParams {
         check(self.temperature.is_finite(), || {
             format!("temperature must be finite, got {}", self.temperature)
         })?;
-        check(self.top_k >= 0, || {
-            format!("top_k must be >= 0 (0 disables it), got {}", self.top_k)
-        })?;
+        check(self.top_k >= 0, || format!("top_k must be >= 0 (0 disables it), got {}", self.top_k))?;
         unit("top_p", self.top_p)?;
         unit("min_p", self.min_p)?;
         check(self.typical_p > 0.0 && self.typical_p <= 1.0, || {
-            format!(
-                "typical_p must be in (0, 1] (1 disables it), got {}",
-                self.typical_p
-            )
+            format!("typical_p must be in (0, 1] (1 disables it), got {}", self.typical_p)
         })?;
-        check(
-            self.repeat_penalty.is_finite() && self.repeat_penalty > 0.0,
-            || {
-                format!(
-                    "repeat_penalty must be > 0 (1 disables it), got {}",
-                    self.repeat_penalty
-                )
-            },
-        )?;
-        check(self.frequency_penalty.is_finite(), || {
-            "frequency_penalty must be finite".into()
+        check(self.repeat_penalty.is_finite() && self.repeat_penalty > 0.0, || {
+            format!("repeat_penalty must be > 0 (1 disables it), got {}", self.repeat_penalty)
         })?;
-        check(self.presence_penalty.is_finite(), || {
-            "presence_penalty must be finite".into()
-        })?;
+        check(self.frequency_penalty.is_finite(), || "frequency_penalty must be finite".into())?;
+        check(self.presence_penalty.is_finite(), || "presence_penalty must be finite".into())?;
         check(self.penalty_last_n >= -1, || {
-            format!(
-                "penalty_last_n must be >= -1 (-1 = whole history, 0 = off), got {}",
-                self.penalty_last_n
-            )
+            format!("penalty_last_n must be >= -1 (-1 = whole history, 0 = off), got {}", self.penalty_last_n)
         })?;
         if let Some(m) = &self.mirostat {
             check(m.version == 1 || m.version == 2, || {
                 format!("mirostat version must be 1 or 2, got {}", m.version)
             })?;
-            check(m.tau.is_finite() && m.tau > 0.0, || {
-                format!("mirostat tau must be > 0, got {}", m.tau)
-            })?;
-            check(m.eta.is_finite() && m.eta > 0.0, || {
-                format!("mirostat eta must be > 0, got {}", m.eta)
-            })?;
+            check(m.tau.is_finite() && m.tau > 0.0, || format!("mirostat tau must be > 0, got {}", m.tau))?;
+            check(m.eta.is_finite() && m.eta > 0.0, || format!("mirostat eta must be > 0, got {}", m.eta))?;
         }
         if let Some(d) = &self.dry {
-            check(d.multiplier.is_finite() && d.multiplier >= 0.0, || {
-                "dry multiplier must be >= 0".into()
+            check(d.multiplier.is_finite() && d.multiplier >= 0.0, || "dry multiplier must be >= 0".into())?;
+            check(d.base.is_finite() && d.base >= 1.0, || format!("dry base must be >= 1, got {}", d.base))?;
+            check(d.allowed_length >= 0, || "dry allowed_length must be >= 0".into())?;
+            check(d.penalty_last_n >= -1, || "dry penalty_last_n must be >= -1".into())?;
+            check(d.sequence_breakers.iter().all(|s| !s.is_empty() && !s.contains('\0')), || {
+                "dry sequence_breakers must be non-empty strings without NUL".into()
             })?;
-            check(d.base.is_finite() && d.base >= 1.0, || {
-                format!("dry base must be >= 1, got {}", d.base)
-            })?;
-            check(d.allowed_length >= 0, || {
-                "dry allowed_length must be >= 0".into()
-            })?;
-            check(d.penalty_last_n >= -1, || {
-                "dry penalty_last_n must be >= -1".into()
-            })?;
-            check(
-                d.sequence_breakers
-                    .iter()
-                    .all(|s| !s.is_empty() && !s.contains('\0')),
-                || "dry sequence_breakers must be non-empty strings without NUL".into(),
-            )?;
         }
         if let Some(x) = &self.xtc {
             unit("xtc probability", x.probability)?;
@@ -241,36 +201,17 @@ mod tests {
     #[test]
     fn rejects_bad_values() {
         let bad = [
+            SamplingParams { top_k: -1, ..Default::default() },
+            SamplingParams { top_p: 1.5, ..Default::default() },
+            SamplingParams { repeat_penalty: 0.0, ..Default::default() },
+            SamplingParams { temperature: f32::NAN, ..Default::default() },
             SamplingParams {
-                top_k: -1,
-                ..Default::default()
-            },
-            SamplingParams {
-                top_p: 1.5,
-                ..Default::default()
-            },
-            SamplingParams {
-                repeat_penalty: 0.0,
-                ..Default::default()
-            },
-            SamplingParams {
-                temperature: f32::NAN,
-                ..Default::default()
-            },
-            SamplingParams {
-                mirostat: Some(Mirostat {
-                    version: 3,
-                    tau: 5.0,
-                    eta: 0.1,
-                }),
+                mirostat: Some(Mirostat { version: 3, tau: 5.0, eta: 0.1 }),
                 ..Default::default()
             },
         ];
         for p in bad {
-            assert!(
-                matches!(p.validate(), Err(LloyalError::InvalidArgument(_))),
-                "{p:?}"
-            );
+            assert!(matches!(p.validate(), Err(LloyalError::InvalidArgument(_))), "{p:?}");
         }
     }
 

@@ -38,16 +38,12 @@ impl ContextState {
 
     /// The live branch behind `handle`.
     pub fn branch(&self, handle: Handle) -> Result<&BranchState> {
-        self.branches
-            .get(handle)
-            .ok_or_else(|| Self::disposed(handle))
+        self.branches.get(handle).ok_or_else(|| Self::disposed(handle))
     }
 
     /// The live branch behind `handle`, mutably.
     pub fn branch_mut(&mut self, handle: Handle) -> Result<&mut BranchState> {
-        self.branches
-            .get_mut(handle)
-            .ok_or_else(|| Self::disposed(handle))
+        self.branches.get_mut(handle).ok_or_else(|| Self::disposed(handle))
     }
 
     /// Whether `handle` is a live branch.
@@ -70,10 +66,7 @@ impl ContextState {
     }
 
     fn lease_exhausted(&self) -> LloyalError {
-        LloyalError::LeaseExhausted {
-            n_seq_max: self.leases.n_seq_max(),
-            live: self.leases.live(),
-        }
+        LloyalError::LeaseExhausted { n_seq_max: self.leases.n_seq_max(), live: self.leases.live() }
     }
 
     /// Free leases.
@@ -106,20 +99,13 @@ impl ContextState {
     /// `Branch.create`: take a lease (its sequence emptied first) and start a root at `position`.
     pub fn branch_create(&mut self, position: i32, params: SamplingParams) -> Result<Handle> {
         if position < 0 {
-            return Err(LloyalError::invalid(format!(
-                "position must be >= 0, got {position}"
-            )));
+            return Err(LloyalError::invalid(format!("position must be >= 0, got {position}")));
         }
         let model = self.model();
         let sampler = Sampler::new(&model, params)?;
-        let seq = self
-            .leases
-            .acquire()
-            .ok_or_else(|| self.lease_exhausted())?;
+        let seq = self.leases.acquire().ok_or_else(|| self.lease_exhausted())?;
         self.remove_cells(seq, -1, -1);
-        let handle = self
-            .branches
-            .insert(BranchState::new(seq, position, sampler));
+        let handle = self.branches.insert(BranchState::new(seq, position, sampler));
         self.topology.add(handle, None);
         Ok(handle)
     }
@@ -127,10 +113,7 @@ impl ContextState {
     /// `Branch.fork`: a child sharing the parent's KV prefix (metadata copy, 0 new cells).
     pub fn branch_fork(&mut self, parent: Handle, clone_logits: bool) -> Result<Handle> {
         self.branch(parent)?;
-        let seq = self
-            .leases
-            .acquire()
-            .ok_or_else(|| self.lease_exhausted())?;
+        let seq = self.leases.acquire().ok_or_else(|| self.lease_exhausted())?;
         let child = match self.branch(parent).and_then(|p| p.fork(seq, clone_logits)) {
             Ok(c) => c,
             Err(e) => {
@@ -151,9 +134,7 @@ impl ContextState {
     fn dispose(&mut self, handle: Handle) {
         if let Some(b) = self.branches.remove(handle) {
             self.remove_cells(b.seq_id, -1, -1);
-            self.cells_used = self
-                .cells_used
-                .saturating_sub((b.position - b.fork_head).max(0) as usize);
+            self.cells_used = self.cells_used.saturating_sub((b.position - b.fork_head).max(0) as usize);
             self.leases.release(b.seq_id);
             self.topology.remove(handle);
         }
@@ -222,11 +203,7 @@ impl ContextState {
         self.leases.rebuild(&[seq]);
         let b = self.branch_mut(winner)?;
         b.fork_head = if p_max >= 0 { p_min } else { b.position };
-        self.cells_used = if p_max >= 0 {
-            (p_max - p_min + 1) as usize
-        } else {
-            0
-        };
+        self.cells_used = if p_max >= 0 { (p_max - p_min + 1) as usize } else { 0 };
         Ok(())
     }
 
@@ -449,10 +426,6 @@ impl ContextState {
     /// Surprisal of `token` under a branch's logits.
     pub fn branch_surprisal(&self, handle: Handle, token: i32, base: Base) -> Result<f64> {
         self.model().check_token(i64::from(token))?;
-        Ok(surprisal(
-            self.branch(handle)?.logits()?,
-            token as usize,
-            base,
-        ))
+        Ok(surprisal(self.branch(handle)?.logits()?, token as usize, base))
     }
 }

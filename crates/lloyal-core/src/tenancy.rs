@@ -26,11 +26,7 @@ pub struct Slots<T> {
 
 impl<T> Default for Slots<T> {
     fn default() -> Self {
-        Slots {
-            entries: Vec::new(),
-            free: Vec::new(),
-            live: 0,
-        }
+        Slots { entries: Vec::new(), free: Vec::new(), live: 0 }
     }
 }
 
@@ -43,18 +39,13 @@ impl<T> Slots<T> {
             slot.value = Some(value);
             return pack(index, slot.generation);
         }
-        self.entries.push(Slot {
-            generation: 1,
-            value: Some(value),
-        });
+        self.entries.push(Slot { generation: 1, value: Some(value) });
         pack((self.entries.len() - 1) as u32, 1)
     }
 
     fn slot(&self, handle: Handle) -> Option<&Slot<T>> {
         let (index, generation) = unpack(handle);
-        self.entries
-            .get(index as usize)
-            .filter(|s| s.generation == generation)
+        self.entries.get(index as usize).filter(|s| s.generation == generation)
     }
 
     /// The value behind a live handle.
@@ -65,20 +56,14 @@ impl<T> Slots<T> {
     /// The value behind a live handle, mutably.
     pub fn get_mut(&mut self, handle: Handle) -> Option<&mut T> {
         let (index, generation) = unpack(handle);
-        let slot = self
-            .entries
-            .get_mut(index as usize)
-            .filter(|s| s.generation == generation)?;
+        let slot = self.entries.get_mut(index as usize).filter(|s| s.generation == generation)?;
         slot.value.as_mut()
     }
 
     /// Free a handle's slot (bumping its generation); return the value.
     pub fn remove(&mut self, handle: Handle) -> Option<T> {
         let (index, generation) = unpack(handle);
-        let slot = self
-            .entries
-            .get_mut(index as usize)
-            .filter(|s| s.generation == generation)?;
+        let slot = self.entries.get_mut(index as usize).filter(|s| s.generation == generation)?;
         let value = slot.value.take()?;
         slot.generation = slot.generation.wrapping_add(1).max(1);
         self.free.push(index);
@@ -122,10 +107,7 @@ pub struct Leases {
 impl Leases {
     /// All `n_seq_max` ids free.
     pub fn new(n_seq_max: u32) -> Self {
-        Leases {
-            n_seq_max,
-            free: (0..n_seq_max as i32).rev().collect(),
-        }
+        Leases { n_seq_max, free: (0..n_seq_max as i32).rev().collect() }
     }
 
     /// Take the most recently freed id (or the lowest never-used one).
@@ -135,19 +117,13 @@ impl Leases {
 
     /// Return an id.
     pub fn release(&mut self, seq_id: i32) {
-        debug_assert!(
-            !self.free.contains(&seq_id),
-            "double release of seq {seq_id}"
-        );
+        debug_assert!(!self.free.contains(&seq_id), "double release of seq {seq_id}");
         self.free.push(seq_id);
     }
 
     /// Rebuild so that only `held` ids are taken.
     pub fn rebuild(&mut self, held: &[i32]) {
-        self.free = (0..self.n_seq_max as i32)
-            .rev()
-            .filter(|s| !held.contains(s))
-            .collect();
+        self.free = (0..self.n_seq_max as i32).rev().filter(|s| !held.contains(s)).collect();
     }
 
     /// Free ids.

@@ -24,13 +24,7 @@ impl Topology {
                 n.children.push(handle);
             }
         }
-        self.nodes.insert(
-            handle,
-            Node {
-                parent,
-                children: Vec::new(),
-            },
-        );
+        self.nodes.insert(handle, Node { parent, children: Vec::new() });
     }
 
     /// Parent of a node.
@@ -40,10 +34,7 @@ impl Topology {
 
     /// Children of a node, in creation order.
     pub fn children(&self, handle: Handle) -> &[Handle] {
-        self.nodes
-            .get(&handle)
-            .map(|n| n.children.as_slice())
-            .unwrap_or(&[])
+        self.nodes.get(&handle).map(|n| n.children.as_slice()).unwrap_or(&[])
     }
 
     /// Remove a leaf (callers enforce RESTRICT first); unlinks it from its parent.

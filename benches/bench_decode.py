@@ -1,0 +1,97 @@
+"""Single-stream decode speed: lloyal (flat path and Branch) vs llama-cpp-python (high-level
+API and the raw C loop through its bindings), same model, threads and greedy sampling."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from conftest import THREADS
+from llama_peer import RawLoop, high_level
+
+import lloyal
+
+GROUP = "decode-single-stream"
+
+
+def steps(full: bool) -> int:
+    return 64 if full else 4
+
+
+@pytest.mark.benchmark(group=GROUP)
+def test_lloyal_flat(benchmark, model_path: Path, prompt_tokens: list[int], full: bool) -> None:
+    n = steps(full)
+    with lloyal.Context(model_path, n_ctx=1024, n_threads=THREADS) as ctx:
+
+        def run() -> list[int]:
+            ctx.kv_cache_clear()
+            ctx.decode(prompt_tokens, 0)
+            out, pos = [], len(prompt_tokens)
+            for _ in range(n):
+                t = ctx.sample(temperature=0)
+                out.append(t)
+                ctx.decode([t], pos)
+                pos += 1
+            return out
+
+        out = benchmark.pedantic(run, rounds=3 if full else 1, iterations=1)
+    assert len(out) == n
+
+
+@pytest.mark.benchmark(group=GROUP)
+def test_lloyal_branch(benchmark, model_path: Path, prompt_tokens: list[int], full: bool) -> None:
+    n = steps(full)
+    with lloyal.Context(model_path, n_ctx=1024, n_threads=THREADS) as ctx:
+
+        def run() -> list[int]:
+            with lloyal.Branch.create(ctx, 0, lloyal.SamplingParams(temperature=0)) as b:
+                b.prefill(prompt_tokens)
+                out = []
+                for _ in range(n):
+                    t = b.sample()
+                    b.commit(t)
+                    out.append(t)
+                return out
+
+        out = benchmark.pedantic(run, rounds=3 if full else 1, iterations=1)
+    assert len(out) == n
+
+
+@pytest.mark.benchmark(group=GROUP)
+def test_llama_cpp_python_high_level(benchmark, model_path: Path, prompt_tokens: list[int], full: bool) -> None:
+    n = steps(full)
+    llm = high_level(model_path, 1024, THREADS)
+
+    def run() -> list[int]:
+        llm.reset()
+        out = []
+        for t in llm.generate(prompt_tokens, temp=0.0, reset=True):
+            out.append(t)
+            if len(out) == n:
+                break
+        return out
+
+    out = benchmark.pedantic(run, rounds=3 if full else 1, iterations=1)
+    assert len(out) == n
+
+
+@pytest.mark.benchmark(group=GROUP)
+def test_llama_cpp_raw_loop(benchmark, model_path: Path, prompt_tokens: list[int], full: bool) -> None:
+    n = steps(full)
+    raw = RawLoop(model_path, 1024, 1, THREADS)
+    chain = raw.sampler(0, 0.0, 40, 0.95, 0.05)
+
+    def run() -> list[int]:
+        raw.clear()
+        raw.decode([(t, i, 0, i == len(prompt_tokens) - 1) for i, t in enumerate(prompt_tokens)])
+        out, pos = [], len(prompt_tokens)
+        for _ in range(n):
+            t = raw.sample(chain, -1)
+            out.append(t)
+            raw.decode([(t, pos, 0, True)])
+            pos += 1
+        return out
+
+    out = benchmark.pedantic(run, rounds=3 if full else 1, iterations=1)
+    raw.close()
+    assert len(out) == n
