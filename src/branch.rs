@@ -290,14 +290,14 @@ impl PyBranch {
 
     /// Whether the branch is live (holds a lease).
     #[getter]
-    fn is_active(&self) -> bool {
-        self.core().with(|s| Ok(s.is_live(self.handle))).unwrap_or(false)
+    fn is_active(&self, py: Python<'_>) -> bool {
+        self.call(py, |s, h| Ok(s.is_live(h))).unwrap_or(false)
     }
 
     /// Whether the branch was pruned, retained away, or its context closed.
     #[getter]
-    fn disposed(&self) -> bool {
-        !self.is_active()
+    fn disposed(&self, py: Python<'_>) -> bool {
+        !self.is_active(py)
     }
 
     /// The branch's handle (stable identity; never reused for another branch).
@@ -342,8 +342,8 @@ impl PyBranch {
         self.handle ^ (Arc::as_ptr(self.core()) as u64).rotate_left(17)
     }
 
-    fn __repr__(&self) -> String {
-        match self.core().with(|s| s.branch_info(self.handle)) {
+    fn __repr__(&self, py: Python<'_>) -> String {
+        match self.call(py, |s, h| s.branch_info(h)) {
             Ok(i) => format!(
                 "Branch(handle={}, seq_id={}, position={}, perplexity={:.3})",
                 self.handle, i.seq_id, i.position, i.perplexity

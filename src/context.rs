@@ -29,7 +29,7 @@ impl PyContext {
     }
 
     fn check_open(&self) -> PyResult<()> {
-        self.inner.with(|_| Ok(())).py()
+        self.inner.check_open().py()
     }
 }
 
@@ -125,8 +125,8 @@ impl PyContext {
 
     /// Bytes of KV cache memory.
     #[getter]
-    fn memory_size(&self) -> PyResult<u64> {
-        self.inner.with(|s| Ok(s.memory_size())).py()
+    fn memory_size(&self, py: Python<'_>) -> PyResult<u64> {
+        run(py, self.ctx(), |s| Ok(s.memory_size()))
     }
 
     /// Whether ``close()`` has run.
@@ -194,6 +194,7 @@ impl PyContext {
 
     /// Whether ``token`` ends generation (EOS/EOT).
     fn is_stop_token(&self, token: i64) -> PyResult<bool> {
+        self.check_open()?;
         let model = self.inner.model();
         let t = model.check_token(token).py()?;
         Ok(model.is_eog(t))
@@ -233,13 +234,11 @@ impl PyContext {
     }
 
     /// Forget the flat sampler's penalty history and RNG state.
-    fn reset_sampler(&self) -> PyResult<()> {
-        self.inner
-            .with(|s| {
-                s.reset_sampler();
-                Ok(())
-            })
-            .py()
+    fn reset_sampler(&self, py: Python<'_>) -> PyResult<()> {
+        run(py, self.ctx(), |s| {
+            s.reset_sampler();
+            Ok(())
+        })
     }
 
     /// The last decode's logits: a read-only float32 array of shape ``(n_vocab,)``.
@@ -304,13 +303,11 @@ impl PyContext {
     }
 
     fn __repr__(&self) -> String {
+        let closed = self.closed();
         let s = self.inner.shape();
         format!(
             "Context(n_ctx={}, n_batch={}, n_seq_max={}, closed={})",
-            s.n_ctx,
-            s.n_batch,
-            s.n_seq_max,
-            self.inner.is_closed()
+            s.n_ctx, s.n_batch, s.n_seq_max, closed
         )
     }
 

@@ -1,5 +1,6 @@
 //! A llama.cpp context behind one lock: the flat decode path, sampling, logits and raw KV ops.
 
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 
 use llama_cpp_sys_2 as sys;
@@ -34,6 +35,7 @@ pub struct Context {
     shape: ContextShape,
     options: ContextOptions,
     state: Mutex<Option<ContextState>>,
+    closed: AtomicBool,
 }
 
 impl std::fmt::Debug for Context {
@@ -78,7 +80,13 @@ impl Context {
             cells_used: 0,
             kv_cell_bytes: model.kv_bytes_per_cell(params.type_k, params.type_v),
         };
-        Ok(Arc::new(Context { model, shape, options, state: Mutex::new(Some(state)) }))
+        Ok(Arc::new(Context {
+            model,
+            shape,
+            options,
+            state: Mutex::new(Some(state)),
+            closed: AtomicBool::new(false),
+        }))
     }
 
     /// The model this context runs.
@@ -111,13 +119,25 @@ impl Context {
 
     /// Free the llama.cpp context (waits for a running call). Idempotent.
     pub fn close(&self) {
-        let state = self.guard().take();
+        let mut guard = self.guard();
+        self.closed.store(true, Ordering::Release);
+        let state = guard.take();
+        drop(guard);
         drop(state);
     }
 
-    /// Whether `close()` ran.
+    /// Whether `close()` ran (lock-free).
     pub fn is_closed(&self) -> bool {
-        self.guard().is_none()
+        self.closed.load(Ordering::Acquire)
+    }
+
+    /// `ContextClosed` once `close()` ran (lock-free).
+    pub fn check_open(&self) -> Result<()> {
+        if self.is_closed() {
+            Err(LloyalError::ContextClosed)
+        } else {
+            Ok(())
+        }
     }
 }
 
