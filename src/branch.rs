@@ -168,9 +168,15 @@ impl PyBranch {
         aio::in_thread(slf.py(), slf.getattr("commit")?, vec![token])
     }
 
+    /// BlinkKV: replace this branch's sequence with ``sinks + tail`` at positions ``0..n``
+    /// (sampler history and metrics kept); returns the new position.
+    fn reseed(&self, py: Python<'_>, sinks: Vec<i32>, tail: Vec<i32>) -> PyResult<i32> {
+        self.call(py, move |s, h| s.branch_reseed(h, &sinks, &tail))
+    }
+
     /// Restart the sampler's RNG with ``seed`` (history kept).
     fn reseed_sampler(&self, py: Python<'_>, seed: u32) -> PyResult<()> {
-        self.call(py, move |s, h| s.branch_reseed(h, seed))
+        self.call(py, move |s, h| s.branch_reseed_sampler(h, seed))
     }
 
     /// Replace the sampling parameters (history kept; no rebuild when unchanged).

@@ -233,6 +233,14 @@ impl PyContext {
         run(py, self.ctx(), move |s| s.sample(params))
     }
 
+    /// BlinkKV: clear the cache, decode ``sinks`` at 0 and ``tail`` after them on seq 0
+    /// (sampler history kept); returns the next position, ``len(sinks) + len(tail)``.
+    fn clear_and_reseed(&self, py: Python<'_>, sinks: Vec<i64>, tail: Vec<i64>) -> PyResult<i32> {
+        let sinks = to_i32(self.inner.model(), &sinks)?;
+        let tail = to_i32(self.inner.model(), &tail)?;
+        run(py, self.ctx(), move |s| s.clear_and_reseed(&sinks, &tail))
+    }
+
     /// Forget the flat sampler's penalty history and RNG state.
     fn reset_sampler(&self, py: Python<'_>) -> PyResult<()> {
         run(py, self.ctx(), |s| {

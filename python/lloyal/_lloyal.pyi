@@ -155,6 +155,8 @@ class Context:
         """Decode ``tokens`` on ``seq_id`` from ``pos`` (chunked by n_batch; all-or-nothing)."""
     def sample(self, params: object | None = None, **overrides: Any) -> int:
         """Sample from the last decode's logits; the token joins the penalty history."""
+    def clear_and_reseed(self, sinks: list[int], tail: list[int]) -> int:
+        """BlinkKV: clear, decode ``sinks`` at 0 and ``tail`` after them on seq 0; next position."""
     def reset_sampler(self) -> None:
         """Forget the flat sampler's penalty history and RNG state."""
     def get_logits(self) -> npt.NDArray[np.float32]:
@@ -276,6 +278,8 @@ class Branch:
         """Awaitable ``prefill`` run off the event loop."""
     def acommit(self, token: int) -> Any:
         """Awaitable ``commit`` run off the event loop."""
+    def reseed(self, sinks: list[int], tail: list[int]) -> int:
+        """BlinkKV: replace this branch's sequence with ``sinks + tail``; returns the position."""
     def reseed_sampler(self, seed: int) -> None:
         """Restart the sampler's RNG with ``seed`` (history kept)."""
     def set_sampler_params(self, params: object | None = None, **overrides: Any) -> None:

@@ -14,6 +14,7 @@ pub mod model_file;
 pub mod options;
 pub mod packing;
 pub mod raw;
+pub mod reseed;
 pub mod sampler;
 pub mod sampling;
 pub mod store;

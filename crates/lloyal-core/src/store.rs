@@ -361,7 +361,7 @@ impl ContextState {
     }
 
     /// Restart a branch's RNG with `seed`.
-    pub fn branch_reseed(&mut self, handle: Handle, seed: u32) -> Result<()> {
+    pub fn branch_reseed_sampler(&mut self, handle: Handle, seed: u32) -> Result<()> {
         let model = self.model();
         let b = self.branch_mut(handle)?;
         b.sampler.reseed(&model, seed)?;

@@ -1,0 +1,90 @@
+//! BlinkKV: rebuild a sequence from attention sinks plus a recent tail, so a stream can run
+//! past `n_ctx` (`clear_and_reseed` on the flat path, `reseed` per branch).
+
+use crate::context::ContextState;
+use crate::error::{LloyalError, Result};
+use crate::tenancy::Handle;
+
+impl ContextState {
+    /// `clear_and_reseed(sinks, tail)`: clear the cache, decode `sinks` at position 0 and
+    /// `tail` right after them on seq 0. The flat sampler's history is kept. Refused while a
+    /// branch holds a sequence (branches use [`ContextState::branch_reseed`]).
+    pub fn clear_and_reseed(&mut self, sinks: &[i32], tail: &[i32]) -> Result<i32> {
+        let tokens: Vec<i32> = sinks.iter().chain(tail).copied().collect();
+        self.model().check_tokens(&tokens)?;
+        if tokens.is_empty() {
+            return Err(LloyalError::invalid("clear_and_reseed needs at least one sink or tail token"));
+        }
+        self.kv_clear()?;
+        self.decode(&tokens, 0, 0)?;
+        Ok(tokens.len() as i32)
+    }
+
+    /// `Branch.reseed(sinks, tail)`: replace this branch's own sequence with `sinks + tail` at
+    /// positions `0..n`; sampler history and metrics are kept. Refused while children live
+    /// (they share its cells). All-or-nothing: the old cells are parked on a free lease (a
+    /// metadata copy) and restored if the decode fails; with no lease free, a failure leaves
+    /// the branch empty at position 0.
+    pub fn branch_reseed(&mut self, handle: Handle, sinks: &[i32], tail: &[i32]) -> Result<i32> {
+        let tokens: Vec<i32> = sinks.iter().chain(tail).copied().collect();
+        self.model().check_tokens(&tokens)?;
+        if tokens.is_empty() {
+            return Err(LloyalError::invalid("reseed needs at least one sink or tail token"));
+        }
+        let (seq, position, fork_head) = self.branch(handle).map(|b| (b.seq_id, b.position, b.fork_head))?;
+        if !self.topology.children(handle).is_empty() {
+            return Err(LloyalError::Topology(format!(
+                "cannot reseed branch {handle} while it has live children (they share its cells); prune them first"
+            )));
+        }
+        let own = (position - fork_head).max(0) as usize;
+        let n_ctx = self.shape().n_ctx as usize;
+        if self.cells_used - own + tokens.len() > n_ctx {
+            return Err(LloyalError::KvCacheFull {
+                needed: tokens.len(),
+                n_ctx: self.shape().n_ctx,
+                detail: format!("branches would hold {} cells", self.cells_used - own + tokens.len()),
+            });
+        }
+        let parking = self.leases.acquire();
+        if let Some(p) = parking {
+            self.copy_seq(seq, p);
+        }
+        self.remove_cells(seq, -1, -1);
+        let old_logits = std::mem::take(&mut self.branch_mut(handle)?.logits);
+        {
+            let b = self.branch_mut(handle)?;
+            b.position = 0;
+            b.fork_head = 0;
+        }
+        self.cells_used -= own;
+        let result = self.prefill(&[(handle, tokens.clone())]);
+        if let Err(e) = result {
+            self.remove_cells(seq, -1, -1);
+            let b = self.branch_mut(handle)?;
+            if let Some(p) = parking {
+                b.position = position;
+                b.fork_head = fork_head;
+                b.logits = old_logits;
+                self.copy_seq(p, seq);
+                self.cells_used += own;
+            }
+            if let Some(p) = parking {
+                self.remove_cells(p, -1, -1);
+                self.leases.release(p);
+            }
+            return Err(e);
+        }
+        if let Some(p) = parking {
+            self.remove_cells(p, -1, -1);
+            self.leases.release(p);
+        }
+        Ok(tokens.len() as i32)
+    }
+
+    fn copy_seq(&mut self, src: i32, dst: i32) {
+        let mem = self.raw_mut().memory();
+        // SAFETY: valid memory; both ids are leases below n_seq_max; unified KV shares cells.
+        unsafe { llama_cpp_sys_2::llama_memory_seq_cp(mem, src, dst, -1, -1) };
+    }
+}
