@@ -10,7 +10,7 @@ use pyo3::prelude::*;
 use pyo3::types::{PyDict, PyTuple, PyType};
 
 use crate::aio;
-use crate::context::PyContext;
+use crate::context::{to_i32, PyContext};
 use crate::detach::run;
 use crate::errors::IntoPyResult;
 use crate::sampling::extract_params;
@@ -83,11 +83,14 @@ impl PyBranch {
     }
 }
 
-/// Token ids and biases from a `{token: bias}` dict.
-fn bias_list(bias: &Bound<'_, PyDict>) -> PyResult<Vec<(i32, f32)>> {
+/// Token ids (range-checked) and biases from a `{token: bias}` dict.
+fn bias_list(model: &lloyal_core::Model, bias: &Bound<'_, PyDict>) -> PyResult<Vec<(i32, f32)>> {
     let map: HashMap<i64, f32> = bias.extract()?;
-    let mut v: Vec<(i32, f32)> =
-        map.into_iter().map(|(t, b)| (t.clamp(i64::from(i32::MIN), i64::from(i32::MAX)) as i32, b)).collect();
+    let mut v: Vec<(i32, f32)> = map
+        .into_iter()
+        .map(|(t, b)| Ok((model.check_token(t)?, b)))
+        .collect::<lloyal_core::Result<_>>()
+        .py()?;
     v.sort_by_key(|x| x.0);
     Ok(v)
 }
@@ -144,17 +147,20 @@ impl PyBranch {
     }
 
     /// Record ``token`` in the sampler history, grammar and metrics without decoding it.
-    fn accept(&self, py: Python<'_>, token: i32) -> PyResult<()> {
+    fn accept(&self, py: Python<'_>, token: i64) -> PyResult<()> {
+        let token = self.core().model().check_token(token).py()?;
         self.call(py, move |s, h| s.branch_accept(h, token))
     }
 
     /// Accept ``token``, decode it, and capture the new logits; on failure nothing changes.
-    fn commit(&self, py: Python<'_>, token: i32) -> PyResult<()> {
+    fn commit(&self, py: Python<'_>, token: i64) -> PyResult<()> {
+        let token = self.core().model().check_token(token).py()?;
         self.call(py, move |s, h| s.commit(&[(h, token)]))
     }
 
     /// Write ``tokens`` to this branch's KV (not accepted into penalties/perplexity).
-    fn prefill(&self, py: Python<'_>, tokens: Vec<i32>) -> PyResult<()> {
+    fn prefill(&self, py: Python<'_>, tokens: Vec<i64>) -> PyResult<()> {
+        let tokens = to_i32(self.core().model(), &tokens)?;
         self.call(py, move |s, h| s.prefill(&[(h, tokens)]))
     }
 
@@ -170,7 +176,9 @@ impl PyBranch {
 
     /// BlinkKV: replace this branch's sequence with ``sinks + tail`` at positions ``0..n``
     /// (sampler history and metrics kept); returns the new position.
-    fn reseed(&self, py: Python<'_>, sinks: Vec<i32>, tail: Vec<i32>) -> PyResult<i32> {
+    fn reseed(&self, py: Python<'_>, sinks: Vec<i64>, tail: Vec<i64>) -> PyResult<i32> {
+        let model = self.core().model();
+        let (sinks, tail) = (to_i32(model, &sinks)?, to_i32(model, &tail)?);
         self.call(py, move |s, h| s.branch_reseed(h, &sinks, &tail))
     }
 
@@ -193,13 +201,13 @@ impl PyBranch {
 
     /// Set ``{token: bias}`` added to the logits before sampling; inherited by forks; ``-inf`` bans.
     fn set_logit_bias(&self, py: Python<'_>, bias: &Bound<'_, PyDict>) -> PyResult<()> {
-        let bias = bias_list(bias)?;
+        let bias = bias_list(self.core().model(), bias)?;
         self.call(py, move |s, h| s.branch_set_logit_bias(h, bias))
     }
 
     /// Set per-branch steering ``{token: bias}`` (not inherited by forks).
     fn steer(&self, py: Python<'_>, bias: &Bound<'_, PyDict>) -> PyResult<()> {
-        let bias = bias_list(bias)?;
+        let bias = bias_list(self.core().model(), bias)?;
         self.call(py, move |s, h| s.branch_steer(h, bias))
     }
 
@@ -230,8 +238,9 @@ impl PyBranch {
 
     /// Surprisal of ``token`` under the current logits.
     #[pyo3(signature = (token, base="nats"))]
-    fn model_surprisal(&self, py: Python<'_>, token: i32, base: &str) -> PyResult<f64> {
+    fn model_surprisal(&self, py: Python<'_>, token: i64, base: &str) -> PyResult<f64> {
         let base = Base::parse(base).py()?;
+        let token = self.core().model().check_token(token).py()?;
         self.call(py, move |s, h| s.branch_surprisal(h, token, base))
     }
 

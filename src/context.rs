@@ -37,7 +37,7 @@ impl PyContext {
 impl PyContext {
     #[new]
     #[pyo3(signature = (model, *, n_ctx=2048, n_batch=512, n_seq_max=1, n_threads=None,
-                        embeddings=false, pooling="mean", type_k="f16", type_v="f16"))]
+                        embeddings=false, pooling="mean", type_k="f16", type_v="f16", flash_attn=true))]
     #[allow(clippy::too_many_arguments)]
     fn new(
         py: Python<'_>,
@@ -50,6 +50,7 @@ impl PyContext {
         pooling: &str,
         type_k: &str,
         type_v: &str,
+        flash_attn: bool,
     ) -> PyResult<Self> {
         let options = ContextOptions {
             n_ctx,
@@ -60,6 +61,7 @@ impl PyContext {
             pooling: Pooling::parse(pooling).py()?,
             type_k: type_k.to_string(),
             type_v: type_v.to_string(),
+            flash_attn,
         };
         options.validate().py()?;
         let model: Py<PyModel> = match model.cast::<PyModel>() {
@@ -115,6 +117,12 @@ impl PyContext {
     #[getter]
     fn n_threads(&self) -> i32 {
         self.inner.shape().n_threads
+    }
+
+    /// Whether flash attention is on (the default, as in llama.cpp).
+    #[getter]
+    fn flash_attn(&self) -> bool {
+        self.inner.options().flash_attn
     }
 
     /// Whether this is an embeddings context.

@@ -8,8 +8,9 @@ use pyo3::prelude::*;
 
 use crate::aio;
 use crate::branch::{PyBranch, PyProduced};
-use crate::context::PyContext;
+use crate::context::{to_i32, PyContext};
 use crate::detach::run;
+use crate::errors::IntoPyResult;
 
 /// KV occupancy by branches.
 #[pyclass(name = "KvPressure", module = "lloyal._lloyal", frozen, get_all, eq)]
@@ -61,16 +62,22 @@ impl PyBranchStore {
     }
 
     /// Accept and decode one token per branch in ONE ``llama_decode``; all-or-nothing.
-    fn commit(&self, py: Python<'_>, pairs: Vec<(Bound<'_, PyBranch>, i32)>) -> PyResult<()> {
-        let pairs: Vec<(Handle, i32)> =
-            pairs.iter().map(|(b, t)| Ok((self.handle_of(b)?, *t))).collect::<PyResult<_>>()?;
+    fn commit(&self, py: Python<'_>, pairs: Vec<(Bound<'_, PyBranch>, i64)>) -> PyResult<()> {
+        let model = self.core().model();
+        let pairs: Vec<(Handle, i32)> = pairs
+            .iter()
+            .map(|(b, t)| Ok((self.handle_of(b)?, model.check_token(*t).py()?)))
+            .collect::<PyResult<_>>()?;
         run(py, self.core(), move |s| s.commit(&pairs))
     }
 
     /// Write each branch's tokens, bin-packed into ``ceil(total / n_batch)`` decodes; all-or-nothing.
-    fn prefill(&self, py: Python<'_>, items: Vec<(Bound<'_, PyBranch>, Vec<i32>)>) -> PyResult<()> {
-        let items: Vec<(Handle, Vec<i32>)> =
-            items.into_iter().map(|(b, t)| Ok((self.handle_of(&b)?, t))).collect::<PyResult<_>>()?;
+    fn prefill(&self, py: Python<'_>, items: Vec<(Bound<'_, PyBranch>, Vec<i64>)>) -> PyResult<()> {
+        let model = self.core().model();
+        let items: Vec<(Handle, Vec<i32>)> = items
+            .into_iter()
+            .map(|(b, t)| Ok((self.handle_of(&b)?, to_i32(model, &t)?)))
+            .collect::<PyResult<_>>()?;
         run(py, self.core(), move |s| s.prefill(&items))
     }
 

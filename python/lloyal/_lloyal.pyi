@@ -94,6 +94,7 @@ class Context:
         pooling: str = "mean",
         type_k: str = "f16",
         type_v: str = "f16",
+        flash_attn: bool = True,
     ) -> Context: ...
     @classmethod
     def from_path(cls, path: str | os.PathLike[str], **options: Any) -> Context:
@@ -119,6 +120,11 @@ class Context:
     @property
     def n_threads(self) -> int:
         """Threads used for decoding."""
+    @property
+    def flash_attn(self) -> bool:
+        """Whether flash attention is on (default, as in llama.cpp; needed for a quantized
+        ``type_v``). With it, forks and twins reproduce exactly; without it, single-sequence
+        prefill is exact across ``n_batch``. See docs in README "Numerics"."""
     @property
     def embeddings(self) -> bool:
         """Whether this is an embeddings context."""

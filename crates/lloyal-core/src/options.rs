@@ -77,6 +77,14 @@ pub struct ContextOptions {
     pub pooling: Pooling,
     pub type_k: String,
     pub type_v: String,
+    /// Flash attention (on by default, as in llama.cpp). Both attention paths of llama.cpp's
+    /// CPU backend have batch- or layout-dependent rounding that Gemma 3 amplifies to ~0.8 in
+    /// the logits: with flash attention a result depends on how tokens are grouped into a
+    /// decode (n_batch, rows per commit); without it, on where the sequence's cells sit in the
+    /// cache (odd vs even cell offsets), so a fork would not reproduce its twin. Flash
+    /// attention keeps forks, twins and `retain_only` winners exact; `flash_attn=False` makes
+    /// single-sequence prefill exact across n_batch.
+    pub flash_attn: bool,
 }
 
 impl Default for ContextOptions {
@@ -90,6 +98,7 @@ impl Default for ContextOptions {
             pooling: Pooling::Mean,
             type_k: "f16".into(),
             type_v: "f16".into(),
+            flash_attn: true,
         }
     }
 }
@@ -120,7 +129,14 @@ impl ContextOptions {
             }
         }
         parse_kv_type("type_k", &self.type_k)?;
-        parse_kv_type("type_v", &self.type_v)?;
+        let v = parse_kv_type("type_v", &self.type_v)?;
+        let plain = [sys::GGML_TYPE_F32, sys::GGML_TYPE_F16, sys::GGML_TYPE_BF16];
+        if !self.flash_attn && !plain.contains(&v) {
+            return Err(LloyalError::invalid(format!(
+                "type_v={:?} (a quantized V cache) needs flash_attn=True",
+                self.type_v
+            )));
+        }
         Ok(())
     }
 
@@ -135,12 +151,20 @@ impl ContextOptions {
         p.n_batch = self.n_batch;
         p.n_ubatch = self.n_batch;
         p.n_seq_max = self.n_seq_max;
+        // llama.cpp reserves max(outputs, n_seq_max) logit rows and asserts that fits in
+        // n_outputs_max (default n_batch): an n_batch below n_seq_max would abort.
+        p.n_outputs_max = self.n_batch.max(self.n_seq_max);
         p.n_threads = threads;
         p.n_threads_batch = threads;
         p.embeddings = self.embeddings;
         p.pooling_type = if self.embeddings { self.pooling.raw() } else { sys::LLAMA_POOLING_TYPE_NONE };
         p.type_k = parse_kv_type("type_k", &self.type_k)?;
         p.type_v = parse_kv_type("type_v", &self.type_v)?;
+        p.flash_attn_type = if self.flash_attn {
+            sys::LLAMA_FLASH_ATTN_TYPE_ENABLED
+        } else {
+            sys::LLAMA_FLASH_ATTN_TYPE_DISABLED
+        };
         p.kv_unified = true;
         p.swa_full = true;
         p.no_perf = true;
@@ -156,6 +180,9 @@ mod tests {
     fn defaults_are_valid_and_unified() {
         let p = ContextOptions::default().to_llama().unwrap();
         assert!(p.kv_unified && p.swa_full);
+        assert_eq!(p.flash_attn_type, sys::LLAMA_FLASH_ATTN_TYPE_ENABLED);
+        let off = ContextOptions { flash_attn: false, ..Default::default() };
+        assert_eq!(off.to_llama().unwrap().flash_attn_type, sys::LLAMA_FLASH_ATTN_TYPE_DISABLED);
         assert_eq!((p.n_ctx, p.n_batch, p.n_ubatch, p.n_seq_max), (2048, 512, 512, 1));
     }
 
@@ -167,6 +194,7 @@ mod tests {
             ContextOptions { n_batch: 0, ..Default::default() },
             ContextOptions { type_k: "f8".into(), ..Default::default() },
             ContextOptions { n_threads: Some(0), ..Default::default() },
+            ContextOptions { type_v: "q8_0".into(), flash_attn: false, ..Default::default() },
         ] {
             assert!(matches!(o.validate(), Err(LloyalError::InvalidArgument(_))), "{o:?}");
         }

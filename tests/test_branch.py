@@ -1,0 +1,558 @@
+"""Branch: create/fork/produce/commit, sampler cloning, steering vs logit bias, disposal,
+identity, flat-path protection (API.md §3, §6). Real default model, small contexts."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import math
+
+import lloyal
+import numpy as np
+import pytest
+from lloyal import Branch, BranchStore, SamplingParams
+
+GREEDY = SamplingParams(temperature=0)
+PROMPT = "The quick brown fox jumps over the lazy dog. Then the fox"
+
+
+@pytest.fixture(scope="module")
+def model():
+    return lloyal.Model(lloyal.default_model_path())
+
+
+@pytest.fixture
+def ctx(model):
+    c = lloyal.Context(model, n_ctx=512, n_seq_max=4)
+    yield c
+    c.close()
+
+
+@pytest.fixture
+def root(ctx):
+    b = Branch.create(ctx, 0, GREEDY)
+    b.prefill(ctx.tokenize(PROMPT))
+    return b
+
+
+def greedy(branch: Branch, n: int) -> list[int]:
+    out = []
+    for _ in range(n):
+        p = branch.produce()
+        assert not p.is_stop
+        branch.commit(p.token)
+        out.append(p.token)
+    return out
+
+
+# --------------------------------------------------------------------------- create / prefill
+
+
+def test_create_initial_state(ctx):
+    store = BranchStore(ctx)
+    b = Branch.create(ctx, 0, GREEDY)
+    assert b.position == 0 and b.fork_head == 0
+    assert math.isinf(b.perplexity) and b.perplexity > 0
+    assert math.isinf(b.sampling_perplexity)
+    assert b.parent is None and b.children == [] and b.is_leaf
+    assert b.is_active and not b.disposed
+    assert 0 <= b.seq_id < ctx.n_seq_max
+    assert b.context is ctx
+    assert store.available == ctx.n_seq_max - 1
+    assert store.kv_pressure.cells_used == 0
+    assert ctx.kv_seq_pos_max(b.seq_id) == -1
+
+    at5 = Branch.create(ctx, 5)
+    assert at5.position == 5 and at5.fork_head == 5
+    assert at5.seq_id != b.seq_id
+    with pytest.raises(ValueError):
+        Branch.create(ctx, -1)
+    assert store.available == ctx.n_seq_max - 2
+
+
+def test_prefill_writes_kv_but_accepts_nothing(ctx):
+    store = BranchStore(ctx)
+    b = Branch.create(ctx, 0, GREEDY)
+    toks = ctx.tokenize(PROMPT)
+    b.prefill(toks[:5])
+    b.prefill(toks[5:])
+    assert b.position == len(toks)
+    assert ctx.kv_seq_pos_max(b.seq_id) == len(toks) - 1
+    assert store.kv_pressure.cells_used == len(toks)
+    assert math.isinf(b.perplexity)
+    logits = b.logits
+    assert logits.shape == (ctx.n_vocab,) and logits.dtype == np.float32
+    # logits is a copy: mutating it changes nothing
+    logits[:] = 0
+    assert np.max(b.logits) > 0
+    # the flat path on another seq gives the same next-token distribution
+    ctx.decode(toks, 0, seq_id=3)
+    assert int(np.argmax(ctx.get_logits())) == int(np.argmax(b.logits))
+
+
+def test_perplexity_inf_before_commit_and_bounded_after(root):
+    assert math.isinf(root.perplexity)
+    surprisals = []
+    for _ in range(10):
+        tok = root.produce().token
+        surprisals.append(root.model_surprisal(tok))
+        root.commit(tok)
+    ppl = root.perplexity
+    assert 1.0 <= ppl < 1000.0
+    assert ppl == pytest.approx(math.exp(sum(surprisals) / len(surprisals)), rel=1e-5)
+    # greedy at temperature 0 with no penalties: sampling perplexity is the model's
+    assert root.sampling_perplexity == pytest.approx(ppl, rel=1e-5)
+
+
+def test_accept_records_metrics_without_decoding(ctx, root):
+    store = BranchStore(ctx)
+    pos, cells = root.position, store.kv_pressure.cells_used
+    logits = root.logits
+    tok = root.produce().token
+    s = root.model_surprisal(tok)
+    root.accept(tok)
+    assert root.position == pos
+    assert store.kv_pressure.cells_used == cells
+    assert np.array_equal(root.logits, logits)
+    assert root.perplexity == pytest.approx(math.exp(s), rel=1e-6)
+    with pytest.raises(lloyal.InvalidTokenError):
+        root.accept(ctx.n_vocab)
+
+
+# --------------------------------------------------------------------------- produce
+
+
+def test_produce_is_idempotent_and_writes_nothing_greedy(ctx, root):
+    store = BranchStore(ctx)
+    pos, cells = root.position, store.kv_pressure.cells_used
+    logits = root.logits
+    p1, p2 = root.produce(), root.produce()
+    assert p1 == p2 and p1.token == p2.token
+    assert p1.token == int(np.argmax(logits))
+    assert root.sample() == p1.token
+    assert p1.text == ctx.token_to_text(p1.token)
+    assert p1.is_stop is False
+    assert root.position == pos
+    assert store.kv_pressure.cells_used == cells
+    assert np.array_equal(root.logits, logits)
+    assert math.isinf(root.perplexity)
+
+
+def test_produce_is_idempotent_with_temperature_and_seed(ctx):
+    params = SamplingParams(temperature=1.0, top_k=0, top_p=1.0, min_p=0.0, seed=1234)
+    root = Branch.create(ctx, 0, params)
+    root.prefill(ctx.tokenize("Once upon a time"))
+    pos = root.position
+    first = root.produce()
+    for _ in range(5):
+        assert root.produce() == first
+        assert root.sample() == first.token
+    assert root.position == pos
+
+    # produce() does not consume randomness: a twin that produced once follows the same
+    # stream as one that produced many times.
+    twin = root.fork()
+    assert twin.produce() == first
+    many, once = [], []
+    for _ in range(6):
+        for _ in range(3):
+            t = root.produce().token
+        root.commit(t)
+        many.append(t)
+        t = twin.produce().token
+        twin.commit(t)
+        once.append(t)
+    assert many == once
+    assert root.position == twin.position == pos + 6
+
+
+def test_reseed_sampler_changes_stream_deterministically(ctx):
+    params = SamplingParams(temperature=1.5, top_k=0, top_p=1.0, min_p=0.0, seed=7)
+    root = Branch.create(ctx, 0, params)
+    root.prefill(ctx.tokenize("Once upon a time"))
+    a, b = root.fork(), root.fork()
+    draws = {}
+    for br, seed in ((a, 11), (b, 11)):
+        br.reseed_sampler(seed)
+        draws[br] = []
+        for _ in range(4):
+            t = br.produce().token
+            br.commit(t)
+            draws[br].append(t)
+    assert draws[a] == draws[b]
+
+
+# --------------------------------------------------------------------------- fork
+
+
+def test_fork_costs_no_cells_and_starts_at_parent_position(ctx, root):
+    store = BranchStore(ctx)
+    before = store.kv_pressure
+    avail = store.available
+    child = root.fork()
+    assert store.kv_pressure == before
+    assert store.available == avail - 1
+    assert child.position == root.position
+    assert child.fork_head == root.position
+    assert child.seq_id != root.seq_id
+    # the child sees the parent's prefix (shared cells, no copy)
+    assert ctx.kv_seq_pos_max(child.seq_id) == root.position - 1
+    assert np.array_equal(child.logits, root.logits)
+    assert child.produce().token == root.produce().token
+    assert child.parent == root and root.children == [child]
+    assert math.isinf(child.perplexity)
+
+    # each commit costs exactly one cell, on the committing branch only
+    child.commit(child.produce().token)
+    assert store.kv_pressure.cells_used == before.cells_used + 1
+    assert child.position == root.position + 1
+    assert ctx.kv_seq_pos_max(root.seq_id) == root.position - 1
+    root.commit(root.produce().token)
+    assert store.kv_pressure.cells_used == before.cells_used + 2
+    assert child.position == root.position
+
+
+def test_fork_clones_metrics_and_sampler_history(ctx, root):
+    greedy(root, 3)
+    ppl = root.perplexity
+    child = root.fork()
+    assert child.perplexity == ppl
+    assert child.sampling_perplexity == root.sampling_perplexity
+    # same next tokens as the parent from here on
+    assert greedy(child, 3) == greedy(root, 3)
+    assert child.perplexity == pytest.approx(root.perplexity, rel=1e-9)
+
+
+def test_fork_clones_seeded_rng(ctx):
+    params = SamplingParams(temperature=1.0, top_k=0, top_p=1.0, min_p=0.0, seed=99)
+    root = Branch.create(ctx, 0, params)
+    root.prefill(ctx.tokenize("My favourite animal is the"))
+    pending = root.produce().token  # a produced-but-not-committed token is not inherited...
+    child = root.fork()
+    # ...but the RNG state is: the child draws the same token from the same logits
+    assert child.produce().token == pending == root.produce().token
+    both = [root.produce().token, child.produce().token]
+    root.commit(both[0])
+    child.commit(both[1])
+    assert root.produce().token == child.produce().token
+
+
+def test_fork_without_logits(ctx, root):
+    child = root.fork(clone_logits=False)
+    assert child.position == root.position
+    with pytest.raises(lloyal.LloyalError):
+        child.produce()
+    # writing a token gives it logits of its own
+    child.commit(root.produce().token)
+    assert child.logits.shape == (ctx.n_vocab,)
+
+
+# --------------------------------------------------------------------------- steer / bias
+
+
+def test_steer_not_inherited_logit_bias_inherited(ctx, root):
+    logits = root.logits
+    order = np.argsort(logits)[::-1]
+    g, second = int(order[0]), int(order[1])
+    assert root.produce().token == g
+
+    root.steer({second: 100.0})
+    assert root.produce().token == second
+    steered_child = root.fork()
+    assert steered_child.produce().token == g, "steer must not be inherited"
+    root.clear_steer()
+    assert root.produce().token == g
+
+    root.set_logit_bias({g: float("-inf")})
+    assert root.produce().token != g
+    banned_child = root.fork()
+    assert banned_child.produce().token == root.produce().token != g
+    # the ban holds on later steps too
+    for _ in range(3):
+        t = banned_child.produce().token
+        assert t != g
+        banned_child.commit(t)
+    # an earlier fork is unaffected
+    assert steered_child.produce().token == g
+    root.set_logit_bias({})
+    assert root.produce().token == g
+
+
+def test_bias_validation(ctx, root):
+    with pytest.raises(lloyal.InvalidTokenError):
+        root.set_logit_bias({ctx.n_vocab: 1.0})
+    with pytest.raises(lloyal.InvalidTokenError):
+        root.steer({-3: 1.0})
+    with pytest.raises(ValueError):
+        root.set_logit_bias({5: float("nan")})
+    with pytest.raises(ValueError):
+        root.steer({5: float("inf")})
+
+
+# --------------------------------------------------------------------------- invalid tokens
+
+
+def snapshot(b: Branch) -> tuple:
+    return (b.position, b.perplexity, b.sampling_perplexity, b.logits, b.produce().token)
+
+
+def assert_same(b: Branch, snap: tuple) -> None:
+    pos, ppl, sppl, logits, tok = snap
+    assert b.position == pos
+    assert (math.isinf(b.perplexity) and math.isinf(ppl)) or b.perplexity == ppl
+    assert (math.isinf(b.sampling_perplexity) and math.isinf(sppl)) or b.sampling_perplexity == sppl
+    assert np.array_equal(b.logits, logits)
+    assert b.produce().token == tok
+
+
+def test_commit_out_of_range_token_changes_nothing(ctx, root):
+    store = BranchStore(ctx)
+    greedy(root, 1)
+    snap = snapshot(root)
+    pressure = store.kv_pressure
+    for bad in (ctx.n_vocab, ctx.n_vocab + 1000, -1):
+        with pytest.raises(lloyal.InvalidTokenError) as ei:
+            root.commit(bad)
+        assert isinstance(ei.value, ValueError)
+        assert str(bad) in str(ei.value)
+    with pytest.raises(lloyal.InvalidTokenError):
+        root.prefill([10, 20, ctx.n_vocab])
+    with pytest.raises(lloyal.InvalidTokenError):
+        root.model_surprisal(ctx.n_vocab)
+    assert_same(root, snap)
+    assert store.kv_pressure == pressure
+    assert ctx.kv_seq_pos_max(root.seq_id) == root.position - 1
+
+
+@pytest.mark.parametrize("call", ["commit", "prefill", "accept", "store.commit"])
+def test_huge_token_ids_raise_invalid_token_error(ctx, root, call):
+    store = BranchStore(ctx)
+    big = 2**31
+    fn = {
+        "commit": lambda: root.commit(big),
+        "prefill": lambda: root.prefill([1, big]),
+        "accept": lambda: root.accept(big),
+        "store.commit": lambda: store.commit([(root, big)]),
+    }[call]
+    with pytest.raises(lloyal.InvalidTokenError):
+        fn()
+
+
+def test_empty_prefill_is_noop(ctx, root):
+    store = BranchStore(ctx)
+    snap = snapshot(root)
+    pressure = store.kv_pressure
+    root.prefill([])
+    store.prefill([(root, [])])
+    store.commit([])
+    assert_same(root, snap)
+    assert store.kv_pressure == pressure
+
+
+# --------------------------------------------------------------------------- identity
+
+
+def test_equality_hash_and_children_order(ctx, root):
+    a, b, c = root.fork(), root.fork(), root.fork()
+    assert a.parent == root
+    assert hash(a.parent) == hash(root)
+    assert a.parent is not root  # a new Python object, equal by handle
+    assert {root, a.parent, b.parent, a, b, c, a} == {root, a, b, c}
+    assert root.children == [a, b, c]
+    assert root.children[1] == b and root.children[1] != c
+    assert root != a and a != b
+    assert root != object() and root != root.handle
+    assert not root.is_leaf and a.is_leaf
+    seqs = [x.seq_id for x in (root, a, b, c)]
+    assert len(set(seqs)) == 4
+    handles = [x.handle for x in (root, a, b, c)]
+    assert len(set(handles)) == 4
+    d = {root: "root", a: "a"}
+    assert d[a.parent] == "root"
+    assert d[root.children[0]] == "a"
+    assert "Branch(" in repr(root)
+
+
+def test_branches_of_different_contexts_are_not_equal(model):
+    c1 = lloyal.Context(model, n_ctx=256)
+    c2 = lloyal.Context(model, n_ctx=256)
+    try:
+        b1, b2 = Branch.create(c1), Branch.create(c2)
+        assert b1 != b2
+        assert len({b1, b2}) == 2
+    finally:
+        c1.close()
+        c2.close()
+
+
+# --------------------------------------------------------------------------- flat path
+
+
+def test_flat_path_cannot_touch_a_leased_sequence(ctx, root):
+    seq = root.seq_id
+    pos = root.position
+    free = next(s for s in range(ctx.n_seq_max) if s != seq)
+    with pytest.raises(lloyal.SeqLeasedError) as ei:
+        ctx.decode([100, 200], pos, seq_id=seq)
+    assert str(seq) in str(ei.value)
+    with pytest.raises(lloyal.SeqLeasedError):
+        ctx.kv_cache_remove(seq, 0)
+    with pytest.raises(lloyal.SeqLeasedError):
+        ctx.kv_seq_keep(seq)
+    with pytest.raises(lloyal.SeqLeasedError):
+        ctx.kv_seq_copy(free, seq)
+    with pytest.raises(lloyal.SeqLeasedError):
+        ctx.kv_cache_clear()
+    assert root.position == pos
+    assert ctx.kv_seq_pos_max(seq) == pos - 1
+    assert ctx.kv_cache_size(seq) == pos - 1  # reading is allowed
+    # once the branch is gone the sequence belongs to the flat path again
+    root.prune()
+    assert ctx.kv_seq_pos_max(seq) == -1
+    ctx.decode([2, 100, 200], 0, seq_id=seq)
+    assert ctx.kv_seq_pos_max(seq) == 2
+    ctx.kv_cache_remove(seq, 0)
+    assert ctx.kv_seq_pos_max(seq) == -1
+
+
+def test_create_takes_an_empty_sequence(ctx):
+    """Cells the flat path left on a sequence are cleared when a branch leases it."""
+    ctx.decode([2, 100, 200], 0, seq_id=0)
+    b = Branch.create(ctx, 0, GREEDY)
+    assert b.seq_id == 0
+    assert ctx.kv_seq_pos_max(0) == -1
+    b.prefill([2, 300])
+    assert ctx.kv_seq_pos_max(0) == 1
+
+
+# --------------------------------------------------------------------------- disposal
+
+
+def _disposed_calls(b: Branch, ctx, token: int):
+    logits = np.zeros(ctx.n_vocab, dtype=np.float32)
+    return {
+        "produce": lambda: b.produce(),
+        "sample": lambda: b.sample(),
+        "commit": lambda: b.commit(token),
+        "prefill": lambda: b.prefill([token]),
+        "fork": lambda: b.fork(),
+        "accept": lambda: b.accept(token),
+        "reseed_sampler": lambda: b.reseed_sampler(1),
+        "set_sampler_params": lambda: b.set_sampler_params(GREEDY),
+        "set_logit_bias": lambda: b.set_logit_bias({token: -1.0}),
+        "steer": lambda: b.steer({token: 1.0}),
+        "clear_steer": lambda: b.clear_steer(),
+        "logits": lambda: b.logits,
+        "set_logits": lambda: b.set_logits(logits),
+        "model_entropy": lambda: b.model_entropy(),
+        "model_surprisal": lambda: b.model_surprisal(token),
+        "position": lambda: b.position,
+        "fork_head": lambda: b.fork_head,
+        "perplexity": lambda: b.perplexity,
+        "sampling_perplexity": lambda: b.sampling_perplexity,
+        "parent": lambda: b.parent,
+        "children": lambda: b.children,
+        "is_leaf": lambda: b.is_leaf,
+        "seq_id": lambda: b.seq_id,
+        "next(iter)": lambda: next(iter(b)),
+        "next(generate)": lambda: next(b.generate(3)),
+        "aprefill": lambda: asyncio.run(b.aprefill([token])),
+        "acommit": lambda: asyncio.run(b.acommit(token)),
+    }
+
+
+def test_disposed_branch_rejects_every_call(ctx, root):
+    store = BranchStore(ctx)
+    child = root.fork()
+    token = child.produce().token
+    handle = child.handle
+    child.prune()
+    assert child.disposed is True
+    assert child.is_active is False
+    assert child.handle == handle
+    assert root.children == []
+    for name, call in _disposed_calls(child, ctx, token).items():
+        with pytest.raises(lloyal.BranchDisposedError):
+            call()
+            pytest.fail(f"{name} did not raise")
+    for name, call in {
+        "store.commit": lambda: store.commit([(child, token)]),
+        "store.prefill": lambda: store.prefill([(child, [token])]),
+        "store.produce_all": lambda: store.produce_all([root, child]),
+        "store.retain_only": lambda: store.retain_only(child),
+    }.items():
+        with pytest.raises(lloyal.BranchDisposedError):
+            call()
+            pytest.fail(f"{name} did not raise")
+    # idempotent prunes are no-ops; the live branch is untouched
+    child.prune()
+    child.prune_subtree()
+    with child:
+        pass
+    assert root.is_active
+    assert store.available == ctx.n_seq_max - 1
+
+
+def test_disposed_error_message_names_handle(root):
+    child = root.fork()
+    child.prune()
+    with pytest.raises(lloyal.BranchDisposedError, match=str(child.handle)):
+        _ = child.position
+
+
+def test_context_close_disposes_branches(model):
+    ctx = lloyal.Context(model, n_ctx=256, n_seq_max=2)
+    root = Branch.create(ctx, 0, GREEDY)
+    root.prefill([2, 100])
+    child = root.fork()
+    with root:
+        ctx.close()
+    assert root.disposed and child.disposed
+    assert not root.is_active
+    with pytest.raises((lloyal.ContextClosedError, lloyal.BranchDisposedError)):
+        _ = root.position
+    with pytest.raises((lloyal.ContextClosedError, lloyal.BranchDisposedError)):
+        child.produce()
+    # prune after close: a no-op or ContextClosedError (both allowed by the contract)
+    for call in (root.prune, child.prune_subtree):
+        with contextlib.suppress(lloyal.ContextClosedError):
+            call()
+
+
+# --------------------------------------------------------------------------- context manager
+
+
+def test_branch_context_manager_prunes_subtree(ctx, root):
+    store = BranchStore(ctx)
+    avail = store.available
+    cells = store.kv_pressure.cells_used
+    with root.fork() as child:
+        assert child.is_active
+        grand = child.fork()
+        grand.commit(grand.produce().token)
+        child.commit(child.produce().token)
+        assert store.available == avail - 2
+        assert store.kv_pressure.cells_used == cells + 2
+    assert child.disposed and grand.disposed
+    assert root.is_active and root.children == []
+    assert store.available == avail
+    assert store.kv_pressure.cells_used == cells
+
+    with pytest.raises(RuntimeError, match="boom"), root.fork() as failing:
+        raise RuntimeError("boom")
+    assert failing.disposed
+    assert store.available == avail
+
+
+def test_set_logits_and_metrics(ctx, root):
+    logits = np.full(ctx.n_vocab, -30.0, dtype=np.float32)
+    logits[1234] = 10.0
+    root.set_logits(logits)
+    assert np.array_equal(root.logits, logits)
+    assert root.produce().token == 1234
+    assert root.model_surprisal(1234) == pytest.approx(0.0, abs=1e-3)
+    assert root.model_entropy() == pytest.approx(0.0, abs=1e-2)
+    assert root.model_entropy("bits") >= 0.0
+    with pytest.raises(ValueError):
+        root.set_logits(np.zeros(10, dtype=np.float32))
+    assert root.produce().token == 1234

@@ -1,0 +1,217 @@
+"""asyncio forms (API.md §4 Async, §7): native work runs off the event loop, so a ticker task
+keeps running while `acommit`, `aprefill` and `async for tok in branch` decode."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+
+import lloyal
+import pytest
+from lloyal import Branch, BranchStore, SamplingParams
+
+GREEDY = SamplingParams(temperature=0)
+LONG_TEXT = (
+    "The lighthouse keeper had lived on the island for almost thirty years. Every evening he "
+    "climbed the one hundred and twelve steps of the spiral staircase, trimmed the wick, "
+    "polished the great brass lens and watched the beam sweep slowly across the dark water. "
+    "Ships passed in the night, their crews never knowing his name, yet each of them trusted "
+    "the steady light he kept."
+)
+# The event loop must get at least this many ticks in while native code runs. A blocking
+# implementation gets none (the loop is stuck until the call returns).
+MIN_TICKS = 3
+
+
+@pytest.fixture(scope="module")
+def model():
+    return lloyal.Model(lloyal.default_model_path())
+
+
+@pytest.fixture
+def ctx(model):
+    c = lloyal.Context(model, n_ctx=1024, n_seq_max=8)
+    yield c
+    c.close()
+
+
+class Ticker:
+    """Increments a counter about every millisecond on the running loop."""
+
+    def __init__(self) -> None:
+        self.count = 0
+        self._task: asyncio.Task | None = None
+
+    async def _run(self) -> None:
+        while True:
+            self.count += 1
+            await asyncio.sleep(0.001)
+
+    async def __aenter__(self) -> Ticker:
+        self._task = asyncio.create_task(self._run())
+        await asyncio.sleep(0)  # let it start
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        assert self._task is not None
+        self._task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await self._task
+
+
+async def ticks_during(ticker: Ticker, awaitable):
+    before = ticker.count
+    result = await awaitable
+    return result, ticker.count - before
+
+
+def test_ticker_runs_during_aprefill_and_acommit(ctx):
+    store = BranchStore(ctx)
+    long_tokens = ctx.tokenize(LONG_TEXT)
+    assert len(long_tokens) > 50
+
+    async def main():
+        async with Ticker() as ticker:
+            root = Branch.create(ctx, 0, GREEDY)
+            res, t_prefill = await ticks_during(ticker, root.aprefill(long_tokens))
+            assert res is None
+            assert root.position == len(long_tokens)
+
+            kids = [root.fork() for _ in range(7)]
+            pairs = [(k, t) for k, t in zip(kids, range(1000, 1007), strict=False)]
+            t_commit = 0
+            for _ in range(3):
+                _, t = await ticks_during(ticker, store.acommit(pairs))
+                t_commit += t
+                pairs = [(k, k.produce().token) for k in kids]
+            assert all(k.position == len(long_tokens) + 3 for k in kids)
+
+            for _ in range(3):
+                _, t = await ticks_during(ticker, root.acommit(root.produce().token))
+                t_commit += t
+            assert root.position == len(long_tokens) + 3
+            return t_prefill, t_commit
+
+    t_prefill, t_commit = asyncio.run(main())
+    assert t_prefill >= MIN_TICKS, f"event loop blocked during aprefill ({t_prefill} ticks)"
+    assert t_commit >= MIN_TICKS, f"event loop blocked during acommit ({t_commit} ticks)"
+
+
+def test_ticker_runs_during_store_aprefill(ctx):
+    store = BranchStore(ctx)
+    long_tokens = ctx.tokenize(LONG_TEXT)
+
+    async def main():
+        async with Ticker() as ticker:
+            a, b = Branch.create(ctx, 0, GREEDY), Branch.create(ctx, 0, GREEDY)
+            _, ticks = await ticks_during(ticker, store.aprefill([(a, long_tokens), (b, long_tokens[:20])]))
+            return a, b, ticks
+
+    a, b, ticks = asyncio.run(main())
+    assert ticks >= MIN_TICKS, f"event loop blocked during store.aprefill ({ticks} ticks)"
+    assert a.position == len(long_tokens) and b.position == 20
+    assert ctx.kv_seq_pos_max(a.seq_id) == len(long_tokens) - 1
+
+
+def test_async_for_keeps_loop_running_and_matches_sync(ctx):
+    root = Branch.create(ctx, 0, GREEDY)
+    root.prefill(ctx.tokenize(LONG_TEXT))
+    twin = root.fork()
+    n = 8
+
+    async def main():
+        async with Ticker() as ticker:
+            got = []
+            before = ticker.count
+            async for tok in root:
+                got.append(tok)
+                if len(got) == n:
+                    break
+            return got, ticker.count - before
+
+    got, ticks = asyncio.run(main())
+    assert len(got) == n
+    assert all(isinstance(t, lloyal.Token) for t in got)
+    assert ticks >= MIN_TICKS, f"event loop blocked during async for ({ticks} ticks)"
+    assert root.position == twin.position + n
+    expected = [t.token for t in twin.generate(max_tokens=n)]
+    assert [t.token for t in got] == expected
+    assert "".join(t.text for t in got) == ctx.detokenize(expected)
+
+
+def test_async_for_over_generate_stops_at_cap_and_at_stop(ctx):
+    root = Branch.create(ctx, 0, GREEDY)
+    root.prefill(ctx.tokenize("Hello, my name is"))
+    pos = root.position
+
+    async def capped():
+        return [t async for t in root.generate(max_tokens=3)]
+
+    assert len(asyncio.run(capped())) == 3
+    assert root.position == pos + 3
+
+    root.set_logit_bias({ctx.eog_token: 1000.0})
+
+    async def until_stop():
+        return [t async for t in root]
+
+    assert asyncio.run(until_stop()) == []
+    assert root.position == pos + 3
+
+
+def test_async_errors_propagate_and_change_nothing(ctx):
+    store = BranchStore(ctx)
+    root = Branch.create(ctx, 0, GREEDY)
+    root.prefill(ctx.tokenize("Hello, my name is"))
+    pos = root.position
+    logits = root.logits
+
+    async def bad_commit():
+        await store.acommit([(root, ctx.n_vocab)])
+
+    async def bad_prefill():
+        await root.aprefill([1, -5])
+
+    with pytest.raises(lloyal.InvalidTokenError):
+        asyncio.run(bad_commit())
+    with pytest.raises(lloyal.InvalidTokenError):
+        asyncio.run(bad_prefill())
+    assert root.position == pos
+    assert (root.logits == logits).all()
+
+    child = root.fork()
+    child.prune()
+
+    async def disposed():
+        await child.acommit(5)
+
+    with pytest.raises(lloyal.BranchDisposedError):
+        asyncio.run(disposed())
+
+
+def test_concurrent_acommits_on_different_branches_are_serialized_correctly(ctx):
+    """Two coroutines committing on sibling branches at once: both finish, positions right,
+    tokens equal a sequential run."""
+    root = Branch.create(ctx, 0, GREEDY)
+    root.prefill(ctx.tokenize("The capital of France is"))
+    a, b, ref = root.fork(), root.fork(), root.fork()
+    expected = []
+    for _ in range(4):
+        t = ref.produce().token
+        ref.commit(t)
+        expected.append(t)
+
+    async def run(br):
+        out = []
+        for _ in range(4):
+            t = br.produce().token
+            await br.acommit(t)
+            out.append(t)
+        return out
+
+    async def main():
+        return await asyncio.gather(run(a), run(b))
+
+    out_a, out_b = asyncio.run(main())
+    assert a.position == b.position == root.position + 4
+    assert out_a == out_b == expected
