@@ -51,7 +51,9 @@ def test_best_of_n_batched(benchmark, model_path: Path, prompt_tokens: list[int]
 
 
 @pytest.mark.parametrize("n", NS)
-def test_best_of_n_sequential(benchmark, model_path: Path, prompt_tokens: list[int], full: bool, n: int) -> None:
+def test_best_of_n_sequential(
+    benchmark, model_path: Path, prompt_tokens: list[int], full: bool, n: int
+) -> None:
     steps = _ns(full, n)
     benchmark.group = f"best-of-{n}"
     with lloyal.Context(model_path, n_ctx=4096, n_seq_max=n + 1, n_threads=THREADS) as ctx:

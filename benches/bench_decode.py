@@ -58,7 +58,9 @@ def test_lloyal_branch(benchmark, model_path: Path, prompt_tokens: list[int], fu
 
 
 @pytest.mark.benchmark(group=GROUP)
-def test_llama_cpp_python_high_level(benchmark, model_path: Path, prompt_tokens: list[int], full: bool) -> None:
+def test_llama_cpp_python_high_level(
+    benchmark, model_path: Path, prompt_tokens: list[int], full: bool
+) -> None:
     n = steps(full)
     llm = high_level(model_path, 1024, THREADS)
 

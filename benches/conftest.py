@@ -37,7 +37,8 @@ def prompt_tokens(model_path: Path) -> list[int]:
     """A 128-token prompt (the benchmark spec's shared prefix)."""
     with lloyal.Context(model_path, n_ctx=512) as ctx:
         text = " ".join(
-            f"In the year {1900 + i} the town council of Aldermoor met to discuss the harbour." for i in range(40)
+            f"In the year {1900 + i} the town council of Aldermoor met to discuss the harbour."
+            for i in range(40)
         )
         tokens = ctx.tokenize(text)
     assert len(tokens) >= 128

@@ -12,7 +12,9 @@ import pytest
 
 def import_llama_cpp() -> Any:
     """The llama_cpp module, or skip (install with `pip install 'lloyal[bench]'`)."""
-    return pytest.importorskip("llama_cpp", reason="llama-cpp-python not installed (pip install 'lloyal[bench]')")
+    return pytest.importorskip(
+        "llama_cpp", reason="llama-cpp-python not installed (pip install 'lloyal[bench]')"
+    )
 
 
 def high_level(model_path: Path, n_ctx: int, threads: int) -> Any:

@@ -7,9 +7,10 @@ import asyncio
 import contextlib
 import math
 
-import lloyal
 import numpy as np
 import pytest
+
+import lloyal
 from lloyal import Branch, BranchStore, SamplingParams
 
 GREEDY = SamplingParams(temperature=0)

@@ -6,8 +6,9 @@ from __future__ import annotations
 import asyncio
 import contextlib
 
-import lloyal
 import pytest
+
+import lloyal
 from lloyal import Branch, BranchStore, SamplingParams
 
 GREEDY = SamplingParams(temperature=0)

@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
-import lloyal
 import pytest
+
+import lloyal
 from lloyal import Branch, BranchStore, SamplingParams
 
 GREEDY = SamplingParams(temperature=0)

@@ -11,9 +11,10 @@ import subprocess
 import sys
 import textwrap
 
-import lloyal
 import numpy as np
 import pytest
+
+import lloyal
 from lloyal import Branch, BranchStore, SamplingParams
 
 GREEDY = SamplingParams(temperature=0)

@@ -3,8 +3,9 @@ KV-cell accounting (API.md §3 Topology, §4)."""
 
 from __future__ import annotations
 
-import lloyal
 import pytest
+
+import lloyal
 from lloyal import Branch, BranchStore, SamplingParams
 
 GREEDY = SamplingParams(temperature=0)
