@@ -1,0 +1,26 @@
+"""Shared fixtures: the real model (Gemma 3 270M or LLOYAL_MODEL), loaded once per session."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+import lloyal
+
+
+@pytest.fixture(scope="session")
+def model_path() -> Path:
+    return lloyal.default_model_path()
+
+
+@pytest.fixture(scope="session")
+def model(model_path: Path) -> lloyal.Model:
+    return lloyal.Model(model_path)
+
+
+@pytest.fixture
+def ctx(model: lloyal.Model) -> Iterator[lloyal.Context]:
+    with lloyal.Context(model, n_ctx=1024, n_batch=512) as c:
+        yield c
