@@ -6,12 +6,15 @@ export VIRTUAL_ENV := $(CURDIR)/.venv
 export PYO3_PYTHON := $(CURDIR)/.venv/bin/python
 PYDIRS := python tests benches examples
 
-.PHONY: sysdeps venv build test test-rust test-py lint bench demo clean
+.PHONY: sysdeps venv build test test-rust test-py lint bench demo clean distclean
 
-sysdeps:  ## cmake + libclang for llama-cpp-sys-2's build (apt, only when missing)
-	@if ! command -v cmake >/dev/null || ! ls /usr/lib/llvm-*/lib/libclang*.so* >/dev/null 2>&1; then \
+sysdeps:  ## C/C++ compiler, cmake and libclang for llama-cpp-sys-2's build (apt, only when missing)
+	@if ! command -v cmake >/dev/null || ! command -v c++ >/dev/null \
+		|| ! ls /usr/lib/llvm-*/lib/libclang*.so* >/dev/null 2>&1; then \
 		SUDO=$$( [ "$$(id -u)" = 0 ] || echo sudo ); \
-		$$SUDO apt-get update -qq && DEBIAN_FRONTEND=noninteractive $$SUDO apt-get install -y -qq cmake libclang-dev clang >/dev/null; \
+		echo "sysdeps: apt-get install build-essential cmake libclang-dev clang"; \
+		$$SUDO apt-get update -qq && $$SUDO env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq \
+			build-essential cmake libclang-dev clang >/dev/null; \
 	fi
 
 .venv/.deps: pyproject.toml
@@ -30,6 +33,7 @@ test-rust: sysdeps
 	cargo test --release -p lloyal-core
 
 test-py: build
+	$(PY) -m pytest benches -q  # smoke: each benchmark once at small sizes (peers skip if absent)
 	$(PY) -m pytest tests -q
 
 test: test-rust test-py  ## the README's test command runs this
@@ -48,6 +52,9 @@ bench: build  ## real benchmark runs (pytest-benchmark), results for benches/RES
 demo: build
 	.venv/bin/lloyal demo
 
-clean:
+clean:  ## our artefacts only: the llama.cpp build in CARGO_TARGET_DIR (~10 min) is kept
+	cargo clean --release -p lloyal -p lloyal-core
+	rm -rf .venv .pytest_cache .mypy_cache .ruff_cache python/lloyal/_lloyal*.so
+
+distclean: clean  ## also the shared CARGO_TARGET_DIR (next build recompiles llama.cpp)
 	cargo clean
-	rm -rf .venv .pytest_cache .mypy_cache .ruff_cache

@@ -11,6 +11,7 @@ use pyo3::types::{PyDict, PyTuple, PyType};
 
 use crate::aio;
 use crate::context::{to_i32, PyContext};
+use crate::convert::{clamp_i32, narrow};
 use crate::detach::run;
 use crate::errors::IntoPyResult;
 use crate::sampling::extract_params;
@@ -104,7 +105,7 @@ impl PyBranch {
         _cls: &Bound<'_, PyType>,
         py: Python<'_>,
         ctx: Py<PyContext>,
-        position: i32,
+        position: i64,
         params: Option<&Bound<'_, PyAny>>,
         grammar: Option<&str>,
     ) -> PyResult<PyBranch> {
@@ -113,6 +114,7 @@ impl PyBranch {
         }
         let params = extract_params(params, None)?;
         let core = ctx.get().inner.clone();
+        let position = clamp_i32(position);
         let handle = run(py, &core, move |s| s.branch_create(position, params))?;
         Ok(PyBranch { ctx, handle })
     }
@@ -183,7 +185,8 @@ impl PyBranch {
     }
 
     /// Restart the sampler's RNG with ``seed`` (history kept).
-    fn reseed_sampler(&self, py: Python<'_>, seed: u32) -> PyResult<()> {
+    fn reseed_sampler(&self, py: Python<'_>, seed: i64) -> PyResult<()> {
+        let seed: u32 = narrow("seed", seed, "in 0..=4294967295")?;
         self.call(py, move |s, h| s.branch_reseed_sampler(h, seed))
     }
 

@@ -8,7 +8,7 @@ use numpy::PyArray1;
 use pyo3::prelude::*;
 use pyo3::types::{PyDict, PyType};
 
-use crate::convert::readonly_f32;
+use crate::convert::{clamp_i32, narrow, readonly_f32};
 use crate::detach::{detached, run};
 use crate::errors::IntoPyResult;
 use crate::metrics::PyPerplexityTracker;
@@ -42,10 +42,10 @@ impl PyContext {
     fn new(
         py: Python<'_>,
         model: &Bound<'_, PyAny>,
-        n_ctx: u32,
-        n_batch: u32,
-        n_seq_max: u32,
-        n_threads: Option<i32>,
+        n_ctx: i64,
+        n_batch: i64,
+        n_seq_max: i64,
+        n_threads: Option<i64>,
         embeddings: bool,
         pooling: &str,
         type_k: &str,
@@ -53,10 +53,10 @@ impl PyContext {
         flash_attn: bool,
     ) -> PyResult<Self> {
         let options = ContextOptions {
-            n_ctx,
-            n_batch,
-            n_seq_max,
-            n_threads,
+            n_ctx: narrow("n_ctx", n_ctx, "a positive number of KV cells")?,
+            n_batch: narrow("n_batch", n_batch, "a positive number of tokens per decode")?,
+            n_seq_max: narrow("n_seq_max", n_seq_max, "a positive number of sequences")?,
+            n_threads: n_threads.map(|t| narrow("n_threads", t, "in 1..=1024")).transpose()?,
             embeddings,
             pooling: Pooling::parse(pooling).py()?,
             type_k: type_k.to_string(),
@@ -214,6 +214,13 @@ impl PyContext {
         self.inner.model().eog()
     }
 
+    /// Tokens that close a turn and lead to the next (``<end_of_turn>\n`` on Gemma).
+    #[getter]
+    fn turn_separator(&self) -> PyResult<Vec<i32>> {
+        self.check_open()?;
+        Ok(self.inner.model().turn_separator())
+    }
+
     /// The beginning-of-sequence token id.
     #[getter]
     fn bos_token(&self) -> i32 {
@@ -224,7 +231,9 @@ impl PyContext {
 
     /// Decode ``tokens`` on ``seq_id`` starting at ``pos`` (chunked by n_batch; all-or-nothing).
     #[pyo3(signature = (tokens, pos, seq_id=0))]
-    fn decode(&self, py: Python<'_>, tokens: Vec<i64>, pos: i32, seq_id: i32) -> PyResult<()> {
+    fn decode(&self, py: Python<'_>, tokens: Vec<i64>, pos: i64, seq_id: i64) -> PyResult<()> {
+        let seq_id = clamp_i32(seq_id);
+        let pos = clamp_i32(pos);
         let tokens = to_i32(self.inner.model(), &tokens)?;
         run(py, self.ctx(), move |s| s.decode(&tokens, pos, seq_id))
     }
@@ -279,20 +288,23 @@ impl PyContext {
     }
 
     /// A new, empty perplexity tracker.
-    fn create_perplexity_tracker(&self) -> PyPerplexityTracker {
-        PyPerplexityTracker::from_core(lloyal_core::PerplexityTracker::new())
+    fn create_perplexity_tracker(&self) -> PyResult<PyPerplexityTracker> {
+        self.check_open()?;
+        Ok(PyPerplexityTracker::from_core(lloyal_core::PerplexityTracker::new()))
     }
 
     // ----- raw KV ops -----
 
     /// Largest position stored for ``seq_id`` (-1 when empty).
     #[pyo3(signature = (seq_id=0))]
-    fn kv_cache_size(&self, py: Python<'_>, seq_id: i32) -> PyResult<i32> {
+    fn kv_cache_size(&self, py: Python<'_>, seq_id: i64) -> PyResult<i32> {
+        let seq_id = clamp_i32(seq_id);
         run(py, self.ctx(), move |s| s.seq_pos_max(seq_id))
     }
 
     /// Largest position stored for ``seq_id`` (-1 when empty).
-    fn kv_seq_pos_max(&self, py: Python<'_>, seq_id: i32) -> PyResult<i32> {
+    fn kv_seq_pos_max(&self, py: Python<'_>, seq_id: i64) -> PyResult<i32> {
+        let seq_id = clamp_i32(seq_id);
         run(py, self.ctx(), move |s| s.seq_pos_max(seq_id))
     }
 
@@ -303,18 +315,26 @@ impl PyContext {
 
     /// Remove positions ``[start, end)`` of ``seq_id``; ``end=-1`` means to the end.
     #[pyo3(signature = (seq_id, start, end=-1), text_signature = "(self, seq_id, start, end=-1)")]
-    fn kv_cache_remove(&self, py: Python<'_>, seq_id: i32, start: i32, end: i32) -> PyResult<()> {
+    fn kv_cache_remove(&self, py: Python<'_>, seq_id: i64, start: i64, end: i64) -> PyResult<()> {
+        let seq_id = clamp_i32(seq_id);
+        let start = clamp_i32(start);
+        let end = clamp_i32(end);
         run(py, self.ctx(), move |s| s.kv_remove(seq_id, start, end))
     }
 
     /// Share ``src``'s cells ``[p0, p1)`` with ``dst`` (metadata only, no tensor copy).
     #[pyo3(signature = (src, dst, p0=0, p1=-1), text_signature = "(self, src, dst, p0=0, p1=-1)")]
-    fn kv_seq_copy(&self, py: Python<'_>, src: i32, dst: i32, p0: i32, p1: i32) -> PyResult<()> {
+    fn kv_seq_copy(&self, py: Python<'_>, src: i64, dst: i64, p0: i64, p1: i64) -> PyResult<()> {
+        let src = clamp_i32(src);
+        let dst = clamp_i32(dst);
+        let p0 = clamp_i32(p0);
+        let p1 = clamp_i32(p1);
         run(py, self.ctx(), move |s| s.kv_copy(src, dst, p0, p1))
     }
 
     /// Keep only ``seq_id``; drop every other sequence's cells.
-    fn kv_seq_keep(&self, py: Python<'_>, seq_id: i32) -> PyResult<()> {
+    fn kv_seq_keep(&self, py: Python<'_>, seq_id: i64) -> PyResult<()> {
+        let seq_id = clamp_i32(seq_id);
         run(py, self.ctx(), move |s| s.kv_keep(seq_id))
     }
 

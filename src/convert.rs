@@ -12,3 +12,17 @@ pub fn readonly_f32(py: Python<'_>, values: Vec<f32>) -> PyResult<Bound<'_, PyAr
     arr.call_method("setflags", (), Some(&kwargs))?;
     Ok(arr)
 }
+
+/// A Python int argument narrowed to ``T``; out of range is a ``ValueError`` naming the argument
+/// (pyo3's own narrowing raises ``OverflowError`` with no name).
+pub fn narrow<T: TryFrom<i64>>(name: &str, value: i64, expected: &str) -> PyResult<T> {
+    T::try_from(value).map_err(|_| {
+        pyo3::exceptions::PyValueError::new_err(format!("{name} must be {expected}, got {value}"))
+    })
+}
+
+/// A seq id or position past 32 bits, clamped so the core's range check (which names the valid
+/// range, e.g. ``n_seq_max``) rejects it instead of pyo3 raising a bare ``OverflowError``.
+pub fn clamp_i32(value: i64) -> i32 {
+    value.clamp(i64::from(i32::MIN), i64::from(i32::MAX)) as i32
+}

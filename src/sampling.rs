@@ -6,6 +6,7 @@ use pyo3::exceptions::PyTypeError;
 use pyo3::prelude::*;
 use pyo3::types::PyDict;
 
+use crate::convert::narrow;
 use crate::errors::IntoPyResult;
 
 const FIELDS: &[&str] = &[
@@ -88,7 +89,10 @@ fn set_field(p: &mut SamplingParams, key: &str, value: &Bound<'_, PyAny>) -> PyR
         "frequency_penalty" => p.frequency_penalty = extract_as(key, value)?,
         "presence_penalty" => p.presence_penalty = extract_as(key, value)?,
         "penalty_last_n" => p.penalty_last_n = extract_as(key, value)?,
-        "seed" => p.seed = extract_as(key, value)?,
+        "seed" => {
+            let seed: Option<i64> = extract_as(key, value)?;
+            p.seed = seed.map(|s| narrow("seed", s, "in 0..=4294967295 (or None)")).transpose()?;
+        }
         "mirostat" => p.mirostat = if none { None } else { Some(mirostat(value)?) },
         "dry" => p.dry = if none { None } else { Some(dry(value)?) },
         "xtc" => p.xtc = if none { None } else { Some(xtc(value)?) },

@@ -1,4 +1,7 @@
-"""Shared fixtures: the real model (Gemma 3 270M or LLOYAL_MODEL), loaded once per session."""
+"""Shared fixtures: the real model (Gemma 3 270M or LLOYAL_MODEL), loaded once per session.
+
+Contexts are kept small (n_ctx <= 2048) so the suite stays fast on a 2-core CPU.
+"""
 
 from __future__ import annotations
 
@@ -22,5 +25,8 @@ def model(model_path: Path) -> lloyal.Model:
 
 @pytest.fixture
 def ctx(model: lloyal.Model) -> Iterator[lloyal.Context]:
-    with lloyal.Context(model, n_ctx=1024, n_batch=512) as c:
+    c = lloyal.Context(model, n_ctx=1024, n_batch=512)
+    try:
         yield c
+    finally:
+        c.close()

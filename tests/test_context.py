@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -12,67 +13,174 @@ import lloyal
 def test_properties(model: lloyal.Model) -> None:
     with lloyal.Context(model, n_ctx=768, n_batch=128, n_seq_max=3, n_threads=1) as ctx:
         assert (ctx.n_ctx, ctx.n_batch, ctx.n_seq_max, ctx.n_threads) == (768, 128, 3, 1)
-        assert ctx.n_vocab == ctx.vocab_size == 262144
+        assert ctx.n_vocab == ctx.vocab_size == model.n_vocab == 262144
         # f16 K and V, 256-wide heads, 1 KV head, 18 layers: 2 * 2 * 256 * 18 bytes per cell.
+        assert ctx.memory_size > 0
         assert ctx.memory_size == 768 * 2 * 2 * 256 * 18
-        assert not ctx.closed and ctx.flash_attn and not ctx.embeddings
+        assert ctx.closed is False
+        assert ctx.flash_attn and not ctx.embeddings
         assert ctx.model.architecture == "gemma3"
-    assert ctx.closed
+        assert ctx.model.path == model.path
+        assert "n_ctx=768" in repr(ctx)
+    assert ctx.closed is True
+
+
+def test_defaults(model: lloyal.Model) -> None:
+    with lloyal.Context(model, n_ctx=256) as ctx:
+        assert ctx.n_batch == 256  # llama.cpp caps n_batch at n_ctx
+        assert ctx.n_seq_max == 1
+        assert ctx.n_threads >= 1
+    with lloyal.Context(model, n_ctx=1024) as ctx:
+        assert ctx.n_batch == 512
+
+
+def test_memory_size_follows_cache_type(model: lloyal.Model) -> None:
+    with (
+        lloyal.Context(model, n_ctx=256) as f16,
+        lloyal.Context(model, n_ctx=256, type_k="f32", type_v="f32") as f32,
+        lloyal.Context(model, n_ctx=512) as big,
+    ):
+        assert f16.memory_size > 0
+        assert f32.memory_size == 2 * f16.memory_size
+        assert big.memory_size == 2 * f16.memory_size
+
+
+def test_context_manager_closes_on_exception(model: lloyal.Model) -> None:
+    with pytest.raises(RuntimeError, match="boom"), lloyal.Context(model, n_ctx=256) as ctx:
+        assert ctx.closed is False
+        raise RuntimeError("boom")  # the exception is not swallowed
+    assert ctx.closed is True
+
+
+def calls_after_close(ctx: lloyal.Context) -> list[Callable[[], object]]:
+    return [
+        lambda: ctx.decode([5], 2),
+        lambda: ctx.decode([], 0),
+        lambda: ctx.sample(),
+        lambda: ctx.sample(temperature=0),
+        lambda: ctx.reset_sampler(),
+        lambda: ctx.get_logits(),
+        lambda: ctx.tokenize("x"),
+        lambda: ctx.detokenize([5]),
+        lambda: ctx.token_to_text(5),
+        lambda: ctx.text_stream(),
+        lambda: ctx.is_stop_token(5),
+        lambda: ctx.kv_cache_size(),
+        lambda: ctx.kv_seq_pos_max(0),
+        lambda: ctx.kv_cache_clear(),
+        lambda: ctx.kv_cache_remove(0, 0),
+        lambda: ctx.kv_seq_copy(0, 0),
+        lambda: ctx.kv_seq_keep(0),
+        lambda: ctx.model_entropy(),
+        lambda: ctx.model_surprisal(5),
+        lambda: ctx.clear_and_reseed([2], [100]),
+        lambda: ctx.memory_size,
+        lambda: lloyal.Branch.create(ctx),
+        lambda: lloyal.BranchStore(ctx).available,
+    ]
 
 
 def test_close_is_idempotent_and_everything_after_raises(model: lloyal.Model) -> None:
     ctx = lloyal.Context(model, n_ctx=256)
     ctx.decode([2, 100], 0)
     ctx.close()
+    assert ctx.closed is True
     ctx.close()
-    for call in (
-        lambda: ctx.decode([5], 2),
-        lambda: ctx.sample(),
-        lambda: ctx.get_logits(),
-        lambda: ctx.tokenize("x"),
-        lambda: ctx.detokenize([5]),
-        lambda: ctx.token_to_text(5),
-        lambda: ctx.kv_cache_size(),
-        lambda: ctx.kv_cache_clear(),
-        lambda: ctx.model_entropy(),
-        lambda: ctx.memory_size,
-        lambda: lloyal.Branch.create(ctx),
-    ):
-        with pytest.raises(lloyal.ContextClosedError, match="closed"):
+    with ctx:  # entering a closed context is harmless; exiting closes again (idempotent)
+        pass
+    assert ctx.closed is True
+    for i, call in enumerate(calls_after_close(ctx)):
+        with pytest.raises(lloyal.ContextClosedError, match="closed") as exc:
             call()
+        assert isinstance(exc.value, lloyal.LloyalError), i
+    # Facts fixed at creation stay readable.
+    assert ctx.n_ctx == 256 and ctx.n_vocab == 262144
+
+
+def test_create_perplexity_tracker_after_close_raises(model: lloyal.Model) -> None:
+    ctx = lloyal.Context(model, n_ctx=256)
+    ctx.close()
+    with pytest.raises(lloyal.ContextClosedError):
+        ctx.create_perplexity_tracker()
+
+
+def test_a_text_stream_outlives_its_context(model: lloyal.Model) -> None:
+    ctx = lloyal.Context(model, n_ctx=256)
+    tokens = ctx.tokenize("🦙!", add_special=False)
+    stream = ctx.text_stream()
+    ctx.close()
+    assert "".join(stream.push(t) for t in tokens) == "🦙!"
 
 
 @pytest.mark.parametrize(
-    "options",
+    ("options", "needle"),
     [
-        {"n_seq_max": 0},
-        {"n_seq_max": 300},
-        {"type_k": "f8"},
-        {"pooling": "max"},
-        {"n_batch": 0},
-        {"n_threads": 0},
-        {"type_v": "q8_0", "flash_attn": False},
+        ({"n_seq_max": 0}, "n_seq_max"),
+        ({"n_seq_max": 300}, "n_seq_max"),
+        ({"n_seq_max": 257}, "n_seq_max"),
+        ({"type_k": "f8"}, "type_k"),
+        ({"type_v": "zz"}, "type_v"),
+        ({"pooling": "max"}, "pooling"),
+        ({"n_batch": 0}, "n_batch"),
+        ({"n_ctx": 4}, "n_ctx"),
+        ({"n_threads": 0}, "n_threads"),
+        ({"type_v": "q8_0", "flash_attn": False}, "flash_attn"),
     ],
 )
-def test_bad_options_raise_value_error(model: lloyal.Model, options: dict[str, object]) -> None:
+def test_bad_options_raise_value_error(model: lloyal.Model, options: dict[str, object], needle: str) -> None:
     with pytest.raises(ValueError) as exc:
-        lloyal.Context(model, **options)  # type: ignore[arg-type]
-    assert next(iter(options)) in str(exc.value)
+        lloyal.Context(model, **{"n_ctx": 256, **options})  # type: ignore[arg-type]
+    assert needle in str(exc.value)
 
 
-def test_create_context_and_path(model_path: Path) -> None:
+@pytest.mark.parametrize("option", ["n_seq_max", "n_ctx", "n_batch"])
+def test_negative_sizes_raise_value_error(model: lloyal.Model, option: str) -> None:
+    with pytest.raises(ValueError, match=option):
+        lloyal.Context(model, **{option: -1})  # type: ignore[arg-type]
+
+
+def test_edge_options_are_accepted(model: lloyal.Model) -> None:
+    with lloyal.Context(model, n_ctx=256, n_seq_max=256) as ctx:
+        assert ctx.n_seq_max == 256
+    with lloyal.Context(model, n_ctx=256, type_k="q8_0", type_v="q8_0") as ctx:
+        ctx.decode([2, 100], 0)
+        assert ctx.kv_cache_size() == 1
+
+
+def test_create_context_and_path(model: lloyal.Model, model_path: Path) -> None:
     with lloyal.create_context(n_ctx=256) as ctx:
         assert ctx.n_ctx == 256
+        assert ctx.model.path == model.path
     with lloyal.create_context(model_path, n_ctx=256, n_seq_max=2) as ctx:
         assert ctx.n_seq_max == 2
+    with lloyal.create_context(str(model_path), n_ctx=256) as ctx:
+        toks = ctx.tokenize("Hello")
+        ctx.decode(toks, 0)
+        assert ctx.kv_cache_size() == len(toks) - 1
     with lloyal.Context(str(model_path), n_ctx=256) as ctx:
         assert ctx.model.n_vocab == 262144
+    with lloyal.Context(model_path, n_ctx=256) as ctx:
+        assert ctx.model.architecture == "gemma3"
+    with lloyal.Context.from_path(model_path, n_ctx=256) as ctx:
+        assert ctx.n_ctx == 256
+    with pytest.raises(ValueError, match="n_seq_max"):
+        lloyal.create_context(n_ctx=256, n_seq_max=0)
 
 
 def test_two_contexts_are_independent(model: lloyal.Model) -> None:
-    with lloyal.Context(model, n_ctx=256) as a, lloyal.Context(model, n_ctx=256) as b:
-        a.decode(a.tokenize("Hello there"), 0)
-        assert b.kv_cache_size() == -1
+    with lloyal.Context(model, n_ctx=256) as a, lloyal.Context(model, n_ctx=512) as b:
+        assert a.model.path == b.model.path
+        ta = a.tokenize("The capital of France is")
+        a.decode(ta, 0)
+        assert b.kv_cache_size() == -1  # b's cache is its own
+        with pytest.raises(lloyal.LloyalError):
+            b.get_logits()  # and so are its logits
+        tb = b.tokenize("Once upon a time")
+        b.decode(tb, 0)
+        assert a.kv_cache_size() == len(ta) - 1
+        assert b.kv_cache_size() == len(tb) - 1
+        assert not (a.get_logits() == b.get_logits()).all()
         a.close()
-        b.decode([2], 0)
-        assert b.kv_cache_size() == 0
+        assert a.closed and not b.closed
+        b.decode([5], len(tb))  # b survives a's close
+        assert b.kv_cache_size() == len(tb)

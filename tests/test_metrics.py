@@ -9,42 +9,99 @@ import pytest
 
 import lloyal
 
+LN2 = math.log(2)
+
 
 def log_softmax(logits: np.ndarray) -> np.ndarray:
+    """Log-probabilities via log-sum-exp in float64."""
     x = logits.astype(np.float64)
     m = x.max()
-    return x - (m + np.log(np.exp(x - m).sum()))
+    out: np.ndarray = x - (m + np.log(np.exp(x - m).sum()))
+    return out
 
 
-def test_entropy_and_surprisal(ctx: lloyal.Context) -> None:
-    ctx.decode(ctx.tokenize("The capital of France is"), 0)
-    logits = ctx.get_logits()
-    lp = log_softmax(logits)
+@pytest.fixture(params=["The capital of France is", "Once upon a time, in a small village by the sea,"])
+def primed(ctx: lloyal.Context, request: pytest.FixtureRequest) -> lloyal.Context:
+    ctx.decode(ctx.tokenize(request.param), 0)
+    return ctx
+
+
+def test_entropy_matches_numpy(primed: lloyal.Context) -> None:
+    lp = log_softmax(primed.get_logits())
     h = float(-(np.exp(lp) * lp).sum())
-    assert ctx.model_entropy() == pytest.approx(h, rel=1e-4)
-    assert ctx.model_entropy("bits") == pytest.approx(ctx.model_entropy("nats") / math.log(2), rel=1e-9)
-    best = int(np.argmax(logits))
-    assert ctx.model_surprisal(best) == pytest.approx(-lp[best], rel=1e-4, abs=1e-5)
-    assert ctx.model_surprisal(best, "bits") == pytest.approx(
-        ctx.model_surprisal(best) / math.log(2), rel=1e-9
-    )
-    others = [int(i) for i in np.argsort(logits)[-6:-1]]
-    assert all(ctx.model_surprisal(best) <= ctx.model_surprisal(t) for t in others)
+    assert h > 0.0
+    assert primed.model_entropy() == pytest.approx(h, rel=1e-4)
+    assert primed.model_entropy("nats") == primed.model_entropy()
+    assert primed.model_entropy("bits") == pytest.approx(primed.model_entropy("nats") / LN2, rel=1e-9)
+    assert primed.model_entropy() <= math.log(primed.n_vocab)
+
+
+def test_surprisal_matches_numpy(primed: lloyal.Context) -> None:
+    logits = primed.get_logits()
+    lp = log_softmax(logits)
+    order = [int(i) for i in np.argsort(-logits)]
+    best = order[0]
+    for t in [best, *order[1:4], order[1000], order[-1]]:
+        nats = primed.model_surprisal(t)
+        assert nats == pytest.approx(-lp[t], rel=1e-4, abs=1e-5)
+        assert primed.model_surprisal(t, "nats") == nats
+        assert primed.model_surprisal(t, "bits") == pytest.approx(nats / LN2, rel=1e-9)
+    # The greedy token is the least surprising.
+    others = [*order[1:6], 12345, 200000]
+    assert all(primed.model_surprisal(best) < primed.model_surprisal(t) for t in others)
+    assert primed.sample(temperature=0) == best
+
+
+def test_metric_argument_errors(primed: lloyal.Context) -> None:
+    with pytest.raises(ValueError, match="dits"):
+        primed.model_entropy("dits")
     with pytest.raises(ValueError):
-        ctx.model_entropy("dits")
-    with pytest.raises(lloyal.InvalidTokenError):
-        ctx.model_surprisal(-1)
+        primed.model_surprisal(5, "dits")
+    for bad in (-1, primed.n_vocab):
+        with pytest.raises(lloyal.InvalidTokenError):
+            primed.model_surprisal(bad)
 
 
 def test_perplexity_tracker(ctx: lloyal.Context) -> None:
     t = ctx.create_perplexity_tracker()
-    assert math.isinf(t.perplexity) and t.count == 0
+    assert isinstance(t, lloyal.PerplexityTracker)
+    assert math.isinf(t.perplexity) and t.perplexity > 0 and t.count == 0
     t.add_surprisal(math.log(2))
+    assert t.perplexity == pytest.approx(2.0)
     t.add_surprisal(math.log(8))
-    assert t.perplexity == pytest.approx(4.0)
+    assert t.count == 2
+    assert t.perplexity == pytest.approx(4.0)  # exp(mean(ln 2, ln 8)) = exp(ln 4)
+    xs = [0.3, 1.7, 2.2, 0.05]
+    for x in xs:
+        t.add_surprisal(x)
+    assert t.perplexity == pytest.approx(math.exp((math.log(2) + math.log(8) + sum(xs)) / 6))
+
     c = t.clone()
-    c.add_surprisal(0.0)
-    assert t.count == 2 and c.count == 3
+    assert c.count == t.count and c.perplexity == t.perplexity
+    c.add_surprisal(10.0)
+    assert t.count == 6 and c.count == 7
+    assert c.perplexity > t.perplexity
+
     t.reset()
-    assert math.isinf(t.perplexity)
+    assert math.isinf(t.perplexity) and t.count == 0
+    assert c.count == 7  # the clone is independent both ways
     assert lloyal.PerplexityTracker().count == 0
+
+
+def test_perplexity_of_a_greedy_continuation(ctx: lloyal.Context) -> None:
+    """Feeding model_surprisal of each generated token gives exp(mean surprisal)."""
+    toks = ctx.tokenize("The capital of France is")
+    ctx.decode(toks, 0)
+    tracker = ctx.create_perplexity_tracker()
+    surprisals = []
+    pos = len(toks)
+    for _ in range(5):
+        t = ctx.sample(temperature=0)
+        s = ctx.model_surprisal(t)
+        surprisals.append(s)
+        tracker.add_surprisal(s)
+        ctx.decode([t], pos)
+        pos += 1
+    assert tracker.count == 5
+    assert tracker.perplexity == pytest.approx(math.exp(sum(surprisals) / 5))
+    assert 1.0 <= tracker.perplexity < 50.0  # greedy tokens are likely ones

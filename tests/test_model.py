@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -16,59 +20,126 @@ def test_model_facts(model: lloyal.Model, model_path: Path) -> None:
     assert model.n_embd == 640
     assert model.n_ctx_train == 32768
     assert model.chat_template is None  # the default model ships no Jinja template
-    assert model.meta("general.name") == "Gemma 3 270m"
+    assert model.meta("general.architecture") == "gemma3"
     assert model.meta("no.such.key") is None
     assert Path(model.path) == model_path.resolve()
     assert 200_000_000 < model.n_params < 300_000_000
+    assert 0 < model.size <= model_path.stat().st_size
+    assert "gemma3" in repr(model)
+
+
+def test_same_path_loads_once(model: lloyal.Model, model_path: Path, tmp_path: Path) -> None:
+    """API.md §1: a path opened twice loads once. A real load of this model takes ~0.7 s
+    (262k-token vocabulary); a second Model() of a path that is loaded must be a lookup."""
+    link = tmp_path / "alias.gguf"
+    link.symlink_to(model_path)
+    for path in (model_path, str(model_path), link):
+        t0 = time.perf_counter()
+        again = lloyal.Model(path)
+        elapsed = time.perf_counter() - t0
+        assert elapsed < 0.1, f"Model({path!r}) took {elapsed:.3f}s: the weights were loaded again"
+        assert Path(again.path) == Path(model.path)  # canonical path: the symlink resolves
+        assert again.n_vocab == model.n_vocab
 
 
 def test_contexts_of_one_model_share_weights(model: lloyal.Model, model_path: Path) -> None:
     a = lloyal.Context(model, n_ctx=256)
-    b = lloyal.Context(str(model_path), n_ctx=256)
+    t0 = time.perf_counter()
+    b = lloyal.Context(str(model_path), n_ctx=256)  # a path: the already-loaded weights are reused
+    opened = time.perf_counter() - t0
     try:
-        assert a.model.path == b.model.path
-        # Greedy next token from each context is the same: same weights, independent KV.
+        assert opened < 0.5, f"Context(path) took {opened:.3f}s: the weights were loaded again"
+        assert a.model.path == b.model.path == model.path
+        # Same weights, independent KV: the same prompt gives the same greedy token and logits.
         toks = a.tokenize("One, two, three,")
         a.decode(toks, 0)
+        assert b.kv_cache_size() == -1
         b.decode(toks, 0)
         assert a.sample(temperature=0) == b.sample(temperature=0)
+        assert (a.get_logits() == b.get_logits()).all()
         assert a.kv_cache_size() == b.kv_cache_size() == len(toks) - 1
     finally:
         a.close()
         b.close()
 
 
-@pytest.mark.parametrize(
-    ("kind", "needle"),
-    [("missing", "No such file"), ("directory", "directory"), ("empty", "0 bytes"), ("magic", "magic")],
-)
-def test_bad_files_raise_model_load_error(tmp_path: Path, kind: str, needle: str) -> None:
-    path = tmp_path / "model.gguf"
+def make_bad_file(tmp_path: Path, model_path: Path, kind: str) -> Path:
+    path = tmp_path / f"{kind}.gguf"
     if kind == "directory":
         path.mkdir()
     elif kind == "empty":
         path.write_bytes(b"")
     elif kind == "magic":
         path.write_bytes(b"NOTGGUF!" + bytes(64))
+    elif kind == "version":
+        path.write_bytes(b"GGUF" + (9).to_bytes(4, "little") + bytes(64))
+    elif kind.startswith("truncated"):
+        n = int(kind.removeprefix("truncated"))
+        with open(model_path, "rb") as f:
+            path.write_bytes(f.read(n))
+    else:
+        assert kind == "missing"
+    return path
+
+
+BAD_FILES = [
+    ("missing", "No such file"),
+    ("directory", "directory"),
+    ("empty", "0 bytes"),
+    ("magic", "magic"),
+    ("version", "version 9"),
+    ("truncated100", "failed"),
+    ("truncated4096", "failed"),
+]
+
+
+@pytest.mark.parametrize(("kind", "needle"), BAD_FILES)
+def test_bad_files_raise_model_load_error(tmp_path: Path, model_path: Path, kind: str, needle: str) -> None:
+    path = make_bad_file(tmp_path, model_path, kind)
     with pytest.raises(lloyal.ModelLoadError) as exc:
         lloyal.Model(path)
+    assert isinstance(exc.value, lloyal.LloyalError)
     assert str(path) in str(exc.value)
     assert needle in str(exc.value)
+    # The same through Context(path).
+    with pytest.raises(lloyal.ModelLoadError) as exc2:
+        lloyal.Context(str(path), n_ctx=256)
+    assert str(path) in str(exc2.value)
 
 
-def test_truncated_gguf_raises_model_load_error(tmp_path: Path, model_path: Path) -> None:
-    path = tmp_path / "truncated.gguf"
-    path.write_bytes(model_path.read_bytes()[:4096])
-    with pytest.raises(lloyal.ModelLoadError) as exc:
-        lloyal.Model(path)
-    assert "truncated.gguf" in str(exc.value)
-
-
-def test_context_from_bad_path_raises(tmp_path: Path) -> None:
-    with pytest.raises(lloyal.ModelLoadError):
-        lloyal.Context(tmp_path / "nope.gguf")
+def test_bad_files_do_not_crash_the_process(tmp_path: Path, model_path: Path) -> None:
+    """Loading every bad file in a fresh interpreter ends normally, each with a ModelLoadError."""
+    paths = [str(make_bad_file(tmp_path, model_path, kind)) for kind, _ in BAD_FILES]
+    script = (
+        "import sys, lloyal\n"
+        "for p in sys.argv[1:]:\n"
+        "    try:\n"
+        "        lloyal.Model(p)\n"
+        "        print('LOADED', p)\n"
+        "    except lloyal.ModelLoadError as e:\n"
+        "        print('ModelLoadError', p in str(e))\n"
+        "print('END')\n"
+    )
+    proc = subprocess.run(
+        [sys.executable, "-c", script, *paths],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**os.environ, "LLOYAL_MODEL": str(model_path)},
+    )
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert proc.stdout.splitlines() == ["ModelLoadError True"] * len(paths) + ["END"]
 
 
 def test_default_model_path_honours_env(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     monkeypatch.setenv("LLOYAL_MODEL", str(tmp_path / "x.gguf"))
     assert lloyal.default_model_path() == tmp_path / "x.gguf"
+    with pytest.raises(lloyal.ModelLoadError, match=r"x\.gguf"):
+        lloyal.create_context(n_ctx=256)
+
+
+def test_default_model_path_is_a_gguf(model_path: Path) -> None:
+    assert isinstance(model_path, Path)
+    assert model_path.is_file()
+    with open(model_path, "rb") as f:
+        assert f.read(4) == b"GGUF"

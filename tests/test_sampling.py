@@ -1,4 +1,9 @@
-"""Sampling: every SamplingParams field is honoured and validated."""
+"""Sampling: every SamplingParams field is honoured and validated (API.md §2).
+
+Most tests draw several times from the same logits (no decode in between). ``ctx.sample``
+accepts each drawn token into the flat sampler's history, which is how penalty history is
+filled; ``reset_sampler()`` forgets it (and the RNG state).
+"""
 
 from __future__ import annotations
 
@@ -11,6 +16,7 @@ import lloyal
 from lloyal import Dry, Mirostat, SamplingParams, Xtc
 
 PROMPT = "Once upon a time, in a small village by the sea, there lived"
+FULL = {"top_k": 0, "top_p": 1.0, "min_p": 0.0}  # no truncation: the whole vocabulary
 
 
 @pytest.fixture
@@ -19,52 +25,108 @@ def primed(ctx: lloyal.Context) -> lloyal.Context:
     return ctx
 
 
-def argmax(ctx: lloyal.Context) -> int:
-    return int(np.argmax(ctx.get_logits()))
+def ranked(ctx: lloyal.Context) -> list[int]:
+    """Token ids by descending logit (ties: lower id first, like argmax)."""
+    return [int(i) for i in np.argsort(-ctx.get_logits(), kind="stable")[:10]]
 
 
 def draws(ctx: lloyal.Context, n: int, **params: object) -> list[int]:
-    """n samples from the same logits (no decode in between), fresh sampler state."""
+    """n samples from the same logits, fresh sampler state."""
     ctx.reset_sampler()
     return [ctx.sample(**params) for _ in range(n)]
 
 
-def test_greedy_and_top_k_1(primed: lloyal.Context) -> None:
-    best = argmax(primed)
+def generate(ctx: lloyal.Context, n: int, **params: object) -> list[int]:
+    """Greedy-loop generation from PROMPT with the flat path, fresh KV and sampler."""
+    ctx.kv_cache_clear()
+    ctx.reset_sampler()
+    toks = ctx.tokenize(PROMPT)
+    ctx.decode(toks, 0)
+    pos, out = len(toks), []
+    for _ in range(n):
+        t = ctx.sample(**params)
+        out.append(t)
+        ctx.decode([t], pos)
+        pos += 1
+    return out
+
+
+def test_sampled_tokens_are_valid(primed: lloyal.Context) -> None:
+    out = draws(primed, 20, temperature=1.0, seed=0)
+    assert all(isinstance(t, int) and 0 <= t < primed.n_vocab for t in out)
+    # Defaults (top_k=40, top_p=0.95, min_p=0.05) keep only a handful of candidates here.
+    assert set(out) <= set(ranked(primed))
+
+
+def test_greedy_is_argmax_and_top_k_1_equals_greedy(primed: lloyal.Context) -> None:
+    best = ranked(primed)[0]
     assert primed.sample(temperature=0) == best
+    assert primed.sample(temperature=-1.0) == best  # temperature <= 0 is greedy
+    assert SamplingParams(temperature=0).is_greedy
     assert draws(primed, 5, temperature=1.5, top_k=1, seed=3) == [best] * 5
+    # Over a whole generation, top_k=1 sampling at temperature 1 is the greedy sequence.
+    greedy = generate(primed, 8, temperature=0)
+    assert generate(primed, 8, temperature=1.0, top_k=1, seed=7) == greedy
 
 
 def test_seed_reproduces_and_differs(primed: lloyal.Context) -> None:
-    kw = {"temperature": 1.5, "top_k": 0, "top_p": 1.0, "min_p": 0.0}
+    kw = {"temperature": 1.0, **FULL}
     a = draws(primed, 20, seed=11, **kw)
     b = draws(primed, 20, seed=11, **kw)
     c = draws(primed, 20, seed=12, **kw)
     assert a == b
     assert a != c
-    assert len(set(a)) > 1, "temperature 1.5 over the full vocabulary varies"
+    assert len(set(a)) > 1, "temperature 1 over the full vocabulary varies"
 
 
-def test_tiny_top_p_and_full_min_p_are_greedy(primed: lloyal.Context) -> None:
-    best = argmax(primed)
-    assert draws(primed, 5, temperature=2.0, top_k=0, top_p=1e-6, min_p=0.0, seed=1) == [best] * 5
-    assert draws(primed, 5, temperature=2.0, top_k=0, top_p=1.0, min_p=1.0, seed=1) == [best] * 5
-    assert (
-        draws(primed, 5, temperature=2.0, top_k=0, top_p=1.0, min_p=0.0, typical_p=1e-6, seed=1) == [best] * 5
-    )
+def test_temperature_is_honoured(primed: lloyal.Context) -> None:
+    """A hotter distribution spreads draws over more distinct tokens."""
+    cold = draws(primed, 30, temperature=0.3, seed=5, **FULL)
+    hot = draws(primed, 30, temperature=3.0, seed=5, **FULL)
+    assert len(set(hot)) > len(set(cold))
+    assert len(set(hot)) >= 10
 
 
-def test_repeat_penalty_pushes_a_token_away(primed: lloyal.Context) -> None:
-    best = argmax(primed)
-    primed.reset_sampler()
-    assert primed.sample(temperature=0) == best  # now best is in the history
-    assert primed.sample(temperature=0, repeat_penalty=100.0, penalty_last_n=64) != best
+def test_tiny_top_p_min_p_1_and_tiny_typical_p_are_greedy(primed: lloyal.Context) -> None:
+    best = ranked(primed)[0]
+    hot = {"temperature": 3.0, "seed": 1}
+    assert len(set(draws(primed, 8, **hot, **FULL))) > 1  # untruncated: varied
+    assert draws(primed, 8, **hot, **{**FULL, "top_p": 1e-6}) == [best] * 8
+    assert draws(primed, 8, **hot, **{**FULL, "min_p": 1.0}) == [best] * 8
+    # Locally typical sampling keeps the token whose surprisal is closest to the entropy
+    # (computed on the untempered logits: typical_p runs before temperature in the chain).
+    x = primed.get_logits().astype(np.float64)
+    logp = x - (x.max() + np.log(np.exp(x - x.max()).sum()))
+    entropy = -(np.exp(logp) * logp).sum()
+    typical = int(np.argmin(np.abs(-logp - entropy)))
+    assert draws(primed, 8, **hot, **FULL, typical_p=1e-6) == [typical] * 8
+
+
+def test_top_k_limits_candidates(primed: lloyal.Context) -> None:
+    top3 = set(ranked(primed)[:3])
+    out = draws(primed, 30, temperature=5.0, top_k=3, top_p=1.0, min_p=0.0, seed=2)
+    assert set(out) <= top3
+    assert len(set(out)) > 1
+
+
+def test_repeat_penalty_pushes_a_repeated_token_away(primed: lloyal.Context) -> None:
+    best = ranked(primed)[0]
     primed.reset_sampler()
     assert primed.sample(temperature=0, repeat_penalty=100.0) == best  # empty history: no effect
+    # best is now in the history: a strong repeat penalty makes it lose.
+    other = primed.sample(temperature=0, repeat_penalty=100.0, penalty_last_n=64)
+    assert other != best
+    assert other in ranked(primed)
+    # penalty_last_n=1 looks only at the last token (other), so best is free again.
+    assert primed.sample(temperature=0, repeat_penalty=100.0, penalty_last_n=1) == best
+    # penalty_last_n=0 disables penalties.
+    assert primed.sample(temperature=0, repeat_penalty=100.0, penalty_last_n=0) == best
+    # Penalties never modify the logits the context exposes.
+    assert ranked(primed)[0] == best
 
 
 def test_presence_and_frequency_penalties(primed: lloyal.Context) -> None:
-    best = argmax(primed)
+    best = ranked(primed)[0]
     primed.reset_sampler()
     primed.sample(temperature=0)
     assert primed.sample(temperature=0, presence_penalty=1000.0) != best
@@ -72,20 +134,56 @@ def test_presence_and_frequency_penalties(primed: lloyal.Context) -> None:
     assert primed.sample(temperature=0, frequency_penalty=1000.0, penalty_last_n=0) == best
 
 
-def test_mirostat_dry_xtc_are_used(primed: lloyal.Context) -> None:
-    for version in (1, 2):
-        out = draws(primed, 10, mirostat=Mirostat(version=version, tau=3.0, eta=0.1), seed=5)
-        assert all(0 <= t < primed.n_vocab for t in out)
-        assert out == draws(primed, 10, mirostat=Mirostat(version=version, tau=3.0, eta=0.1), seed=5)
-    # XTC with probability 1 and threshold 0 removes every top choice but the least likely
-    # of them, so the argmax can never come out.
-    best = argmax(primed)
-    xtc = draws(
-        primed, 10, temperature=1.0, top_k=5, top_p=1.0, min_p=0.0, xtc=Xtc(probability=1.0, threshold=0.0)
-    )
-    assert best not in xtc
-    dry = draws(primed, 3, temperature=0, dry=Dry(multiplier=0.8))
-    assert all(0 <= t < primed.n_vocab for t in dry)
+@pytest.mark.parametrize("version", [1, 2])
+def test_mirostat_is_honoured(primed: lloyal.Context, version: int) -> None:
+    best = ranked(primed)[0]
+    # Plain sampling at temperature 3 over the whole vocabulary is all over the place ...
+    assert len(set(draws(primed, 12, temperature=3.0, seed=3, **FULL))) > 6
+    # ... a tiny mirostat target surprise truncates to the single most likely token ...
+    tight = Mirostat(version=version, tau=1e-3, eta=0.1)
+    assert draws(primed, 12, temperature=3.0, mirostat=tight, seed=3, **FULL) == [best] * 12
+    # ... and mirostat replaces top-k: top_k=1 does not make a high-tau mirostat greedy.
+    loose = Mirostat(version=version, tau=10.0, eta=0.1)
+    out = draws(primed, 12, temperature=3.0, top_k=1, mirostat=loose, seed=3)
+    assert len(set(out)) > 1
+    assert all(0 <= t < primed.n_vocab for t in out)
+    assert draws(primed, 12, temperature=3.0, top_k=1, mirostat=loose, seed=3) == out  # seeded
+    assert not SamplingParams(temperature=0, mirostat=loose).is_greedy
+
+
+def test_xtc_is_honoured(primed: lloyal.Context) -> None:
+    """XTC with probability 1 and threshold 0 removes every top choice above the threshold
+    but the least likely of them: after top_k=5 only the 5th best token remains."""
+    order = ranked(primed)
+    kw = {"temperature": 1.0, "top_k": 5, "top_p": 1.0, "min_p": 0.0}
+    without = draws(primed, 10, seed=4, **kw)
+    assert order[0] in without
+    out = draws(primed, 10, seed=4, xtc=Xtc(probability=1.0, threshold=0.0), **kw)
+    assert out == [order[4]] * 10
+    # probability 0 disables it.
+    assert draws(primed, 10, seed=4, xtc=Xtc(probability=0.0, threshold=0.0), **kw) == without
+
+
+def test_dry_is_honoured_with_a_window(primed: lloyal.Context) -> None:
+    """DRY penalises a token that would extend a sequence repeated in the history."""
+    best = ranked(primed)[0]
+    primed.reset_sampler()
+    history = [primed.sample(temperature=0) for _ in range(6)]
+    assert history == [best] * 6
+    # best would extend the run "best best ..." once more: DRY pushes it away.
+    assert primed.sample(temperature=0, dry=Dry(multiplier=50.0, penalty_last_n=64)) != best
+    # multiplier 0 disables it.
+    primed.reset_sampler()
+    for _ in range(6):
+        primed.sample(temperature=0)
+    assert primed.sample(temperature=0, dry=Dry(multiplier=0.0, penalty_last_n=64)) == best
+
+
+def test_dry_default_window_is_honoured(primed: lloyal.Context) -> None:
+    best = ranked(primed)[0]
+    primed.reset_sampler()
+    assert [primed.sample(temperature=0) for _ in range(6)] == [best] * 6
+    assert primed.sample(temperature=0, dry=Dry(multiplier=50.0)) != best
 
 
 def test_params_object_and_overrides_merge(primed: lloyal.Context) -> None:
@@ -93,36 +191,74 @@ def test_params_object_and_overrides_merge(primed: lloyal.Context) -> None:
     a = draws(primed, 8, **{f.name: getattr(p, f.name) for f in dataclasses.fields(p)})
     primed.reset_sampler()
     b = [primed.sample(p) for _ in range(8)]
-    assert a == b
-    best = argmax(primed)
-    assert primed.sample(p, top_k=1) == best
+    primed.reset_sampler()
+    c = [primed.sample(params=p) for _ in range(8)]
+    assert a == b == c
+    assert len(set(a)) > 1
+    best = ranked(primed)[0]
+    # Overrides win over the params object; the other fields of the object still apply.
+    primed.reset_sampler()
+    assert [primed.sample(p, top_k=1) for _ in range(5)] == [best] * 5
+    primed.reset_sampler()
+    assert [primed.sample(p, temperature=0) for _ in range(5)] == [best] * 5
+    # seed comes from p when not overridden: the override changes only what it names.
+    primed.reset_sampler()
+    assert [primed.sample(p, top_p=1.0) for _ in range(8)] == a
+    primed.reset_sampler()
+    assert [primed.sample(p, seed=5) for _ in range(8)] != a
 
 
 def test_validation() -> None:
     for bad in (
         {"top_k": -1},
         {"top_p": 2.0},
+        {"top_p": -0.1},
         {"min_p": -0.1},
+        {"min_p": 1.5},
         {"repeat_penalty": 0.0},
+        {"repeat_penalty": -1.0},
         {"typical_p": 0.0},
         {"temperature": float("nan")},
         {"penalty_last_n": -2},
         {"mirostat": Mirostat(version=3)},
+        {"mirostat": Mirostat(tau=0.0)},
         {"xtc": Xtc(probability=2.0)},
+        {"dry": Dry(base=0.5)},
     ):
         with pytest.raises(ValueError):
-            SamplingParams(**bad)  # type: ignore[arg-type]
+            SamplingParams(**bad)
+    SamplingParams(top_k=0, top_p=1.0, min_p=0.0, typical_p=1.0, penalty_last_n=-1)  # edges are valid
+
+
+def test_frozen_and_keyword_only() -> None:
     with pytest.raises(TypeError):
-        SamplingParams(0.5)  # type: ignore[misc]  # keyword-only
+        SamplingParams(0.5)  # type: ignore[call-arg]
+    with pytest.raises(TypeError):
+        Mirostat(2)  # type: ignore[call-arg]
     p = SamplingParams()
     with pytest.raises(dataclasses.FrozenInstanceError):
         p.top_k = 3  # type: ignore[misc]
-    assert p.replace(top_k=3).top_k == 3
-    assert SamplingParams(temperature=0).is_greedy
+    assert (p.temperature, p.top_k, p.top_p, p.min_p, p.typical_p) == (0.8, 40, 0.95, 0.05, 1.0)
+    penalties = (p.repeat_penalty, p.frequency_penalty, p.presence_penalty, p.penalty_last_n)
+    assert penalties == (1.0, 0.0, 0.0, 64)
+    assert (p.seed, p.mirostat, p.dry, p.xtc) == (None, None, None, None)
+    q = p.replace(top_k=3)
+    assert q.top_k == 3 and p.top_k == 40
+    with pytest.raises(ValueError):
+        p.replace(top_k=-3)
+    assert hash(p) == hash(SamplingParams()) and p == SamplingParams()
 
 
-def test_unknown_override_is_a_type_error(primed: lloyal.Context) -> None:
+def test_unknown_or_bad_override(primed: lloyal.Context) -> None:
     with pytest.raises(TypeError, match="top_kk"):
         primed.sample(top_kk=3)
+    with pytest.raises(TypeError, match="top_kk"):
+        primed.sample(SamplingParams(), top_kk=3)
     with pytest.raises(ValueError):
         primed.sample(top_k=-5)
+    with pytest.raises(ValueError):
+        primed.sample(SamplingParams(), top_p=7.0)
+    with pytest.raises(ValueError):
+        primed.sample(mirostat=Mirostat(version=3))
+    with pytest.raises(TypeError):
+        primed.sample(top_k="many")

@@ -138,6 +138,9 @@ class Context:
     def eog_token(self) -> int:
         """The end-of-generation token id."""
     @property
+    def turn_separator(self) -> list[int]:
+        """Tokens that close a turn and lead to the next (``<end_of_turn>\\n`` on Gemma)."""
+    @property
     def bos_token(self) -> int:
         """The beginning-of-sequence token id."""
     def close(self) -> None:

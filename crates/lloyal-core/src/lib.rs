@@ -6,6 +6,7 @@
 
 pub mod backend;
 pub mod branch;
+pub mod chat_family;
 pub mod context;
 pub mod error;
 pub mod metrics;
@@ -22,6 +23,7 @@ pub mod tenancy;
 pub mod topology;
 pub mod utf8;
 
+pub use chat_family::ChatFamily;
 pub use context::{Context, ContextShape, ContextState};
 pub use error::{LloyalError, Result};
 pub use metrics::{Base, PerplexityTracker};

@@ -222,4 +222,18 @@ impl Model {
             vocab.eos().0
         }
     }
+
+    /// The chat convention of this model (from its template, else its architecture).
+    pub fn chat_family(&self) -> Option<crate::ChatFamily> {
+        crate::ChatFamily::detect(self.chat_template().as_deref(), &self.architecture())
+    }
+
+    /// Tokens that close a turn and lead to the next (`<end_of_turn>\n` on Gemma); the
+    /// end-of-generation token alone for a model with no known chat convention.
+    pub fn turn_separator(&self) -> Vec<i32> {
+        match self.chat_family() {
+            Some(family) => self.tokenize(family.turn_separator(), false, true),
+            None => vec![self.eog()],
+        }
+    }
 }

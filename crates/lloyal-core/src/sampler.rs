@@ -145,6 +145,12 @@ fn build_chain(model: &Model, params: &SamplingParams) -> Result<RawChain> {
             })
             .collect::<Result<_>>()?;
         let mut ptrs: Vec<*const std::ffi::c_char> = breakers.iter().map(|c| c.as_ptr()).collect();
+        // llama.cpp clamps a negative window to 0 (= DRY off); -1 means "whole history" in our API.
+        let window = if dry.penalty_last_n < 0 {
+            i32::try_from(model.n_ctx_train()).unwrap_or(i32::MAX)
+        } else {
+            dry.penalty_last_n
+        };
         // SAFETY: vocab outlives the call; breaker strings live until after init copies them.
         let smpl = unsafe {
             sys::llama_sampler_init_dry(
@@ -152,7 +158,7 @@ fn build_chain(model: &Model, params: &SamplingParams) -> Result<RawChain> {
                 dry.multiplier,
                 dry.base,
                 dry.allowed_length,
-                dry.penalty_last_n,
+                window,
                 ptrs.as_mut_ptr(),
                 ptrs.len(),
             )

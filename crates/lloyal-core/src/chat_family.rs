@@ -1,0 +1,63 @@
+//! Which chat convention a model follows (Gemma, ChatML, Llama 3), from its template or architecture.
+
+/// A chat convention: how turns are opened and closed.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ChatFamily {
+    /// `<start_of_turn>user\n...<end_of_turn>\n` (Gemma 1-3).
+    Gemma,
+    /// `<|im_start|>user\n...<|im_end|>\n` (Qwen, SmolLM, many fine-tunes).
+    ChatMl,
+    /// `<|start_header_id|>user<|end_header_id|>\n\n...<|eot_id|>` (Llama 3.x).
+    Llama3,
+}
+
+impl ChatFamily {
+    /// The family whose markers appear in `template`, else the one implied by `architecture`.
+    pub fn detect(template: Option<&str>, architecture: &str) -> Option<ChatFamily> {
+        if let Some(t) = template {
+            if t.contains("<start_of_turn>") {
+                return Some(ChatFamily::Gemma);
+            }
+            if t.contains("<|im_start|>") {
+                return Some(ChatFamily::ChatMl);
+            }
+            if t.contains("<|start_header_id|>") {
+                return Some(ChatFamily::Llama3);
+            }
+        }
+        let arch = architecture.to_ascii_lowercase();
+        if arch.starts_with("gemma") {
+            Some(ChatFamily::Gemma)
+        } else if arch.starts_with("qwen") || arch.starts_with("smollm") {
+            Some(ChatFamily::ChatMl)
+        } else if arch == "llama" {
+            Some(ChatFamily::Llama3)
+        } else {
+            None
+        }
+    }
+
+    /// The text that closes a turn and leads to the next one.
+    pub fn turn_separator(self) -> &'static str {
+        match self {
+            ChatFamily::Gemma => "<end_of_turn>\n",
+            ChatFamily::ChatMl => "<|im_end|>\n",
+            ChatFamily::Llama3 => "<|eot_id|>",
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::ChatFamily;
+
+    #[test]
+    fn template_markers_win_over_architecture() {
+        let chatml = "{% for m in messages %}<|im_start|>{{ m.role }}{% endfor %}";
+        assert_eq!(ChatFamily::detect(Some(chatml), "gemma3"), Some(ChatFamily::ChatMl));
+        assert_eq!(ChatFamily::detect(None, "gemma3"), Some(ChatFamily::Gemma));
+        assert_eq!(ChatFamily::detect(None, "llama"), Some(ChatFamily::Llama3));
+        assert_eq!(ChatFamily::detect(None, "qwen2"), Some(ChatFamily::ChatMl));
+        assert_eq!(ChatFamily::detect(Some("plain"), "mamba"), None);
+    }
+}
