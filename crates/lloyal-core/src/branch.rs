@@ -1,7 +1,7 @@
 //! One branch's private state: its sequence, sampler, logits snapshot, metrics and biases.
 
 use crate::error::{LloyalError, Result};
-use crate::metrics::{log_sum_exp_scaled, surprisal, Base, PerplexityTracker};
+use crate::metrics::{log_sum_exp_both, surprisal, Base, PerplexityTracker};
 use crate::sampler::Sampler;
 use crate::sampling::adjusted_replacements;
 
@@ -97,22 +97,26 @@ impl BranchState {
         if self.logits.is_empty() {
             return None;
         }
-        let model = surprisal(&self.logits, token as usize, Base::Nats);
         let params = self.sampler.params();
         let repl = adjusted_replacements(&self.logits, self.sampler.history(), params, &self.biases());
         let scale = if params.temperature > 0.0 { 1.0 / params.temperature } else { 1.0 };
-        let sampling = if repl.is_empty() && scale == 1.0 {
-            model
-        } else {
-            let t = token as usize;
-            let raw = repl.iter().find(|(i, _)| *i == t).map(|r| r.1).unwrap_or(self.logits[t]);
-            if raw == f32::NEG_INFINITY {
+        let t = token as usize;
+        let model_logit = *self.logits.get(t)?;
+        let sampled_logit = repl.iter().find(|(i, _)| *i == t).map(|r| r.1).unwrap_or(model_logit);
+        if repl.is_empty() && scale == 1.0 {
+            let model = surprisal(&self.logits, t, Base::Nats);
+            return Some((model, model));
+        }
+        // One pass over the vocabulary for both normalisers.
+        let (lse, lse_sampling) = log_sum_exp_both(&self.logits, scale, &repl);
+        let nats = |lse: f64, logit: f32| {
+            if logit == f32::NEG_INFINITY {
                 f64::INFINITY
             } else {
-                (log_sum_exp_scaled(&self.logits, scale, &repl) - f64::from(raw * scale)).max(0.0)
+                (lse - f64::from(logit)).max(0.0)
             }
         };
-        Some((model, sampling))
+        Some((nats(lse, model_logit), nats(lse_sampling, sampled_logit * scale)))
     }
 
     /// Record an accepted token: metrics (from precomputed surprisals) and sampler history.
