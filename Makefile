@@ -6,7 +6,7 @@ export VIRTUAL_ENV := $(CURDIR)/.venv
 export PYO3_PYTHON := $(CURDIR)/.venv/bin/python
 PYDIRS := python tests benches examples
 
-.PHONY: sysdeps venv build test test-rust test-py lint bench demo clean distclean
+.PHONY: sysdeps venv build test test-rust test-py lint bench bench-deps demo clean distclean
 
 sysdeps:  ## C/C++ compiler, cmake and libclang for llama-cpp-sys-2's build (apt, only when missing)
 	@if ! command -v cmake >/dev/null || ! command -v c++ >/dev/null \
@@ -46,8 +46,13 @@ lint: build
 	.venv/bin/mypy --strict python/lloyal
 	$(PY) -m mypy.stubtest lloyal._lloyal --allowlist stubtest-allowlist.txt
 
-bench: build  ## real benchmark runs (pytest-benchmark), results for benches/RESULTS.md
-	$(PY) -m pytest benches --benchmark-enable --benchmark-columns=mean,stddev,rounds -q
+bench-deps: venv  ## benchmark peers: llama-cpp-python (compiles llama.cpp, ~10 min) and matplotlib
+	CMAKE_ARGS="-DGGML_NATIVE=ON" $(PY) -m pip install -q "llama-cpp-python>=0.3" "matplotlib>=3.7"
+
+bench: build bench-deps  ## real benchmark runs (pytest-benchmark); tables + plot for benches/RESULTS.md
+	$(PY) -m pytest benches --benchmark-enable --benchmark-columns=mean,stddev,rounds -q \
+		--benchmark-json=benches/results/latest.json
+	$(PY) benches/report.py benches/results/latest.json --plot benches/results/best_of_n.png
 
 demo: build
 	.venv/bin/lloyal demo

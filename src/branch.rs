@@ -5,7 +5,6 @@ use std::sync::{Arc, Mutex};
 
 use lloyal_core::{Base, Context, ContextState, Handle, Utf8Stream};
 use numpy::{PyArray1, PyReadonlyArray1};
-use pyo3::exceptions::PyNotImplementedError;
 use pyo3::prelude::*;
 use pyo3::types::{PyDict, PyTuple, PyType};
 
@@ -14,6 +13,7 @@ use crate::context::{to_i32, PyContext};
 use crate::convert::{clamp_i32, narrow};
 use crate::detach::run;
 use crate::errors::IntoPyResult;
+use crate::grammar::PyGrammar;
 use crate::sampling::extract_params;
 
 /// A sampled-but-not-written token.
@@ -84,6 +84,22 @@ impl PyBranch {
     }
 }
 
+/// A grammar from GBNF text (start rule ``root``) or a copy of a `Grammar` handle's state.
+fn grammar_arg(
+    py: Python<'_>,
+    model: Arc<lloyal_core::Model>,
+    grammar: Option<&Bound<'_, PyAny>>,
+) -> PyResult<Option<lloyal_core::Grammar>> {
+    let Some(g) = grammar.filter(|g| !g.is_none()) else { return Ok(None) };
+    if let Ok(handle) = g.cast::<PyGrammar>() {
+        return Ok(Some(handle.get().lock().try_clone().py()?));
+    }
+    let gbnf: String = g.extract().map_err(|_| {
+        pyo3::exceptions::PyTypeError::new_err("grammar must be GBNF text (str), a Grammar, or None")
+    })?;
+    Ok(Some(PyGrammar::parse(py, model, gbnf, "root".into())?))
+}
+
 /// Token ids (range-checked) and biases from a `{token: bias}` dict.
 fn bias_list(model: &lloyal_core::Model, bias: &Bound<'_, PyDict>) -> PyResult<Vec<(i32, f32)>> {
     let map: HashMap<i64, f32> = bias.extract()?;
@@ -107,16 +123,36 @@ impl PyBranch {
         ctx: Py<PyContext>,
         position: i64,
         params: Option<&Bound<'_, PyAny>>,
-        grammar: Option<&str>,
+        grammar: Option<&Bound<'_, PyAny>>,
     ) -> PyResult<PyBranch> {
-        if grammar.is_some() {
-            return Err(PyNotImplementedError::new_err("grammar-constrained branches are not available yet"));
-        }
         let params = extract_params(params, None)?;
         let core = ctx.get().inner.clone();
+        core.check_open().py()?;
+        let grammar = grammar_arg(py, core.model().clone(), grammar)?;
         let position = clamp_i32(position);
-        let handle = run(py, &core, move |s| s.branch_create(position, params))?;
+        let handle = run(py, &core, move |s| {
+            let h = s.branch_create(position, params)?;
+            if grammar.is_some() {
+                s.branch_set_grammar(h, grammar)?;
+            }
+            Ok(h)
+        })?;
         Ok(PyBranch { ctx, handle })
+    }
+
+    /// Constrain sampling with a grammar (GBNF text or a :class:`Grammar`, whose state is
+    /// copied), or remove it with ``None``. Forks inherit a copy.
+    #[pyo3(signature = (grammar))]
+    fn set_grammar(&self, py: Python<'_>, grammar: Option<&Bound<'_, PyAny>>) -> PyResult<()> {
+        self.core().check_open().py()?;
+        let grammar = grammar_arg(py, self.core().model().clone(), grammar)?;
+        self.call(py, move |s, h| s.branch_set_grammar(h, grammar))
+    }
+
+    /// Sampled tokens the grammar rejected so far (each cost a full vocabulary mask).
+    #[getter]
+    fn grammar_resamples(&self, py: Python<'_>) -> PyResult<u64> {
+        self.call(py, |s, h| s.branch_grammar_resamples(h))
     }
 
     /// A child sharing this branch's KV prefix (no tensor copy); sampler, metrics, logit bias

@@ -11,6 +11,7 @@ use pyo3::types::{PyDict, PyType};
 use crate::convert::{clamp_i32, narrow, readonly_f32};
 use crate::detach::{detached, run};
 use crate::errors::IntoPyResult;
+use crate::grammar::PyGrammar;
 use crate::metrics::PyPerplexityTracker;
 use crate::model::PyModel;
 use crate::sampling::extract_params;
@@ -288,6 +289,14 @@ impl PyContext {
     }
 
     /// A new, empty perplexity tracker.
+    /// Parse GBNF ``gbnf`` (start rule ``root``) into a :class:`Grammar` handle.
+    #[pyo3(signature = (gbnf, root="root"))]
+    fn create_grammar(&self, py: Python<'_>, gbnf: String, root: &str) -> PyResult<PyGrammar> {
+        self.check_open()?;
+        let model = self.inner.model().clone();
+        Ok(PyGrammar::from_core(PyGrammar::parse(py, model, gbnf, root.to_string())?))
+    }
+
     fn create_perplexity_tracker(&self) -> PyResult<PyPerplexityTracker> {
         self.check_open()?;
         Ok(PyPerplexityTracker::from_core(lloyal_core::PerplexityTracker::new()))

@@ -7,6 +7,7 @@ mod context;
 mod convert;
 mod detach;
 mod errors;
+mod grammar;
 mod metrics;
 mod model;
 mod sampling;
@@ -29,6 +30,8 @@ fn _lloyal(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<branch::PyTokenIter>()?;
     m.add_class::<store::PyBranchStore>()?;
     m.add_class::<store::PyKvPressure>()?;
+    m.add_class::<grammar::PyGrammar>()?;
     m.add_function(wrap_pyfunction!(sampling::validate_sampling_params, m)?)?;
+    m.add_function(wrap_pyfunction!(grammar::json_schema_to_grammar, m)?)?;
     Ok(())
 }

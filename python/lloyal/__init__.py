@@ -19,6 +19,7 @@ from lloyal._lloyal import (
     Branch,
     BranchStore,
     Context,
+    Grammar,
     KvPressure,
     Model,
     PerplexityTracker,
@@ -44,6 +45,7 @@ from lloyal.errors import (
     StateError,
     TopologyError,
 )
+from lloyal.grammar import json_schema_to_grammar
 from lloyal.sampling import Dry, Mirostat, SamplingParams, Xtc
 
 __all__ = [
@@ -55,6 +57,7 @@ __all__ = [
     "ContextClosedError",
     "DecodeError",
     "Dry",
+    "Grammar",
     "GrammarError",
     "InvalidTokenError",
     "KvCacheFullError",
@@ -77,6 +80,7 @@ __all__ = [
     "__version__",
     "create_context",
     "default_model_path",
+    "json_schema_to_grammar",
 ]
 
 

@@ -12,6 +12,7 @@ __all__ = [
     "Branch",
     "BranchStore",
     "Context",
+    "Grammar",
     "KvPressure",
     "Model",
     "PerplexityTracker",
@@ -20,8 +21,12 @@ __all__ = [
     "Token",
     "TokenIterator",
     "__version__",
+    "json_schema_to_grammar",
     "validate_sampling_params",
 ]
+
+def json_schema_to_grammar(schema: str) -> str:
+    """GBNF (start rule ``root``) for a JSON schema given as JSON text."""
 
 def validate_sampling_params(params: object) -> None:
     """Raise ``ValueError``/``TypeError`` if ``params`` is not a valid set of sampling parameters."""
@@ -174,6 +179,8 @@ class Context:
         """Entropy of the next-token distribution in ``"nats"`` or ``"bits"``."""
     def model_surprisal(self, token: int, base: str = "nats") -> float:
         """Surprisal ``-log p(token)`` under the last logits."""
+    def create_grammar(self, gbnf: str, root: str = "root") -> Grammar:
+        """Parse GBNF rules into a :class:`Grammar` handle (``GrammarError`` if invalid)."""
     def create_perplexity_tracker(self) -> PerplexityTracker:
         """A new, empty perplexity tracker."""
     def kv_cache_size(self, seq_id: int = 0) -> int:
@@ -188,6 +195,33 @@ class Context:
         """Share ``src``'s cells ``[p0, p1)`` with ``dst`` (no tensor copy)."""
     def kv_seq_keep(self, seq_id: int) -> None:
         """Keep only ``seq_id``."""
+
+@final
+class Grammar:
+    """A GBNF grammar's parse state.
+
+    Example:
+        >>> g = ctx.create_grammar('root ::= "yes" | "no"')
+        >>> logits = ctx.get_logits().copy()
+        >>> g.apply(logits)  # forbidden tokens become -inf
+    """
+
+    def clone(self) -> Grammar:
+        """An independent copy with the same parse state."""
+    def apply(self, logits: npt.NDArray[np.float32]) -> None:
+        """Set every forbidden token to ``-inf`` in ``logits`` (float32, length n_vocab), in place."""
+    def accept(self, token: int) -> None:
+        """Advance past ``token`` (``GrammarError`` if forbidden; state unchanged)."""
+    def allows(self, token: int) -> bool:
+        """Whether ``token`` may come next."""
+    def reset(self) -> None:
+        """Back to the start rule."""
+    @property
+    def gbnf(self) -> str:
+        """The GBNF rules."""
+    @property
+    def root(self) -> str:
+        """The start rule's name."""
 
 @final
 class PerplexityTracker:
@@ -264,9 +298,13 @@ class Branch:
         position: int = 0,
         params: object | None = None,
         *,
-        grammar: str | None = None,
+        grammar: str | Grammar | None = None,
     ) -> Branch:
-        """Create a root branch (takes a lease; its sequence starts empty)."""
+        """Create a root branch (takes a lease; its sequence starts empty).
+
+        ``grammar`` (GBNF text with a ``root`` rule, or a :class:`Grammar` whose state is
+        copied) constrains every sampled token; forks inherit a copy of its state.
+        """
     def fork(self, clone_logits: bool = True) -> Branch:
         """A child sharing this branch's KV prefix; sampler, metrics, logit bias cloned."""
     def prune(self) -> None:
@@ -293,6 +331,11 @@ class Branch:
         """Restart the sampler's RNG with ``seed`` (history kept)."""
     def set_sampler_params(self, params: object | None = None, **overrides: Any) -> None:
         """Replace the sampling parameters (history kept)."""
+    def set_grammar(self, grammar: str | Grammar | None) -> None:
+        """Constrain sampling with a grammar (GBNF or a :class:`Grammar`), or remove it."""
+    @property
+    def grammar_resamples(self) -> int:
+        """Sampled tokens the grammar rejected so far (each cost a full vocabulary mask)."""
     def set_logit_bias(self, bias: Mapping[int, float]) -> None:
         """``{token: bias}`` added before sampling; inherited by forks; ``-inf`` bans."""
     def steer(self, bias: Mapping[int, float]) -> None:

@@ -1,6 +1,7 @@
 //! One branch's private state: its sequence, sampler, logits snapshot, metrics and biases.
 
 use crate::error::{LloyalError, Result};
+use crate::grammar::Grammar;
 use crate::metrics::{log_sum_exp_both, surprisal, Base, PerplexityTracker};
 use crate::sampler::Sampler;
 use crate::sampling::adjusted_replacements;
@@ -27,6 +28,10 @@ pub struct BranchState {
     pub(crate) logit_bias: Vec<(i32, f32)>,
     /// Per-branch steering, not inherited.
     pub(crate) steer: Vec<(i32, f32)>,
+    /// Grammar parse state (cloned on fork); sampled tokens are checked against it.
+    pub(crate) grammar: Option<Grammar>,
+    /// Grammar rejections of the unconstrained sample (each cost one full mask).
+    pub(crate) grammar_resamples: u64,
 }
 
 impl BranchState {
@@ -44,6 +49,8 @@ impl BranchState {
             next_logits: Vec::new(),
             logit_bias: Vec::new(),
             steer: Vec::new(),
+            grammar: None,
+            grammar_resamples: 0,
         }
     }
 
@@ -61,6 +68,8 @@ impl BranchState {
             next_logits: Vec::new(),
             logit_bias: self.logit_bias.clone(),
             steer: Vec::new(),
+            grammar: self.grammar.as_ref().map(Grammar::try_clone).transpose()?,
+            grammar_resamples: 0,
         })
     }
 
@@ -86,9 +95,45 @@ impl BranchState {
         }
         let biases = self.biases();
         let mut sampler = self.sampler.try_clone()?;
-        let token = sampler.sample(self.logits()?, &biases);
+        let mut token = sampler.sample(self.logits()?, &biases);
+        if let Some(grammar) = self.grammar.as_mut() {
+            // Sample unconstrained first; only a rejected token pays for the full mask.
+            if !grammar.allows(token) {
+                let mut masked = self.logits.clone();
+                for &(i, v) in &biases {
+                    if v == f32::NEG_INFINITY {
+                        masked[i as usize] = v;
+                    }
+                }
+                grammar.mask(&mut masked)?;
+                if masked.iter().all(|&l| l == f32::NEG_INFINITY) {
+                    return Err(LloyalError::Grammar(
+                        "the grammar allows no token here (every allowed token is banned); \
+                         change the logit bias or the grammar"
+                            .into(),
+                    ));
+                }
+                let mut fresh = self.sampler.try_clone()?;
+                token = fresh.sample(&masked, &biases);
+                sampler = fresh;
+                self.grammar_resamples += 1;
+                if !grammar.allows(token) {
+                    return Err(grammar.forbidden(token));
+                }
+            }
+        }
         self.pending = Some((token, sampler));
         Ok(token)
+    }
+
+    /// Check `token` against the grammar (no state change): `GrammarError` if forbidden.
+    pub(crate) fn check_grammar(&mut self, token: i32) -> Result<()> {
+        if let Some(g) = self.grammar.as_mut() {
+            if !g.allows(token) {
+                return Err(g.forbidden(token));
+            }
+        }
+        Ok(())
     }
 
     /// Surprisals (model, sampling) of `token` under the current snapshot, in nats.
@@ -120,7 +165,13 @@ impl BranchState {
     }
 
     /// Record an accepted token: metrics (from precomputed surprisals) and sampler history.
+    /// The grammar must already allow `token` ([`Self::check_grammar`]).
     pub(crate) fn accept_with(&mut self, token: i32, surprisals: Option<(f64, f64)>) {
+        if let Some(g) = self.grammar.as_mut() {
+            // Pre-checked by every caller, so this cannot fail; if it ever did, the grammar is
+            // left as it was (accept checks first) and the token still joins the history.
+            let _ = g.accept(token);
+        }
         if let Some((m, s)) = surprisals {
             self.model_ppl.add(m);
             self.sampling_ppl.add(s);

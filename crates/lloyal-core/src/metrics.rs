@@ -37,7 +37,10 @@ const BLOCK: usize = 4096;
 /// reduction `x = n ln2 + r`, |r| <= ln2/2, then a degree-6 polynomial for `e^r`
 /// (relative error < 2e-7). `n` is read from the mantissa of the rounding sum (no float to
 /// int conversion). Inputs below -87 give exactly 0 (so `-inf` logits vanish).
+/// max/min rather than clamp: a NaN logit becomes -87 (contributes ~0) instead of poisoning
+/// the whole sum.
 #[inline(always)]
+#[allow(clippy::manual_clamp)]
 fn exp_f32(x: f32) -> f32 {
     const MAGIC: f32 = 12_582_912.0; // 1.5 * 2^23: adding it rounds to an integer
     let t = x.max(-87.0).min(88.0) * std::f32::consts::LOG2_E;

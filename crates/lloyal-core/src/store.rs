@@ -5,6 +5,7 @@
 use crate::branch::BranchState;
 use crate::context::ContextState;
 use crate::error::{LloyalError, Result};
+use crate::grammar::Grammar;
 use crate::metrics::{entropy, surprisal, Base};
 use crate::packing::plan;
 use crate::sampler::Sampler;
@@ -224,6 +225,7 @@ impl ContextState {
     pub fn branch_accept(&mut self, handle: Handle, token: i32) -> Result<()> {
         self.model().check_token(i64::from(token))?;
         let b = self.branch_mut(handle)?;
+        b.check_grammar(token)?;
         let s = b.surprisals(token);
         b.accept_with(token, s);
         Ok(())
@@ -253,6 +255,9 @@ impl ContextState {
             model.check_token(i64::from(t))?;
         }
         Self::check_unique(pairs.iter().map(|p| p.0))?;
+        for &(h, t) in pairs {
+            self.branch_mut(h)?.check_grammar(t)?;
+        }
         self.check_room(pairs.len())?;
 
         let n_batch = self.shape().n_batch as usize;
@@ -427,5 +432,18 @@ impl ContextState {
     pub fn branch_surprisal(&self, handle: Handle, token: i32, base: Base) -> Result<f64> {
         self.model().check_token(i64::from(token))?;
         Ok(surprisal(self.branch(handle)?.logits()?, token as usize, base))
+    }
+
+    /// `set_grammar`: replace (or with `None` remove) the branch's grammar.
+    pub fn branch_set_grammar(&mut self, handle: Handle, grammar: Option<Grammar>) -> Result<()> {
+        let b = self.branch_mut(handle)?;
+        b.grammar = grammar;
+        b.invalidate();
+        Ok(())
+    }
+
+    /// How many sampled tokens the branch's grammar rejected (each needed a full mask).
+    pub fn branch_grammar_resamples(&self, handle: Handle) -> Result<u64> {
+        Ok(self.branch(handle)?.grammar_resamples)
     }
 }

@@ -1,0 +1,136 @@
+"""Turn a pytest-benchmark JSON file into the Markdown tables of benches/RESULTS.md.
+
+Usage:
+    python benches/report.py results.json            # tables on stdout
+    python benches/report.py results.json --plot best_of_n.png   # also a tokens/s plot (matplotlib)
+
+Best-of-N runs generate ``STEPS`` tokens per branch, so aggregate tokens/s = N * STEPS / seconds.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+from pathlib import Path
+from typing import Any
+
+STEPS = 64
+KINDS = {
+    "test_best_of_n_batched": "lloyal batched (BranchStore.commit)",
+    "test_best_of_n_sequential": "lloyal sequential (one branch at a time)",
+    "test_best_of_n_llama_cpp_python": "llama-cpp-python high-level, sequential",
+    "test_best_of_n_raw_batched": "raw llama.cpp batched loop (C API)",
+}
+
+
+def grammar_table(data: dict[str, Any]) -> str:
+    """Markdown table for the json-schema group: tokens/s from each run's token count."""
+    rows = [b for b in data["benchmarks"] if b["group"] == "json-schema"]
+    if not rows:
+        return ""
+    lines = ["| run | tokens | mean s | tokens/s | grammar resamples |", "|---|---|---|---|---|"]
+    speed: dict[str, float] = {}
+    for b in rows:
+        tokens = int(b["extra_info"].get("tokens", 0))
+        mean = float(b["stats"]["mean"])
+        speed[b["name"]] = tokens / mean if mean else 0.0
+        resamples = b["extra_info"].get("grammar_resamples", "-")
+        lines.append(f"| {b['name']} | {tokens} | {mean:.3f} | {speed[b['name']]:.1f} | {resamples} |")
+    for impl in ("test_lloyal", "test_llama_cpp_python"):
+        free, json_ = speed.get(f"{impl}[unconstrained]"), speed.get(f"{impl}[json_schema]")
+        if free and json_:
+            lines.append(f"| **{impl}: constrained / unconstrained** | | | **{json_ / free:.2f}x** | |")
+    return "\n".join(lines)
+
+
+def _means(data: dict[str, Any]) -> dict[str, float]:
+    return {b["name"]: float(b["stats"]["mean"]) for b in data["benchmarks"]}
+
+
+def best_of_n_table(means: dict[str, float]) -> tuple[str, dict[str, dict[int, float]]]:
+    """Markdown table: seconds and aggregate tokens/s per N for each implementation, and ratios."""
+    series: dict[str, dict[int, float]] = {}
+    for name, mean in means.items():
+        m = re.fullmatch(r"(test_best_of_n_\w+?)\[(\d+)\]", name)
+        if m and m.group(1) in KINDS:
+            series.setdefault(m.group(1), {})[int(m.group(2))] = mean
+    ns = sorted({n for s in series.values() for n in s})
+    kinds = [k for k in KINDS if k in series]
+    head = "| N | " + " | ".join(f"{KINDS[k]}: s (tok/s)" for k in kinds)
+    head += " | batched vs sequential | batched vs llama-cpp-python |"
+    lines = [head, "|" + "---|" * (len(kinds) + 3)]
+    for n in ns:
+        cells = []
+        for k in kinds:
+            s = series[k].get(n)
+            cells.append(f"{s:.2f} ({n * STEPS / s:.1f})" if s else "-")
+        batched = series.get("test_best_of_n_batched", {}).get(n)
+        seq = series.get("test_best_of_n_sequential", {}).get(n)
+        peer = series.get("test_best_of_n_llama_cpp_python", {}).get(n)
+        r1 = f"{seq / batched:.2f}x" if batched and seq else "-"
+        r2 = f"{peer / batched:.2f}x" if batched and peer else "-"
+        lines.append(f"| {n} | " + " | ".join(cells) + f" | {r1} | {r2} |")
+    return "\n".join(lines), series
+
+
+def single_stream_table(means: dict[str, float]) -> str:
+    """Markdown table for the single-stream decode group, relative to the raw C loop."""
+    names = {
+        "test_lloyal_flat": "lloyal flat path (Context.decode/sample)",
+        "test_lloyal_branch": "lloyal Branch (produce/commit)",
+        "test_llama_cpp_python_high_level": "llama-cpp-python high-level",
+        "test_llama_cpp_raw_loop": "raw llama.cpp loop (C API via llama-cpp-python)",
+    }
+    raw = means.get("test_llama_cpp_raw_loop")
+    lines = ["| implementation | mean s | speed vs raw loop |", "|---|---|---|"]
+    for key, label in names.items():
+        if key in means:
+            ratio = f"{raw / means[key]:.2f}x" if raw else "-"
+            lines.append(f"| {label} | {means[key]:.3f} | {ratio} |")
+    return "\n".join(lines)
+
+
+def plot(series: dict[str, dict[int, float]], out: Path) -> None:
+    """Aggregate tokens/s against N for each implementation (needs matplotlib)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for kind, points in series.items():
+        ns = sorted(points)
+        ax.plot(ns, [n * STEPS / points[n] for n in ns], marker="o", label=KINDS[kind])
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("N (branches / completions)")
+    ax.set_ylabel("aggregate tokens/s")
+    ax.set_title("best-of-N, Gemma 3 270M Q4_K_M, 2 CPU threads")
+    ax.legend(fontsize=7)
+    ax.grid(True, alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(out, dpi=120)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("json_file", type=Path)
+    parser.add_argument("--plot", type=Path, default=None)
+    args = parser.parse_args()
+    data = json.loads(args.json_file.read_text())
+    means = _means(data)
+    table, series = best_of_n_table(means)
+    print("## Single stream (128-token prompt + 64 greedy tokens)\n")
+    print(single_stream_table(means))
+    print("\n## Best-of-N (128-token shared prompt, 64 tokens per branch)\n")
+    print(table)
+    grammar = grammar_table(data)
+    if grammar:
+        print("\n## JSON-schema constrained generation (prefill + up to 64 tokens, temperature 0.8)\n")
+        print(grammar)
+    if args.plot:
+        plot(series, args.plot)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,187 @@
+//! GBNF grammars (llama.cpp's grammar sampler) and JSON-schema conversion.
+//!
+//! llama.cpp aborts (not throws) when a grammar accepts an end-of-generation token it does not
+//! allow, and throws across the C ABI on any other forbidden token; so every `accept` here is
+//! preceded by [`Grammar::allows`], and a forbidden token is a `GrammarError` with the grammar
+//! unchanged.
+
+use std::ffi::CString;
+use std::ptr::NonNull;
+use std::sync::Arc;
+
+use llama_cpp_sys_2 as sys;
+
+use crate::backend::{clear_recent_errors, recent_errors};
+use crate::error::{LloyalError, Result};
+use crate::model::Model;
+use crate::raw::vocab_ptr;
+
+/// The text a grammar was built from (kept for cloning into state files and for messages).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct GrammarSource {
+    /// GBNF rules.
+    pub gbnf: String,
+    /// Name of the start rule.
+    pub root: String,
+}
+
+/// An owned llama.cpp grammar sampler: parse state over the GBNF rules.
+pub struct Grammar {
+    raw: NonNull<sys::llama_sampler>,
+    model: Arc<Model>,
+    source: Arc<GrammarSource>,
+    /// Reused candidate buffer for masks.
+    candidates: Vec<sys::llama_token_data>,
+}
+
+// SAFETY: a grammar sampler is plain heap state with no thread affinity; it is only used
+// through &mut or under the context lock.
+unsafe impl Send for Grammar {}
+
+impl Drop for Grammar {
+    fn drop(&mut self) {
+        // SAFETY: the pointer came from llama_rs_sampler_init_grammar / llama_sampler_clone
+        // and is freed exactly once.
+        unsafe { sys::llama_sampler_free(self.raw.as_ptr()) }
+    }
+}
+
+impl std::fmt::Debug for Grammar {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Grammar").field("root", &self.source.root).finish()
+    }
+}
+
+/// GBNF (with a `root` rule) for a JSON schema, via llama.cpp's converter.
+pub fn json_schema_to_grammar(schema_json: &str) -> Result<String> {
+    if schema_json.contains('\0') {
+        return Err(LloyalError::Grammar("the JSON schema contains a NUL byte".into()));
+    }
+    llama_cpp_2::json_schema_to_grammar(schema_json).map_err(|e| {
+        LloyalError::Grammar(format!(
+            "could not convert the JSON schema to a grammar ({e}); pass a valid JSON Schema object"
+        ))
+    })
+}
+
+impl Grammar {
+    /// Parse `gbnf` starting at rule `root`. Invalid rules → `GrammarError` with llama.cpp's reason.
+    pub fn new(model: Arc<Model>, gbnf: &str, root: &str) -> Result<Grammar> {
+        let (c_gbnf, c_root) = match (CString::new(gbnf), CString::new(root)) {
+            (Ok(g), Ok(r)) => (g, r),
+            _ => return Err(LloyalError::Grammar("the grammar or its root name contains a NUL byte".into())),
+        };
+        if gbnf.trim().is_empty() {
+            return Err(LloyalError::Grammar(
+                "the grammar is empty; pass GBNF rules with a root rule".into(),
+            ));
+        }
+        clear_recent_errors();
+        let vocab = vocab_ptr(model.llama());
+        // SAFETY: vocab outlives the call (the model is held); the strings live across it;
+        // the wrapper catches C++ exceptions and returns null on failure.
+        let raw = unsafe { sys::llama_rs_sampler_init_grammar(vocab, c_gbnf.as_ptr(), c_root.as_ptr()) };
+        let raw = NonNull::new(raw).ok_or_else(|| {
+            let detail = recent_errors();
+            let detail = if detail.is_empty() { "parse error".to_string() } else { detail };
+            LloyalError::Grammar(format!("invalid grammar (root rule {root:?}): {detail}"))
+        })?;
+        let source = Arc::new(GrammarSource { gbnf: gbnf.to_string(), root: root.to_string() });
+        Ok(Grammar { raw, model, source, candidates: Vec::new() })
+    }
+
+    /// The rules this grammar was built from.
+    pub fn source(&self) -> &GrammarSource {
+        &self.source
+    }
+
+    /// An independent copy with the same parse state.
+    pub fn try_clone(&self) -> Result<Grammar> {
+        // SAFETY: self.raw is a live grammar sampler; clone returns a new owned sampler.
+        let raw = unsafe { sys::llama_sampler_clone(self.raw.as_ptr()) };
+        let raw =
+            NonNull::new(raw).ok_or_else(|| LloyalError::Grammar("could not clone the grammar".into()))?;
+        Ok(Grammar { raw, model: self.model.clone(), source: self.source.clone(), candidates: Vec::new() })
+    }
+
+    /// Back to the start rule.
+    pub fn reset(&mut self) {
+        // SAFETY: self.raw is a live grammar sampler.
+        unsafe { sys::llama_sampler_reset(self.raw.as_ptr()) }
+    }
+
+    fn apply(&mut self, start: usize) {
+        let mut arr = sys::llama_token_data_array {
+            data: self.candidates[start..].as_mut_ptr(),
+            size: self.candidates.len() - start,
+            selected: -1,
+            sorted: false,
+        };
+        // SAFETY: arr points into our candidate buffer, alive and exclusively borrowed; the
+        // grammar sampler only lowers logits to -inf in place (it never throws in apply).
+        unsafe { sys::llama_sampler_apply(self.raw.as_ptr(), &mut arr) };
+    }
+
+    /// Whether the grammar accepts `token` next (an end-of-generation token only when the
+    /// grammar is complete). Out-of-range tokens are not allowed.
+    pub fn allows(&mut self, token: i32) -> bool {
+        if token < 0 || token >= self.model.n_vocab() {
+            return false;
+        }
+        self.candidates.clear();
+        self.candidates.push(sys::llama_token_data { id: token, logit: 0.0, p: 0.0 });
+        self.apply(0);
+        self.candidates[0].logit != f32::NEG_INFINITY
+    }
+
+    /// Set every token the grammar forbids to `-inf` in `logits` (length n_vocab).
+    pub fn mask(&mut self, logits: &mut [f32]) -> Result<()> {
+        let n = self.model.n_vocab() as usize;
+        if logits.len() != n {
+            return Err(LloyalError::invalid(format!(
+                "logits must have n_vocab={n} entries, got {}",
+                logits.len()
+            )));
+        }
+        // Only tokens still possible need the (expensive) grammar check.
+        self.candidates.clear();
+        self.candidates.extend(
+            logits
+                .iter()
+                .enumerate()
+                .filter(|(_, &l)| l != f32::NEG_INFINITY)
+                .map(|(i, &l)| sys::llama_token_data { id: i as i32, logit: l, p: 0.0 }),
+        );
+        self.apply(0);
+        for c in &self.candidates {
+            if c.logit == f32::NEG_INFINITY {
+                logits[c.id as usize] = f32::NEG_INFINITY;
+            }
+        }
+        Ok(())
+    }
+
+    /// Advance past `token`; a token the grammar forbids → `GrammarError`, state unchanged.
+    pub fn accept(&mut self, token: i32) -> Result<()> {
+        if !self.allows(token) {
+            return Err(self.forbidden(token));
+        }
+        // SAFETY: the token is in range and allowed, so llama.cpp neither aborts (EOG) nor
+        // throws; the wrapper catches any exception anyway and reports a status.
+        let status = unsafe { sys::llama_rs_sampler_accept(self.raw.as_ptr(), token) };
+        if status != sys::LLAMA_RS_STATUS_OK {
+            return Err(LloyalError::Grammar(format!("the grammar failed to accept token {token}")));
+        }
+        Ok(())
+    }
+
+    /// The error for a forbidden token, naming its text.
+    pub fn forbidden(&self, token: i32) -> LloyalError {
+        let text = self.model.token_bytes(token, true).map(|b| String::from_utf8_lossy(&b).into_owned());
+        LloyalError::Grammar(format!(
+            "token {token} ({:?}) is not allowed by the grammar here; sample with the grammar \
+             applied or check it with Grammar.apply first",
+            text.unwrap_or_default()
+        ))
+    }
+}

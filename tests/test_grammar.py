@@ -1,0 +1,212 @@
+"""Grammars on the real model: JSON Schema conversion, Grammar handles, constrained branches."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from typing import Any
+
+import numpy as np
+import pytest
+
+import lloyal
+
+PERSON = {
+    "type": "object",
+    "properties": {
+        "name": {"type": "string", "maxLength": 12},
+        "age": {"type": "integer", "minimum": 0, "maximum": 150},
+    },
+    "required": ["name", "age"],
+    "additionalProperties": False,
+}
+YES_NO = 'root ::= "yes" | "no"'
+
+
+@pytest.fixture
+def ctx4(model: lloyal.Model) -> Iterator[lloyal.Context]:
+    c = lloyal.Context(model, n_ctx=2048, n_seq_max=4)
+    try:
+        yield c
+    finally:
+        c.close()
+
+
+def _matches_person(doc: Any) -> bool:
+    return (
+        isinstance(doc, dict)
+        and set(doc) == {"name", "age"}
+        and isinstance(doc["name"], str)
+        and len(doc["name"]) <= 12
+        and isinstance(doc["age"], int)
+        and 0 <= doc["age"] <= 150
+    )
+
+
+# --------------------------------------------------------------------------- conversion
+
+
+def test_json_schema_to_grammar_accepts_dict_and_text() -> None:
+    from_dict = lloyal.json_schema_to_grammar(PERSON)
+    from_text = lloyal.json_schema_to_grammar(json.dumps(PERSON))
+    assert from_dict == from_text
+    assert "root ::=" in from_dict and '\\"age\\"' in from_dict
+
+
+@pytest.mark.parametrize("schema", ["{not json", '{"type": "object", "properties": 5}'])
+def test_invalid_schema_is_a_grammar_error(schema: str) -> None:
+    with pytest.raises(lloyal.GrammarError, match="JSON schema"):
+        lloyal.json_schema_to_grammar(schema)
+
+
+def test_unserialisable_schema_is_a_grammar_error() -> None:
+    with pytest.raises(lloyal.GrammarError, match="JSON-serialisable"):
+        lloyal.json_schema_to_grammar({"type": object()})
+
+
+@pytest.mark.parametrize(
+    "gbnf", ['root ::= ("a"', 'root ::= "open', "root ::= undefined-rule", "", 'x ::= "a"']
+)
+def test_invalid_gbnf_is_a_grammar_error(ctx: lloyal.Context, gbnf: str) -> None:
+    with pytest.raises(lloyal.GrammarError):
+        ctx.create_grammar(gbnf)
+
+
+# --------------------------------------------------------------------------- handles
+
+
+def test_apply_masks_exactly_the_forbidden_tokens(ctx: lloyal.Context) -> None:
+    ctx.decode(ctx.tokenize("Answer yes or no:"), 0)
+    g = ctx.create_grammar(YES_NO)
+    logits = ctx.get_logits().copy()
+    g.apply(logits)
+    allowed = np.flatnonzero(np.isfinite(logits))
+    texts = {ctx.token_to_text(int(t)) for t in allowed}
+    assert 0 < len(allowed) < 100
+    assert all("yes".startswith(t) or "no".startswith(t) for t in texts), texts
+    yes = ctx.tokenize("yes", add_special=False)[0]
+    assert yes in allowed and logits[yes] == ctx.get_logits()[yes]
+    assert g.allows(yes) and not g.allows(ctx.tokenize(" maybe", add_special=False)[0])
+
+
+def test_forbidden_accept_raises_and_keeps_state(ctx: lloyal.Context) -> None:
+    g = ctx.create_grammar(YES_NO)
+    yes = ctx.tokenize("yes", add_special=False)[0]
+    bad = ctx.tokenize("maybe", add_special=False)[0]
+    with pytest.raises(lloyal.GrammarError, match="not allowed"):
+        g.accept(bad)
+    assert g.allows(yes)
+    with pytest.raises(lloyal.GrammarError):
+        g.accept(ctx.eog_token)  # grammar not complete yet: EOG is forbidden, no abort
+    g.accept(yes)
+    assert g.allows(ctx.eog_token) and not g.allows(yes)
+
+
+def test_clone_keeps_the_old_state_and_reset_restarts(ctx: lloyal.Context) -> None:
+    g = ctx.create_grammar(YES_NO)
+    yes = ctx.tokenize("yes", add_special=False)[0]
+    snapshot = g.clone()
+    g.accept(yes)
+    assert snapshot.allows(yes) and not g.allows(yes)
+    g.reset()
+    assert g.allows(yes)
+    assert g.root == "root" and g.gbnf == YES_NO
+
+
+def test_apply_rejects_wrong_length(ctx: lloyal.Context) -> None:
+    g = ctx.create_grammar(YES_NO)
+    with pytest.raises(ValueError, match="n_vocab"):
+        g.apply(np.zeros(10, dtype=np.float32))
+
+
+# --------------------------------------------------------------------------- branches
+
+
+def test_completed_grammar_ends_the_branch_cleanly(ctx: lloyal.Context) -> None:
+    params = lloyal.SamplingParams(temperature=0.0)
+    with lloyal.Branch.create(ctx, 0, params, grammar=YES_NO) as b:
+        b.prefill(ctx.tokenize("Is the sky blue? Answer:"))
+        out = [t.token for t in b.generate(10)]
+        assert ctx.detokenize(out) in ("yes", "no")
+        assert b.produce().is_stop
+
+
+def test_forbidden_commit_raises_and_changes_nothing(ctx: lloyal.Context) -> None:
+    with lloyal.Branch.create(ctx, 0, grammar=YES_NO) as b:
+        b.prefill(ctx.tokenize("Answer:"))
+        pos, logits = b.position, b.logits
+        bad = ctx.tokenize(" maybe", add_special=False)[0]
+        with pytest.raises(lloyal.GrammarError, match="not allowed"):
+            b.commit(bad)
+        with pytest.raises(lloyal.GrammarError):
+            lloyal.BranchStore(ctx).commit([(b, bad)])
+        with pytest.raises(lloyal.GrammarError):
+            b.accept(bad)
+        assert b.position == pos and np.array_equal(b.logits, logits)
+        assert ctx.kv_seq_pos_max(b.seq_id) == pos - 1
+
+
+def test_set_grammar_none_removes_the_constraint(ctx4: lloyal.Context) -> None:
+    params = lloyal.SamplingParams(temperature=0.0)
+    prompt = ctx4.tokenize("The capital of France is")
+    with (
+        lloyal.Branch.create(ctx4, 0, params) as free,
+        lloyal.Branch.create(ctx4, 0, params, grammar=YES_NO) as b,
+    ):
+        free.prefill(prompt)
+        b.prefill(prompt)
+        constrained = b.produce().token
+        assert ctx4.token_to_text(constrained) in ("y", "ye", "yes", "n", "no")
+        assert ctx4.token_to_text(free.produce().token) not in ("y", "ye", "yes", "n", "no")
+        b.set_grammar(None)
+        assert b.produce().token == free.produce().token
+
+
+def test_bad_grammar_argument_takes_no_lease(ctx4: lloyal.Context) -> None:
+    store = lloyal.BranchStore(ctx4)
+    with pytest.raises(lloyal.GrammarError):
+        lloyal.Branch.create(ctx4, 0, grammar="root ::= (")
+    with pytest.raises(TypeError, match="grammar"):
+        lloyal.Branch.create(ctx4, 0, grammar=42)  # type: ignore[arg-type]
+    assert store.available == 4
+
+
+def test_json_schema_root_forked_into_three_reseeded_children(ctx4: lloyal.Context) -> None:
+    gbnf = lloyal.json_schema_to_grammar(PERSON)
+    store = lloyal.BranchStore(ctx4)
+    params = lloyal.SamplingParams(temperature=0.8, top_k=40, top_p=0.95, seed=3)
+    root = lloyal.Branch.create(ctx4, 0, params, grammar=gbnf)
+    root.prefill(ctx4.tokenize("Describe a person as JSON with a name and an age:\n"))
+    kids = [root.fork() for _ in range(3)]
+    for i, k in enumerate(kids):
+        k.reseed_sampler(100 + i)
+    out: list[list[int]] = [[] for _ in kids]
+    live = list(range(3))
+    for _ in range(80):
+        produced = store.produce_all([kids[i] for i in live])
+        step = [(i, p) for i, p in zip(live, produced, strict=True) if not p.is_stop]
+        live = [i for i, _ in step]
+        if not step:
+            break
+        store.commit([(kids[i], p.token) for i, p in step])
+        for i, p in step:
+            out[i].append(p.token)
+    texts = [ctx4.detokenize(o) for o in out]
+    assert not live, f"every child finished its JSON document within 80 tokens: {texts}"
+    docs = [json.loads(t) for t in texts]
+    assert all(_matches_person(d) for d in docs), docs
+    assert len({json.dumps(d, sort_keys=True) for d in docs}) > 1, "reseeded children differ"
+    root.prune_subtree()
+
+
+def test_fork_mid_document_clones_the_grammar_state(ctx4: lloyal.Context) -> None:
+    gbnf = lloyal.json_schema_to_grammar(PERSON)
+    params = lloyal.SamplingParams(temperature=0.0)
+    with lloyal.Branch.create(ctx4, 0, params, grammar=gbnf) as root:
+        root.prefill(ctx4.tokenize("A person as JSON:\n"))
+        head = [t.token for t in root.generate(3)]
+        child = root.fork()
+        child.set_sampler_params(temperature=0.9, seed=5)
+        tails = [[t.token for t in b.generate(60)] for b in (root, child)]
+        for tail in tails:
+            assert _matches_person(json.loads(ctx4.detokenize(head + tail)))
