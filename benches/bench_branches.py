@@ -1,6 +1,8 @@
 """Best-of-N from one 128-token prompt, 64 steps per branch (temperature 0.8, top_k 40):
 lloyal batched commits (one decode per step for all N) vs lloyal sequential single-branch
-commits vs llama-cpp-python generating the N completions one after another."""
+commits vs llama-cpp-python generating the N completions one after another, and the floor:
+the same batched loop written directly on llama.cpp's C API (llama_batch with N sequences,
+llama_memory_seq_cp for the shared prompt, llama.cpp's own sampler chain per sequence)."""
 
 from __future__ import annotations
 
@@ -8,7 +10,7 @@ from pathlib import Path
 
 import pytest
 from conftest import THREADS
-from llama_peer import high_level
+from llama_peer import RawLoop, high_level
 
 import lloyal
 
@@ -94,3 +96,38 @@ def test_best_of_n_llama_cpp_python(
 
     counts = benchmark.pedantic(run, rounds=1, iterations=1, warmup_rounds=1 if full else 0)
     assert all(1 <= c <= steps for c in counts)
+
+
+@pytest.mark.parametrize("n", NS)
+def test_best_of_n_raw_batched(
+    benchmark, model_path: Path, prompt_tokens: list[int], full: bool, n: int
+) -> None:
+    steps = _ns(full, n)
+    benchmark.group = f"best-of-{n}"
+    raw = RawLoop(model_path, 4096, n + 1, THREADS)
+    ll = raw.ll
+
+    def run() -> list[int]:
+        raw.clear()
+        p = len(prompt_tokens)
+        raw.decode([(t, i, 0, i == p - 1) for i, t in enumerate(prompt_tokens)])
+        for i in range(1, n + 1):
+            raw.seq_cp(0, i)
+        chains = [raw.sampler(1 + i, 0.8, 40, 0.95, 0.05) for i in range(n)]
+        rows = [-1] * n  # first step: every sequence samples the prompt's last row
+        counts = [0] * n
+        for step in range(steps):
+            toks = [raw.sample(c, r) for c, r in zip(chains, rows, strict=True)]
+            raw.decode([(t, p + step, i + 1, True) for i, t in enumerate(toks)])
+            rows = list(range(n))
+            for i in range(n):
+                counts[i] += 1
+        for c in chains:
+            ll.llama_sampler_free(c)
+        return counts
+
+    try:
+        counts = benchmark.pedantic(run, rounds=1, iterations=1, warmup_rounds=1 if full else 0)
+    finally:
+        raw.close()
+    assert counts == [steps] * n

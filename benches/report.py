@@ -44,6 +44,21 @@ def grammar_table(data: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+def group_table(data: dict[str, Any], group: str) -> str:
+    """Plain table (name, mean, ratio to the group's fastest, extra info) for one group."""
+    rows = [b for b in data["benchmarks"] if b["group"] == group]
+    if not rows:
+        return ""
+    best = min(float(b["stats"]["mean"]) for b in rows)
+    lines = ["| benchmark | mean | x fastest | info |", "|---|---|---|---|"]
+    for b in rows:
+        mean = float(b["stats"]["mean"])
+        unit = f"{mean * 1e6:.1f} us" if mean < 1e-2 else f"{mean:.3f} s"
+        info = ", ".join(f"{k}={v}" for k, v in b.get("extra_info", {}).items())
+        lines.append(f"| {b['name']} | {unit} | {mean / best:.2f} | {info} |")
+    return "\n".join(lines)
+
+
 def _means(data: dict[str, Any]) -> dict[str, float]:
     return {b["name"]: float(b["stats"]["mean"]) for b in data["benchmarks"]}
 
@@ -58,8 +73,8 @@ def best_of_n_table(means: dict[str, float]) -> tuple[str, dict[str, dict[int, f
     ns = sorted({n for s in series.values() for n in s})
     kinds = [k for k in KINDS if k in series]
     head = "| N | " + " | ".join(f"{KINDS[k]}: s (tok/s)" for k in kinds)
-    head += " | batched vs sequential | batched vs llama-cpp-python |"
-    lines = [head, "|" + "---|" * (len(kinds) + 3)]
+    head += " | batched vs sequential | batched vs llama-cpp-python | batched vs raw loop |"
+    lines = [head, "|" + "---|" * (len(kinds) + 4)]
     for n in ns:
         cells = []
         for k in kinds:
@@ -70,7 +85,9 @@ def best_of_n_table(means: dict[str, float]) -> tuple[str, dict[str, dict[int, f
         peer = series.get("test_best_of_n_llama_cpp_python", {}).get(n)
         r1 = f"{seq / batched:.2f}x" if batched and seq else "-"
         r2 = f"{peer / batched:.2f}x" if batched and peer else "-"
-        lines.append(f"| {n} | " + " | ".join(cells) + f" | {r1} | {r2} |")
+        raw = series.get("test_best_of_n_raw_batched", {}).get(n)
+        r3 = f"{raw / batched:.2f}x" if batched and raw else "-"
+        lines.append(f"| {n} | " + " | ".join(cells) + f" | {r1} | {r2} | {r3} |")
     return "\n".join(lines), series
 
 
@@ -128,6 +145,14 @@ def main() -> None:
     if grammar:
         print("\n## JSON-schema constrained generation (prefill + up to 64 tokens, temperature 0.8)\n")
         print(grammar)
+    for group, title in (
+        ("fork-vs-prefix", "Fork + prune against prefix length"),
+        ("prefill-mixed", "Packed prefill of 6 mixed-length prompts (726 tokens, n_batch 256)"),
+    ):
+        table_text = group_table(data, group)
+        if table_text:
+            print(f"\n## {title}\n")
+            print(table_text)
     if args.plot:
         plot(series, args.plot)
 

@@ -1,9 +1,26 @@
 //! The one place that releases the GIL: lock a context and run core work on it.
+//!
+//! A panic inside core work (a bug, never expected from user input: clippy denies
+//! unwrap/expect in the core) is caught here and raised as a `LloyalError` rather than
+//! pyo3's `PanicException` (a `BaseException` that `except Exception` would not catch).
 
-use lloyal_core::{Context, ContextState, Result};
+use std::panic::{catch_unwind, AssertUnwindSafe};
+
+use lloyal_core::{Context, ContextState, LloyalError, Result};
 use pyo3::prelude::*;
 
 use crate::errors::to_py;
+
+fn guarded<T>(f: impl FnOnce() -> Result<T>) -> Result<T> {
+    catch_unwind(AssertUnwindSafe(f)).unwrap_or_else(|payload| {
+        let what = payload
+            .downcast_ref::<&str>()
+            .map(|s| s.to_string())
+            .or_else(|| payload.downcast_ref::<String>().cloned())
+            .unwrap_or_else(|| "unknown panic".into());
+        Err(LloyalError::Backend(format!("internal error in lloyal (please report it): {what}")))
+    })
+}
 
 /// Release the GIL, lock `ctx`, run `f`, map the error. Every model call goes through here.
 pub fn run<T, F>(py: Python<'_>, ctx: &Context, f: F) -> PyResult<T>
@@ -11,7 +28,7 @@ where
     T: Send,
     F: FnOnce(&mut ContextState) -> Result<T> + Send,
 {
-    py.detach(|| ctx.with(f)).map_err(to_py)
+    py.detach(|| guarded(|| ctx.with(f))).map_err(to_py)
 }
 
 /// Like [`run`] but without the context lock (pure CPU work such as tokenizing long text).
@@ -20,5 +37,5 @@ where
     T: Send,
     F: FnOnce() -> Result<T> + Send,
 {
-    py.detach(f).map_err(to_py)
+    py.detach(|| guarded(f)).map_err(to_py)
 }

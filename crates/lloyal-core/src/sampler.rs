@@ -31,10 +31,12 @@ impl Drop for RawChain {
 }
 
 impl RawChain {
-    fn new() -> Self {
+    fn new() -> Result<Self> {
         // SAFETY: plain constructor calls with default params.
         let ptr = unsafe { sys::llama_sampler_chain_init(sys::llama_sampler_chain_default_params()) };
-        RawChain(NonNull::new(ptr).expect("llama_sampler_chain_init returned null"))
+        NonNull::new(ptr)
+            .map(RawChain)
+            .ok_or_else(|| LloyalError::Backend("llama_sampler_chain_init returned null (out of memory?)".into()))
     }
 
     fn add(&mut self, smpl: *mut sys::llama_sampler) -> Result<()> {
@@ -134,7 +136,7 @@ fn init_step(step: Step) -> *mut sys::llama_sampler {
 
 fn build_chain(model: &Model, params: &SamplingParams) -> Result<RawChain> {
     params.validate()?;
-    let mut chain = RawChain::new();
+    let mut chain = RawChain::new()?;
     let vocab = crate::raw::vocab_ptr(model.llama());
     if let Some(dry) = params.dry.as_ref().filter(|d| d.multiplier > 0.0) {
         let breakers: Vec<CString> = dry

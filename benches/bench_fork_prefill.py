@@ -1,0 +1,96 @@
+"""Fork cost against prefix length, and packed multi-branch prefill against the raw loop.
+
+- fork: a 16-token vs a long prefix (2000 tokens when run for real): the child shares the
+  parent's cells (``llama_memory_seq_cp``, metadata only), so time and new KV cells must not
+  grow with the prefix.
+- prefill: six branches with mixed prompt lengths written by one ``BranchStore.prefill``
+  (packed into ceil(T / n_batch) decodes) vs the same rows decoded through llama.cpp's C API
+  at the same n_batch.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from conftest import THREADS
+from llama_peer import RawLoop
+
+import lloyal
+
+N_BATCH = 256
+LENGTHS = [37, 120, 5, 300, 64, 200]
+
+
+def _tokens(ctx: lloyal.Context, n: int) -> list[int]:
+    text = " ".join(f"Entry {i}: the harbour master logged ship number {i * 7 % 101}." for i in range(400))
+    toks = ctx.tokenize(text)
+    assert len(toks) >= n
+    return toks[:n]
+
+
+@pytest.mark.parametrize("prefix", [16, 2000])
+def test_fork(benchmark, model_path: Path, full: bool, prefix: int) -> None:
+    benchmark.group = "fork-vs-prefix"
+    length = prefix if full else min(prefix, 64)
+    with lloyal.Context(model_path, n_ctx=4096, n_seq_max=2, n_threads=THREADS) as ctx:
+        store = lloyal.BranchStore(ctx)
+        root = lloyal.Branch.create(ctx, 0)
+        root.prefill(_tokens(ctx, length))
+        cells = store.kv_pressure.cells_used
+
+        def run() -> int:
+            child = root.fork()
+            pos = child.position
+            child.prune()
+            return pos
+
+        pos = benchmark(run)
+        assert pos == length
+        assert store.kv_pressure.cells_used == cells == length
+        root.prune()
+
+
+@pytest.mark.parametrize("impl", ["lloyal_store_prefill", "raw_loop"])
+def test_prefill_mixed(benchmark, model_path: Path, full: bool, impl: str) -> None:
+    benchmark.group = "prefill-mixed"
+    lengths = LENGTHS if full else [5, 12, 3]
+    total = sum(lengths)
+    rounds = 3 if full else 1
+    if impl == "raw_loop":
+        raw = RawLoop(model_path, 2048, len(lengths), THREADS)
+        raw.batch = raw.ll.llama_batch_init(N_BATCH, 0, 1)
+        with lloyal.Context(model_path, n_ctx=256) as tok_ctx:
+            items = [_tokens(tok_ctx, n) for n in lengths]
+        rows = [(t, i, s, i == len(toks) - 1) for s, toks in enumerate(items) for i, t in enumerate(toks)]
+
+        def run_raw() -> int:
+            raw.clear()
+            calls = 0
+            for start in range(0, len(rows), N_BATCH):
+                raw.decode(rows[start : start + N_BATCH])
+                calls += 1
+            return calls
+
+        try:
+            calls = benchmark.pedantic(run_raw, rounds=rounds, iterations=1)
+        finally:
+            raw.close()
+    else:
+        with lloyal.Context(
+            model_path, n_ctx=2048, n_batch=N_BATCH, n_seq_max=len(lengths), n_threads=THREADS
+        ) as ctx:
+            store = lloyal.BranchStore(ctx)
+            items = [_tokens(ctx, n) for n in lengths]
+
+            def run_ours() -> int:
+                branches = [lloyal.Branch.create(ctx, 0) for _ in lengths]
+                store.prefill(list(zip(branches, items, strict=True)))
+                assert [b.position for b in branches] == lengths
+                for b in branches:
+                    b.prune()
+                return -(-total // N_BATCH)
+
+            calls = benchmark.pedantic(run_ours, rounds=rounds, iterations=1)
+    benchmark.extra_info.update(tokens=total, decode_calls=calls)
+    assert calls == -(-total // N_BATCH)
