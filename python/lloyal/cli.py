@@ -4,6 +4,7 @@ Example:
     $ lloyal demo                      # 4 branches from one prompt, decoded in lockstep
     $ lloyal generate "Once upon a time" -n 40
     $ lloyal info                      # facts about the (default) model
+    $ lloyal bench -b 1,2,4,8          # batched throughput table (B, S_PP, S_TG)
 """
 
 from __future__ import annotations
@@ -127,14 +128,28 @@ def main(argv: Sequence[str] | None = None) -> int:
     g.add_argument("--temperature", type=float, default=0.8)
     g.add_argument("--seed", type=int, default=None)
     sub.add_parser("info", help="describe the model")
+    bn = sub.add_parser("bench", help="batched throughput table (llama-batched-bench style)")
+    bn.add_argument("-b", "--batches", default="1,2,4,8,16", help="comma-separated batch sizes")
+    bn.add_argument("--pp", type=int, default=128, help="prompt tokens")
+    bn.add_argument("--tg", type=int, default=32, help="generated tokens per branch")
+    bn.add_argument("-t", "--threads", type=int, default=None)
+    bn.add_argument("--jsonl", action="store_true", help="machine-readable output")
     args = parser.parse_args(argv)
     try:
         if args.command == "demo":
             return demo(args.model, args.prompt, args.n, args.max_tokens, args.jsonl)
         if args.command == "generate":
             return generate(args.model, args.prompt, args.max_tokens, args.temperature, args.seed)
+        if args.command == "bench":
+            from lloyal.bench import main_bench
+
+            try:
+                batches = [int(x) for x in args.batches.split(",") if x.strip()]
+            except ValueError:
+                parser.error(f"--batches must be comma-separated integers, got {args.batches!r}")
+            return main_bench(_model_path(args.model), batches, args.pp, args.tg, args.threads, args.jsonl)
         return info(args.model)
-    except lloyal.LloyalError as exc:
+    except (lloyal.LloyalError, ValueError) as exc:
         print(f"lloyal: error: {exc}", file=sys.stderr)
         return 1
 

@@ -34,9 +34,9 @@ impl RawChain {
     fn new() -> Result<Self> {
         // SAFETY: plain constructor calls with default params.
         let ptr = unsafe { sys::llama_sampler_chain_init(sys::llama_sampler_chain_default_params()) };
-        NonNull::new(ptr)
-            .map(RawChain)
-            .ok_or_else(|| LloyalError::Backend("llama_sampler_chain_init returned null (out of memory?)".into()))
+        NonNull::new(ptr).map(RawChain).ok_or_else(|| {
+            LloyalError::Backend("llama_sampler_chain_init returned null (out of memory?)".into())
+        })
     }
 
     fn add(&mut self, smpl: *mut sys::llama_sampler) -> Result<()> {
