@@ -10,6 +10,7 @@ use pyo3::types::{PyDict, PyType};
 
 use crate::convert::{clamp_i32, narrow, readonly_f32};
 use crate::detach::{detached, run};
+use crate::embeddings::{extract_texts, to_array};
 use crate::errors::IntoPyResult;
 use crate::metrics::PyPerplexityTracker;
 use crate::model::PyModel;
@@ -126,8 +127,8 @@ impl PyContext {
     }
 
     /// Whether this is an embeddings context.
-    #[getter]
-    fn embeddings(&self) -> bool {
+    #[getter(embeddings)]
+    fn embeddings_enabled(&self) -> bool {
         self.inner.shape().embeddings
     }
 
@@ -291,6 +292,53 @@ impl PyContext {
     fn create_perplexity_tracker(&self) -> PyResult<PyPerplexityTracker> {
         self.check_open()?;
         Ok(PyPerplexityTracker::from_core(lloyal_core::PerplexityTracker::new()))
+    }
+
+    // ----- embeddings -----
+
+    /// Width of one embedding vector (n_embd; 640 for Gemma 3 270M).
+    #[getter]
+    fn embedding_dimension(&self) -> PyResult<usize> {
+        self.check_open()?;
+        Ok(lloyal_core::embeddings::embedding_dimension(self.inner.model()))
+    }
+
+    /// Clear ``seq_id``, decode ``tokens`` from position 0 for embeddings, keep the vectors
+    /// for ``get_embeddings`` and clear the sequence again.
+    #[pyo3(signature = (tokens, seq_id=0))]
+    fn encode(&self, py: Python<'_>, tokens: Vec<i64>, seq_id: i64) -> PyResult<()> {
+        let seq_id = clamp_i32(seq_id);
+        let tokens = to_i32(self.inner.model(), &tokens)?;
+        run(py, self.ctx(), move |s| s.encode(&tokens, seq_id))
+    }
+
+    /// The vectors of the last ``encode`` on ``seq_id``: ``(dim,)`` pooled, or
+    /// ``(n_tokens, dim)`` with pooling "none"; rows L2-normalised when ``normalize``.
+    #[pyo3(signature = (normalize=true, seq_id=0))]
+    fn get_embeddings<'py>(
+        &self,
+        py: Python<'py>,
+        normalize: bool,
+        seq_id: i64,
+    ) -> PyResult<Bound<'py, PyAny>> {
+        let seq_id = clamp_i32(seq_id);
+        let pooled = self.inner.options().pooling != Pooling::None;
+        let encoded = run(py, self.ctx(), move |s| s.embeddings(seq_id, normalize))?;
+        to_array(py, encoded, pooled)
+    }
+
+    /// Pooled embeddings of ``texts``: ``(dim,)`` for one ``str``, ``(n, dim)`` for a list;
+    /// packed across free sequences into as few decodes as fit.
+    #[pyo3(signature = (texts, normalize=true))]
+    fn embed<'py>(
+        &self,
+        py: Python<'py>,
+        texts: &Bound<'py, PyAny>,
+        normalize: bool,
+    ) -> PyResult<Bound<'py, PyAny>> {
+        let (texts, single) = extract_texts(texts)?;
+        let encoded = run(py, self.ctx(), move |s| s.embed(&texts, normalize))?;
+        to_array(py, encoded, single)
     }
 
     // ----- raw KV ops -----

@@ -6,6 +6,7 @@ mod branch;
 mod context;
 mod convert;
 mod detach;
+mod embeddings;
 mod errors;
 mod metrics;
 mod model;

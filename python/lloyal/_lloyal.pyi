@@ -188,6 +188,48 @@ class Context:
         """Share ``src``'s cells ``[p0, p1)`` with ``dst`` (no tensor copy)."""
     def kv_seq_keep(self, seq_id: int) -> None:
         """Keep only ``seq_id``."""
+    @property
+    def embedding_dimension(self) -> int:
+        """Width of one embedding vector (``n_embd``; 640 for Gemma 3 270M)."""
+    def encode(self, tokens: list[int], seq_id: int = 0) -> None:
+        """Compute embeddings of ``tokens`` on ``seq_id`` (needs ``embeddings=True``).
+
+        Clears ``seq_id``, decodes ``tokens`` from position 0, keeps the vectors for
+        :meth:`get_embeddings`, then clears the sequence again (no cells are left behind).
+        With pooling ``"mean"``/``"cls"``/``"last"`` the tokens must fit in one decode
+        (``n_batch``); with ``"none"`` longer runs are chunked.
+
+        Raises:
+            ValueError: not an embeddings context, empty ``tokens``, too many tokens, or a
+                ``seq_id`` outside ``[0, n_seq_max)``.
+            InvalidTokenError: a token id outside the vocabulary.
+            SeqLeasedError: a live branch holds ``seq_id``.
+            ContextClosedError: the context is closed.
+        """
+    def get_embeddings(self, normalize: bool = True, seq_id: int = 0) -> npt.NDArray[np.float32]:
+        """The vectors of the last :meth:`encode` on ``seq_id``, as a new float32 array.
+
+        Shape ``(embedding_dimension,)`` when pooled, ``(n_tokens, embedding_dimension)``
+        with ``pooling="none"``. ``normalize`` scales each row to unit L2 norm.
+
+        Raises:
+            ValueError: not an embeddings context, or no ``encode`` ran on ``seq_id``.
+        """
+    def embed(self, texts: str | list[str], normalize: bool = True) -> npt.NDArray[np.float32]:
+        """Pooled embeddings of ``texts`` (tokenized with BOS); needs ``embeddings=True``.
+
+        One ``str`` gives shape ``(embedding_dimension,)``; a list gives
+        ``(len(texts), embedding_dimension)`` in input order. Texts are packed across the
+        free sequences (not leased by a branch and empty) into as few ``llama_decode`` calls
+        as ``n_batch`` and those sequences allow (one when all fit), and the sequences are
+        cleared after reading; other sequences are not touched.
+
+        Raises:
+            ValueError: not an embeddings context, pooling ``"none"``, a text longer than
+                ``n_batch`` tokens, or no empty sequence to borrow.
+            SeqLeasedError: no sequence is free and a live branch holds one.
+            KvCacheFullError: the cache has no room for a group of texts.
+        """
 
 @final
 class PerplexityTracker:

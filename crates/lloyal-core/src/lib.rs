@@ -8,6 +8,7 @@ pub mod backend;
 pub mod branch;
 pub mod chat_family;
 pub mod context;
+pub mod embeddings;
 pub mod error;
 pub mod metrics;
 pub mod model;
