@@ -6,15 +6,16 @@ use std::sync::Arc;
 use lloyal_core::{Base, Context, ContextOptions, ModelOptions, Pooling};
 use numpy::PyArray1;
 use pyo3::prelude::*;
-use pyo3::types::{PyDict, PyType};
+use pyo3::types::{PyBytes, PyDict, PyType};
 
 use crate::convert::{clamp_i32, narrow, readonly_f32};
-use crate::detach::{detached, run};
+use crate::detach::{detached, detached_io, run};
 use crate::embeddings::{extract_texts, to_array};
 use crate::errors::IntoPyResult;
 use crate::metrics::PyPerplexityTracker;
 use crate::model::PyModel;
 use crate::sampling::extract_params;
+use crate::state_io::write_atomic;
 use crate::text::PyTextStream;
 
 /// A llama.cpp context: KV cache, sequences and the flat decode path.
@@ -384,6 +385,44 @@ impl PyContext {
     fn kv_seq_keep(&self, py: Python<'_>, seq_id: i64) -> PyResult<()> {
         let seq_id = clamp_i32(seq_id);
         run(py, self.ctx(), move |s| s.kv_keep(seq_id))
+    }
+
+    // ----- KV state -----
+
+    /// ``seq_id``'s KV cells as verified bytes (``LLOYALKV`` format; see the stub).
+    #[pyo3(signature = (seq_id=0))]
+    fn kv_cache_save<'py>(&self, py: Python<'py>, seq_id: i64) -> PyResult<Bound<'py, PyBytes>> {
+        let seq_id = clamp_i32(seq_id);
+        let data = run(py, self.ctx(), move |s| s.kv_save(seq_id))?;
+        Ok(PyBytes::new(py, &data))
+    }
+
+    /// Replace ``seq_id``'s cells with saved bytes; on failure the sequence is left empty.
+    fn kv_cache_load(&self, py: Python<'_>, seq_id: i64, data: &[u8]) -> PyResult<()> {
+        let seq_id = clamp_i32(seq_id);
+        run(py, self.ctx(), move |s| s.kv_load(seq_id, data).map(drop))
+    }
+
+    /// Save ``seq_id``'s cells and ``tokens`` to ``path`` (written atomically).
+    fn kv_cache_write_file(
+        &self,
+        py: Python<'_>,
+        seq_id: i64,
+        path: PathBuf,
+        tokens: Vec<i64>,
+    ) -> PyResult<()> {
+        let seq_id = clamp_i32(seq_id);
+        let tokens = to_i32(self.inner.model(), &tokens)?;
+        let data = run(py, self.ctx(), move |s| s.kv_save_tokens(seq_id, &tokens))?;
+        detached_io(py, move || write_atomic(&path, &data))
+    }
+
+    /// Load a file written by ``kv_cache_write_file`` into ``seq_id``; returns its tokens.
+    fn kv_cache_read_file(&self, py: Python<'_>, seq_id: i64, path: PathBuf) -> PyResult<Vec<i32>> {
+        let seq_id = clamp_i32(seq_id);
+        self.check_open()?;
+        let data = detached_io(py, move || std::fs::read(&path))?;
+        run(py, self.ctx(), move |s| s.kv_load(seq_id, &data))
     }
 
     fn __repr__(&self) -> String {

@@ -11,6 +11,7 @@ mod errors;
 mod metrics;
 mod model;
 mod sampling;
+mod state_io;
 mod store;
 mod text;
 

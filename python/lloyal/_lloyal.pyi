@@ -188,6 +188,44 @@ class Context:
         """Share ``src``'s cells ``[p0, p1)`` with ``dst`` (no tensor copy)."""
     def kv_seq_keep(self, seq_id: int) -> None:
         """Keep only ``seq_id``."""
+    def kv_cache_save(self, seq_id: int = 0) -> bytes:
+        """``seq_id``'s KV cells (via ``llama_state_seq_get_data``) in a verified envelope.
+
+        Format (little-endian): magic ``LLOYALKV``, u32 version (1), the model's fingerprint
+        (i32 n_vocab, i32 n_embd, u32 n_layer, u64 n_params, 32-byte NUL-padded
+        architecture), i32 smallest and largest position, u32 token count, u64 payload
+        length, the tokens (i32 each), llama.cpp's payload, and a trailing u64 FNV-1a 64 of
+        every preceding byte. No logits are saved.
+
+        Raises:
+            ValueError: ``seq_id`` outside ``[0, n_seq_max)``.
+        """
+    def kv_cache_load(self, seq_id: int, data: bytes) -> None:
+        """Replace ``seq_id``'s cells with bytes from :meth:`kv_cache_save`.
+
+        The envelope is verified (magic, version, lengths, checksum, model fingerprint)
+        before llama.cpp sees the payload. On any failure ``seq_id`` is left empty and no
+        other sequence changes. No logits are restored: decode the next token to get some.
+
+        Raises:
+            StateError: truncated, corrupt or foreign bytes, or llama.cpp refused the payload
+                (another cache type, too few free cells).
+            SeqLeasedError: a live branch holds ``seq_id`` (nothing is changed).
+        """
+    def kv_cache_write_file(self, seq_id: int, path: str | os.PathLike[str], tokens: list[int]) -> None:
+        """Save ``seq_id``'s cells with ``tokens`` (the text they came from) to ``path``.
+
+        Same format as :meth:`kv_cache_save`; written to a temporary file and renamed, so
+        ``path`` never holds a half-written state.
+        """
+    def kv_cache_read_file(self, seq_id: int, path: str | os.PathLike[str]) -> list[int]:
+        """Load a file from :meth:`kv_cache_write_file` into ``seq_id``; returns its tokens.
+
+        Raises:
+            OSError: the file cannot be read (nothing is changed).
+            StateError: as :meth:`kv_cache_load` (``seq_id`` is left empty).
+            SeqLeasedError: a live branch holds ``seq_id``.
+        """
     @property
     def embedding_dimension(self) -> int:
         """Width of one embedding vector (``n_embd``; 640 for Gemma 3 270M)."""

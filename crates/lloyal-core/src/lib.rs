@@ -19,6 +19,8 @@ pub mod raw;
 pub mod reseed;
 pub mod sampler;
 pub mod sampling;
+pub mod state_format;
+pub mod state_io;
 pub mod store;
 pub mod tenancy;
 pub mod topology;
