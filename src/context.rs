@@ -6,15 +6,17 @@ use std::sync::Arc;
 use lloyal_core::{Base, Context, ContextOptions, ModelOptions, Pooling};
 use numpy::PyArray1;
 use pyo3::prelude::*;
-use pyo3::types::{PyDict, PyType};
+use pyo3::types::{PyBytes, PyDict, PyType};
 
 use crate::convert::{clamp_i32, narrow, readonly_f32};
-use crate::detach::{detached, run};
+use crate::detach::{detached, detached_io, run};
+use crate::embeddings::{extract_texts, to_array};
 use crate::errors::IntoPyResult;
 use crate::grammar::PyGrammar;
 use crate::metrics::PyPerplexityTracker;
 use crate::model::PyModel;
 use crate::sampling::extract_params;
+use crate::state_io::write_atomic;
 use crate::text::PyTextStream;
 
 /// A llama.cpp context: KV cache, sequences and the flat decode path.
@@ -127,8 +129,8 @@ impl PyContext {
     }
 
     /// Whether this is an embeddings context.
-    #[getter]
-    fn embeddings(&self) -> bool {
+    #[getter(embeddings)]
+    fn embeddings_enabled(&self) -> bool {
         self.inner.shape().embeddings
     }
 
@@ -302,6 +304,53 @@ impl PyContext {
         Ok(PyPerplexityTracker::from_core(lloyal_core::PerplexityTracker::new()))
     }
 
+    // ----- embeddings -----
+
+    /// Width of one embedding vector (n_embd; 640 for Gemma 3 270M).
+    #[getter]
+    fn embedding_dimension(&self) -> PyResult<usize> {
+        self.check_open()?;
+        Ok(lloyal_core::embeddings::embedding_dimension(self.inner.model()))
+    }
+
+    /// Clear ``seq_id``, decode ``tokens`` from position 0 for embeddings, keep the vectors
+    /// for ``get_embeddings`` and clear the sequence again.
+    #[pyo3(signature = (tokens, seq_id=0))]
+    fn encode(&self, py: Python<'_>, tokens: Vec<i64>, seq_id: i64) -> PyResult<()> {
+        let seq_id = clamp_i32(seq_id);
+        let tokens = to_i32(self.inner.model(), &tokens)?;
+        run(py, self.ctx(), move |s| s.encode(&tokens, seq_id))
+    }
+
+    /// The vectors of the last ``encode`` on ``seq_id``: ``(dim,)`` pooled, or
+    /// ``(n_tokens, dim)`` with pooling "none"; rows L2-normalised when ``normalize``.
+    #[pyo3(signature = (normalize=true, seq_id=0))]
+    fn get_embeddings<'py>(
+        &self,
+        py: Python<'py>,
+        normalize: bool,
+        seq_id: i64,
+    ) -> PyResult<Bound<'py, PyAny>> {
+        let seq_id = clamp_i32(seq_id);
+        let pooled = self.inner.options().pooling != Pooling::None;
+        let encoded = run(py, self.ctx(), move |s| s.embeddings(seq_id, normalize))?;
+        to_array(py, encoded, pooled)
+    }
+
+    /// Pooled embeddings of ``texts``: ``(dim,)`` for one ``str``, ``(n, dim)`` for a list;
+    /// packed across free sequences into as few decodes as fit.
+    #[pyo3(signature = (texts, normalize=true))]
+    fn embed<'py>(
+        &self,
+        py: Python<'py>,
+        texts: &Bound<'py, PyAny>,
+        normalize: bool,
+    ) -> PyResult<Bound<'py, PyAny>> {
+        let (texts, single) = extract_texts(texts)?;
+        let encoded = run(py, self.ctx(), move |s| s.embed(&texts, normalize))?;
+        to_array(py, encoded, single)
+    }
+
     // ----- raw KV ops -----
 
     /// Largest position stored for ``seq_id`` (-1 when empty).
@@ -345,6 +394,44 @@ impl PyContext {
     fn kv_seq_keep(&self, py: Python<'_>, seq_id: i64) -> PyResult<()> {
         let seq_id = clamp_i32(seq_id);
         run(py, self.ctx(), move |s| s.kv_keep(seq_id))
+    }
+
+    // ----- KV state -----
+
+    /// ``seq_id``'s KV cells as verified bytes (``LLOYALKV`` format; see the stub).
+    #[pyo3(signature = (seq_id=0))]
+    fn kv_cache_save<'py>(&self, py: Python<'py>, seq_id: i64) -> PyResult<Bound<'py, PyBytes>> {
+        let seq_id = clamp_i32(seq_id);
+        let data = run(py, self.ctx(), move |s| s.kv_save(seq_id))?;
+        Ok(PyBytes::new(py, &data))
+    }
+
+    /// Replace ``seq_id``'s cells with saved bytes; on failure the sequence is left empty.
+    fn kv_cache_load(&self, py: Python<'_>, seq_id: i64, data: &[u8]) -> PyResult<()> {
+        let seq_id = clamp_i32(seq_id);
+        run(py, self.ctx(), move |s| s.kv_load(seq_id, data).map(drop))
+    }
+
+    /// Save ``seq_id``'s cells and ``tokens`` to ``path`` (written atomically).
+    fn kv_cache_write_file(
+        &self,
+        py: Python<'_>,
+        seq_id: i64,
+        path: PathBuf,
+        tokens: Vec<i64>,
+    ) -> PyResult<()> {
+        let seq_id = clamp_i32(seq_id);
+        let tokens = to_i32(self.inner.model(), &tokens)?;
+        let data = run(py, self.ctx(), move |s| s.kv_save_tokens(seq_id, &tokens))?;
+        detached_io(py, move || write_atomic(&path, &data))
+    }
+
+    /// Load a file written by ``kv_cache_write_file`` into ``seq_id``; returns its tokens.
+    fn kv_cache_read_file(&self, py: Python<'_>, seq_id: i64, path: PathBuf) -> PyResult<Vec<i32>> {
+        let seq_id = clamp_i32(seq_id);
+        self.check_open()?;
+        let data = detached_io(py, move || std::fs::read(&path))?;
+        run(py, self.ctx(), move |s| s.kv_load(seq_id, &data))
     }
 
     fn __repr__(&self) -> String {

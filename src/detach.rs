@@ -39,3 +39,12 @@ where
 {
     py.detach(|| guarded(f)).map_err(to_py)
 }
+
+/// Like [`detached`] for file I/O: an `std::io::Error` becomes the matching `OSError` subclass.
+pub fn detached_io<T, F>(py: Python<'_>, f: F) -> PyResult<T>
+where
+    T: Send,
+    F: FnOnce() -> std::io::Result<T> + Send,
+{
+    py.detach(f).map_err(PyErr::from)
+}

@@ -6,11 +6,13 @@ mod branch;
 mod context;
 mod convert;
 mod detach;
+mod embeddings;
 mod errors;
 mod grammar;
 mod metrics;
 mod model;
 mod sampling;
+mod state_io;
 mod store;
 mod text;
 

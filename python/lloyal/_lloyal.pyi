@@ -195,6 +195,86 @@ class Context:
         """Share ``src``'s cells ``[p0, p1)`` with ``dst`` (no tensor copy)."""
     def kv_seq_keep(self, seq_id: int) -> None:
         """Keep only ``seq_id``."""
+    def kv_cache_save(self, seq_id: int = 0) -> bytes:
+        """``seq_id``'s KV cells (via ``llama_state_seq_get_data``) in a verified envelope.
+
+        Format (little-endian): magic ``LLOYALKV``, u32 version (1), the model's fingerprint
+        (i32 n_vocab, i32 n_embd, u32 n_layer, u64 n_params, 32-byte NUL-padded
+        architecture), i32 smallest and largest position, u32 token count, u64 payload
+        length, the tokens (i32 each), llama.cpp's payload, and a trailing u64 FNV-1a 64 of
+        every preceding byte. No logits are saved.
+
+        Raises:
+            ValueError: ``seq_id`` outside ``[0, n_seq_max)``.
+        """
+    def kv_cache_load(self, seq_id: int, data: bytes) -> None:
+        """Replace ``seq_id``'s cells with bytes from :meth:`kv_cache_save`.
+
+        The envelope is verified (magic, version, lengths, checksum, model fingerprint)
+        before llama.cpp sees the payload. On any failure ``seq_id`` is left empty and no
+        other sequence changes. No logits are restored: decode the next token to get some.
+
+        Raises:
+            StateError: truncated, corrupt or foreign bytes, or llama.cpp refused the payload
+                (another cache type, too few free cells).
+            SeqLeasedError: a live branch holds ``seq_id`` (nothing is changed).
+        """
+    def kv_cache_write_file(self, seq_id: int, path: str | os.PathLike[str], tokens: list[int]) -> None:
+        """Save ``seq_id``'s cells with ``tokens`` (the text they came from) to ``path``.
+
+        Same format as :meth:`kv_cache_save`; written to a temporary file and renamed, so
+        ``path`` never holds a half-written state.
+        """
+    def kv_cache_read_file(self, seq_id: int, path: str | os.PathLike[str]) -> list[int]:
+        """Load a file from :meth:`kv_cache_write_file` into ``seq_id``; returns its tokens.
+
+        Raises:
+            OSError: the file cannot be read (nothing is changed).
+            StateError: as :meth:`kv_cache_load` (``seq_id`` is left empty).
+            SeqLeasedError: a live branch holds ``seq_id``.
+        """
+    @property
+    def embedding_dimension(self) -> int:
+        """Width of one embedding vector (``n_embd``; 640 for Gemma 3 270M)."""
+    def encode(self, tokens: list[int], seq_id: int = 0) -> None:
+        """Compute embeddings of ``tokens`` on ``seq_id`` (needs ``embeddings=True``).
+
+        Clears ``seq_id``, decodes ``tokens`` from position 0, keeps the vectors for
+        :meth:`get_embeddings`, then clears the sequence again (no cells are left behind).
+        With pooling ``"mean"``/``"cls"``/``"last"`` the tokens must fit in one decode
+        (``n_batch``); with ``"none"`` longer runs are chunked.
+
+        Raises:
+            ValueError: not an embeddings context, empty ``tokens``, too many tokens, or a
+                ``seq_id`` outside ``[0, n_seq_max)``.
+            InvalidTokenError: a token id outside the vocabulary.
+            SeqLeasedError: a live branch holds ``seq_id``.
+            ContextClosedError: the context is closed.
+        """
+    def get_embeddings(self, normalize: bool = True, seq_id: int = 0) -> npt.NDArray[np.float32]:
+        """The vectors of the last :meth:`encode` on ``seq_id``, as a new float32 array.
+
+        Shape ``(embedding_dimension,)`` when pooled, ``(n_tokens, embedding_dimension)``
+        with ``pooling="none"``. ``normalize`` scales each row to unit L2 norm.
+
+        Raises:
+            ValueError: not an embeddings context, or no ``encode`` ran on ``seq_id``.
+        """
+    def embed(self, texts: str | list[str], normalize: bool = True) -> npt.NDArray[np.float32]:
+        """Pooled embeddings of ``texts`` (tokenized with BOS); needs ``embeddings=True``.
+
+        One ``str`` gives shape ``(embedding_dimension,)``; a list gives
+        ``(len(texts), embedding_dimension)`` in input order. Texts are packed across the
+        free sequences (not leased by a branch and empty) into as few ``llama_decode`` calls
+        as ``n_batch`` and those sequences allow (one when all fit), and the sequences are
+        cleared after reading; other sequences are not touched.
+
+        Raises:
+            ValueError: not an embeddings context, pooling ``"none"``, a text longer than
+                ``n_batch`` tokens, or no empty sequence to borrow.
+            SeqLeasedError: no sequence is free and a live branch holds one.
+            KvCacheFullError: the cache has no room for a group of texts.
+        """
 
 @final
 class Grammar:

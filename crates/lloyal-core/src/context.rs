@@ -1,5 +1,6 @@
 //! A llama.cpp context behind one lock: the flat decode path, sampling, logits and raw KV ops.
 
+use std::collections::HashMap;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 
@@ -7,6 +8,7 @@ use llama_cpp_sys_2 as sys;
 
 use crate::backend::{clear_recent_errors, recent_errors};
 use crate::branch::BranchState;
+use crate::embeddings::Encoded;
 use crate::error::{LloyalError, Result};
 use crate::metrics::{entropy, surprisal, Base};
 use crate::model::Model;
@@ -79,6 +81,7 @@ impl Context {
             leases: Leases::new(n_seq_max),
             cells_used: 0,
             kv_cell_bytes: model.kv_bytes_per_cell(params.type_k, params.type_v),
+            encoded: HashMap::new(),
         };
         Ok(Arc::new(Context {
             model,
@@ -160,6 +163,8 @@ pub struct ContextState {
     pub(crate) cells_used: usize,
     /// K+V bytes per cell (for `memory_size`).
     kv_cell_bytes: u64,
+    /// Vectors of the last `encode()` per sequence (embeddings contexts).
+    pub(crate) encoded: HashMap<i32, Encoded>,
 }
 
 impl ContextState {

@@ -128,6 +128,19 @@ impl ContextOptions {
                 return Err(LloyalError::invalid(format!("n_threads must be in 1..=1024, got {t}")));
             }
         }
+        // llama.cpp reserves the mean-pooling graph with n_batch rounded up to a multiple of
+        // n_seq_max but only n_batch output rows, and aborts on the shape mismatch.
+        let mean = matches!(self.pooling, Pooling::Mean | Pooling::Rank);
+        if self.embeddings && mean && self.n_batch % self.n_seq_max != 0 {
+            return Err(LloyalError::invalid(format!(
+                "with embeddings=True and pooling={:?}, n_batch must be a multiple of n_seq_max \
+                 (got n_batch={}, n_seq_max={}); try n_batch={}",
+                if self.pooling == Pooling::Mean { "mean" } else { "rank" },
+                self.n_batch,
+                self.n_seq_max,
+                self.n_batch.div_ceil(self.n_seq_max) * self.n_seq_max
+            )));
+        }
         parse_kv_type("type_k", &self.type_k)?;
         let v = parse_kv_type("type_v", &self.type_v)?;
         let plain = [sys::GGML_TYPE_F32, sys::GGML_TYPE_F16, sys::GGML_TYPE_BF16];
@@ -195,9 +208,13 @@ mod tests {
             ContextOptions { type_k: "f8".into(), ..Default::default() },
             ContextOptions { n_threads: Some(0), ..Default::default() },
             ContextOptions { type_v: "q8_0".into(), flash_attn: false, ..Default::default() },
+            ContextOptions { embeddings: true, n_seq_max: 3, ..Default::default() },
         ] {
             assert!(matches!(o.validate(), Err(LloyalError::InvalidArgument(_))), "{o:?}");
         }
         assert!(Pooling::parse("max").is_err());
+        let last =
+            ContextOptions { embeddings: true, n_seq_max: 3, pooling: Pooling::Last, ..Default::default() };
+        assert!(last.validate().is_ok(), "only mean pooling needs n_batch % n_seq_max == 0");
     }
 }

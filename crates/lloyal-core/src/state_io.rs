@@ -1,0 +1,108 @@
+//! Per-sequence KV state save/load through llama.cpp's `llama_state_seq_*`, wrapped in the
+//! verified envelope of [`crate::state_format`]. A failed load leaves the target sequence
+//! empty and every other sequence untouched.
+
+use llama_cpp_sys_2 as sys;
+
+use crate::backend::{clear_recent_errors, recent_errors};
+use crate::context::ContextState;
+use crate::error::{LloyalError, Result};
+use crate::model::Model;
+use crate::state_format::{self, Fingerprint, SavedState};
+
+/// The fingerprint of `model` written into (and required from) saved states.
+pub fn fingerprint(model: &Model) -> Fingerprint {
+    Fingerprint {
+        n_vocab: model.n_vocab(),
+        n_embd: model.n_embd(),
+        n_layer: model.n_layer(),
+        n_params: model.n_params(),
+        architecture: model.architecture(),
+    }
+}
+
+impl ContextState {
+    fn seq_pos_min(&mut self, seq_id: i32) -> i32 {
+        let mem = self.raw_mut().memory();
+        // SAFETY: valid memory handle; callers range-check the seq id.
+        unsafe { sys::llama_memory_seq_pos_min(mem, seq_id) }
+    }
+
+    /// `kv_cache_save(seq_id)`: the sequence's KV cells as a verified byte string.
+    pub fn kv_save(&mut self, seq_id: i32) -> Result<Vec<u8>> {
+        self.kv_save_tokens(seq_id, &[])
+    }
+
+    /// Like [`Self::kv_save`], storing `tokens` (the text the cells came from) alongside.
+    pub fn kv_save_tokens(&mut self, seq_id: i32, tokens: &[i32]) -> Result<Vec<u8>> {
+        self.check_seq(seq_id)?;
+        self.model().check_tokens(tokens)?;
+        if tokens.len() > u32::MAX as usize {
+            return Err(LloyalError::invalid("too many tokens to store with a KV state"));
+        }
+        let ctx = self.raw_mut().as_ptr();
+        // SAFETY: valid context; seq id range-checked.
+        let size = unsafe { sys::llama_state_seq_get_size(ctx, seq_id) };
+        let mut payload = vec![0u8; size];
+        // SAFETY: `payload` has exactly `size` writable bytes, the size llama.cpp asked for.
+        let written = unsafe { sys::llama_state_seq_get_data(ctx, payload.as_mut_ptr(), size, seq_id) };
+        if written != size {
+            return Err(LloyalError::Backend(format!(
+                "llama.cpp wrote {written} of {size} bytes of seq {seq_id}'s state"
+            )));
+        }
+        let pos_max = self.seq_pos_max(seq_id)?;
+        let pos_min = if pos_max < 0 { -1 } else { self.seq_pos_min(seq_id) };
+        let state = SavedState { pos_min, pos_max, tokens: tokens.to_vec(), payload };
+        Ok(state_format::encode(&fingerprint(&self.model()), &state))
+    }
+
+    /// `kv_cache_load(seq_id, data)`: replace `seq_id`'s cells with a saved state. Returns the
+    /// stored tokens. On any failure `seq_id` is left empty; a leased sequence is refused
+    /// untouched. No logits are restored: decode the next token to get some.
+    pub fn kv_load(&mut self, seq_id: i32, data: &[u8]) -> Result<Vec<i32>> {
+        self.check_seq(seq_id)?;
+        if self.is_leased(seq_id) {
+            return Err(LloyalError::SeqLeased { seq_id });
+        }
+        let result = self.kv_load_unchecked(seq_id, data);
+        if result.is_err() {
+            self.remove_cells(seq_id, 0, -1);
+        }
+        result
+    }
+
+    fn kv_load_unchecked(&mut self, seq_id: i32, data: &[u8]) -> Result<Vec<i32>> {
+        let model = self.model();
+        let state = state_format::decode(&fingerprint(&model), data)?;
+        if let Err(e) = model.check_tokens(&state.tokens) {
+            return Err(LloyalError::State(format!("cannot load KV state: stored tokens are invalid ({e})")));
+        }
+        self.remove_cells(seq_id, 0, -1);
+        clear_recent_errors();
+        let ctx = self.raw_mut().as_ptr();
+        // SAFETY: valid context; `payload` is a readable buffer of its length; seq id range-checked.
+        let read = unsafe {
+            sys::llama_state_seq_set_data(ctx, state.payload.as_ptr(), state.payload.len(), seq_id)
+        };
+        if read == 0 {
+            return Err(LloyalError::State(format!(
+                "cannot load KV state: llama.cpp rejected it ({}); the context may have a different \
+                 cache type or too few free cells",
+                match recent_errors() {
+                    d if d.is_empty() => "see LLOYAL_LOG=1".into(),
+                    d => d,
+                }
+            )));
+        }
+        let pos_max = self.seq_pos_max(seq_id)?;
+        if pos_max != state.pos_max {
+            return Err(LloyalError::State(format!(
+                "cannot load KV state: the sequence ends at position {pos_max} after loading, the state \
+                 says {}",
+                state.pos_max
+            )));
+        }
+        Ok(state.tokens)
+    }
+}
