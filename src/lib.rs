@@ -3,6 +3,7 @@
 
 mod aio;
 mod branch;
+mod chat;
 mod context;
 mod convert;
 mod detach;
@@ -30,5 +31,6 @@ fn _lloyal(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<store::PyBranchStore>()?;
     m.add_class::<store::PyKvPressure>()?;
     m.add_function(wrap_pyfunction!(sampling::validate_sampling_params, m)?)?;
+    m.add_function(wrap_pyfunction!(chat::parse_chat_output_native, m)?)?;
     Ok(())
 }

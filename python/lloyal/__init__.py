@@ -29,6 +29,7 @@ from lloyal._lloyal import (
     __version__,
 )
 from lloyal._model_path import default_model_path
+from lloyal.chat import ChatOutput, FormattedChat, ToolCall, parse_chat_output
 from lloyal.errors import (
     BranchDisposedError,
     ChatTemplateError,
@@ -50,11 +51,13 @@ __all__ = [
     "Branch",
     "BranchDisposedError",
     "BranchStore",
+    "ChatOutput",
     "ChatTemplateError",
     "Context",
     "ContextClosedError",
     "DecodeError",
     "Dry",
+    "FormattedChat",
     "GrammarError",
     "InvalidTokenError",
     "KvCacheFullError",
@@ -72,11 +75,13 @@ __all__ = [
     "TextStream",
     "Token",
     "TokenIterator",
+    "ToolCall",
     "TopologyError",
     "Xtc",
     "__version__",
     "create_context",
     "default_model_path",
+    "parse_chat_output",
 ]
 
 
