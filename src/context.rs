@@ -230,6 +230,44 @@ impl PyContext {
         self.inner.model().bos()
     }
 
+    // ----- chat -----
+
+    /// Render ``messages`` with the chat template (``template`` > the model's > built-in);
+    /// returns a ``lloyal.chat.FormattedChat``.
+    #[pyo3(signature = (messages, *, add_generation_prompt=true, template=None, tools=None))]
+    fn format_chat(
+        &self,
+        py: Python<'_>,
+        messages: &Bound<'_, PyAny>,
+        add_generation_prompt: bool,
+        template: Option<String>,
+        tools: Option<&Bound<'_, PyAny>>,
+    ) -> PyResult<Py<PyAny>> {
+        self.check_open()?;
+        let messages = crate::chat::messages_json(py, messages)?;
+        let tools = crate::chat::tools_json(py, tools)?;
+        let options = lloyal_core::ChatOptions { add_generation_prompt, template, tools };
+        let model = self.inner.model().clone();
+        let formatted = detached(py, move || model.format_chat(&messages, &options))?;
+        crate::chat::formatted_to_py(py, formatted)
+    }
+
+    /// Render one new turn as it follows a finished assistant turn (after
+    /// ``turn_separator``), for warm multi-turn chat on a live branch.
+    #[pyo3(signature = (message, *, add_generation_prompt=true))]
+    fn format_chat_turn(
+        &self,
+        py: Python<'_>,
+        message: &Bound<'_, PyAny>,
+        add_generation_prompt: bool,
+    ) -> PyResult<Py<PyAny>> {
+        self.check_open()?;
+        let message = crate::chat::message_json(py, message)?;
+        let model = self.inner.model().clone();
+        let formatted = detached(py, move || model.format_chat_turn(&message, add_generation_prompt))?;
+        crate::chat::formatted_to_py(py, formatted)
+    }
+
     // ----- flat decode path -----
 
     /// Decode ``tokens`` on ``seq_id`` starting at ``pos`` (chunked by n_batch; all-or-nothing).

@@ -3,6 +3,7 @@
 
 mod aio;
 mod branch;
+mod chat;
 mod context;
 mod convert;
 mod detach;
@@ -35,5 +36,6 @@ fn _lloyal(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<grammar::PyGrammar>()?;
     m.add_function(wrap_pyfunction!(sampling::validate_sampling_params, m)?)?;
     m.add_function(wrap_pyfunction!(grammar::json_schema_to_grammar, m)?)?;
+    m.add_function(wrap_pyfunction!(chat::parse_chat_output_native, m)?)?;
     Ok(())
 }

@@ -30,6 +30,7 @@ from lloyal._lloyal import (
     __version__,
 )
 from lloyal._model_path import default_model_path
+from lloyal.chat import ChatOutput, FormattedChat, ToolCall, parse_chat_output
 from lloyal.errors import (
     BranchDisposedError,
     ChatTemplateError,
@@ -52,11 +53,13 @@ __all__ = [
     "Branch",
     "BranchDisposedError",
     "BranchStore",
+    "ChatOutput",
     "ChatTemplateError",
     "Context",
     "ContextClosedError",
     "DecodeError",
     "Dry",
+    "FormattedChat",
     "Grammar",
     "GrammarError",
     "InvalidTokenError",
@@ -75,12 +78,14 @@ __all__ = [
     "TextStream",
     "Token",
     "TokenIterator",
+    "ToolCall",
     "TopologyError",
     "Xtc",
     "__version__",
     "create_context",
     "default_model_path",
     "json_schema_to_grammar",
+    "parse_chat_output",
 ]
 
 

@@ -7,6 +7,8 @@ from typing import Any, final
 import numpy as np
 import numpy.typing as npt
 
+from lloyal.chat import FormattedChat
+
 __version__: str
 __all__ = [
     "Branch",
@@ -21,6 +23,7 @@ __all__ = [
     "Token",
     "TokenIterator",
     "__version__",
+    "_parse_chat_output",
     "json_schema_to_grammar",
     "validate_sampling_params",
 ]
@@ -30,6 +33,9 @@ def json_schema_to_grammar(schema: str) -> str:
 
 def validate_sampling_params(params: object) -> None:
     """Raise ``ValueError``/``TypeError`` if ``params`` is not a valid set of sampling parameters."""
+
+def _parse_chat_output(text: str) -> tuple[str, str | None, list[tuple[str, str]]]:
+    """Native part of ``lloyal.parse_chat_output``: ``(content, reasoning, [(name, arguments_json)])``."""
 
 @final
 class Model:
@@ -148,6 +154,65 @@ class Context:
     @property
     def bos_token(self) -> int:
         """The beginning-of-sequence token id."""
+    def format_chat(
+        self,
+        messages: list[dict[str, Any]],
+        *,
+        add_generation_prompt: bool = True,
+        template: str | None = None,
+        tools: list[dict[str, Any]] | None = None,
+    ) -> FormattedChat:
+        """Render a conversation as a prompt with a Jinja chat template.
+
+        Template: ``template`` (a Jinja string) > the model's own GGUF template > the built-in
+        one of the model's family (Gemma, ChatML, Llama 3). Templates see ``messages``,
+        ``add_generation_prompt``, ``tools``, ``bos_token``, ``eos_token``, and may use
+        ``raise_exception(msg)``, ``strftime_now(fmt)``, ``tojson`` and Python string/dict
+        methods (``.strip()``, ``.items()``...). The built-in Gemma template folds a leading
+        system message into the first user turn and renders content verbatim.
+
+        Tokenize the prompt with ``add_special=False, parse_special=True`` (it holds the BOS
+        text and the turn markers).
+
+        Args:
+            messages: Dicts with ``role`` and ``content`` (str, None or a list of
+                ``{"type": "text", "text": ...}`` parts); optional ``tool_calls``.
+            add_generation_prompt: Append the opening of an assistant turn.
+            template: A Jinja chat template that overrides the model's.
+            tools: JSON-serialisable tool (function) definitions, passed as ``tools``.
+
+        Returns:
+            The prompt, the stop tokens and where the template came from.
+
+        Raises:
+            TypeError: ``messages``/``tools`` are not lists of JSON-serialisable dicts.
+            ValueError: A message lacks a string ``role`` or has a bad ``content``.
+            ChatTemplateError: The template failed (syntax, ``raise_exception``), or the
+                model has no template and no built-in fits (pass ``template=``).
+        """
+    def format_chat_turn(
+        self, message: dict[str, Any], *, add_generation_prompt: bool = True
+    ) -> FormattedChat:
+        """Render one new turn exactly as it follows a finished assistant turn.
+
+        For warm multi-turn chat on a live branch: after generating the assistant reply
+        (stopped at a stop token, which is not in the KV), prefill ``turn_separator`` and then
+        ``tokenize(turn.prompt, add_special=False, parse_special=True)``. The result equals,
+        token for token, a cold prefill of ``format_chat`` over the whole conversation with
+        the built-in template of the model's family (used here whatever the model's own).
+
+        Args:
+            message: The new message (usually ``{"role": "user", "content": ...}``).
+            add_generation_prompt: Append the opening of the next assistant turn.
+
+        Returns:
+            The turn's text (no BOS, no system/tools preamble) and the stop tokens.
+
+        Raises:
+            TypeError: ``message`` is not a dict.
+            ValueError: It lacks a string ``role`` or has a bad ``content``.
+            ChatTemplateError: The model belongs to no built-in chat family.
+        """
     def close(self) -> None:
         """Free the context (waits for a running call; idempotent)."""
     def __enter__(self) -> Context: ...

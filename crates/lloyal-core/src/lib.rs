@@ -6,7 +6,9 @@
 
 pub mod backend;
 pub mod branch;
+pub mod chat;
 pub mod chat_family;
+pub mod chat_templates;
 pub mod context;
 pub mod embeddings;
 pub mod error;
@@ -27,6 +29,7 @@ pub mod tenancy;
 pub mod topology;
 pub mod utf8;
 
+pub use chat::{ChatOptions, ChatOutput, FormattedChat, ToolCall};
 pub use chat_family::ChatFamily;
 pub use context::{Context, ContextShape, ContextState};
 pub use error::{LloyalError, Result};

@@ -1,0 +1,219 @@
+//! Unit tests of `chat`: template choice, built-in rendering, errors, output parsing.
+
+use serde_json::json;
+
+use super::*;
+
+fn vars(add_generation_prompt: bool) -> RenderVars<'static> {
+    RenderVars { add_generation_prompt, bos_token: "<bos>", eos_token: "<eos>", ..Default::default() }
+}
+
+fn builtin(f: ChatFamily, messages: Json, add_gen: bool) -> String {
+    let Json::Array(m) = messages else { panic!("not a list") };
+    render(&builtin_template(f), &m, &vars(add_gen)).unwrap()
+}
+
+#[test]
+fn gemma_folds_system_and_uses_model_role() {
+    let out = builtin(
+        ChatFamily::Gemma,
+        json!([{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"},
+               {"role": "assistant", "content": "Hello!"}, {"role": "user", "content": "Bye"}]),
+        true,
+    );
+    assert_eq!(
+        out,
+        "<bos><start_of_turn>user\nBe brief.\n\nHi<end_of_turn>\n<start_of_turn>model\nHello!<end_of_turn>\n\
+         <start_of_turn>user\nBye<end_of_turn>\n<start_of_turn>model\n"
+    );
+    let no_gen = builtin(ChatFamily::Gemma, json!([{"role": "user", "content": "Hi"}]), false);
+    assert_eq!(no_gen, "<bos><start_of_turn>user\nHi<end_of_turn>\n");
+}
+
+#[test]
+fn gemma_rejects_mid_conversation_system() {
+    let m = vec![json!({"role": "user", "content": "a"}), json!({"role": "system", "content": "b"})];
+    let err = render(&builtin_template(ChatFamily::Gemma), &m, &vars(true)).unwrap_err();
+    assert!(matches!(&err, LloyalError::ChatTemplate(s) if s.contains("no 'system' role")), "{err}");
+}
+
+#[test]
+fn chatml_and_llama3_turns() {
+    let m = json!([{"role": "system", "content": "S"}, {"role": "user", "content": "U"}]);
+    assert_eq!(
+        builtin(ChatFamily::ChatMl, m.clone(), true),
+        "<|im_start|>system\nS<|im_end|>\n<|im_start|>user\nU<|im_end|>\n<|im_start|>assistant\n"
+    );
+    assert_eq!(
+        builtin(ChatFamily::Llama3, m, true),
+        "<bos><|start_header_id|>system<|end_header_id|>\n\nS<|eot_id|><|start_header_id|>user<|end_header_id|>\
+         \n\nU<|eot_id|><|start_header_id|>assistant<|end_header_id|>\n\n"
+    );
+}
+
+#[test]
+fn warm_turn_is_the_suffix_of_a_full_render() {
+    for f in [ChatFamily::Gemma, ChatFamily::ChatMl, ChatFamily::Llama3] {
+        let first =
+            builtin(f, json!([{"role": "system", "content": "S"}, {"role": "user", "content": "U1"}]), true);
+        let full = builtin(
+            f,
+            json!([{"role": "system", "content": "S"}, {"role": "user", "content": "U1"},
+                   {"role": "assistant", "content": "A1"}, {"role": "user", "content": "U2"}]),
+            true,
+        );
+        let turn_vars = RenderVars { continuation: true, ..vars(true) };
+        let delta =
+            render(&builtin_template(f), &[json!({"role": "user", "content": "U2"})], &turn_vars).unwrap();
+        assert_eq!(full, format!("{first}A1{}{delta}", f.turn_separator()), "{f:?}");
+    }
+}
+
+#[test]
+fn tool_calls_and_tools_render() {
+    let tools =
+        json!([{"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}}]);
+    let m = json!([{"role": "user", "content": "Weather?"},
+                   {"role": "assistant", "content": "", "tool_calls": [
+                       {"type": "function", "function": {"name": "get_weather", "arguments": {"city": "Paris"}}}]},
+                   {"role": "tool", "content": "sunny"}]);
+    let Json::Array(m) = m else { unreachable!() };
+    let v = RenderVars { tools: Some(&tools), ..vars(true) };
+    let out = render(&builtin_template(ChatFamily::ChatMl), &m, &v).unwrap();
+    assert!(
+        out.contains(
+            r#"{"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}}"#
+        ),
+        "{out}"
+    );
+    assert!(
+        out.contains(
+            "<tool_call>\n{\"name\": \"get_weather\", \"arguments\": {\"city\": \"Paris\"}}\n</tool_call>"
+        ),
+        "{out}"
+    );
+    assert!(out.contains("<tool_response>\nsunny\n</tool_response>"), "{out}");
+    let gemma = render(&builtin_template(ChatFamily::Gemma), &m, &v).unwrap();
+    assert!(gemma.starts_with("<bos><start_of_turn>user\nYou can call these tools."), "{gemma}");
+    let llama = render(&builtin_template(ChatFamily::Llama3), &m, &v).unwrap();
+    assert!(
+        llama.contains(r#"{"name": "get_weather", "parameters": {"city": "Paris"}}<|eot_id|>"#),
+        "{llama}"
+    );
+    assert!(llama.contains("<|start_header_id|>ipython<|end_header_id|>\n\nsunny<|eot_id|>"), "{llama}");
+}
+
+#[test]
+fn hf_style_templates_work() {
+    let t = "{{ bos_token }}{% for m in messages %}{{ m['role'].upper() }}:{{ m.content.strip() }}|\
+             {% if m.get('x', 'd') == 'd' %}ok{% endif %}{% endfor %}{{ tools|tojson }}\
+             {% if add_generation_prompt %}>{% endif %}";
+    let m = [json!({"role": "user", "content": "  hé <b>  "})];
+    let tools = json!([{"name": "f", "d": [1, 2]}]);
+    let out = render(t, &m, &RenderVars { tools: Some(&tools), ..vars(true) }).unwrap();
+    assert_eq!(out, r#"<bos>USER:hé <b>|ok[{"name": "f", "d": [1, 2]}]>"#);
+    let pretty = render("{{ {'a': [1]}|tojson(indent=2) }}", &[], &vars(false)).unwrap();
+    assert_eq!(pretty, "{\n  \"a\": [\n    1\n  ]\n}");
+    let date = render("{{ strftime_now('%Y') }}", &[], &vars(false)).unwrap();
+    assert_eq!(date.len(), 4);
+}
+
+#[test]
+fn raise_exception_and_syntax_errors_are_chat_template_errors() {
+    let err = render("{{ raise_exception('roles must alternate') }}", &[], &vars(true)).unwrap_err();
+    assert!(matches!(&err, LloyalError::ChatTemplate(s) if s.contains("roles must alternate")), "{err}");
+    let err = render("{% for %}", &[], &vars(true)).unwrap_err();
+    assert!(matches!(err, LloyalError::ChatTemplate(_)));
+}
+
+#[test]
+fn template_choice_order() {
+    let g = Some(ChatFamily::Gemma);
+    assert_eq!(choose_template(Some("o"), Some("m"), g).unwrap().0, "override");
+    assert_eq!(choose_template(None, Some("m"), g).unwrap().0, "model");
+    assert_eq!(choose_template(None, Some("  "), g).unwrap().0, "builtin:gemma");
+    assert_eq!(choose_template(None, None, Some(ChatFamily::ChatMl)).unwrap().0, "builtin:chatml");
+    let err = choose_template(None, None, None).unwrap_err();
+    assert!(matches!(&err, LloyalError::ChatTemplate(s) if s.contains("template=")));
+}
+
+#[test]
+fn message_shapes_are_checked() {
+    assert!(parse_messages(r#"[{"role": "user", "content": "x"}, {"role": "assistant", "content": null}]"#)
+        .is_ok());
+    for (bad, needle) in [
+        (r#"{"role": "user"}"#, "list of dicts"),
+        (r#"["hi"]"#, "messages[0]: must be a dict"),
+        (r#"[{"content": "x"}]"#, "missing 'role'"),
+        (r#"[{"role": "user", "content": 3}]"#, "'content' must be"),
+        (r#"[{"role": 1, "content": "x"}]"#, "'role' must be"),
+    ] {
+        let err = parse_messages(bad).unwrap_err();
+        assert!(matches!(&err, LloyalError::InvalidArgument(s) if s.contains(needle)), "{bad}: {err}");
+    }
+}
+
+#[test]
+fn parses_think_and_end_markers() {
+    let out = parse_chat_output("<think>\n2+2 is 4\n</think>\n\nThe answer is 4.<end_of_turn>");
+    assert_eq!(out.reasoning_content.as_deref(), Some("2+2 is 4"));
+    assert_eq!(out.content, "The answer is 4.");
+    assert!(out.tool_calls.is_empty());
+    let open_in_prompt = parse_chat_output("hmm</think>ok<|im_end|>");
+    assert_eq!(
+        (open_in_prompt.reasoning_content.as_deref(), open_in_prompt.content.as_str()),
+        (Some("hmm"), "ok")
+    );
+    let plain = parse_chat_output("Paris.<|eot_id|>");
+    assert_eq!((plain.reasoning_content, plain.content.as_str()), (None, "Paris."));
+}
+
+#[test]
+fn parses_hermes_tool_calls() {
+    let text = "Let me check.\n<tool_call>\n{\"name\": \"get_weather\", \"arguments\": {\"city\": \"Paris\"}}\n</tool_call>\n\
+                <tool_call>{\"name\": \"get_time\", \"arguments\": \"{\\\"tz\\\": \\\"CET\\\"}\"}</tool_call><|im_end|>";
+    let out = parse_chat_output(text);
+    assert_eq!(out.content, "Let me check.");
+    assert_eq!(
+        out.tool_calls,
+        vec![
+            ToolCall { name: "get_weather".into(), arguments: json!({"city": "Paris"}) },
+            ToolCall { name: "get_time".into(), arguments: json!({"tz": "CET"}) },
+        ]
+    );
+}
+
+#[test]
+fn invalid_tool_call_json_stays_content() {
+    let text = "<tool_call>{\"name\": \"f\", \"arguments\": {oops}</tool_call>";
+    let out = parse_chat_output(text);
+    assert!(out.tool_calls.is_empty());
+    assert_eq!(out.content, text);
+    let mixed = parse_chat_output("<tool_call>nope</tool_call> <tool_call>{\"name\": \"g\"}</tool_call>");
+    assert_eq!(mixed.content, "<tool_call>nope</tool_call>");
+    assert_eq!(mixed.tool_calls, vec![ToolCall { name: "g".into(), arguments: json!({}) }]);
+}
+
+#[test]
+fn parses_llama3_json_tool_calls() {
+    let out = parse_chat_output(
+        "<|python_tag|>{\"name\": \"search\", \"parameters\": {\"q\": \"rust\"}}<|eom_id|>",
+    );
+    assert_eq!(out.content, "");
+    assert_eq!(out.tool_calls, vec![ToolCall { name: "search".into(), arguments: json!({"q": "rust"}) }]);
+    let bare = parse_chat_output(
+        " {\"name\": \"a\", \"parameters\": {}} {\"name\": \"b\", \"parameters\": {\"x\": 1}}",
+    );
+    assert_eq!(bare.tool_calls.len(), 2);
+    // JSON that is not a call (no parameters) is an answer, not a tool call.
+    let answer = parse_chat_output("{\"name\": \"Bob\"}");
+    assert_eq!((answer.content.as_str(), answer.tool_calls.len()), ("{\"name\": \"Bob\"}", 0));
+    let broken = parse_chat_output("{\"name\": \"a\", \"parameters\": {");
+    assert!(broken.tool_calls.is_empty() && broken.content.starts_with('{'));
+}
+
+#[test]
+fn python_json_matches_json_dumps() {
+    let v = json!({"b": 1, "a": [true, null, "é\"x"], "e": {}, "f": []});
+    assert_eq!(python_json(&v, None), r#"{"b": 1, "a": [true, null, "é\"x"], "e": {}, "f": []}"#);
+}
