@@ -6,7 +6,7 @@ use std::sync::{Arc, Mutex};
 use lloyal_core::{Base, Context, ContextState, Handle, Utf8Stream};
 use numpy::{PyArray1, PyReadonlyArray1};
 use pyo3::prelude::*;
-use pyo3::types::{PyDict, PyTuple, PyType};
+use pyo3::types::{PyBytes, PyDict, PyTuple, PyType};
 
 use crate::aio;
 use crate::context::{to_i32, PyContext};
@@ -137,6 +137,22 @@ impl PyBranch {
             }
             Ok(h)
         })?;
+        Ok(PyBranch { ctx, handle })
+    }
+
+    /// The branch as bytes: KV cells, position, sampler (parameters, history, RNG), grammar,
+    /// metrics, biases and logits; ``Branch.load_state`` resumes it in any process.
+    fn save_state<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyBytes>> {
+        let data = self.call(py, |s, h| s.branch_save(h))?;
+        Ok(PyBytes::new(py, &data))
+    }
+
+    /// A new root branch on ``ctx`` from ``Branch.save_state()`` bytes (takes a lease).
+    /// Corrupt, truncated or foreign data raises ``StateError`` and changes nothing.
+    #[staticmethod]
+    fn load_state(py: Python<'_>, ctx: Py<PyContext>, data: Vec<u8>) -> PyResult<PyBranch> {
+        let core = ctx.get().inner.clone();
+        let handle = run(py, &core, move |s| s.branch_load(&data))?;
         Ok(PyBranch { ctx, handle })
     }
 

@@ -476,6 +476,11 @@ class Branch:
         """Restart the sampler's RNG with ``seed`` (history kept)."""
     def set_sampler_params(self, params: object | None = None, **overrides: Any) -> None:
         """Replace the sampling parameters (history kept)."""
+    def save_state(self) -> bytes:
+        """KV cells, position, sampler (params, history, RNG), grammar, metrics, biases, logits."""
+    @staticmethod
+    def load_state(ctx: Context, data: bytes) -> Branch:
+        """A new root branch from ``save_state()`` bytes (``StateError`` if corrupt or foreign)."""
     def set_grammar(self, grammar: str | Grammar | None) -> None:
         """Constrain sampling with a grammar (GBNF or a :class:`Grammar`), or remove it."""
     @property

@@ -30,6 +30,8 @@ pub struct Grammar {
     raw: NonNull<sys::llama_sampler>,
     model: Arc<Model>,
     source: Arc<GrammarSource>,
+    /// Tokens accepted since the start rule (replayed to restore a saved state).
+    accepted: Vec<i32>,
     /// Reused candidate buffer for masks.
     candidates: Vec<sys::llama_token_data>,
 }
@@ -87,7 +89,21 @@ impl Grammar {
             LloyalError::Grammar(format!("invalid grammar (root rule {root:?}): {detail}"))
         })?;
         let source = Arc::new(GrammarSource { gbnf: gbnf.to_string(), root: root.to_string() });
-        Ok(Grammar { raw, model, source, candidates: Vec::new() })
+        Ok(Grammar { raw, model, source, accepted: Vec::new(), candidates: Vec::new() })
+    }
+
+    /// Rebuild a saved grammar: parse `source`, then accept `accepted` from the start rule.
+    pub fn restore(model: Arc<Model>, source: &GrammarSource, accepted: &[i32]) -> Result<Grammar> {
+        let mut g = Grammar::new(model, &source.gbnf, &source.root)?;
+        for &t in accepted {
+            g.accept(t)?;
+        }
+        Ok(g)
+    }
+
+    /// Tokens accepted since the start rule (or the last `reset`).
+    pub fn accepted(&self) -> &[i32] {
+        &self.accepted
     }
 
     /// The rules this grammar was built from.
@@ -101,13 +117,20 @@ impl Grammar {
         let raw = unsafe { sys::llama_sampler_clone(self.raw.as_ptr()) };
         let raw =
             NonNull::new(raw).ok_or_else(|| LloyalError::Grammar("could not clone the grammar".into()))?;
-        Ok(Grammar { raw, model: self.model.clone(), source: self.source.clone(), candidates: Vec::new() })
+        Ok(Grammar {
+            raw,
+            model: self.model.clone(),
+            source: self.source.clone(),
+            accepted: self.accepted.clone(),
+            candidates: Vec::new(),
+        })
     }
 
     /// Back to the start rule.
     pub fn reset(&mut self) {
         // SAFETY: self.raw is a live grammar sampler.
         unsafe { sys::llama_sampler_reset(self.raw.as_ptr()) }
+        self.accepted.clear();
     }
 
     fn apply(&mut self, start: usize) {
@@ -172,6 +195,7 @@ impl Grammar {
         if status != sys::LLAMA_RS_STATUS_OK {
             return Err(LloyalError::Grammar(format!("the grammar failed to accept token {token}")));
         }
+        self.accepted.push(token);
         Ok(())
     }
 

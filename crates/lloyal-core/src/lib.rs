@@ -6,6 +6,7 @@
 
 pub mod backend;
 pub mod branch;
+pub mod branch_state;
 pub mod chat;
 pub mod chat_family;
 pub mod chat_templates;

@@ -49,12 +49,82 @@ impl RawChain {
     }
 }
 
+/// The random stream of the final draw: SplitMix64 (64 bits of state, so a branch's RNG can
+/// be cloned on fork and written into a saved state exactly).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Rng(u64);
+
+impl Rng {
+    /// A stream determined by `seed`.
+    pub fn seeded(seed: u32) -> Rng {
+        Rng(u64::from(seed) ^ 0x5851_F42D_4C95_7F2D)
+    }
+
+    /// A stream from the OS-seeded hasher (no seed given).
+    pub fn random() -> Rng {
+        use std::hash::BuildHasher;
+        Rng(std::collections::hash_map::RandomState::new().hash_one(std::time::SystemTime::now()))
+    }
+
+    /// Rebuild from [`Rng::state`].
+    pub fn from_state(state: u64) -> Rng {
+        Rng(state)
+    }
+
+    /// The whole state.
+    pub fn state(self) -> u64 {
+        self.0
+    }
+
+    fn next_u64(&mut self) -> u64 {
+        self.0 = self.0.wrapping_add(0x9E37_79B9_7F4A_7C15);
+        let mut z = self.0;
+        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+        z ^ (z >> 31)
+    }
+
+    /// Uniform in `[0, 1)` with 53 bits.
+    pub fn next_f64(&mut self) -> f64 {
+        (self.next_u64() >> 11) as f64 * (1.0 / (1u64 << 53) as f64)
+    }
+}
+
+fn rng_for(params: &SamplingParams) -> Rng {
+    params.seed.map(Rng::seeded).unwrap_or_else(Rng::random)
+}
+
+/// Draw from softmax(logit) over `cands` with `u` in [0, 1); `None` if nothing is finite.
+fn draw(cands: &[sys::llama_token_data], u: f64) -> Option<i32> {
+    let max = cands.iter().map(|c| c.logit).fold(f32::NEG_INFINITY, f32::max);
+    if !max.is_finite() {
+        return None;
+    }
+    let weight = |c: &sys::llama_token_data| f64::from(c.logit - max).exp();
+    let total: f64 = cands.iter().map(weight).sum();
+    let mut target = u * total;
+    let mut last = None;
+    for c in cands {
+        let w = weight(c);
+        if w > 0.0 {
+            last = Some(c.id);
+            if target < w {
+                return Some(c.id);
+            }
+            target -= w;
+        }
+    }
+    last
+}
+
 /// One sequence's sampling machinery: the llama.cpp chain plus the Rust-side token history
-/// (used for penalties, which are applied on the logits in O(history)).
+/// (used for penalties, which are applied on the logits in O(history)) and the RNG of the
+/// final draw.
 pub struct Sampler {
     chain: RawChain,
     params: SamplingParams,
     history: Vec<i32>,
+    rng: Rng,
     candidates: Vec<sys::llama_token_data>,
 }
 
@@ -74,7 +144,6 @@ enum Step {
     TopP(f32),
     MinP(f32),
     Xtc { p: f32, t: f32, min_keep: usize, seed: u32 },
-    Dist(u32),
 }
 
 /// The chain order of llama.cpp's common sampler (penalties and biases are applied on the
@@ -108,8 +177,8 @@ fn plan_steps(params: &SamplingParams, n_vocab: i32) -> Vec<Step> {
     if let Some(x) = params.xtc.as_ref().filter(|x| x.probability > 0.0) {
         steps.push(Step::Xtc { p: x.probability, t: x.threshold, min_keep: x.min_keep.max(1), seed });
     }
+    // The final draw is ours ([`Rng`]), so its state can be saved and restored exactly.
     steps.push(Step::Temp(params.temperature));
-    steps.push(Step::Dist(seed));
     steps
 }
 
@@ -129,7 +198,6 @@ fn init_step(step: Step) -> *mut sys::llama_sampler {
             Step::TopP(p) => sys::llama_sampler_init_top_p(p, 1),
             Step::MinP(p) => sys::llama_sampler_init_min_p(p, 1),
             Step::Xtc { p, t, min_keep, seed } => sys::llama_sampler_init_xtc(p, t, min_keep, seed),
-            Step::Dist(seed) => sys::llama_sampler_init_dist(seed),
         }
     }
 }
@@ -177,7 +245,27 @@ impl Sampler {
     /// Build a sampler for `params` (validated first).
     pub fn new(model: &Model, params: SamplingParams) -> Result<Self> {
         let chain = build_chain(model, &params)?;
-        Ok(Sampler { chain, params, history: Vec::new(), candidates: Vec::new() })
+        let rng = rng_for(&params);
+        Ok(Sampler { chain, params, history: Vec::new(), rng, candidates: Vec::new() })
+    }
+
+    /// Rebuild a sampler from saved parts: parameters, accepted history (replayed into DRY /
+    /// mirostat state) and the RNG state.
+    pub fn restore(model: &Model, params: SamplingParams, history: Vec<i32>, rng_state: u64) -> Result<Self> {
+        model.check_tokens(&history)?;
+        let mut s = Sampler::new(model, params)?;
+        for &t in &history {
+            // SAFETY: valid chain; token ids were range-checked above.
+            unsafe { sys::llama_sampler_accept(s.chain.0.as_ptr(), t) };
+        }
+        s.history = history;
+        s.rng = Rng::from_state(rng_state);
+        Ok(s)
+    }
+
+    /// The RNG state of the final draw (for saving).
+    pub fn rng_state(&self) -> u64 {
+        self.rng.state()
     }
 
     /// The parameters this sampler was built with.
@@ -197,6 +285,9 @@ impl Sampler {
             return Ok(());
         }
         let chain = build_chain(model, &params)?;
+        if params.seed != self.params.seed {
+            self.rng = rng_for(&params);
+        }
         self.chain = chain;
         self.params = params;
         for &t in &self.history {
@@ -209,9 +300,11 @@ impl Sampler {
     /// Restart the RNG with `seed` (history kept).
     pub fn reseed(&mut self, model: &Model, seed: u32) -> Result<()> {
         let params = SamplingParams { seed: Some(seed), ..self.params.clone() };
-        // Force a rebuild even if the seed is unchanged, so the RNG restarts.
-        self.params.seed = None.or(Some(seed.wrapping_add(1)));
-        self.set_params(model, params)
+        // Force a rebuild even if the seed is unchanged, so XTC's own RNG restarts too.
+        self.params.seed = Some(seed.wrapping_add(1));
+        self.set_params(model, params)?;
+        self.rng = Rng::seeded(seed);
+        Ok(())
     }
 
     /// Pick a token from `logits` (not modified). Penalties use this sampler's history.
@@ -252,11 +345,20 @@ impl Sampler {
         };
         // SAFETY: arr points into our candidate buffer, alive and exclusively borrowed for the call.
         unsafe { sys::llama_sampler_apply(self.chain.0.as_ptr(), &mut arr) };
-        if arr.selected < 0 || arr.selected as usize >= arr.size {
-            return top_candidates(logits, &repl, 1).first().map(|c| c.0).unwrap_or(0);
+        let fallback = || top_candidates(logits, &repl, 1).first().map(|c| c.0).unwrap_or(0);
+        if arr.selected >= 0 && (arr.selected as usize) < arr.size {
+            // A selecting sampler (mirostat) picked the token.
+            // SAFETY: selected is within [0, size) of the (possibly re-pointed) data array.
+            return unsafe { (*arr.data.add(arr.selected as usize)).id };
         }
-        // SAFETY: selected is within [0, size) of the (possibly re-pointed) data array.
-        unsafe { (*arr.data.add(arr.selected as usize)).id }
+        if arr.data.is_null() || arr.size == 0 {
+            return fallback();
+        }
+        // SAFETY: after apply, `data[..size]` is the surviving candidate set (our buffer or
+        // memory owned by a chain sampler), valid until the next call on this chain.
+        let survivors = unsafe { std::slice::from_raw_parts(arr.data, arr.size) };
+        let u = self.rng.next_f64();
+        draw(survivors, u).unwrap_or_else(fallback)
     }
 
     /// Record an accepted token (penalty history, DRY/mirostat state).
@@ -279,6 +381,7 @@ impl Sampler {
             chain,
             params: self.params.clone(),
             history: self.history.clone(),
+            rng: self.rng,
             candidates: Vec::new(),
         })
     }
@@ -347,15 +450,16 @@ pub fn argmax(values: &[f32]) -> i32 {
 
 #[cfg(test)]
 mod tests {
-    use super::{argmax, plan_steps, top_candidates, Step};
+    use super::{argmax, draw, plan_steps, top_candidates, Rng, Step};
     use crate::sampling::{Mirostat, SamplingParams};
+    use llama_cpp_sys_2 as sys;
 
     #[test]
     fn chain_order_and_disabled_steps() {
         let p = SamplingParams { seed: Some(3), ..Default::default() };
         assert_eq!(
             plan_steps(&p, 10),
-            vec![Step::TopK(40), Step::TopP(0.95), Step::MinP(0.05), Step::Temp(0.8), Step::Dist(3)]
+            vec![Step::TopK(40), Step::TopP(0.95), Step::MinP(0.05), Step::Temp(0.8)]
         );
         assert_eq!(plan_steps(&SamplingParams::greedy(), 10), vec![Step::Greedy]);
         let m = SamplingParams {
@@ -365,7 +469,34 @@ mod tests {
         };
         assert_eq!(plan_steps(&m, 10)[1], Step::MirostatV2 { seed: 1, tau: 5.0, eta: 0.1 });
         let all = SamplingParams { top_k: 0, top_p: 1.0, min_p: 0.0, seed: Some(0), ..Default::default() };
-        assert_eq!(plan_steps(&all, 10), vec![Step::Temp(0.8), Step::Dist(0)]);
+        assert_eq!(plan_steps(&all, 10), vec![Step::Temp(0.8)]);
+    }
+
+    #[test]
+    fn rng_is_deterministic_and_restorable() {
+        let mut a = Rng::seeded(7);
+        let first: Vec<f64> = (0..4).map(|_| a.next_f64()).collect();
+        let mut b = Rng::seeded(7);
+        assert_eq!(first, (0..4).map(|_| b.next_f64()).collect::<Vec<_>>());
+        let mut c = Rng::from_state(b.state());
+        assert_eq!(b.next_f64(), c.next_f64());
+        assert!(first.iter().all(|u| (0.0..1.0).contains(u)));
+        assert_ne!(Rng::seeded(1).next_f64(), Rng::seeded(2).next_f64());
+    }
+
+    #[test]
+    fn draw_follows_softmax_and_skips_banned() {
+        let cand = |id, logit| sys::llama_token_data { id, logit, p: 0.0 };
+        let cands = [cand(5, 0.0), cand(9, f32::NEG_INFINITY), cand(3, 2f32.ln())];
+        // weights 1 : 0 : 2 of a total 3
+        assert_eq!(draw(&cands, 0.0), Some(5));
+        assert_eq!(draw(&cands, 0.33), Some(5));
+        assert_eq!(draw(&cands, 0.34), Some(3));
+        assert_eq!(draw(&cands, 0.999_999), Some(3));
+        assert_eq!(draw(&[cand(1, f32::NEG_INFINITY)], 0.5), None);
+        let mut rng = Rng::seeded(1);
+        let hits = (0..3000).filter(|_| draw(&cands, rng.next_f64()) == Some(3)).count();
+        assert!((1850..2150).contains(&hits), "{hits} of 3000 draws picked the 2/3 token");
     }
 
     #[test]

@@ -72,7 +72,7 @@ impl ContextState {
         result
     }
 
-    fn kv_load_unchecked(&mut self, seq_id: i32, data: &[u8]) -> Result<Vec<i32>> {
+    pub(crate) fn kv_load_unchecked(&mut self, seq_id: i32, data: &[u8]) -> Result<Vec<i32>> {
         let model = self.model();
         let state = state_format::decode(&fingerprint(&model), data)?;
         if let Err(e) = model.check_tokens(&state.tokens) {

@@ -66,7 +66,7 @@ impl ContextState {
         })
     }
 
-    fn lease_exhausted(&self) -> LloyalError {
+    pub(crate) fn lease_exhausted(&self) -> LloyalError {
         LloyalError::LeaseExhausted { n_seq_max: self.leases.n_seq_max(), live: self.leases.live() }
     }
 
@@ -85,7 +85,7 @@ impl ContextState {
         }
     }
 
-    fn check_room(&self, needed: usize) -> Result<()> {
+    pub(crate) fn check_room(&self, needed: usize) -> Result<()> {
         let free = (self.shape().n_ctx as usize).saturating_sub(self.cells_used);
         if needed > free {
             return Err(LloyalError::KvCacheFull {
