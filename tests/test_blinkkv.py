@@ -1,0 +1,96 @@
+"""BlinkKV on the real model: clear_and_reseed (flat) and Branch.reseed (lease-aware)."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterator
+
+import numpy as np
+import pytest
+
+import lloyal
+
+STORY = (
+    "Once upon a time in a small harbour town there lived a fisherman who kept a diary of every "
+    "storm, every catch and every stranger that came ashore. "
+) * 4
+
+
+@pytest.fixture
+def ctx3(model: lloyal.Model) -> Iterator[lloyal.Context]:
+    c = lloyal.Context(model, n_ctx=512, n_seq_max=3)
+    try:
+        yield c
+    finally:
+        c.close()
+
+
+def test_clear_and_reseed_keeps_sinks_and_tail_and_continues(ctx: lloyal.Context) -> None:
+    tokens = ctx.tokenize(STORY)
+    ctx.decode(tokens, 0)
+    sinks, tail = tokens[:4], tokens[-32:]
+    tracker = ctx.create_perplexity_tracker()
+    tracker.add_surprisal(ctx.model_surprisal(tail[0]))
+    pos = ctx.clear_and_reseed(sinks, tail)
+    assert pos == len(sinks) + len(tail)
+    assert ctx.kv_cache_size() == len(sinks) + len(tail) - 1
+    assert np.isfinite(ctx.get_logits()).all()
+    for _ in range(5):  # generation continues right after the reseeded cells
+        token = ctx.sample(temperature=0)
+        tracker.add_surprisal(ctx.model_surprisal(token))
+        ctx.decode([token], pos)
+        pos += 1
+    assert ctx.kv_cache_size() == pos - 1
+    assert tracker.count == 6 and 1.0 <= tracker.perplexity < math.inf
+
+
+def test_clear_and_reseed_refuses_bad_input(ctx: lloyal.Context) -> None:
+    with pytest.raises(ValueError, match="at least one"):
+        ctx.clear_and_reseed([], [])
+    with pytest.raises(lloyal.InvalidTokenError):
+        ctx.clear_and_reseed([2], [10**9])
+
+
+def test_branch_reseed_rewrites_only_its_sequence_and_keeps_metrics(ctx3: lloyal.Context) -> None:
+    store = lloyal.BranchStore(ctx3)
+    tokens = ctx3.tokenize(STORY)
+    greedy = lloyal.SamplingParams(temperature=0)
+    a = lloyal.Branch.create(ctx3, 0, greedy)
+    other = lloyal.Branch.create(ctx3, 0, greedy)
+    a.prefill(tokens)
+    other.prefill(tokens[:20])
+    surprisals = []
+    for _ in range(3):
+        t = a.produce().token
+        surprisals.append(a.model_surprisal(t))
+        a.commit(t)
+    assert a.perplexity == pytest.approx(math.exp(sum(surprisals) / 3), rel=1e-6)
+    sinks, tail = tokens[:4], tokens[-16:]
+    pos = a.reseed(sinks, tail)
+    assert pos == a.position == 20
+    assert ctx3.kv_seq_pos_max(a.seq_id) == 19
+    assert ctx3.kv_seq_pos_max(other.seq_id) == 19 and other.position == 20  # untouched
+    assert store.kv_pressure.cells_used == 20 + 20
+    assert store.available == 1  # the parking lease went back
+    for _ in range(3):  # perplexity keeps accumulating across the reseed
+        t = a.produce().token
+        surprisals.append(a.model_surprisal(t))
+        a.commit(t)
+    assert a.perplexity == pytest.approx(math.exp(sum(surprisals) / 6), rel=1e-6)
+    assert a.position == 23
+
+
+def test_branch_reseed_refusals_change_nothing(ctx3: lloyal.Context) -> None:
+    tokens = ctx3.tokenize(STORY)
+    a = lloyal.Branch.create(ctx3, 0)
+    a.prefill(tokens[:40])
+    child = a.fork()
+    with pytest.raises(lloyal.TopologyError, match="children"):
+        a.reseed(tokens[:4], tokens[-8:])
+    child.prune()
+    with pytest.raises(lloyal.InvalidTokenError):
+        a.reseed([2], [10**9])
+    with pytest.raises(lloyal.KvCacheFullError):
+        a.reseed(tokens[:4], tokens * 5)
+    assert a.position == 40 and ctx3.kv_seq_pos_max(a.seq_id) == 39
+    assert lloyal.BranchStore(ctx3).available == 2
