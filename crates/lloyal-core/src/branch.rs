@@ -3,8 +3,79 @@
 use crate::error::{LloyalError, Result};
 use crate::grammar::Grammar;
 use crate::metrics::{log_sum_exp_both, surprisal, Base, PerplexityTracker};
-use crate::sampler::Sampler;
+use crate::sampler::{top_candidates, Sampler};
 use crate::sampling::adjusted_replacements;
+
+/// `logits` with every token the grammar forbids at `-inf`, as far as sampling with `sampler`
+/// can tell: with top-k active (no DRY/mirostat, which see every candidate) only the best
+/// candidates after penalties and biases are checked, doubling the window until `top_k`
+/// allowed tokens are found (the chain keeps exactly the top-k allowed ones) or the unchecked
+/// rest could only add under 1e-7 of probability mass; otherwise the whole vocabulary is masked.
+fn grammar_masked(
+    grammar: &mut Grammar,
+    logits: &[f32],
+    sampler: &Sampler,
+    biases: &[(i32, f32)],
+) -> Result<Vec<f32>> {
+    let params = sampler.params();
+    if grammar.accepted().is_empty() {
+        // At the start rule the allowed set is a property of the grammar alone (cached).
+        let mut masked = vec![f32::NEG_INFINITY; logits.len()];
+        for &t in grammar.start_allowed().iter() {
+            masked[t as usize] = logits[t as usize];
+        }
+        for &(i, v) in biases {
+            if v == f32::NEG_INFINITY {
+                masked[i as usize] = v;
+            }
+        }
+        return Ok(masked);
+    }
+    let banned = |masked: &mut Vec<f32>| {
+        for &(i, v) in biases {
+            if v == f32::NEG_INFINITY {
+                masked[i as usize] = v;
+            }
+        }
+    };
+    if params.top_k <= 0 || params.dry.is_some() || params.mirostat.is_some() {
+        let mut masked = logits.to_vec();
+        banned(&mut masked);
+        grammar.mask(&mut masked)?;
+        return Ok(masked);
+    }
+    let k = params.top_k as usize;
+    let repl = adjusted_replacements(logits, sampler.history(), params, biases);
+    let mut window = (4 * k).max(256);
+    loop {
+        let top: Vec<(i32, f32)> = top_candidates(logits, &repl, window.min(logits.len()))
+            .into_iter()
+            .filter(|c| c.1 != f32::NEG_INFINITY)
+            .collect();
+        let ids: Vec<i32> = top.iter().map(|c| c.0).collect();
+        let allowed = grammar.allowed_among(&ids);
+        let keep: Vec<i32> =
+            ids.iter().zip(&allowed).filter(|(_, &ok)| ok).map(|(&t, _)| t).take(k).collect();
+        // Tokens outside the window score at most `boundary`; once even k of them would carry
+        // under 1e-7 of the best allowed token's probability (after temperature), they cannot
+        // change the draw beyond that mass, so the rest of the vocabulary need not be checked.
+        let best_allowed = top.iter().zip(&allowed).find(|(_, &ok)| ok).map(|(c, _)| c.1);
+        let boundary = top.last().map(|c| c.1).unwrap_or(f32::NEG_INFINITY);
+        let negligible = best_allowed.is_some_and(|best| {
+            let t = if params.temperature > 0.0 { params.temperature } else { 1.0 };
+            let missing = k.saturating_sub(keep.len()).max(1) as f32;
+            (boundary - best) / t < (1e-7f32 / missing).ln()
+        });
+        if keep.len() == k || negligible || window >= logits.len() || ids.len() < window {
+            let mut masked = vec![f32::NEG_INFINITY; logits.len()];
+            for t in keep {
+                masked[t as usize] = logits[t as usize];
+            }
+            return Ok(masked);
+        }
+        window *= 4;
+    }
+}
 
 /// Everything a branch owns besides its KV cells and tree links.
 pub struct BranchState {
@@ -99,13 +170,7 @@ impl BranchState {
         if let Some(grammar) = self.grammar.as_mut() {
             // Sample unconstrained first; only a rejected token pays for the full mask.
             if !grammar.allows(token) {
-                let mut masked = self.logits.clone();
-                for &(i, v) in &biases {
-                    if v == f32::NEG_INFINITY {
-                        masked[i as usize] = v;
-                    }
-                }
-                grammar.mask(&mut masked)?;
+                let masked = grammar_masked(grammar, &self.logits, &self.sampler, &biases)?;
                 if masked.iter().all(|&l| l == f32::NEG_INFINITY) {
                     return Err(LloyalError::Grammar(
                         "the grammar allows no token here (every allowed token is banned); \

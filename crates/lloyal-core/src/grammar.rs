@@ -157,6 +157,45 @@ impl Grammar {
         self.candidates[0].logit != f32::NEG_INFINITY
     }
 
+    /// Which of `tokens` the grammar allows next (one pass of the grammar over them).
+    pub fn allowed_among(&mut self, tokens: &[i32]) -> Vec<bool> {
+        let n_vocab = self.model.n_vocab();
+        self.candidates.clear();
+        self.candidates.extend(tokens.iter().map(|&id| sys::llama_token_data { id, logit: 0.0, p: 0.0 }));
+        if self.candidates.is_empty() {
+            return Vec::new();
+        }
+        self.apply(0);
+        self.candidates.iter().map(|c| c.logit != f32::NEG_INFINITY && c.id >= 0 && c.id < n_vocab).collect()
+    }
+
+    /// The tokens allowed at the start rule, computed once per (model, rules, root) and shared
+    /// process-wide: every generation under the same grammar starts here, and a full pass over a
+    /// 262k vocabulary costs ~150 ms.
+    pub fn start_allowed(&mut self) -> Arc<Vec<i32>> {
+        type Key = (usize, String, String);
+        static CACHE: std::sync::Mutex<Vec<(Key, Arc<Vec<i32>>)>> = std::sync::Mutex::new(Vec::new());
+        let key: Key =
+            (Arc::as_ptr(&self.model) as usize, self.source.gbnf.clone(), self.source.root.clone());
+        if let Some(hit) = CACHE.lock().unwrap_or_else(|p| p.into_inner()).iter().find(|e| e.0 == key) {
+            return hit.1.clone();
+        }
+        let mut fresh = match Grammar::new(self.model.clone(), &self.source.gbnf, &self.source.root) {
+            Ok(g) => g,
+            Err(_) => return Arc::new(Vec::new()),
+        };
+        let all: Vec<i32> = (0..self.model.n_vocab()).collect();
+        let allowed = fresh.allowed_among(&all);
+        let list: Arc<Vec<i32>> =
+            Arc::new(all.into_iter().zip(allowed).filter(|(_, ok)| *ok).map(|(t, _)| t).collect());
+        let mut cache = CACHE.lock().unwrap_or_else(|p| p.into_inner());
+        if cache.len() >= 32 {
+            cache.remove(0);
+        }
+        cache.push((key, list.clone()));
+        list
+    }
+
     /// Set every token the grammar forbids to `-inf` in `logits` (length n_vocab).
     pub fn mask(&mut self, logits: &mut [f32]) -> Result<()> {
         let n = self.model.n_vocab() as usize;
