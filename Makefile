@@ -6,7 +6,7 @@ export VIRTUAL_ENV := $(CURDIR)/.venv
 export PYO3_PYTHON := $(CURDIR)/.venv/bin/python
 PYDIRS := python tests benches examples
 
-.PHONY: sysdeps venv build build-deterministic test test-rust test-py lint bench bench-deps demo clean distclean
+.PHONY: sysdeps venv build build-deterministic soak test test-rust test-py lint bench bench-deps demo clean distclean
 
 sysdeps:  ## C/C++ compiler, cmake and libclang for llama-cpp-sys-2's build (apt, only when missing)
 	@if ! command -v cmake >/dev/null || ! command -v c++ >/dev/null \
@@ -49,6 +49,9 @@ lint: build
 	.venv/bin/ruff format --check $(PYDIRS)
 	.venv/bin/mypy --strict python/lloyal
 	$(PY) -m mypy.stubtest lloyal._lloyal --allowlist stubtest-allowlist.txt
+
+soak: build  ## long random-operation run of the branch state machine (tests/test_state_machine.py)
+	LLOYAL_STATE_EXAMPLES=400 LLOYAL_STATE_STEPS=50 $(PY) -m pytest -q tests/test_state_machine.py
 
 bench-deps: venv  ## benchmark peers: llama-cpp-python (compiles llama.cpp, ~10 min) and matplotlib
 	CMAKE_ARGS="-DGGML_NATIVE=ON" $(PY) -m pip install -q "llama-cpp-python>=0.3" "matplotlib>=3.7"
