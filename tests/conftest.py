@@ -5,7 +5,7 @@ Contexts are kept small (n_ctx <= 2048) so the suite stays fast on a 2-core CPU.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -29,4 +29,18 @@ def ctx(model: lloyal.Model) -> Iterator[lloyal.Context]:
     try:
         yield c
     finally:
+        c.close()
+
+
+@pytest.fixture
+def make_context(model: lloyal.Model) -> Iterator[Callable[..., lloyal.Context]]:
+    """A factory for contexts on the session model, all closed at teardown."""
+    made: list[lloyal.Context] = []
+
+    def make(**options: object) -> lloyal.Context:
+        made.append(lloyal.Context(model, **options))  # type: ignore[arg-type]
+        return made[-1]
+
+    yield make
+    for c in made:
         c.close()

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator
+from collections.abc import Callable
 
 import numpy as np
 import pytest
@@ -17,12 +17,8 @@ STORY = (
 
 
 @pytest.fixture
-def ctx3(model: lloyal.Model) -> Iterator[lloyal.Context]:
-    c = lloyal.Context(model, n_ctx=512, n_seq_max=3)
-    try:
-        yield c
-    finally:
-        c.close()
+def ctx3(make_context: Callable[..., lloyal.Context]) -> lloyal.Context:
+    return make_context(n_ctx=512, n_seq_max=3)
 
 
 def test_clear_and_reseed_keeps_sinks_and_tail_and_continues(ctx: lloyal.Context) -> None:

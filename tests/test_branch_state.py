@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
+from collections.abc import Callable
 
 import numpy as np
 import pytest
@@ -14,12 +14,8 @@ PROMPT = "The old lighthouse keeper opened the door and saw"
 
 
 @pytest.fixture
-def ctx2(model: lloyal.Model) -> Iterator[lloyal.Context]:
-    c = lloyal.Context(model, n_ctx=1024, n_seq_max=2)
-    try:
-        yield c
-    finally:
-        c.close()
+def ctx2(make_context: Callable[..., lloyal.Context]) -> lloyal.Context:
+    return make_context(n_ctx=1024, n_seq_max=2)
 
 
 def _next(branch: lloyal.Branch, n: int) -> list[int]:

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -24,12 +24,8 @@ YES_NO = 'root ::= "yes" | "no"'
 
 
 @pytest.fixture
-def ctx4(model: lloyal.Model) -> Iterator[lloyal.Context]:
-    c = lloyal.Context(model, n_ctx=2048, n_seq_max=4)
-    try:
-        yield c
-    finally:
-        c.close()
+def ctx4(make_context: Callable[..., lloyal.Context]) -> lloyal.Context:
+    return make_context(n_ctx=2048, n_seq_max=4)
 
 
 def _matches_person(doc: Any) -> bool:
