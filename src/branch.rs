@@ -212,6 +212,20 @@ impl PyBranch {
         self.call(py, move |s, h| s.commit(&[(h, token)]))
     }
 
+    /// Speculative check: decode ``draft_tokens`` in one batch, keep the longest prefix this
+    /// branch's sampler agrees with, drop the rest's cells, commit the sampler's own next token
+    /// (the bonus, readable as ``last_token``). Returns how many drafts were accepted.
+    fn verify(&self, py: Python<'_>, draft_tokens: Vec<i64>) -> PyResult<usize> {
+        let drafts = to_i32(self.core().model(), &draft_tokens)?;
+        Ok(self.call(py, move |s, h| s.branch_verify(h, &drafts))?.accepted)
+    }
+
+    /// The most recently accepted token (``None`` before any).
+    #[getter]
+    fn last_token(&self, py: Python<'_>) -> PyResult<Option<i32>> {
+        self.call(py, |s, h| s.branch_last_token(h))
+    }
+
     /// Write ``tokens`` to this branch's KV (not accepted into penalties/perplexity).
     fn prefill(&self, py: Python<'_>, tokens: Vec<i64>) -> PyResult<()> {
         let tokens = to_i32(self.core().model(), &tokens)?;

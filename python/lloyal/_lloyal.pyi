@@ -466,6 +466,15 @@ class Branch:
         """Accept, decode and capture logits; on failure nothing changes."""
     def prefill(self, tokens: list[int]) -> None:
         """Write tokens to KV (not accepted into penalties/perplexity)."""
+    def verify(self, draft_tokens: list[int]) -> int:
+        """Speculative check of ``draft_tokens`` in one decode; returns how many were accepted.
+
+        The branch then holds the accepted drafts plus the sampler's own next token (the
+        bonus, see ``last_token``); the rejected drafts' cells are removed.
+        """
+    @property
+    def last_token(self) -> int | None:
+        """The most recently accepted token (``None`` before any)."""
     def aprefill(self, tokens: list[int]) -> Any:
         """Awaitable ``prefill`` run off the event loop."""
     def acommit(self, token: int) -> Any:

@@ -29,6 +29,7 @@ pub mod store;
 pub mod tenancy;
 pub mod topology;
 pub mod utf8;
+pub mod verify;
 
 pub use chat::{ChatOptions, ChatOutput, FormattedChat, ToolCall};
 pub use chat_family::ChatFamily;

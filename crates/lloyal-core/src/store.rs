@@ -446,4 +446,9 @@ impl ContextState {
     pub fn branch_grammar_resamples(&self, handle: Handle) -> Result<u64> {
         Ok(self.branch(handle)?.grammar_resamples)
     }
+
+    /// The branch's most recently accepted token (`None` before any).
+    pub fn branch_last_token(&self, handle: Handle) -> Result<Option<i32>> {
+        Ok(self.branch(handle)?.sampler.history().last().copied())
+    }
 }
