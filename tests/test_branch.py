@@ -9,6 +9,7 @@ import math
 
 import numpy as np
 import pytest
+from helpers import produce_commit
 
 import lloyal
 from lloyal import Branch, BranchStore, SamplingParams
@@ -17,16 +18,9 @@ GREEDY = SamplingParams(temperature=0)
 PROMPT = "The quick brown fox jumps over the lazy dog. Then the fox"
 
 
-@pytest.fixture(scope="module")
-def model():
-    return lloyal.Model(lloyal.default_model_path())
-
-
 @pytest.fixture
-def ctx(model):
-    c = lloyal.Context(model, n_ctx=512, n_seq_max=4)
-    yield c
-    c.close()
+def ctx(make_context):
+    return make_context(n_ctx=512, n_seq_max=4)
 
 
 @pytest.fixture
@@ -37,13 +31,7 @@ def root(ctx):
 
 
 def greedy(branch: Branch, n: int) -> list[int]:
-    out = []
-    for _ in range(n):
-        p = branch.produce()
-        assert not p.is_stop
-        branch.commit(p.token)
-        out.append(p.token)
-    return out
+    return produce_commit(branch, n, forbid_stop=True)
 
 
 # --------------------------------------------------------------------------- create / prefill

@@ -24,16 +24,9 @@ LONG_TEXT = (
 MIN_TICKS = 3
 
 
-@pytest.fixture(scope="module")
-def model():
-    return lloyal.Model(lloyal.default_model_path())
-
-
 @pytest.fixture
-def ctx(model):
-    c = lloyal.Context(model, n_ctx=1024, n_seq_max=8)
-    yield c
-    c.close()
+def ctx(make_context):
+    return make_context(n_ctx=1024, n_seq_max=8)
 
 
 class Ticker:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+from helpers import produce_commit
 
 import lloyal
 from lloyal import Branch, BranchStore, SamplingParams
@@ -13,16 +14,9 @@ PROMPT = "The quick brown fox jumps over the lazy dog. The quick brown fox"
 SPLIT_CHAR = "\U0001d518"  # MATHEMATICAL FRAKTUR CAPITAL U
 
 
-@pytest.fixture(scope="module")
-def model():
-    return lloyal.Model(lloyal.default_model_path())
-
-
 @pytest.fixture
-def ctx(model):
-    c = lloyal.Context(model, n_ctx=512, n_seq_max=4)
-    yield c
-    c.close()
+def ctx(make_context):
+    return make_context(n_ctx=512, n_seq_max=4)
 
 
 @pytest.fixture
@@ -33,12 +27,7 @@ def root(ctx):
 
 
 def reference_greedy(branch: Branch, n: int) -> list[int]:
-    out = []
-    for _ in range(n):
-        t = branch.produce().token
-        branch.commit(t)
-        out.append(t)
-    return out
+    return produce_commit(branch, n)
 
 
 def test_generate_max_tokens_yields_exactly_n(ctx, root):

@@ -7,6 +7,7 @@ from collections.abc import Callable
 
 import numpy as np
 import pytest
+from helpers import produce_commit
 
 import lloyal
 
@@ -18,29 +19,20 @@ def ctx2(make_context: Callable[..., lloyal.Context]) -> lloyal.Context:
     return make_context(n_ctx=1024, n_seq_max=2)
 
 
-def _next(branch: lloyal.Branch, n: int) -> list[int]:
-    out = []
-    for _ in range(n):
-        token = branch.produce().token
-        branch.commit(token)
-        out.append(token)
-    return out
-
-
 def test_greedy_branch_resumes_in_a_fresh_context(model: lloyal.Model, ctx2: lloyal.Context) -> None:
     b = lloyal.Branch.create(ctx2, 0, lloyal.SamplingParams(temperature=0))
     b.prefill(ctx2.tokenize(PROMPT))
     b.commit(b.produce().token)
     data = b.save_state()
     ppl, position, logits = b.perplexity, b.position, b.logits
-    expected = _next(b, 5)
+    expected = produce_commit(b, 5)
     with lloyal.Context(model, n_ctx=1024) as fresh:
         loaded = lloyal.Branch.load_state(fresh, data)
         assert loaded.position == position and loaded.perplexity == ppl
         assert np.array_equal(loaded.logits, logits)
         assert fresh.kv_seq_pos_max(loaded.seq_id) == position - 1
         assert lloyal.BranchStore(fresh).kv_pressure.cells_used == position
-        assert _next(loaded, 5) == expected
+        assert produce_commit(loaded, 5) == expected
 
 
 def test_sampled_branch_keeps_rng_history_and_bias(model: lloyal.Model, ctx2: lloyal.Context) -> None:
@@ -49,13 +41,13 @@ def test_sampled_branch_keeps_rng_history_and_bias(model: lloyal.Model, ctx2: ll
     b.prefill(ctx2.tokenize(PROMPT))
     banned = ctx2.tokenize(" a", add_special=False)[0]
     b.set_logit_bias({banned: float("-inf")})
-    _next(b, 3)
+    produce_commit(b, 3)
     data = b.save_state()
-    expected = _next(b, 6)
+    expected = produce_commit(b, 6)
     assert banned not in expected
     with lloyal.Context(model, n_ctx=1024) as fresh:
         loaded = lloyal.Branch.load_state(fresh, data)
-        assert _next(loaded, 6) == expected
+        assert produce_commit(loaded, 6) == expected
         assert loaded.sampling_perplexity == pytest.approx(b.sampling_perplexity, rel=1e-6)
 
 
@@ -65,7 +57,7 @@ def test_grammar_state_is_restored(model: lloyal.Model, ctx2: lloyal.Context) ->
         ctx2, 0, lloyal.SamplingParams(temperature=0), grammar=lloyal.json_schema_to_grammar(schema)
     )
     b.prefill(ctx2.tokenize("A JSON object with a number n:\n"))
-    head = _next(b, 3)
+    head = produce_commit(b, 3)
     data = b.save_state()
     tail = [t.token for t in b.generate(30)]
     with lloyal.Context(model, n_ctx=1024) as fresh:

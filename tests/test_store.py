@@ -13,6 +13,7 @@ import textwrap
 
 import numpy as np
 import pytest
+from helpers import produce_commit
 
 import lloyal
 from lloyal import Branch, BranchStore, SamplingParams
@@ -48,11 +49,6 @@ NUMERICS = (
 )
 
 
-@pytest.fixture(scope="module")
-def model():
-    return lloyal.Model(lloyal.default_model_path())
-
-
 def make_ctx(model, **kw):
     kw.setdefault("n_ctx", 512)
     kw.setdefault("n_seq_max", 4)
@@ -60,21 +56,13 @@ def make_ctx(model, **kw):
 
 
 @pytest.fixture
-def ctx(model):
-    c = make_ctx(model, n_ctx=512, n_seq_max=4)
-    yield c
-    c.close()
+def ctx(make_context):
+    return make_context(n_ctx=512, n_seq_max=4)
 
 
 def greedy(branch: Branch, n: int) -> list[int]:
     """n greedy produce/commit steps on one branch; the tokens."""
-    out = []
-    for _ in range(n):
-        p = branch.produce()
-        assert not p.is_stop, "test prompt hit a stop token unexpectedly"
-        branch.commit(p.token)
-        out.append(p.token)
-    return out
+    return produce_commit(branch, n, forbid_stop=True)
 
 
 def top_tokens(logits: np.ndarray, k: int) -> list[int]:

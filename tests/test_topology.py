@@ -12,16 +12,9 @@ GREEDY = SamplingParams(temperature=0)
 PROMPT = "Once upon a time, in a land far away,"
 
 
-@pytest.fixture(scope="module")
-def model():
-    return lloyal.Model(lloyal.default_model_path())
-
-
 @pytest.fixture
-def ctx(model):
-    c = lloyal.Context(model, n_ctx=512, n_seq_max=6)
-    yield c
-    c.close()
+def ctx(make_context):
+    return make_context(n_ctx=512, n_seq_max=6)
 
 
 def step(b: Branch, n: int = 1) -> None:
