@@ -17,30 +17,38 @@ fn grammar_masked(
     sampler: &Sampler,
     biases: &[(i32, f32)],
 ) -> Result<Vec<f32>> {
-    let params = sampler.params();
+    let mut masked = allowed_logits(grammar, logits, sampler, biases)?;
+    for &(i, v) in biases {
+        if v == f32::NEG_INFINITY {
+            masked[i as usize] = v;
+        }
+    }
+    Ok(masked)
+}
+
+/// `logits` at the tokens in `keep`, `-inf` everywhere else.
+fn keep_only(logits: &[f32], keep: impl IntoIterator<Item = i32>) -> Vec<f32> {
+    let mut masked = vec![f32::NEG_INFINITY; logits.len()];
+    for t in keep {
+        masked[t as usize] = logits[t as usize];
+    }
+    masked
+}
+
+/// `logits` with the tokens the grammar forbids at `-inf` (see [`grammar_masked`]).
+fn allowed_logits(
+    grammar: &mut Grammar,
+    logits: &[f32],
+    sampler: &Sampler,
+    biases: &[(i32, f32)],
+) -> Result<Vec<f32>> {
     if grammar.accepted().is_empty() {
         // At the start rule the allowed set is a property of the grammar alone (cached).
-        let mut masked = vec![f32::NEG_INFINITY; logits.len()];
-        for &t in grammar.start_allowed().iter() {
-            masked[t as usize] = logits[t as usize];
-        }
-        for &(i, v) in biases {
-            if v == f32::NEG_INFINITY {
-                masked[i as usize] = v;
-            }
-        }
-        return Ok(masked);
+        return Ok(keep_only(logits, grammar.start_allowed().iter().copied()));
     }
-    let banned = |masked: &mut Vec<f32>| {
-        for &(i, v) in biases {
-            if v == f32::NEG_INFINITY {
-                masked[i as usize] = v;
-            }
-        }
-    };
+    let params = sampler.params();
     if params.top_k <= 0 || params.dry.is_some() || params.mirostat.is_some() {
         let mut masked = logits.to_vec();
-        banned(&mut masked);
         grammar.mask(&mut masked)?;
         return Ok(masked);
     }
@@ -67,11 +75,7 @@ fn grammar_masked(
             (boundary - best) / t < (1e-7f32 / missing).ln()
         });
         if keep.len() == k || negligible || window >= logits.len() || ids.len() < window {
-            let mut masked = vec![f32::NEG_INFINITY; logits.len()];
-            for t in keep {
-                masked[t as usize] = logits[t as usize];
-            }
-            return Ok(masked);
+            return Ok(keep_only(logits, keep));
         }
         window *= 4;
     }

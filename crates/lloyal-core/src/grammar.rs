@@ -169,31 +169,19 @@ impl Grammar {
         self.candidates.iter().map(|c| c.logit != f32::NEG_INFINITY && c.id >= 0 && c.id < n_vocab).collect()
     }
 
-    /// The tokens allowed at the start rule, computed once per (model, rules, root) and shared
-    /// process-wide: every generation under the same grammar starts here, and a full pass over a
-    /// 262k vocabulary costs ~150 ms.
+    /// The tokens allowed at the start rule, computed once per rules and root and kept by the
+    /// model: every generation under the same grammar starts here, and a full pass over a 262k
+    /// vocabulary costs ~150 ms.
     pub fn start_allowed(&mut self) -> Arc<Vec<i32>> {
-        type Key = (usize, String, String);
-        static CACHE: std::sync::Mutex<Vec<(Key, Arc<Vec<i32>>)>> = std::sync::Mutex::new(Vec::new());
-        let key: Key =
-            (Arc::as_ptr(&self.model) as usize, self.source.gbnf.clone(), self.source.root.clone());
-        if let Some(hit) = CACHE.lock().unwrap_or_else(|p| p.into_inner()).iter().find(|e| e.0 == key) {
-            return hit.1.clone();
-        }
-        let mut fresh = match Grammar::new(self.model.clone(), &self.source.gbnf, &self.source.root) {
-            Ok(g) => g,
-            Err(_) => return Arc::new(Vec::new()),
-        };
-        let all: Vec<i32> = (0..self.model.n_vocab()).collect();
-        let allowed = fresh.allowed_among(&all);
-        let list: Arc<Vec<i32>> =
-            Arc::new(all.into_iter().zip(allowed).filter(|(_, ok)| *ok).map(|(t, _)| t).collect());
-        let mut cache = CACHE.lock().unwrap_or_else(|p| p.into_inner());
-        if cache.len() >= 32 {
-            cache.remove(0);
-        }
-        cache.push((key, list.clone()));
-        list
+        let (model, source) = (self.model.clone(), self.source.clone());
+        model.grammar_start(&source.gbnf, &source.root, || {
+            let Ok(mut fresh) = Grammar::new(model.clone(), &source.gbnf, &source.root) else {
+                return Vec::new();
+            };
+            let all: Vec<i32> = (0..model.n_vocab()).collect();
+            let allowed = fresh.allowed_among(&all);
+            all.into_iter().zip(allowed).filter(|(_, ok)| *ok).map(|(t, _)| t).collect()
+        })
     }
 
     /// Set every token the grammar forbids to `-inf` in `logits` (length n_vocab).
@@ -206,18 +194,10 @@ impl Grammar {
             )));
         }
         // Only tokens still possible need the (expensive) grammar check.
-        self.candidates.clear();
-        self.candidates.extend(
-            logits
-                .iter()
-                .enumerate()
-                .filter(|(_, &l)| l != f32::NEG_INFINITY)
-                .map(|(i, &l)| sys::llama_token_data { id: i as i32, logit: l, p: 0.0 }),
-        );
-        self.apply(0);
-        for c in &self.candidates {
-            if c.logit == f32::NEG_INFINITY {
-                logits[c.id as usize] = f32::NEG_INFINITY;
+        let live: Vec<i32> = (0..n as i32).filter(|&t| logits[t as usize] != f32::NEG_INFINITY).collect();
+        for (t, ok) in live.iter().zip(self.allowed_among(&live)) {
+            if !ok {
+                logits[*t as usize] = f32::NEG_INFINITY;
             }
         }
         Ok(())

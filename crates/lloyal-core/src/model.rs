@@ -36,7 +36,15 @@ pub struct Model {
     path: PathBuf,
     options: ModelOptions,
     n_vocab: i32,
+    /// Tokens allowed at the start rule of recently used grammars, keyed by (rules, root).
+    grammar_starts: Mutex<Vec<GrammarStart>>,
 }
+
+/// A grammar's (rules, root) and the tokens its start rule allows.
+type GrammarStart = ((String, String), Arc<Vec<i32>>);
+
+/// How many grammars' start sets a model keeps.
+const GRAMMAR_STARTS: usize = 32;
 
 impl std::fmt::Debug for Model {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
@@ -74,7 +82,13 @@ impl Model {
             }
         })?;
         let n_vocab = llama.n_vocab();
-        Ok(Model { llama, path: path.to_path_buf(), options, n_vocab })
+        Ok(Model {
+            llama,
+            path: path.to_path_buf(),
+            options,
+            n_vocab,
+            grammar_starts: Mutex::new(Vec::new()),
+        })
     }
 
     /// The underlying llama-cpp-2 model.
@@ -235,5 +249,26 @@ impl Model {
             Some(family) => self.tokenize(family.turn_separator(), false, true),
             None => vec![self.eog()],
         }
+    }
+
+    /// The start-rule token set of grammar (`gbnf`, `root`), from the cache or `compute`
+    /// (run without the lock held).
+    pub(crate) fn grammar_start(
+        &self,
+        gbnf: &str,
+        root: &str,
+        compute: impl FnOnce() -> Vec<i32>,
+    ) -> Arc<Vec<i32>> {
+        let lock = || self.grammar_starts.lock().unwrap_or_else(|p| p.into_inner());
+        if let Some(hit) = lock().iter().find(|e| e.0 .0 == gbnf && e.0 .1 == root) {
+            return hit.1.clone();
+        }
+        let set = Arc::new(compute());
+        let mut cache = lock();
+        if cache.len() >= GRAMMAR_STARTS {
+            cache.remove(0);
+        }
+        cache.push(((gbnf.to_string(), root.to_string()), set.clone()));
+        set
     }
 }

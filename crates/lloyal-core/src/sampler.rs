@@ -254,11 +254,8 @@ impl Sampler {
     pub fn restore(model: &Model, params: SamplingParams, history: Vec<i32>, rng_state: u64) -> Result<Self> {
         model.check_tokens(&history)?;
         let mut s = Sampler::new(model, params)?;
-        for &t in &history {
-            // SAFETY: valid chain; token ids were range-checked above.
-            unsafe { sys::llama_sampler_accept(s.chain.0.as_ptr(), t) };
-        }
         s.history = history;
+        s.replay_history();
         s.rng = Rng::from_state(rng_state);
         Ok(s)
     }
@@ -284,27 +281,35 @@ impl Sampler {
         if params == self.params {
             return Ok(());
         }
-        let chain = build_chain(model, &params)?;
         if params.seed != self.params.seed {
             self.rng = rng_for(&params);
         }
-        self.chain = chain;
-        self.params = params;
-        for &t in &self.history {
-            // SAFETY: valid chain; replaying accepted tokens into DRY/mirostat state.
-            unsafe { sys::llama_sampler_accept(self.chain.0.as_ptr(), t) };
-        }
+        self.rebuild(model, params)
+    }
+
+    /// Restart the RNG with `seed` (history kept). The chain is rebuilt even when the seed is
+    /// unchanged, so XTC's own RNG restarts too.
+    pub fn reseed(&mut self, model: &Model, seed: u32) -> Result<()> {
+        self.rebuild(model, SamplingParams { seed: Some(seed), ..self.params.clone() })?;
+        self.rng = Rng::seeded(seed);
         Ok(())
     }
 
-    /// Restart the RNG with `seed` (history kept).
-    pub fn reseed(&mut self, model: &Model, seed: u32) -> Result<()> {
-        let params = SamplingParams { seed: Some(seed), ..self.params.clone() };
-        // Force a rebuild even if the seed is unchanged, so XTC's own RNG restarts too.
-        self.params.seed = Some(seed.wrapping_add(1));
-        self.set_params(model, params)?;
-        self.rng = Rng::seeded(seed);
+    /// A fresh llama.cpp chain for `params`, with the accepted history replayed into its
+    /// stateful samplers (DRY, mirostat). On error nothing changes.
+    fn rebuild(&mut self, model: &Model, params: SamplingParams) -> Result<()> {
+        self.chain = build_chain(model, &params)?;
+        self.params = params;
+        self.replay_history();
         Ok(())
+    }
+
+    /// Feed the accepted history into the chain's stateful samplers (DRY, mirostat).
+    fn replay_history(&mut self) {
+        for &t in &self.history {
+            // SAFETY: valid chain; history tokens were range-checked when accepted/restored.
+            unsafe { sys::llama_sampler_accept(self.chain.0.as_ptr(), t) };
+        }
     }
 
     /// Pick a token from `logits` (not modified). Penalties use this sampler's history.
