@@ -11,15 +11,17 @@ use pyo3::prelude::*;
 
 use crate::errors::to_py;
 
+fn panic_message(payload: Box<dyn std::any::Any + Send>) -> String {
+    let what = payload
+        .downcast_ref::<&str>()
+        .map(|s| s.to_string())
+        .or_else(|| payload.downcast_ref::<String>().cloned())
+        .unwrap_or_else(|| "unknown panic".into());
+    format!("internal error in lloyal (please report it): {what}")
+}
+
 fn guarded<T>(f: impl FnOnce() -> Result<T>) -> Result<T> {
-    catch_unwind(AssertUnwindSafe(f)).unwrap_or_else(|payload| {
-        let what = payload
-            .downcast_ref::<&str>()
-            .map(|s| s.to_string())
-            .or_else(|| payload.downcast_ref::<String>().cloned())
-            .unwrap_or_else(|| "unknown panic".into());
-        Err(LloyalError::Backend(format!("internal error in lloyal (please report it): {what}")))
-    })
+    catch_unwind(AssertUnwindSafe(f)).unwrap_or_else(|p| Err(LloyalError::Backend(panic_message(p))))
 }
 
 /// Release the GIL, lock `ctx`, run `f`, map the error. Every model call goes through here.
@@ -46,5 +48,8 @@ where
     T: Send,
     F: FnOnce() -> std::io::Result<T> + Send,
 {
-    py.detach(f).map_err(PyErr::from)
+    py.detach(|| {
+        catch_unwind(AssertUnwindSafe(f)).unwrap_or_else(|p| Err(std::io::Error::other(panic_message(p))))
+    })
+    .map_err(PyErr::from)
 }
