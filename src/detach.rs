@@ -4,7 +4,9 @@
 //! unwrap/expect in the core) is caught here and raised as a `LloyalError` rather than
 //! pyo3's `PanicException` (a `BaseException` that `except Exception` would not catch).
 
+use std::cell::Cell;
 use std::panic::{catch_unwind, AssertUnwindSafe};
+use std::sync::{Arc, Mutex};
 
 use lloyal_core::{Context, ContextState, LloyalError, Result};
 use pyo3::prelude::*;
@@ -24,13 +26,59 @@ fn guarded<T>(f: impl FnOnce() -> Result<T>) -> Result<T> {
     catch_unwind(AssertUnwindSafe(f)).unwrap_or_else(|p| Err(LloyalError::Backend(panic_message(p))))
 }
 
+thread_local! {
+    /// Whether this OS thread is Python's main thread (the only one that runs signal handlers).
+    static ON_MAIN_THREAD: Cell<Option<bool>> = const { Cell::new(None) };
+}
+
+fn on_main_thread(py: Python<'_>) -> bool {
+    ON_MAIN_THREAD.with(|known| {
+        if let Some(v) = known.get() {
+            return v;
+        }
+        let v = (|| -> PyResult<bool> {
+            let threading = py.import("threading")?;
+            let main = threading.call_method0("main_thread")?;
+            Ok(main.is(&threading.call_method0("current_thread")?))
+        })()
+        .unwrap_or(false);
+        known.set(Some(v));
+        v
+    })
+}
+
 /// Release the GIL, lock `ctx`, run `f`, map the error. Every model call goes through here.
+///
+/// On Python's main thread, a call that needs several `llama_decode`s (a prefill longer than
+/// n_batch) runs Python's signal handlers between them: Ctrl-C stops it after the current
+/// chunk, the core rolls the call back, and the handler's exception (`KeyboardInterrupt`) is
+/// raised here.
 pub fn run<T, F>(py: Python<'_>, ctx: &Context, f: F) -> PyResult<T>
 where
     T: Send,
     F: FnOnce(&mut ContextState) -> Result<T> + Send,
 {
-    py.detach(|| guarded(|| ctx.with(f))).map_err(to_py)
+    if !on_main_thread(py) {
+        return py.detach(|| guarded(|| ctx.with(f))).map_err(to_py);
+    }
+    let raised: Arc<Mutex<Option<PyErr>>> = Arc::default();
+    let slot = Arc::clone(&raised);
+    let check = Box::new(move || {
+        Python::attach(|py| match py.check_signals() {
+            Ok(()) => false,
+            Err(e) => {
+                *slot.lock().unwrap_or_else(|p| p.into_inner()) = Some(e);
+                true
+            }
+        })
+    });
+    match py.detach(|| guarded(|| ctx.with_interrupt(check, f))) {
+        Err(LloyalError::Interrupted) => {
+            let pending = raised.lock().unwrap_or_else(|p| p.into_inner()).take();
+            Err(pending.unwrap_or_else(|| to_py(LloyalError::Interrupted)))
+        }
+        other => other.map_err(to_py),
+    }
 }
 
 /// Like [`run`] but without the context lock (pure CPU work such as tokenizing long text).

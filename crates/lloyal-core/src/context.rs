@@ -82,6 +82,8 @@ impl Context {
             cells_used: 0,
             kv_cell_bytes: model.kv_bytes_per_cell(params.type_k, params.type_v),
             encoded: HashMap::new(),
+            interrupt: None,
+            batches_in_call: 0,
         };
         Ok(Arc::new(Context {
             model,
@@ -117,7 +119,26 @@ impl Context {
     pub fn with<T>(&self, f: impl FnOnce(&mut ContextState) -> Result<T>) -> Result<T> {
         let mut guard = self.guard();
         let state = guard.as_mut().ok_or(LloyalError::ContextClosed)?;
+        state.batches_in_call = 0;
         f(state)
+    }
+
+    /// Like [`Context::with`], but `check` runs between the n_batch-sized decodes of a long
+    /// call (prefill of many tokens, a commit of more than n_batch branches); when it returns
+    /// `true` the call stops there, rolls back everything it wrote and returns
+    /// [`LloyalError::Interrupted`]. The Python glue uses it to honour Ctrl-C.
+    pub fn with_interrupt<T>(
+        &self,
+        check: InterruptCheck,
+        f: impl FnOnce(&mut ContextState) -> Result<T>,
+    ) -> Result<T> {
+        let mut guard = self.guard();
+        let state = guard.as_mut().ok_or(LloyalError::ContextClosed)?;
+        state.batches_in_call = 0;
+        state.interrupt = Some(check);
+        let result = f(state);
+        state.interrupt = None;
+        result
     }
 
     /// Free the llama.cpp context (waits for a running call). Idempotent.
@@ -165,7 +186,16 @@ pub struct ContextState {
     kv_cell_bytes: u64,
     /// Vectors of the last `encode()` per sequence (embeddings contexts).
     pub(crate) encoded: HashMap<i32, Encoded>,
+    /// Asked before every decode of a call but the first (see [`Context::with_interrupt`]).
+    interrupt: Option<InterruptCheck>,
+    /// `llama_decode` calls made by the current call (the first is never interrupted: the
+    /// caller has just checked for signals itself).
+    batches_in_call: u32,
 }
+
+/// A check run between the decodes of one call: `true` stops the call, which then rolls
+/// back like any failed decode and returns [`LloyalError::Interrupted`].
+pub type InterruptCheck = Box<dyn Fn() -> bool + Send>;
 
 impl ContextState {
     /// Sizes fixed at creation.
@@ -191,8 +221,10 @@ impl ContextState {
     pub(crate) fn check_seq(&self, seq_id: i32) -> Result<()> {
         if seq_id < 0 || seq_id as u32 >= self.shape.n_seq_max {
             return Err(LloyalError::invalid(format!(
-                "seq_id {seq_id} is out of range: this context has n_seq_max={} (valid 0..{})",
-                self.shape.n_seq_max, self.shape.n_seq_max
+                "seq_id {seq_id} is out of range: this context has n_seq_max={} (valid 0 to {}); \
+                 create the context with a larger n_seq_max to use more sequences",
+                self.shape.n_seq_max,
+                self.shape.n_seq_max - 1
             )));
         }
         Ok(())
@@ -272,6 +304,10 @@ impl ContextState {
 
     /// Run `llama_decode` on the current batch, mapping its return codes.
     pub(crate) fn run_batch(&mut self) -> Result<()> {
+        if self.batches_in_call > 0 && self.interrupt.as_ref().is_some_and(|check| check()) {
+            return Err(LloyalError::Interrupted);
+        }
+        self.batches_in_call += 1;
         clear_recent_errors();
         let n = self.batch.len();
         let raw_batch = self.batch.raw();

@@ -33,7 +33,7 @@ pub mod verify;
 
 pub use chat::{ChatOptions, ChatOutput, FormattedChat, ToolCall};
 pub use chat_family::ChatFamily;
-pub use context::{Context, ContextShape, ContextState};
+pub use context::{Context, ContextShape, ContextState, InterruptCheck};
 pub use error::{LloyalError, Result};
 pub use grammar::{json_schema_to_grammar, Grammar, GrammarSource};
 pub use metrics::{Base, PerplexityTracker};
