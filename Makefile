@@ -6,7 +6,7 @@ export VIRTUAL_ENV := $(CURDIR)/.venv
 export PYO3_PYTHON := $(CURDIR)/.venv/bin/python
 PYDIRS := python tests benches examples
 
-.PHONY: sysdeps venv build build-deterministic soak test test-rust test-py lint bench bench-deps demo clean distclean
+.PHONY: sysdeps venv build build-deterministic soak fuzz test test-rust test-py lint bench bench-deps demo clean distclean
 
 sysdeps:  ## C/C++ compiler, cmake and libclang for llama-cpp-sys-2's build (apt, only when missing)
 	@if ! command -v cmake >/dev/null || ! command -v c++ >/dev/null \
@@ -50,8 +50,18 @@ lint: build
 	.venv/bin/mypy --strict python/lloyal
 	$(PY) -m mypy.stubtest lloyal._lloyal --allowlist stubtest-allowlist.txt
 
-soak: build  ## long random-operation run of the branch state machine (tests/test_state_machine.py)
-	LLOYAL_STATE_EXAMPLES=400 LLOYAL_STATE_STEPS=50 $(PY) -m pytest -q tests/test_state_machine.py
+soak: build  ## full-size reliability run: state machine (>=10,000 steps), 10,000 fork cycles, 200 contexts
+	@mkdir -p benches/results && rm -f benches/results/soak.jsonl
+	LLOYAL_SOAK_REPORT=benches/results/soak.jsonl LLOYAL_STATE_EXAMPLES=400 LLOYAL_STATE_STEPS=50 \
+		LLOYAL_LEAK_CYCLES=10000 LLOYAL_CONTEXT_CYCLES=200 \
+		$(PY) -m pytest -q tests/test_state_machine.py tests/test_leaks.py
+	@cat benches/results/soak.jsonl
+
+fuzz: build  ## hostile-input fuzzing at full size (hypothesis; bounded by LLOYAL_FUZZ_EXAMPLES and a 1 h timeout)
+	@mkdir -p benches/results
+	LLOYAL_FUZZ_EXAMPLES=$${LLOYAL_FUZZ_EXAMPLES:-5000} LLOYAL_FUZZ_REPORT=benches/results/fuzz.json \
+		timeout 3600 $(PY) -m pytest -q tests/test_fuzz.py
+	@cat benches/results/fuzz.json
 
 bench-deps: venv  ## benchmark peers: llama-cpp-python (compiles llama.cpp, ~10 min) and matplotlib
 	CMAKE_ARGS="-DGGML_NATIVE=ON" $(PY) -m pip install -q "llama-cpp-python>=0.3" "matplotlib>=3.7"

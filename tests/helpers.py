@@ -2,7 +2,18 @@
 
 from __future__ import annotations
 
+import json
+import os
+
 import lloyal
+
+
+def soak_report(name: str, **figures: object) -> None:
+    """Append ``figures`` as one JSON line to ``$LLOYAL_SOAK_REPORT`` (set by ``make soak``)."""
+    path = os.environ.get("LLOYAL_SOAK_REPORT")
+    if path:
+        with open(path, "a", encoding="utf-8") as f:
+            f.write(json.dumps({"test": name, **figures}) + "\n")
 
 
 def produce_commit(branch: lloyal.Branch, n: int, *, forbid_stop: bool = False) -> list[int]:

@@ -16,9 +16,9 @@ from contextlib import contextmanager
 
 import numpy as np
 import pytest
+from helpers import produce_commit
 
 import lloyal
-from helpers import produce_commit
 
 N_BATCH = 32
 LONG = [1000 + (i * 7) % 3000 for i in range(3072)]  # 96 chunks of 32: ~20 s if never interrupted
@@ -95,24 +95,24 @@ def test_store_prefill_of_two_branches_is_interrupted_all_or_nothing(model: lloy
 
 
 def test_generation_is_interrupted_between_tokens_with_consistent_state(model: lloyal.Model) -> None:
-    with lloyal.Context(model, n_ctx=4096, n_seq_max=1) as ctx:
-        with lloyal.Branch.create(ctx, 0, lloyal.SamplingParams(temperature=0.8, seed=3)) as b:
-            b.prefill(ctx.tokenize("Once upon a time"))
-            start = b.position
-            seen: list[int] = []
+    params = lloyal.SamplingParams(temperature=0.8, seed=3)
+    with lloyal.Context(model, n_ctx=4096, n_seq_max=1) as ctx, lloyal.Branch.create(ctx, 0, params) as b:
+        b.prefill(ctx.tokenize("Once upon a time"))
+        start = b.position
+        seen: list[int] = []
 
-            def run() -> None:
-                for tok in b.generate(3000):
-                    seen.append(tok.token)
+        def run() -> None:
+            for tok in b.generate(3000):
+                seen.append(tok.token)
 
-            interrupted(run)
-            assert seen, "some tokens were generated before the signal"
-            # commit-before-yield: at most the one token committed while the signal arrived is
-            # not yet yielded; KV and position agree either way
-            assert b.position - start in (len(seen), len(seen) + 1)
-            assert b.position == ctx.kv_seq_pos_max(b.seq_id) + 1
-            more = [t.token for t in b.generate(3)]
-            assert len(more) == 3 and b.position == ctx.kv_seq_pos_max(b.seq_id) + 1
+        interrupted(run)
+        assert seen, "some tokens were generated before the signal"
+        # commit-before-yield: at most the one token committed while the signal arrived is
+        # not yet yielded; KV and position agree either way
+        assert b.position - start in (len(seen), len(seen) + 1)
+        assert b.position == ctx.kv_seq_pos_max(b.seq_id) + 1
+        more = [t.token for t in b.generate(3)]
+        assert len(more) == 3 and b.position == ctx.kv_seq_pos_max(b.seq_id) + 1
 
 
 def test_worker_thread_calls_are_not_interrupted_by_signals_meant_for_the_main_thread(

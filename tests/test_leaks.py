@@ -2,10 +2,16 @@
 
 from __future__ import annotations
 
+import os
 import resource
 from collections.abc import Callable
 
+from helpers import soak_report
+
 import lloyal
+
+CYCLES = int(os.environ.get("LLOYAL_LEAK_CYCLES", "2000"))  # make soak: 10,000
+CONTEXT_CYCLES = int(os.environ.get("LLOYAL_CONTEXT_CYCLES", "60"))  # make soak: 200
 
 
 def _rss_mb() -> float:
@@ -33,11 +39,15 @@ def test_fork_commit_prune_cycles_return_leases_and_memory(
     for i in range(200):  # warm-up: allocator pools, logits buffers
         cycle(i)
     before = _rss_mb()
-    for i in range(2000):
+    for i in range(CYCLES):
         cycle(i)
-    growth = _rss_mb() - before
+    after = _rss_mb()
+    growth = after - before
+    soak_report(
+        "fork/commit/prune cycles", cycles=CYCLES, forks=3 * CYCLES, rss_before_mb=before, rss_after_mb=after
+    )
     assert store.available == 3 and store.kv_pressure.cells_used == cells
-    assert growth < 5.0, f"RSS grew {growth:.1f} MB over 2000 fork/prune cycles"
+    assert growth < 5.0, f"RSS grew {growth:.1f} MB over {CYCLES} fork/prune cycles"
 
 
 def test_contexts_closed_with_live_branches_free_everything(model: lloyal.Model) -> None:
@@ -51,7 +61,11 @@ def test_contexts_closed_with_live_branches_free_everything(model: lloyal.Model)
     for _ in range(10):
         once()
     before = _rss_mb()
-    for _ in range(60):
+    for _ in range(CONTEXT_CYCLES):
         once()
-    growth = _rss_mb() - before
-    assert growth < 5.0, f"RSS grew {growth:.1f} MB over 60 context create/close cycles"
+    after = _rss_mb()
+    growth = after - before
+    soak_report(
+        "context create/close cycles", cycles=CONTEXT_CYCLES, rss_before_mb=before, rss_after_mb=after
+    )
+    assert growth < 5.0, f"RSS grew {growth:.1f} MB over {CONTEXT_CYCLES} context create/close cycles"

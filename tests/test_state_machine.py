@@ -11,9 +11,12 @@ agree; errors are the documented classes. ``LLOYAL_STATE_STEPS`` scales the run 
 from __future__ import annotations
 
 import os
+from collections import Counter
+from collections.abc import Iterator
 
 import hypothesis.strategies as st
 import pytest
+from helpers import soak_report
 from hypothesis import HealthCheck, settings
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
@@ -24,6 +27,9 @@ N_CTX = 192
 EXAMPLES = int(os.environ.get("LLOYAL_STATE_EXAMPLES", "12"))
 STEPS = int(os.environ.get("LLOYAL_STATE_STEPS", "25"))
 _MODEL: lloyal.Model | None = None
+CHECKS: Counter[str] = Counter()
+LETTERS = "root ::= [a-z ]+"
+DIGIT_TOKEN = 236832  # "7": never allowed by LETTERS
 
 
 def _model() -> lloyal.Model:
@@ -120,6 +126,50 @@ class Branches(RuleBasedStateMachine):
             assert all(b.position == positions[b] + 1 for b in chosen)
 
     @precondition(lambda self: self.live)
+    @rule(i=st.integers(0, 99))
+    def single_commit(self, i: int) -> None:
+        b = self._pick(i)
+        if b.position == 0:
+            return
+        before = self._snapshot()
+        token = b.produce().token
+        if self.store.kv_pressure.remaining == 0:
+            with pytest.raises(lloyal.KvCacheFullError):
+                b.commit(token)
+            assert self._snapshot() == before
+        else:
+            b.commit(token)
+            assert b.position == before[self.live.index(b)][0] + 1
+
+    @precondition(lambda self: self.live)
+    @rule(i=st.integers(0, 99), letters=st.booleans())
+    def set_grammar(self, i: int, letters: bool) -> None:
+        """Constrain a branch to lowercase letters and spaces (or lift it); a forbidden token is
+        refused without changing anything."""
+        b = self._pick(i)
+        b.set_grammar(LETTERS if letters else None)
+        if letters and b.position > 0:
+            before = self._snapshot()
+            with pytest.raises(lloyal.GrammarError):
+                b.commit(DIGIT_TOKEN)
+            assert self._snapshot() == before
+
+    @rule()
+    def close_and_reopen(self) -> None:
+        """Closing the context disposes every branch; a new context starts empty."""
+        old = self.live
+        self.ctx.close()
+        for b in old[:3]:
+            with pytest.raises((lloyal.ContextClosedError, lloyal.BranchDisposedError)):
+                b.fork()
+        with pytest.raises(lloyal.ContextClosedError):
+            lloyal.Branch.create(self.ctx, 0, self.params)
+        self.ctx = lloyal.Context(_model(), n_ctx=N_CTX, n_batch=32, n_seq_max=N_SEQ)
+        self.store = lloyal.BranchStore(self.ctx)
+        self.live, self.dead = [], []
+        assert self.store.available == N_SEQ
+
+    @precondition(lambda self: self.live)
     @rule(i=st.integers(0, 99), token=st.sampled_from([-1, 262_144, 10**12]))
     def bad_token_changes_nothing(self, i: int, token: int) -> None:
         b = self._pick(i)
@@ -183,6 +233,7 @@ class Branches(RuleBasedStateMachine):
     # ------------------------------------------------------------------ invariants
     @invariant()
     def leases_add_up(self) -> None:
+        CHECKS["invariant checks (one per step)"] += 1
         assert self.store.available + len(self.live) == N_SEQ
 
     @invariant()
@@ -210,3 +261,9 @@ Branches.TestCase.settings = settings(
     suppress_health_check=[HealthCheck.too_slow],
 )
 test_branch_state_machine = Branches.TestCase
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _report() -> Iterator[None]:
+    yield
+    soak_report("branch state machine", examples=EXAMPLES, max_steps=STEPS, **CHECKS)

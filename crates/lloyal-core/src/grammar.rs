@@ -6,6 +6,8 @@
 //! unchanged.
 
 use std::ffi::CString;
+
+use crate::gbnf_check::check_gbnf;
 use std::ptr::NonNull;
 use std::sync::Arc;
 
@@ -59,11 +61,22 @@ pub fn json_schema_to_grammar(schema_json: &str) -> Result<String> {
     if schema_json.contains('\0') {
         return Err(LloyalError::Grammar("the JSON schema contains a NUL byte".into()));
     }
-    llama_cpp_2::json_schema_to_grammar(schema_json).map_err(|e| {
+    // Parse here first: serde_json bounds nesting (128 levels), so a deeply nested schema is
+    // refused before llama.cpp's recursive converter could overflow the stack.
+    serde_json::from_str::<serde_json::Value>(schema_json).map_err(|e| {
+        LloyalError::Grammar(if e.to_string().contains("recursion limit") {
+            format!("the JSON schema nests too deeply ({e}); use $defs/$ref for deep structures")
+        } else {
+            format!("the JSON schema is not valid JSON ({e}); pass a JSON Schema object")
+        })
+    })?;
+    let gbnf = llama_cpp_2::json_schema_to_grammar(schema_json).map_err(|e| {
         LloyalError::Grammar(format!(
             "could not convert the JSON schema to a grammar ({e}); pass a valid JSON Schema object"
         ))
-    })
+    })?;
+    check_gbnf(&gbnf).map_err(|e| LloyalError::Grammar(format!("the JSON schema converts to a grammar that cannot be used: {e}")))?;
+    Ok(gbnf)
 }
 
 impl Grammar {
@@ -78,6 +91,7 @@ impl Grammar {
                 "the grammar is empty; pass GBNF rules with a root rule".into(),
             ));
         }
+        check_gbnf(gbnf)?;
         clear_recent_errors();
         let vocab = vocab_ptr(model.llama());
         // SAFETY: vocab outlives the call (the model is held); the strings live across it;

@@ -13,6 +13,7 @@ pub mod chat_templates;
 pub mod context;
 pub mod embeddings;
 pub mod error;
+pub mod gbnf_check;
 pub mod grammar;
 pub mod metrics;
 pub mod model;
