@@ -6,7 +6,7 @@ export VIRTUAL_ENV := $(CURDIR)/.venv
 export PYO3_PYTHON := $(CURDIR)/.venv/bin/python
 PYDIRS := python tests benches examples
 
-.PHONY: sysdeps venv build build-deterministic soak fuzz test test-rust test-py lint bench bench-deps demo clean distclean
+.PHONY: sysdeps venv build soak fuzz test test-rust test-py lint bench bench-deps demo clean distclean
 
 sysdeps:  ## C/C++ compiler, cmake and libclang for llama-cpp-sys-2's build (apt, only when missing)
 	@if ! command -v cmake >/dev/null || ! command -v c++ >/dev/null \
@@ -28,10 +28,6 @@ venv: .venv/.deps
 
 build: sysdeps venv  ## incremental release build into the venv (llama.cpp cached in CARGO_TARGET_DIR)
 	.venv/bin/maturin develop --release -q
-
-build-deterministic: sysdeps venv  ## llama.cpp without repacked/tinyBLAS matmuls (batch-invariant; own cache dir, ~8 min once)
-	CARGO_TARGET_DIR=$(HOME)/.cache/lloyal/target-det GGML_CPU_REPACK=OFF GGML_LLAMAFILE=OFF \
-		.venv/bin/maturin develop --release -q
 
 test-rust: sysdeps
 	cargo test --release -p lloyal-core

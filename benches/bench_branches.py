@@ -2,7 +2,10 @@
 lloyal batched commits (one decode per step for all N) vs lloyal sequential single-branch
 commits vs llama-cpp-python generating the N completions one after another, and the floor:
 the same batched loop written directly on llama.cpp's C API (llama_batch with N sequences,
-llama_memory_seq_cp for the shared prompt, llama.cpp's own sampler chain per sequence)."""
+llama_memory_seq_cp for the shared prompt, llama.cpp's own sampler chain per sequence).
+
+The lloyal rows compared with llama.cpp use its own kernels (``batch_invariant=False``);
+``test_best_of_n_invariant`` is the same batched loop on the default batch-invariant kernels."""
 
 from __future__ import annotations
 
@@ -25,11 +28,15 @@ def _ns(full: bool, n: int) -> int:
     return 64 if full else 2
 
 
-@pytest.mark.parametrize("n", NS)
-def test_best_of_n_batched(benchmark, model_path: Path, prompt_tokens: list[int], full: bool, n: int) -> None:
+def _batched(
+    benchmark, model_path: Path, prompt_tokens: list[int], full: bool, n: int, invariant: bool
+) -> None:
     steps = _ns(full, n)
     benchmark.group = f"best-of-{n}"
-    with lloyal.Context(model_path, n_ctx=4096, n_seq_max=n + 1, n_threads=THREADS) as ctx:
+    with lloyal.Context(
+        model_path, n_ctx=4096, n_seq_max=n + 1, n_threads=THREADS, batch_invariant=invariant
+    ) as ctx:
+        assert ctx.batch_invariant is invariant
         store = lloyal.BranchStore(ctx)
 
         def run() -> list[int]:
@@ -53,12 +60,28 @@ def test_best_of_n_batched(benchmark, model_path: Path, prompt_tokens: list[int]
 
 
 @pytest.mark.parametrize("n", NS)
+def test_best_of_n_batched(benchmark, model_path: Path, prompt_tokens: list[int], full: bool, n: int) -> None:
+    """llama.cpp's own kernels (batch_invariant=False): the like-for-like comparison."""
+    _batched(benchmark, model_path, prompt_tokens, full, n, invariant=False)
+
+
+@pytest.mark.parametrize("n", NS)
+def test_best_of_n_invariant(
+    benchmark, model_path: Path, prompt_tokens: list[int], full: bool, n: int
+) -> None:
+    """The default batch-invariant kernels: what they cost against the line above."""
+    _batched(benchmark, model_path, prompt_tokens, full, n, invariant=True)
+
+
+@pytest.mark.parametrize("n", NS)
 def test_best_of_n_sequential(
     benchmark, model_path: Path, prompt_tokens: list[int], full: bool, n: int
 ) -> None:
     steps = _ns(full, n)
     benchmark.group = f"best-of-{n}"
-    with lloyal.Context(model_path, n_ctx=4096, n_seq_max=n + 1, n_threads=THREADS) as ctx:
+    with lloyal.Context(
+        model_path, n_ctx=4096, n_seq_max=n + 1, n_threads=THREADS, batch_invariant=False
+    ) as ctx:
 
         def run() -> list[int]:
             with lloyal.Branch.create(ctx, 0, PARAMS) as root:

@@ -1,5 +1,8 @@
 """Single-stream decode speed: lloyal (flat path and Branch) vs llama-cpp-python (high-level
-API and the raw C loop through its bindings), same model, threads and greedy sampling."""
+API and the raw C loop through its bindings), same model, threads and greedy sampling.
+
+lloyal runs llama.cpp's own kernels here (``batch_invariant=False``) for a like-for-like
+comparison; ``test_lloyal_branch_invariant`` is the Branch loop on the default kernels."""
 
 from __future__ import annotations
 
@@ -21,7 +24,7 @@ def steps(full: bool) -> int:
 @pytest.mark.benchmark(group=GROUP)
 def test_lloyal_flat(benchmark, model_path: Path, prompt_tokens: list[int], full: bool) -> None:
     n = steps(full)
-    with lloyal.Context(model_path, n_ctx=1024, n_threads=THREADS) as ctx:
+    with lloyal.Context(model_path, n_ctx=1024, n_threads=THREADS, batch_invariant=False) as ctx:
 
         def run() -> list[int]:
             ctx.kv_cache_clear()
@@ -38,10 +41,9 @@ def test_lloyal_flat(benchmark, model_path: Path, prompt_tokens: list[int], full
     assert len(out) == n
 
 
-@pytest.mark.benchmark(group=GROUP)
-def test_lloyal_branch(benchmark, model_path: Path, prompt_tokens: list[int], full: bool) -> None:
+def _branch_loop(benchmark, model_path: Path, prompt_tokens: list[int], full: bool, invariant: bool) -> None:
     n = steps(full)
-    with lloyal.Context(model_path, n_ctx=1024, n_threads=THREADS) as ctx:
+    with lloyal.Context(model_path, n_ctx=1024, n_threads=THREADS, batch_invariant=invariant) as ctx:
 
         def run() -> list[int]:
             with lloyal.Branch.create(ctx, 0, lloyal.SamplingParams(temperature=0)) as b:
@@ -55,6 +57,16 @@ def test_lloyal_branch(benchmark, model_path: Path, prompt_tokens: list[int], fu
 
         out = benchmark.pedantic(run, rounds=3 if full else 1, iterations=1)
     assert len(out) == n
+
+
+@pytest.mark.benchmark(group=GROUP)
+def test_lloyal_branch(benchmark, model_path: Path, prompt_tokens: list[int], full: bool) -> None:
+    _branch_loop(benchmark, model_path, prompt_tokens, full, invariant=False)
+
+
+@pytest.mark.benchmark(group=GROUP)
+def test_lloyal_branch_invariant(benchmark, model_path: Path, prompt_tokens: list[int], full: bool) -> None:
+    _branch_loop(benchmark, model_path, prompt_tokens, full, invariant=True)
 
 
 @pytest.mark.benchmark(group=GROUP)

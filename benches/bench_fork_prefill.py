@@ -5,7 +5,8 @@
   grow with the prefix.
 - prefill: six branches with mixed prompt lengths written by one ``BranchStore.prefill``
   (packed into ceil(T / n_batch) decodes) vs the same rows decoded through llama.cpp's C API
-  at the same n_batch.
+  at the same n_batch (lloyal on llama.cpp's own kernels, ``batch_invariant=False``, and on
+  the default batch-invariant ones).
 """
 
 from __future__ import annotations
@@ -51,7 +52,7 @@ def test_fork(benchmark, model_path: Path, full: bool, prefix: int) -> None:
         root.prune()
 
 
-@pytest.mark.parametrize("impl", ["lloyal_store_prefill", "raw_loop"])
+@pytest.mark.parametrize("impl", ["lloyal_store_prefill", "lloyal_store_prefill_invariant", "raw_loop"])
 def test_prefill_mixed(benchmark, model_path: Path, full: bool, impl: str) -> None:
     benchmark.group = "prefill-mixed"
     lengths = LENGTHS if full else [5, 12, 3]
@@ -77,8 +78,14 @@ def test_prefill_mixed(benchmark, model_path: Path, full: bool, impl: str) -> No
         finally:
             raw.close()
     else:
+        invariant = impl.endswith("_invariant")
         with lloyal.Context(
-            model_path, n_ctx=2048, n_batch=N_BATCH, n_seq_max=len(lengths), n_threads=THREADS
+            model_path,
+            n_ctx=2048,
+            n_batch=N_BATCH,
+            n_seq_max=len(lengths),
+            n_threads=THREADS,
+            batch_invariant=invariant,
         ) as ctx:
             store = lloyal.BranchStore(ctx)
             items = [_tokens(ctx, n) for n in lengths]

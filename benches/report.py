@@ -18,6 +18,7 @@ from typing import Any
 STEPS = 64
 KINDS = {
     "test_best_of_n_batched": "lloyal batched (BranchStore.commit)",
+    "test_best_of_n_invariant": "lloyal batched, batch-invariant kernels",
     "test_best_of_n_sequential": "lloyal sequential (one branch at a time)",
     "test_best_of_n_llama_cpp_python": "llama-cpp-python high-level, sequential",
     "test_best_of_n_raw_batched": "raw llama.cpp batched loop (C API)",
@@ -74,7 +75,8 @@ def best_of_n_table(means: dict[str, float]) -> tuple[str, dict[str, dict[int, f
     kinds = [k for k in KINDS if k in series]
     head = "| N | " + " | ".join(f"{KINDS[k]}: s (tok/s)" for k in kinds)
     head += " | batched vs sequential | batched vs llama-cpp-python | batched vs raw loop |"
-    lines = [head, "|" + "---|" * (len(kinds) + 4)]
+    head += " invariant vs batched |"
+    lines = [head, "|" + "---|" * (len(kinds) + 5)]
     for n in ns:
         cells = []
         for k in kinds:
@@ -87,7 +89,9 @@ def best_of_n_table(means: dict[str, float]) -> tuple[str, dict[str, dict[int, f
         r2 = f"{peer / batched:.2f}x" if batched and peer else "-"
         raw = series.get("test_best_of_n_raw_batched", {}).get(n)
         r3 = f"{raw / batched:.2f}x" if batched and raw else "-"
-        lines.append(f"| {n} | " + " | ".join(cells) + f" | {r1} | {r2} | {r3} |")
+        inv = series.get("test_best_of_n_invariant", {}).get(n)
+        r4 = f"{batched / inv:.2f}x" if batched and inv else "-"
+        lines.append(f"| {n} | " + " | ".join(cells) + f" | {r1} | {r2} | {r3} | {r4} |")
     return "\n".join(lines), series
 
 
@@ -96,6 +100,7 @@ def single_stream_table(means: dict[str, float]) -> str:
     names = {
         "test_lloyal_flat": "lloyal flat path (Context.decode/sample)",
         "test_lloyal_branch": "lloyal Branch (produce/commit)",
+        "test_lloyal_branch_invariant": "lloyal Branch, batch-invariant kernels",
         "test_llama_cpp_python_high_level": "llama-cpp-python high-level",
         "test_llama_cpp_raw_loop": "raw llama.cpp loop (C API via llama-cpp-python)",
     }

@@ -40,7 +40,8 @@ impl PyContext {
 impl PyContext {
     #[new]
     #[pyo3(signature = (model, *, n_ctx=2048, n_batch=512, n_seq_max=1, n_threads=None,
-                        embeddings=false, pooling="mean", type_k="f16", type_v="f16", flash_attn=true))]
+                        embeddings=false, pooling="mean", type_k=None, type_v="f16", flash_attn=true,
+                        batch_invariant=None))]
     #[allow(clippy::too_many_arguments)]
     fn new(
         py: Python<'_>,
@@ -51,9 +52,10 @@ impl PyContext {
         n_threads: Option<i64>,
         embeddings: bool,
         pooling: &str,
-        type_k: &str,
+        type_k: Option<&str>,
         type_v: &str,
         flash_attn: bool,
+        batch_invariant: Option<bool>,
     ) -> PyResult<Self> {
         let options = ContextOptions {
             n_ctx: narrow("n_ctx", n_ctx, "a positive number of KV cells")?,
@@ -62,16 +64,19 @@ impl PyContext {
             n_threads: n_threads.map(|t| narrow("n_threads", t, "in 1..=1024")).transpose()?,
             embeddings,
             pooling: Pooling::parse(pooling).py()?,
-            type_k: type_k.to_string(),
+            type_k: type_k.map(str::to_string),
             type_v: type_v.to_string(),
             flash_attn,
+            batch_invariant,
         };
         options.validate().py()?;
         let model: Py<PyModel> = match model.cast::<PyModel>() {
             Ok(m) => m.clone().unbind(),
             Err(_) => {
                 let path: PathBuf = model.extract()?;
-                let inner = PyModel::load(py, path, ModelOptions::default())?;
+                // A context that asks for llama.cpp's fastest kernels gets repacked weights.
+                let repack = batch_invariant == Some(false);
+                let inner = PyModel::load(py, path, ModelOptions { repack, ..Default::default() })?;
                 Py::new(py, PyModel { inner })?
             }
         };
@@ -126,6 +131,24 @@ impl PyContext {
     #[getter]
     fn flash_attn(&self) -> bool {
         self.inner.options().flash_attn
+    }
+
+    /// Whether this context runs batch-invariant kernels (see ``Context``).
+    #[getter]
+    fn batch_invariant(&self) -> bool {
+        self.inner.options().is_batch_invariant()
+    }
+
+    /// K cache element type (``"q8_0"`` by default in a batch-invariant context, else ``"f16"``).
+    #[getter]
+    fn type_k(&self) -> String {
+        self.inner.options().type_k.clone().unwrap_or_default()
+    }
+
+    /// V cache element type.
+    #[getter]
+    fn type_v(&self) -> String {
+        self.inner.options().type_v.clone()
     }
 
     /// Whether this is an embeddings context.

@@ -24,10 +24,16 @@ impl PyModel {
 #[pymethods]
 impl PyModel {
     #[new]
-    #[pyo3(signature = (path, *, n_gpu_layers=0, use_mmap=true))]
-    fn new(py: Python<'_>, path: PathBuf, n_gpu_layers: u32, use_mmap: bool) -> PyResult<Self> {
-        let inner = Self::load(py, path, ModelOptions { n_gpu_layers, use_mmap })?;
+    #[pyo3(signature = (path, *, n_gpu_layers=0, use_mmap=true, repack=false))]
+    fn new(py: Python<'_>, path: PathBuf, n_gpu_layers: u32, use_mmap: bool, repack: bool) -> PyResult<Self> {
+        let inner = Self::load(py, path, ModelOptions { n_gpu_layers, use_mmap, repack })?;
         Ok(PyModel { inner })
+    }
+
+    /// Whether llama.cpp repacked the weights for its fastest (batch-dependent) CPU kernels.
+    #[getter]
+    fn repack(&self) -> bool {
+        self.inner.options().repack
     }
 
     /// Path of the GGUF file.

@@ -14,9 +14,10 @@ def test_properties(model: lloyal.Model) -> None:
     with lloyal.Context(model, n_ctx=768, n_batch=128, n_seq_max=3, n_threads=1) as ctx:
         assert (ctx.n_ctx, ctx.n_batch, ctx.n_seq_max, ctx.n_threads) == (768, 128, 3, 1)
         assert ctx.n_vocab == ctx.vocab_size == model.n_vocab == 262144
-        # f16 K and V, 256-wide heads, 1 KV head, 18 layers: 2 * 2 * 256 * 18 bytes per cell.
-        assert ctx.memory_size > 0
-        assert ctx.memory_size == 768 * 2 * 2 * 256 * 18
+        # Batch-invariant by default: q8_0 K (8 blocks of 34 bytes per 256-wide head) and f16 V
+        # (2 * 256 bytes), 1 KV head, 18 layers per cell.
+        assert (ctx.batch_invariant, ctx.type_k, ctx.type_v) == (True, "q8_0", "f16")
+        assert ctx.memory_size == 768 * (8 * 34 + 2 * 256) * 18
         assert ctx.closed is False
         assert ctx.flash_attn and not ctx.embeddings
         assert ctx.model.architecture == "gemma3"
@@ -36,13 +37,15 @@ def test_defaults(model: lloyal.Model) -> None:
 
 def test_memory_size_follows_cache_type(model: lloyal.Model) -> None:
     with (
-        lloyal.Context(model, n_ctx=256) as f16,
+        lloyal.Context(model, n_ctx=256, type_k="f16", type_v="f16") as f16,
         lloyal.Context(model, n_ctx=256, type_k="f32", type_v="f32") as f32,
         lloyal.Context(model, n_ctx=512) as big,
     ):
         assert f16.memory_size > 0
+        # f16 K and V, 256-wide heads, 1 KV head, 18 layers: 2 * 2 * 256 * 18 bytes per cell.
+        assert f16.memory_size == 256 * 2 * 2 * 256 * 18
         assert f32.memory_size == 2 * f16.memory_size
-        assert big.memory_size == 2 * f16.memory_size
+        assert big.memory_size == 2 * lloyal.Context(model, n_ctx=256).memory_size
 
 
 def test_context_manager_closes_on_exception(model: lloyal.Model) -> None:

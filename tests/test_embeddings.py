@@ -47,19 +47,21 @@ def test_identical_and_related_texts(ectx: lloyal.Context) -> None:
 
 
 def test_batched_equals_one_by_one(ectx: lloyal.Context) -> None:
-    # llama.cpp's CPU kernels are not bit-identical across batch shapes (row count changes the
-    # matmul tiling), so batched and single rows differ in the last bits: cosine > 0.999.
+    # The token rows are batch-invariant (the default kernels), but llama.cpp pools them with
+    # a matmul over every row of the decode, whose sums round in the last bit: max |diff|
+    # ~1e-9 on unit vectors, so 1 - cosine < 1e-6.
+    assert ectx.batch_invariant
     texts = [CAT, KITTEN, TAX, "hello", CAT]
     batched = ectx.embed(texts)
     assert batched.shape == (5, 640)
     for row, text in zip(batched, texts, strict=True):
-        assert cos(row, ectx.embed(text)) > 0.999
-    assert cos(batched[0], batched[4]) > 0.999
+        assert cos(row, ectx.embed(text)) > 1 - 1e-6
+    assert cos(batched[0], batched[4]) > 1 - 1e-6
     # More texts than sequences (n_seq_max=4): several decodes, same results, order kept.
     many = ectx.embed(texts * 2)
     assert many.shape == (10, 640)
     for i in range(10):
-        assert cos(many[i], batched[i % 5]) > 0.999
+        assert cos(many[i], batched[i % 5]) > 1 - 1e-6
     assert ectx.embed([]).shape == (0, 640)
     for seq in range(4):
         assert ectx.kv_seq_pos_max(seq) == -1, "embed leaves its sequences empty"

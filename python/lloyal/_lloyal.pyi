@@ -48,8 +48,22 @@ class Model:
     """
 
     def __new__(
-        cls, path: str | os.PathLike[str], *, n_gpu_layers: int = 0, use_mmap: bool = True
-    ) -> Model: ...
+        cls,
+        path: str | os.PathLike[str],
+        *,
+        n_gpu_layers: int = 0,
+        use_mmap: bool = True,
+        repack: bool = False,
+    ) -> Model:
+        """Load (or share) the weights of a GGUF file.
+
+        ``repack=True`` lets llama.cpp rearrange Q4 weights for its fastest CPU matmul, which
+        multiplies rows in groups of 4: a token's logits then depend on how many rows share
+        its decode, so contexts of such a model are not batch-invariant.
+        """
+    @property
+    def repack(self) -> bool:
+        """Whether the weights were repacked for llama.cpp's fastest (batch-dependent) kernels."""
     @property
     def path(self) -> os.PathLike[str]:
         """Path of the GGUF file."""
@@ -87,6 +101,15 @@ class Context:
     Always created with a unified KV cache and a full-size SWA cache, so forks share
     prefix cells. A context manager; ``close()`` is idempotent.
 
+    Batch invariance (``batch_invariant``, on by default on the CPU): a token's logits do not
+    depend on which other rows share its decode (``n_batch``, batched vs single commits,
+    packed prefill) nor on where its cells sit in the cache, so greedy output is identical
+    whatever the batching. It takes llama.cpp's per-row kernels: weights not repacked,
+    flash attention on its one-row path (the K cache defaults to ``q8_0`` for that), and
+    ggml's tiled K-quant matmul off. ``batch_invariant=False`` uses llama.cpp's fastest
+    kernels instead (f16 K cache; a ``Context`` built from a path then loads repacked
+    weights); ``None`` turns it on when the model and cache types allow it.
+
     Example:
         >>> with Context(default_model_path(), n_ctx=512) as ctx:
         ...     ctx.decode(ctx.tokenize("Hello"), 0)
@@ -103,9 +126,10 @@ class Context:
         n_threads: int | None = None,
         embeddings: bool = False,
         pooling: str = "mean",
-        type_k: str = "f16",
+        type_k: str | None = None,
         type_v: str = "f16",
         flash_attn: bool = True,
+        batch_invariant: bool | None = None,
     ) -> Context: ...
     @classmethod
     def from_path(cls, path: str | os.PathLike[str], **options: Any) -> Context:
@@ -134,8 +158,16 @@ class Context:
     @property
     def flash_attn(self) -> bool:
         """Whether flash attention is on (default, as in llama.cpp; needed for a quantized
-        ``type_v``). With it, forks and twins reproduce exactly; without it, single-sequence
-        prefill is exact across ``n_batch``. See docs in README "Numerics"."""
+        ``type_v`` and for batch invariance)."""
+    @property
+    def batch_invariant(self) -> bool:
+        """Whether this context runs batch-invariant kernels (README "Numerics")."""
+    @property
+    def type_k(self) -> str:
+        """K cache element type (``"q8_0"`` by default when batch-invariant, else ``"f16"``)."""
+    @property
+    def type_v(self) -> str:
+        """V cache element type."""
     @property
     def embeddings(self) -> bool:
         """Whether this is an embeddings context."""

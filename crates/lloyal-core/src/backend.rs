@@ -14,10 +14,35 @@ const KEEP_LINES: usize = 8;
 pub fn backend() -> &'static LlamaBackend {
     BACKEND.get_or_init(|| {
         install_log_router();
+        default_tiled_matmul_off();
         // The only caller of init() is this OnceLock, so it cannot be initialised twice.
         // If another library already initialised llama.cpp in this process, the backend
         // is usable all the same; the value is only a proof token.
         LlamaBackend::init().unwrap_or(LlamaBackend {})
+    })
+}
+
+/// The environment switch of ggml's tiled K-quant matmul, read once per process on first use.
+const TILED_MATMUL: &str = "GGML_CPU_TILED_MM";
+
+/// ggml takes its tiled K-quant matmul only for batches of 8+ rows, so a token's result would
+/// depend on how many rows share its decode. Batch-invariant contexts need it off; it is turned
+/// off here, before any decode, unless the user set the variable themselves. (Cost: none
+/// measurable on the default model, whose K-quant weights the repacked kernel handles anyway
+/// when a model is loaded with `repack`.)
+fn default_tiled_matmul_off() {
+    if std::env::var_os(TILED_MATMUL).is_none() {
+        std::env::set_var(TILED_MATMUL, "0");
+    }
+}
+
+/// Whether ggml's tiled K-quant matmul is off in this process (ggml: set and `atoi(value) == 0`).
+pub fn tiled_matmul_off() -> bool {
+    std::env::var(TILED_MATMUL).is_ok_and(|v| {
+        let v = v.trim_start();
+        let digits: String =
+            v.strip_prefix(['+', '-']).unwrap_or(v).chars().take_while(char::is_ascii_digit).collect();
+        digits.chars().all(|c| c == '0')
     })
 }
 

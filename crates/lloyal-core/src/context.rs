@@ -49,6 +49,7 @@ impl std::fmt::Debug for Context {
 impl Context {
     /// Create a context for `model` (validated options; llama.cpp failures explained).
     pub fn new(model: Arc<Model>, options: ContextOptions) -> Result<Arc<Context>> {
+        let options = options.resolve(&model.options())?;
         let params = options.to_llama()?;
         clear_recent_errors();
         let mut raw = RawContext::new(model.clone(), params).ok_or_else(|| {
@@ -81,6 +82,7 @@ impl Context {
             leases: Leases::new(n_seq_max),
             cells_used: 0,
             kv_cell_bytes: model.kv_bytes_per_cell(params.type_k, params.type_v),
+            batch_invariant: options.is_batch_invariant(),
             encoded: HashMap::new(),
             interrupt: None,
             batches_in_call: 0,
@@ -104,7 +106,7 @@ impl Context {
         self.shape
     }
 
-    /// The options the context was created with.
+    /// The options the context was created with (`batch_invariant` and `type_k` settled).
     pub fn options(&self) -> &ContextOptions {
         &self.options
     }
@@ -184,6 +186,8 @@ pub struct ContextState {
     pub(crate) cells_used: usize,
     /// K+V bytes per cell (for `memory_size`).
     kv_cell_bytes: u64,
+    /// Batch-invariant kernels (then `retain_only` also rewrites the winner's cells in order).
+    pub(crate) batch_invariant: bool,
     /// Vectors of the last `encode()` per sequence (embeddings contexts).
     pub(crate) encoded: HashMap<i32, Encoded>,
     /// Asked before every decode of a call but the first (see [`Context::with_interrupt`]).

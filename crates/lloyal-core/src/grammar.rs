@@ -75,7 +75,9 @@ pub fn json_schema_to_grammar(schema_json: &str) -> Result<String> {
             "could not convert the JSON schema to a grammar ({e}); pass a valid JSON Schema object"
         ))
     })?;
-    check_gbnf(&gbnf).map_err(|e| LloyalError::Grammar(format!("the JSON schema converts to a grammar that cannot be used: {e}")))?;
+    check_gbnf(&gbnf).map_err(|e| {
+        LloyalError::Grammar(format!("the JSON schema converts to a grammar that cannot be used: {e}"))
+    })?;
     Ok(gbnf)
 }
 

@@ -4,13 +4,16 @@ use std::collections::HashMap;
 use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex, Weak};
 
-use llama_cpp_2::model::params::LlamaModelParams;
+use std::ffi::CString;
+
 use llama_cpp_2::model::LlamaModel;
 use llama_cpp_2::token::LlamaToken;
+use llama_cpp_sys_2 as sys;
 
 use crate::backend::{backend, clear_recent_errors, recent_errors};
 use crate::error::{LloyalError, Result};
 use crate::model_file::check_gguf_file;
+use crate::raw::load_model;
 
 /// How to load weights. Two loads with equal options and the same file share one [`Model`].
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
@@ -19,11 +22,15 @@ pub struct ModelOptions {
     pub n_gpu_layers: u32,
     /// Memory-map the file instead of reading it.
     pub use_mmap: bool,
+    /// Let llama.cpp repack Q4 weights for its fastest CPU matmul. The repacked kernel
+    /// multiplies rows in groups of 4, so a token's logits then depend on how many rows share
+    /// its decode; batch-invariant contexts need `repack: false` (the default).
+    pub repack: bool,
 }
 
 impl Default for ModelOptions {
     fn default() -> Self {
-        ModelOptions { n_gpu_layers: 0, use_mmap: true }
+        ModelOptions { n_gpu_layers: 0, use_mmap: true, repack: false }
     }
 }
 
@@ -70,16 +77,20 @@ impl Model {
     }
 
     fn load_uncached(path: &Path, options: ModelOptions) -> Result<Model> {
-        let params = LlamaModelParams::default()
-            .with_n_gpu_layers(options.n_gpu_layers)
-            .with_use_mmap(options.use_mmap);
+        let fail = |reason: String| LloyalError::ModelLoad { path: path.display().to_string(), reason };
+        let text = path.to_str().ok_or_else(|| fail("the path is not valid UTF-8".into()))?;
+        let cpath = CString::new(text).map_err(|_| fail("the path contains a NUL byte".into()))?;
+        backend();
+        // SAFETY: returns a plain struct by value.
+        let mut params = unsafe { sys::llama_model_default_params() };
+        params.n_gpu_layers = i32::try_from(options.n_gpu_layers).unwrap_or(i32::MAX);
+        params.load_mode =
+            if options.use_mmap { sys::LLAMA_LOAD_MODE_MMAP } else { sys::LLAMA_LOAD_MODE_NONE };
+        params.use_extra_bufts = options.repack;
         clear_recent_errors();
-        let llama = LlamaModel::load_from_file(backend(), path, &params).map_err(|e| {
+        let llama = load_model(&cpath, params).ok_or_else(|| {
             let detail = recent_errors();
-            LloyalError::ModelLoad {
-                path: path.display().to_string(),
-                reason: if detail.is_empty() { e.to_string() } else { detail },
-            }
+            fail(if detail.is_empty() { "llama.cpp could not load it".into() } else { detail })
         })?;
         let n_vocab = llama.n_vocab();
         Ok(Model {
@@ -158,11 +169,7 @@ impl Model {
 
     /// Bytes of K and V per KV cell across all layers, for cache types `type_k`/`type_v`
     /// (from GGUF metadata; head width falls back to n_embd / n_head).
-    pub fn kv_bytes_per_cell(
-        &self,
-        type_k: llama_cpp_sys_2::ggml_type,
-        type_v: llama_cpp_sys_2::ggml_type,
-    ) -> u64 {
+    pub fn kv_bytes_per_cell(&self, type_k: sys::ggml_type, type_v: sys::ggml_type) -> u64 {
         let n_layer = u64::from(self.n_layer());
         let n_head = self.meta_u64("attention.head_count").unwrap_or(1).max(1);
         let n_head_kv = self.meta_u64("attention.head_count_kv").unwrap_or(n_head);
@@ -170,12 +177,8 @@ impl Model {
         let k = self.meta_u64("attention.key_length").unwrap_or(head) * n_head_kv;
         let v = self.meta_u64("attention.value_length").unwrap_or(head) * n_head_kv;
         // SAFETY: pure size arithmetic on a valid ggml type id.
-        let (kb, vb) = unsafe {
-            (
-                llama_cpp_sys_2::ggml_row_size(type_k, k as i64),
-                llama_cpp_sys_2::ggml_row_size(type_v, v as i64),
-            )
-        };
+        let (kb, vb) =
+            unsafe { (sys::ggml_row_size(type_k, k as i64), sys::ggml_row_size(type_v, v as i64)) };
         n_layer * (kb as u64 + vb as u64)
     }
 

@@ -2,7 +2,9 @@
 
 use llama_cpp_sys_2 as sys;
 
+use crate::backend::tiled_matmul_off;
 use crate::error::{LloyalError, Result};
+use crate::model::ModelOptions;
 
 /// Largest `n_seq_max` llama.cpp supports (LLAMA_MAX_SEQ).
 pub const MAX_SEQ: u32 = 256;
@@ -58,6 +60,11 @@ const KV_TYPES: &[(&str, sys::ggml_type)] = &[
     ("iq4_nl", sys::GGML_TYPE_IQ4_NL),
 ];
 
+/// f16, or f32 (which llama.cpp's flash attention casts to f16).
+fn f16_class(t: sys::ggml_type) -> bool {
+    t == sys::GGML_TYPE_F16 || t == sys::GGML_TYPE_F32
+}
+
 /// Parse a KV cache type name.
 pub fn parse_kv_type(field: &str, s: &str) -> Result<sys::ggml_type> {
     KV_TYPES.iter().find(|(n, _)| *n == s).map(|(_, t)| *t).ok_or_else(|| {
@@ -75,16 +82,15 @@ pub struct ContextOptions {
     pub n_threads: Option<i32>,
     pub embeddings: bool,
     pub pooling: Pooling,
-    pub type_k: String,
+    /// K cache type; `None` picks `q8_0` for a batch-invariant context, else `f16`.
+    pub type_k: Option<String>,
     pub type_v: String,
-    /// Flash attention (on by default, as in llama.cpp). Both attention paths of llama.cpp's
-    /// CPU backend have batch- or layout-dependent rounding that Gemma 3 amplifies to ~0.8 in
-    /// the logits: with flash attention a result depends on how tokens are grouped into a
-    /// decode (n_batch, rows per commit); without it, on where the sequence's cells sit in the
-    /// cache (odd vs even cell offsets), so a fork would not reproduce its twin. Flash
-    /// attention keeps forks, twins and `retain_only` winners exact; `flash_attn=False` makes
-    /// single-sequence prefill exact across n_batch.
+    /// Flash attention (on by default, as in llama.cpp).
     pub flash_attn: bool,
+    /// Batch-invariant kernels: a token's logits do not depend on which other rows share its
+    /// decode, nor on where its sequence's cells sit in the cache. `None` turns them on when
+    /// the model allows it (see [`ContextOptions::resolve`]).
+    pub batch_invariant: Option<bool>,
 }
 
 impl Default for ContextOptions {
@@ -96,9 +102,10 @@ impl Default for ContextOptions {
             n_threads: None,
             embeddings: false,
             pooling: Pooling::Mean,
-            type_k: "f16".into(),
+            type_k: None,
             type_v: "f16".into(),
             flash_attn: true,
+            batch_invariant: None,
         }
     }
 }
@@ -141,7 +148,7 @@ impl ContextOptions {
                 self.n_batch.div_ceil(self.n_seq_max) * self.n_seq_max
             )));
         }
-        parse_kv_type("type_k", &self.type_k)?;
+        let k = self.type_k.as_deref().map(|k| parse_kv_type("type_k", k)).transpose()?;
         let v = parse_kv_type("type_v", &self.type_v)?;
         let plain = [sys::GGML_TYPE_F32, sys::GGML_TYPE_F16, sys::GGML_TYPE_BF16];
         if !self.flash_attn && !plain.contains(&v) {
@@ -150,11 +157,69 @@ impl ContextOptions {
                 self.type_v
             )));
         }
+        if self.batch_invariant == Some(true) {
+            if !self.flash_attn {
+                return Err(LloyalError::invalid(
+                    "batch_invariant=True needs flash_attn=True (without flash attention llama.cpp \
+                     multiplies one-row and many-row batches with different kernels); \
+                     pass batch_invariant=False to run without flash attention",
+                ));
+            }
+            if k.is_some_and(|k| f16_class(k) && f16_class(v)) {
+                return Err(LloyalError::invalid(format!(
+                    "batch_invariant=True cannot use type_k={:?} with type_v={:?}: with both in \
+                     f16/f32 llama.cpp switches flash-attention kernels by batch size; leave \
+                     type_k unset (q8_0), quantize one of them, or pass batch_invariant=False",
+                    self.type_k.as_deref().unwrap_or_default(),
+                    self.type_v
+                )));
+            }
+        }
         Ok(())
     }
 
+    /// Settle `batch_invariant` and `type_k` for a model loaded with `model`. Batch invariance
+    /// needs llama.cpp's per-row kernels everywhere: weights not repacked, ggml's tiled K-quant
+    /// matmul off (see `backend`), flash attention on its one-row-at-a-time path (taken when K
+    /// and V are not both f16: the K cache defaults to q8_0), and the CPU. `None` turns it on
+    /// when all of that holds; `Some(true)` says which part does not.
+    pub fn resolve(&self, model: &ModelOptions) -> Result<ContextOptions> {
+        self.validate()?;
+        let mut out = self.clone();
+        let f16_pair = self.type_k.as_deref().is_some_and(|k| {
+            f16_class(parse_kv_type("type_k", k).unwrap_or_default())
+                && f16_class(parse_kv_type("type_v", &self.type_v).unwrap_or_default())
+        });
+        let blocker = if model.n_gpu_layers > 0 {
+            Some("the model is offloaded to a GPU (n_gpu_layers > 0), whose kernels are not batch-invariant")
+        } else if model.repack {
+            Some("the model was loaded with repack=True, whose Q4 kernel multiplies rows in groups of 4")
+        } else if !tiled_matmul_off() {
+            Some("GGML_CPU_TILED_MM is set to a non-zero value, which turns on ggml's tiled K-quant matmul for batches of 8+ rows")
+        } else {
+            None
+        };
+        let on = match (self.batch_invariant, blocker) {
+            (Some(true), Some(why)) => {
+                return Err(LloyalError::invalid(format!(
+                    "batch_invariant=True is not possible here: {why}; pass batch_invariant=False"
+                )))
+            }
+            (Some(on), _) => on,
+            (None, blocker) => blocker.is_none() && self.flash_attn && !f16_pair,
+        };
+        out.batch_invariant = Some(on);
+        out.type_k = Some(self.type_k.clone().unwrap_or_else(|| if on { "q8_0" } else { "f16" }.into()));
+        Ok(out)
+    }
+
+    /// Whether this (resolved) context runs batch-invariant kernels.
+    pub fn is_batch_invariant(&self) -> bool {
+        self.batch_invariant == Some(true)
+    }
+
     /// llama.cpp params: unified KV and full-size SWA cache always (forks share prefix cells),
-    /// one physical batch per logical batch, flash attention left to llama.cpp.
+    /// one physical batch per logical batch.
     pub fn to_llama(&self) -> Result<sys::llama_context_params> {
         self.validate()?;
         // SAFETY: returns a plain struct by value.
@@ -171,7 +236,8 @@ impl ContextOptions {
         p.n_threads_batch = threads;
         p.embeddings = self.embeddings;
         p.pooling_type = if self.embeddings { self.pooling.raw() } else { sys::LLAMA_POOLING_TYPE_NONE };
-        p.type_k = parse_kv_type("type_k", &self.type_k)?;
+        let default_k = if self.is_batch_invariant() { "q8_0" } else { "f16" };
+        p.type_k = parse_kv_type("type_k", self.type_k.as_deref().unwrap_or(default_k))?;
         p.type_v = parse_kv_type("type_v", &self.type_v)?;
         p.flash_attn_type = if self.flash_attn {
             sys::LLAMA_FLASH_ATTN_TYPE_ENABLED
@@ -205,7 +271,7 @@ mod tests {
             ContextOptions { n_seq_max: 0, ..Default::default() },
             ContextOptions { n_seq_max: 257, ..Default::default() },
             ContextOptions { n_batch: 0, ..Default::default() },
-            ContextOptions { type_k: "f8".into(), ..Default::default() },
+            ContextOptions { type_k: Some("f8".into()), ..Default::default() },
             ContextOptions { n_threads: Some(0), ..Default::default() },
             ContextOptions { type_v: "q8_0".into(), flash_attn: false, ..Default::default() },
             ContextOptions { embeddings: true, n_seq_max: 3, ..Default::default() },
@@ -216,5 +282,57 @@ mod tests {
         let last =
             ContextOptions { embeddings: true, n_seq_max: 3, pooling: Pooling::Last, ..Default::default() };
         assert!(last.validate().is_ok(), "only mean pooling needs n_batch % n_seq_max == 0");
+    }
+
+    fn with(
+        batch_invariant: Option<bool>,
+        type_k: Option<&str>,
+        type_v: &str,
+        flash_attn: bool,
+    ) -> ContextOptions {
+        ContextOptions {
+            batch_invariant,
+            type_k: type_k.map(str::to_string),
+            type_v: type_v.into(),
+            flash_attn,
+            ..Default::default()
+        }
+    }
+
+    #[test]
+    fn batch_invariance_resolves_from_the_model_and_cache_types() {
+        crate::backend::backend(); // sets GGML_CPU_TILED_MM=0 unless the environment has it
+        let cpu = ModelOptions::default();
+        let auto = ContextOptions::default().resolve(&cpu).unwrap();
+        assert_eq!((auto.batch_invariant, auto.type_k.as_deref()), (Some(true), Some("q8_0")));
+        let p = auto.to_llama().unwrap();
+        assert_eq!((p.type_k, p.type_v), (sys::GGML_TYPE_Q8_0, sys::GGML_TYPE_F16));
+        // Anything that needs a batch-dependent kernel turns auto off and keeps K at f16...
+        for (opts, model) in [
+            (with(None, None, "f16", false), cpu),
+            (with(None, Some("f16"), "f16", true), cpu),
+            (with(None, None, "f16", true), ModelOptions { repack: true, ..cpu }),
+            (with(None, None, "f16", true), ModelOptions { n_gpu_layers: 99, ..cpu }),
+        ] {
+            let r = opts.resolve(&model).unwrap();
+            assert_eq!((r.batch_invariant, r.type_k.as_deref()), (Some(false), Some("f16")), "{opts:?}");
+        }
+        // ...and an explicit request names the obstacle.
+        for (opts, model, needle) in [
+            (with(Some(true), None, "f16", false), cpu, "flash_attn"),
+            (with(Some(true), Some("f32"), "f16", true), cpu, "type_k"),
+            (with(Some(true), None, "f16", true), ModelOptions { repack: true, ..cpu }, "repack"),
+            (with(Some(true), None, "f16", true), ModelOptions { n_gpu_layers: 1, ..cpu }, "GPU"),
+        ] {
+            match opts.resolve(&model) {
+                Err(LloyalError::InvalidArgument(m)) => assert!(m.contains(needle), "{m}"),
+                other => panic!("{opts:?}: {other:?}"),
+            }
+        }
+        // Explicit quantized or mixed cache types keep invariance.
+        let v8 = with(Some(true), Some("f16"), "q8_0", true).resolve(&cpu).unwrap();
+        assert_eq!((v8.batch_invariant, v8.type_k.as_deref()), (Some(true), Some("f16")));
+        let off = with(Some(false), None, "f16", true).resolve(&cpu).unwrap();
+        assert_eq!((off.batch_invariant, off.type_k.as_deref()), (Some(false), Some("f16")));
     }
 }

@@ -24,6 +24,21 @@ pub fn model_ptr(model: &LlamaModel) -> *mut sys::llama_model {
     unsafe { *(model as *const LlamaModel as *const *mut sys::llama_model) }
 }
 
+/// Load a model from raw llama.cpp parameters (llama-cpp-2's `LlamaModelParams` keeps
+/// `use_extra_bufts`, the weight-repacking switch, private). `None` when llama.cpp refuses
+/// (its log says why).
+pub fn load_model(path: &std::ffi::CStr, params: sys::llama_model_params) -> Option<LlamaModel> {
+    // SAFETY: `path` is NUL-terminated and outlives the call; `params` is a plain struct whose
+    // pointer fields (devices, overrides, callbacks) are the null defaults.
+    let ptr = unsafe { sys::llama_model_load_from_file(path.as_ptr(), params) };
+    if ptr.is_null() {
+        return None;
+    }
+    // SAFETY: LlamaModel is repr(transparent) over a non-null `*mut llama_model` (size checked
+    // above); `ptr` is non-null and owned by nobody else, and LlamaModel's Drop frees it once.
+    Some(unsafe { std::mem::transmute::<*mut sys::llama_model, LlamaModel>(ptr) })
+}
+
 /// The raw vocab of a model.
 pub fn vocab_ptr(model: &LlamaModel) -> *const sys::llama_vocab {
     // SAFETY: model_ptr is valid for the model's lifetime; the vocab lives inside the model.

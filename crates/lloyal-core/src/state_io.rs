@@ -57,6 +57,37 @@ impl ContextState {
         Ok(state_format::encode(&fingerprint(&self.model()), &state))
     }
 
+    /// Rewrite `seq_id`'s cells so they sit in position order from cell 0. Called by
+    /// `retain_only` when `seq_id` is the only sequence left: without it the winner's next
+    /// tokens would land in freed cells *ahead of* its older ones, and flash attention, which
+    /// visits a sequence's cells in cell order, would sum them in another order (README
+    /// "Numerics"). Costs one copy of the sequence's KV.
+    pub(crate) fn compact_seq(&mut self, seq_id: i32) -> Result<()> {
+        let ctx = self.raw_mut().as_ptr();
+        // SAFETY: valid context; seq id is a lease id.
+        let size = unsafe { sys::llama_state_seq_get_size(ctx, seq_id) };
+        let mut payload = vec![0u8; size];
+        // SAFETY: `payload` has exactly `size` writable bytes, the size llama.cpp asked for.
+        let written = unsafe { sys::llama_state_seq_get_data(ctx, payload.as_mut_ptr(), size, seq_id) };
+        if written != size {
+            return Err(LloyalError::Backend(format!(
+                "llama.cpp wrote {written} of {size} bytes of seq {seq_id}'s state"
+            )));
+        }
+        self.remove_cells(seq_id, 0, -1);
+        clear_recent_errors();
+        // SAFETY: valid context; `payload` is readable for its length; the cache is empty, so the
+        // cells the state needs are free.
+        let read = unsafe { sys::llama_state_seq_set_data(ctx, payload.as_ptr(), payload.len(), seq_id) };
+        if read == 0 {
+            return Err(LloyalError::Backend(format!(
+                "retain_only could not rewrite the winner's KV cells ({})",
+                recent_errors()
+            )));
+        }
+        Ok(())
+    }
+
     /// `kv_cache_load(seq_id, data)`: replace `seq_id`'s cells with a saved state. Returns the
     /// stored tokens. On any failure `seq_id` is left empty; a leased sequence is refused
     /// untouched. No logits are restored: decode the next token to get some.

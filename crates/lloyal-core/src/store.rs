@@ -184,6 +184,8 @@ impl ContextState {
     }
 
     /// `retain_only(winner)`: one `seq_keep`; every other branch disposed; winner becomes a root.
+    /// In a batch-invariant context the winner's cells are then rewritten in position order
+    /// (one copy of its KV) so its next tokens do not land in freed cells ahead of its own.
     pub fn retain_only(&mut self, winner: Handle) -> Result<()> {
         let seq = self.branch(winner)?.seq_id;
         let mem = self.raw_mut().memory();
@@ -205,6 +207,14 @@ impl ContextState {
         let b = self.branch_mut(winner)?;
         b.fork_head = if p_max >= 0 { p_min } else { b.position };
         self.cells_used = if p_max >= 0 { (p_max - p_min + 1) as usize } else { 0 };
+        if p_max >= 0 && self.batch_invariant {
+            if let Err(e) = self.compact_seq(seq) {
+                // Cannot happen short of a llama.cpp fault (the cache is empty when the cells
+                // are written back); leave no branch whose KV no longer matches it.
+                self.dispose_all();
+                return Err(e);
+            }
+        }
         Ok(())
     }
 
