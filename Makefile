@@ -6,7 +6,7 @@ export VIRTUAL_ENV := $(CURDIR)/.venv
 export PYO3_PYTHON := $(CURDIR)/.venv/bin/python
 PYDIRS := python tests benches examples
 
-.PHONY: sysdeps venv build soak fuzz test test-rust test-py lint bench bench-deps demo clean distclean
+.PHONY: sysdeps browser venv build soak fuzz test test-rust test-py lint bench bench-deps demo clean distclean
 
 sysdeps:  ## C/C++ compiler, cmake and libclang for llama-cpp-sys-2's build (apt, only when missing)
 	@if ! command -v cmake >/dev/null || ! command -v c++ >/dev/null \
@@ -15,6 +15,14 @@ sysdeps:  ## C/C++ compiler, cmake and libclang for llama-cpp-sys-2's build (apt
 		echo "sysdeps: apt-get install build-essential cmake libclang-dev clang"; \
 		$$SUDO apt-get update -qq && $$SUDO env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq \
 			build-essential cmake libclang-dev clang >/dev/null; \
+	fi
+
+browser:  ## headless chromium for the tree screenshots in tests/test_tree_html.py (apt, only when missing)
+	@if ! command -v chromium >/dev/null && ! command -v chromium-browser >/dev/null; then \
+		SUDO=$$( [ "$$(id -u)" = 0 ] || echo sudo ); \
+		echo "sysdeps: apt-get install chromium (headless screenshots in tests/test_tree_html.py)"; \
+		$$SUDO apt-get update -qq && $$SUDO env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq \
+			chromium >/dev/null; \
 	fi
 
 .venv/.deps: pyproject.toml
@@ -32,7 +40,7 @@ build: sysdeps venv  ## incremental release build into the venv (llama.cpp cache
 test-rust: sysdeps
 	cargo test --release -p lloyal-core
 
-test-py: build
+test-py: build browser
 	$(PY) -m pytest benches -q  # smoke: each benchmark once at small sizes (peers skip if absent)
 	$(PY) -m pytest tests -q
 

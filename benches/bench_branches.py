@@ -21,6 +21,7 @@ PARAMS = lloyal.SamplingParams(temperature=0.8, top_k=40, top_p=0.95, min_p=0.05
 
 
 NS = [1, 2, 4, 8, 16]
+ROUNDS = 3  # timed rounds per benchmark in a real run (after one warm-up round); means are reported
 
 
 def _ns(full: bool, n: int) -> int:
@@ -55,7 +56,9 @@ def _batched(
                 assert best.position == len(prompt_tokens) + steps
                 return counts
 
-        counts = benchmark.pedantic(run, rounds=1, iterations=1, warmup_rounds=1 if full else 0)
+        counts = benchmark.pedantic(
+            run, rounds=ROUNDS if full else 1, iterations=1, warmup_rounds=1 if full else 0
+        )
     assert counts == [steps] * n
 
 
@@ -95,7 +98,9 @@ def test_best_of_n_sequential(
                     counts.append(k.position - len(prompt_tokens))
                 return counts
 
-        counts = benchmark.pedantic(run, rounds=1, iterations=1, warmup_rounds=1 if full else 0)
+        counts = benchmark.pedantic(
+            run, rounds=ROUNDS if full else 1, iterations=1, warmup_rounds=1 if full else 0
+        )
     assert counts == [steps] * n
 
 
@@ -117,7 +122,9 @@ def test_best_of_n_llama_cpp_python(
             counts.append(out["usage"]["completion_tokens"])
         return counts
 
-    counts = benchmark.pedantic(run, rounds=1, iterations=1, warmup_rounds=1 if full else 0)
+    counts = benchmark.pedantic(
+        run, rounds=ROUNDS if full else 1, iterations=1, warmup_rounds=1 if full else 0
+    )
     assert all(1 <= c <= steps for c in counts)
 
 
@@ -150,7 +157,9 @@ def test_best_of_n_raw_batched(
         return counts
 
     try:
-        counts = benchmark.pedantic(run, rounds=1, iterations=1, warmup_rounds=1 if full else 0)
+        counts = benchmark.pedantic(
+            run, rounds=ROUNDS if full else 1, iterations=1, warmup_rounds=1 if full else 0
+        )
     finally:
         raw.close()
     assert counts == [steps] * n

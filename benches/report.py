@@ -153,6 +153,7 @@ def main() -> None:
     for group, title in (
         ("fork-vs-prefix", "Fork + prune against prefix length"),
         ("prefill-mixed", "Packed prefill of 6 mixed-length prompts (726 tokens, n_batch 256)"),
+        ("sampling-vs-step", "Sampling overhead at N = 8: produce_all vs one batched commit"),
     ):
         table_text = group_table(data, group)
         if table_text:

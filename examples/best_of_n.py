@@ -1,55 +1,67 @@
 """Best-of-N: fork N branches from one prompt, decode them in lockstep, keep the most fluent.
 
-Every step is ONE ``llama_decode`` for all live branches (``BranchStore.commit``); the prompt's KV
-cells are shared by every branch (``fork`` copies metadata, not tensors). The winner is the branch
-with the lowest model perplexity; ``retain_only`` keeps its sequence and frees every other lease.
+API: ``lloyal.strategies.best_of_n`` (``Branch.fork``, ``BranchStore.produce_all``/``commit``,
+``BranchStore.retain_only``). Every step is ONE ``llama_decode`` for all live branches; the
+prompt's KV cells are shared by every branch (``fork`` copies metadata, not tensors). The
+winner is the branch with the lowest model perplexity; ``retain_only`` keeps its sequence and
+frees every other lease.
 
 Run:
+    python examples/best_of_n.py
     python examples/best_of_n.py "The old lighthouse keeper opened the door and saw" -n 4
+    python examples/best_of_n.py --jsonl --max-tokens 16 --model path/to/model.gguf
+
+``--jsonl`` prints one ``{"event": "candidate", ...}`` line per candidate (index, text,
+tokens, perplexity) and a final ``{"event": "summary", ...}`` (winner, prompt, text).
 """
 
 from __future__ import annotations
 
 import argparse
+import json
+import math
 
 import lloyal
+from lloyal import strategies
+
+DEFAULT_PROMPT = "The old lighthouse keeper opened the door and saw"
 
 
 def best_of_n(ctx: lloyal.Context, prompt: str, n: int, max_tokens: int, seed: int = 1) -> tuple[int, str]:
-    """Return ``(winner_index, winner_text)`` of ``n`` sampled continuations of ``prompt``."""
-    store = lloyal.BranchStore(ctx)
-    params = lloyal.SamplingParams(temperature=0.8, top_k=40, top_p=0.95, seed=seed)
-    root = lloyal.Branch.create(ctx, 0, params)
-    root.prefill(ctx.tokenize(prompt))
-    branches = [root.fork() for _ in range(n)]
-    for i, b in enumerate(branches):
-        b.reseed_sampler(seed + 1 + i)
-    tokens: list[list[int]] = [[] for _ in branches]
-    live = list(range(n))
-    for _ in range(max_tokens):
-        produced = store.produce_all([branches[i] for i in live])
-        step = [(i, p) for i, p in zip(live, produced, strict=True) if not p.is_stop]
-        if not step:
-            break
-        store.commit([(branches[i], p.token) for i, p in step])
-        for i, p in step:
-            tokens[i].append(p.token)
-        live = [i for i, _ in step]
-    winner = min(range(n), key=lambda i: branches[i].perplexity)
-    store.retain_only(branches[winner])  # frees every other lease, the winner becomes a root
-    return winner, ctx.detokenize(tokens[winner])
+    """Return ``(winner_index, winner_text)`` of ``n`` sampled continuations of ``prompt``.
+
+    The winner's branch stays alive as the context's only branch (``retain_only``).
+    """
+    result = strategies.best_of_n(ctx, prompt, n, max_tokens=max_tokens, seed=seed)
+    return result.index, result.text
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
+    """Command-line entry point (see the module docstring)."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("prompt")
-    parser.add_argument("-n", type=int, default=4)
+    parser.add_argument("prompt", nargs="?", default=DEFAULT_PROMPT)
+    parser.add_argument("-n", type=int, default=4, help="number of candidates")
     parser.add_argument("--max-tokens", type=int, default=32)
+    parser.add_argument("--seed", type=int, default=1)
     parser.add_argument("--model", default=None, help="GGUF path (default: the embedded Gemma 3 270M)")
-    args = parser.parse_args()
-    with lloyal.Context(args.model or lloyal.default_model_path(), n_seq_max=args.n + 1) as ctx:
-        winner, text = best_of_n(ctx, args.prompt, args.n, args.max_tokens)
-        print(f"winner: branch {winner} of {args.n}\n{args.prompt}{text}")
+    parser.add_argument("--jsonl", action="store_true", help="one JSON event per line")
+    args = parser.parse_args(argv)
+    with lloyal.Context(args.model or lloyal.default_model_path(), n_ctx=1024, n_seq_max=args.n) as ctx:
+        result = strategies.best_of_n(ctx, args.prompt, args.n, max_tokens=args.max_tokens, seed=args.seed)
+        if args.jsonl:
+            for i, (text, tokens, ppl) in enumerate(
+                zip(result.texts, result.tokens, result.perplexities, strict=True)
+            ):
+                finite = ppl if math.isfinite(ppl) else None
+                event = {"event": "candidate", "index": i, "text": text, "tokens": len(tokens)}
+                print(json.dumps({**event, "perplexity": finite, "winner": i == result.index}))
+            summary = {"event": "summary", "winner": result.index, "n": args.n, "prompt": args.prompt}
+            print(json.dumps({**summary, "text": result.text}))
+        else:
+            for i, (text, ppl) in enumerate(zip(result.texts, result.perplexities, strict=True)):
+                mark = "*" if i == result.index else " "
+                print(f"{mark} [{i}] perplexity {ppl:6.2f} |{text!r}")
+            print(f"\nwinner: branch {result.index} of {args.n}\n{args.prompt}{result.text}")
 
 
 if __name__ == "__main__":

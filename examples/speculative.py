@@ -1,5 +1,7 @@
 """Speculative decoding with prompt lookup: drafts come from earlier text, ONE decode verifies them.
 
+API: ``lloyal.strategies.speculative_generate`` (``Branch.verify``).
+
 On copy-heavy tasks (rewriting, quoting, code edits) the continuation often repeats a span of
 the prompt. Each round takes the last 2 tokens, finds their latest earlier occurrence, and
 proposes the (up to) ``k`` tokens that followed as drafts; ``Branch.verify`` decodes them in
@@ -19,6 +21,7 @@ import time
 from dataclasses import dataclass
 
 import lloyal
+from lloyal import strategies
 
 PARAGRAPH = (
     "The harbour master walked along the pier every morning, counting the boats that had come "
@@ -38,15 +41,7 @@ class Run:
     seconds: float = 0.0
 
 
-def lookup_drafts(history: list[int], k: int, ngram: int = 2) -> list[int]:
-    """The up-to-``k`` tokens that followed the latest earlier occurrence of the last ``ngram``."""
-    if len(history) <= ngram:
-        return []
-    tail = history[-ngram:]
-    for start in range(len(history) - ngram - 1, -1, -1):
-        if history[start : start + ngram] == tail:
-            return history[start + ngram : start + ngram + k]
-    return []
+lookup_drafts = strategies.prompt_lookup_drafts  # (history, k, ngram=2) -> drafts
 
 
 def plain(ctx: lloyal.Context, prompt: list[int], max_tokens: int) -> Run:
@@ -61,27 +56,10 @@ def plain(ctx: lloyal.Context, prompt: list[int], max_tokens: int) -> Run:
 def speculative(ctx: lloyal.Context, prompt: list[int], max_tokens: int, k: int = 8) -> Run:
     """Greedy decoding with prompt-lookup drafts verified by ``Branch.verify``."""
     t0 = time.perf_counter()
-    run = Run([], decodes=0)
-    with lloyal.Branch.create(ctx, 0, lloyal.SamplingParams(temperature=0)) as b:
-        b.prefill(prompt)
-        history = list(prompt)
-        while len(run.tokens) < max_tokens:
-            drafts = lookup_drafts(history, min(k, max_tokens - len(run.tokens) - 1))
-            n = b.verify(drafts)
-            run.decodes += 2 if drafts else 1  # the draft batch, then the bonus commit
-            run.drafted += len(drafts)
-            run.accepted += n
-            bonus = b.last_token
-            assert bonus is not None
-            new = [*drafts[:n], bonus]
-            stop = next((i for i, t in enumerate(new) if ctx.is_stop_token(t)), None)
-            run.tokens += new[:stop]
-            history += new
-            if stop is not None:
-                break
-    run.tokens = run.tokens[:max_tokens]
-    run.seconds = time.perf_counter() - t0
-    return run
+    result = strategies.speculative_generate(ctx, prompt, max_tokens, k=k)
+    with result.branch:  # prunes the branch the call created
+        seconds = time.perf_counter() - t0
+    return Run(list(result.tokens), result.decodes, result.drafted, result.accepted, seconds)
 
 
 def main() -> None:

@@ -15,6 +15,7 @@ from __future__ import annotations
 import os
 from typing import Any
 
+from lloyal import strategies
 from lloyal._lloyal import (
     Branch,
     BranchStore,
@@ -86,6 +87,7 @@ __all__ = [
     "default_model_path",
     "json_schema_to_grammar",
     "parse_chat_output",
+    "strategies",
 ]
 
 
