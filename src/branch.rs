@@ -14,7 +14,7 @@ use crate::convert::{clamp_i32, narrow};
 use crate::detach::run;
 use crate::errors::IntoPyResult;
 use crate::grammar::PyGrammar;
-use crate::sampling::extract_params;
+use crate::sampling::{extract_params, extract_params_onto};
 
 /// A sampled-but-not-written token.
 #[pyclass(name = "Produced", module = "lloyal._lloyal", frozen, get_all, eq)]
@@ -256,7 +256,8 @@ impl PyBranch {
         self.call(py, move |s, h| s.branch_reseed_sampler(h, seed))
     }
 
-    /// Replace the sampling parameters (history kept; no rebuild when unchanged).
+    /// Replace the sampling parameters (history kept; no rebuild when unchanged). A
+    /// ``SamplingParams`` replaces all of them; keyword overrides alone change only those fields.
     #[pyo3(signature = (params=None, **overrides))]
     fn set_sampler_params(
         &self,
@@ -264,7 +265,10 @@ impl PyBranch {
         params: Option<&Bound<'_, PyAny>>,
         overrides: Option<&Bound<'_, PyDict>>,
     ) -> PyResult<()> {
-        let params = extract_params(params, overrides)?;
+        let params = match params.filter(|p| !p.is_none()) {
+            Some(p) => extract_params(Some(p), overrides)?,
+            None => extract_params_onto(self.call(py, |s, h| s.branch_params(h))?, None, overrides)?,
+        };
         self.call(py, move |s, h| s.branch_set_params(h, params))
     }
 

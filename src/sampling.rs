@@ -111,7 +111,16 @@ pub fn extract_params(
     params: Option<&Bound<'_, PyAny>>,
     overrides: Option<&Bound<'_, PyDict>>,
 ) -> PyResult<SamplingParams> {
-    let mut p = SamplingParams::default();
+    extract_params_onto(SamplingParams::default(), params, overrides)
+}
+
+/// Like [`extract_params`], starting from `base` (the fields `params`/`overrides` leave alone).
+pub fn extract_params_onto(
+    base: SamplingParams,
+    params: Option<&Bound<'_, PyAny>>,
+    overrides: Option<&Bound<'_, PyDict>>,
+) -> PyResult<SamplingParams> {
+    let mut p = base;
     if let Some(obj) = params.filter(|o| !o.is_none()) {
         for name in FIELDS {
             if let Some(v) = field(obj, name)? {

@@ -545,3 +545,23 @@ def test_set_logits_and_metrics(ctx, root):
     with pytest.raises(ValueError):
         root.set_logits(np.zeros(10, dtype=np.float32))
     assert root.produce().token == 1234
+
+
+def test_set_sampler_params_overrides_keep_the_other_fields(ctx):
+    """Keyword overrides alone change only those fields: with top_k=1 kept, a hot temperature
+    still picks the argmax; a whole SamplingParams replaces every field (top_k back to 40)."""
+    b = Branch.create(ctx, 0, SamplingParams(temperature=0.0, top_k=1, seed=3))
+    b.prefill(ctx.tokenize("The weather today is"))
+    best = int(np.argmax(b.logits))
+    b.set_sampler_params(temperature=5.0, min_p=0.0, top_p=1.0)
+    picks = set()
+    for seed in range(12):
+        b.reseed_sampler(seed)
+        picks.add(b.produce().token)
+    assert picks == {best}
+    b.set_sampler_params(SamplingParams(temperature=5.0, min_p=0.0, top_p=1.0))
+    hot = set()
+    for seed in range(12):
+        b.reseed_sampler(seed)
+        hot.add(b.produce().token)
+    assert len(hot) > 1, "a full SamplingParams resets top_k to its default (40)"

@@ -150,7 +150,7 @@ def test_concurrent_calls_on_one_context_are_serialised(model: lloyal.Model) -> 
     assert got == want
 
 
-def branch_greedy(ctx: lloyal.Context, prompt: str, n: int = 6) -> list[int]:
+def branch_greedy(ctx: lloyal.Context, prompt: str, n: int = 6, prune: bool = True) -> list[int]:
     b = lloyal.Branch.create(ctx, 0, lloyal.SamplingParams(temperature=0))
     b.prefill(ctx.tokenize(prompt))
     out = []
@@ -158,22 +158,28 @@ def branch_greedy(ctx: lloyal.Context, prompt: str, n: int = 6) -> list[int]:
         t = b.sample()
         b.commit(t)
         out.append(t)
-    b.prune()
+    if prune:
+        b.prune()
     return out
 
 
 def test_threads_with_branches_on_one_context_get_correct_results(model: lloyal.Model) -> None:
-    """Branches keep their own logits, so threads need no lock of their own."""
+    """Branches keep their own logits, so threads need no lock of their own. The branches are
+    pruned only after every thread is done: a prune mid-run frees cells that a still-running
+    branch may then write into ahead of its own, which can move its logits (README "Numerics")."""
     prompts = ["The capital of France is", "Water boils at", "My favourite colour is", "Rust is a"]
     with lloyal.Context(model, n_ctx=1024, n_seq_max=4) as ref:
         expected = [branch_greedy(ref, p) for p in prompts]
     with lloyal.Context(model, n_ctx=1024, n_seq_max=4) as ctx:
         results: dict[int, list[int]] = {}
         errors = run_threads(
-            *[lambda i=i: results.__setitem__(i, branch_greedy(ctx, prompts[i])) for i in range(len(prompts))]
+            *[
+                lambda i=i: results.__setitem__(i, branch_greedy(ctx, prompts[i], prune=False))
+                for i in range(len(prompts))
+            ]
         )
         assert not errors, errors
-        assert lloyal.BranchStore(ctx).available == 4
+        assert lloyal.BranchStore(ctx).available == 0  # all four still live; close() prunes them
     assert [results[i] for i in range(len(prompts))] == expected
 
 

@@ -516,7 +516,14 @@ class Branch:
     def reseed_sampler(self, seed: int) -> None:
         """Restart the sampler's RNG with ``seed`` (history kept)."""
     def set_sampler_params(self, params: object | None = None, **overrides: Any) -> None:
-        """Replace the sampling parameters (history kept)."""
+        """Replace the sampling parameters (penalty history and RNG kept).
+
+        A ``SamplingParams`` replaces all of them (keyword overrides then apply on top);
+        keyword overrides alone change only those fields of the current parameters.
+
+        Example:
+            >>> branch.set_sampler_params(temperature=0.2)  # top_k, top_p... unchanged
+        """
     def save_state(self) -> bytes:
         """KV cells, position, sampler (params, history, RNG), grammar, metrics, biases, logits."""
     @staticmethod

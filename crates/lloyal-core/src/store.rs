@@ -367,6 +367,11 @@ impl ContextState {
     }
 
     /// Replace a branch's sampler parameters (history kept; no-op if unchanged).
+    /// A branch's current sampling parameters.
+    pub fn branch_params(&self, handle: Handle) -> Result<SamplingParams> {
+        Ok(self.branch(handle)?.sampler.params().clone())
+    }
+
     pub fn branch_set_params(&mut self, handle: Handle, params: SamplingParams) -> Result<()> {
         let model = self.model();
         let b = self.branch_mut(handle)?;
