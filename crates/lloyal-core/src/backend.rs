@@ -27,9 +27,9 @@ const TILED_MATMUL: &str = "GGML_CPU_TILED_MM";
 
 /// ggml takes its tiled K-quant matmul only for batches of 8+ rows, so a token's result would
 /// depend on how many rows share its decode. Batch-invariant contexts need it off; it is turned
-/// off here, before any decode, unless the user set the variable themselves. (Cost: none
-/// measurable on the default model, whose K-quant weights the repacked kernel handles anyway
-/// when a model is loaded with `repack`.)
+/// off here, before any decode, unless the user set the variable themselves. It is one switch
+/// for the whole process, so `batch_invariant=False` contexts run without it too: K-quant
+/// matmuls of 8+ rows (prompt chunks, wide commits) take ggml's per-row kernel instead.
 fn default_tiled_matmul_off() {
     if std::env::var_os(TILED_MATMUL).is_none() {
         std::env::set_var(TILED_MATMUL, "0");

@@ -60,6 +60,15 @@ const KV_TYPES: &[(&str, sys::ggml_type)] = &[
     ("iq4_nl", sys::GGML_TYPE_IQ4_NL),
 ];
 
+/// The K cache type when none is given: q8_0 keeps flash attention on its one-row kernel.
+fn default_type_k(batch_invariant: bool) -> &'static str {
+    if batch_invariant {
+        "q8_0"
+    } else {
+        "f16"
+    }
+}
+
 /// f16, or f32 (which llama.cpp's flash attention casts to f16).
 fn f16_class(t: sys::ggml_type) -> bool {
     t == sys::GGML_TYPE_F16 || t == sys::GGML_TYPE_F32
@@ -148,7 +157,9 @@ impl ContextOptions {
                 self.n_batch.div_ceil(self.n_seq_max) * self.n_seq_max
             )));
         }
-        let k = self.type_k.as_deref().map(|k| parse_kv_type("type_k", k)).transpose()?;
+        if let Some(k) = &self.type_k {
+            parse_kv_type("type_k", k)?;
+        }
         let v = parse_kv_type("type_v", &self.type_v)?;
         let plain = [sys::GGML_TYPE_F32, sys::GGML_TYPE_F16, sys::GGML_TYPE_BF16];
         if !self.flash_attn && !plain.contains(&v) {
@@ -165,7 +176,7 @@ impl ContextOptions {
                      pass batch_invariant=False to run without flash attention",
                 ));
             }
-            if k.is_some_and(|k| f16_class(k) && f16_class(v)) {
+            if self.explicit_f16_pair() {
                 return Err(LloyalError::invalid(format!(
                     "batch_invariant=True cannot use type_k={:?} with type_v={:?}: with both in \
                      f16/f32 llama.cpp switches flash-attention kernels by batch size; leave \
@@ -178,6 +189,13 @@ impl ContextOptions {
         Ok(())
     }
 
+    /// Whether `type_k` was given and both cache types are f16-class (which rules out the
+    /// one-row flash-attention kernel). An unparsable type counts as not f16-class.
+    fn explicit_f16_pair(&self) -> bool {
+        let class = |field: &str, t: &str| parse_kv_type(field, t).is_ok_and(f16_class);
+        self.type_k.as_deref().is_some_and(|k| class("type_k", k) && class("type_v", &self.type_v))
+    }
+
     /// Settle `batch_invariant` and `type_k` for a model loaded with `model`. Batch invariance
     /// needs llama.cpp's per-row kernels everywhere: weights not repacked, ggml's tiled K-quant
     /// matmul off (see `backend`), flash attention on its one-row-at-a-time path (taken when K
@@ -186,10 +204,6 @@ impl ContextOptions {
     pub fn resolve(&self, model: &ModelOptions) -> Result<ContextOptions> {
         self.validate()?;
         let mut out = self.clone();
-        let f16_pair = self.type_k.as_deref().is_some_and(|k| {
-            f16_class(parse_kv_type("type_k", k).unwrap_or_default())
-                && f16_class(parse_kv_type("type_v", &self.type_v).unwrap_or_default())
-        });
         let blocker = if model.n_gpu_layers > 0 {
             Some("the model is offloaded to a GPU (n_gpu_layers > 0), whose kernels are not batch-invariant")
         } else if model.repack {
@@ -206,10 +220,10 @@ impl ContextOptions {
                 )))
             }
             (Some(on), _) => on,
-            (None, blocker) => blocker.is_none() && self.flash_attn && !f16_pair,
+            (None, blocker) => blocker.is_none() && self.flash_attn && !self.explicit_f16_pair(),
         };
         out.batch_invariant = Some(on);
-        out.type_k = Some(self.type_k.clone().unwrap_or_else(|| if on { "q8_0" } else { "f16" }.into()));
+        out.type_k = Some(self.type_k.clone().unwrap_or_else(|| default_type_k(on).into()));
         Ok(out)
     }
 
@@ -236,7 +250,7 @@ impl ContextOptions {
         p.n_threads_batch = threads;
         p.embeddings = self.embeddings;
         p.pooling_type = if self.embeddings { self.pooling.raw() } else { sys::LLAMA_POOLING_TYPE_NONE };
-        let default_k = if self.is_batch_invariant() { "q8_0" } else { "f16" };
+        let default_k = default_type_k(self.is_batch_invariant());
         p.type_k = parse_kv_type("type_k", self.type_k.as_deref().unwrap_or(default_k))?;
         p.type_v = parse_kv_type("type_v", &self.type_v)?;
         p.flash_attn_type = if self.flash_attn {

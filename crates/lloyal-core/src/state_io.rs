@@ -28,6 +28,22 @@ impl ContextState {
         unsafe { sys::llama_memory_seq_pos_min(mem, seq_id) }
     }
 
+    /// llama.cpp's serialised state of `seq_id` (its KV cells, both caches), unwrapped.
+    fn seq_state_bytes(&mut self, seq_id: i32) -> Result<Vec<u8>> {
+        let ctx = self.raw_mut().as_ptr();
+        // SAFETY: valid context; callers pass a range-checked seq id.
+        let size = unsafe { sys::llama_state_seq_get_size(ctx, seq_id) };
+        let mut payload = vec![0u8; size];
+        // SAFETY: `payload` has exactly `size` writable bytes, the size llama.cpp asked for.
+        let written = unsafe { sys::llama_state_seq_get_data(ctx, payload.as_mut_ptr(), size, seq_id) };
+        if written != size {
+            return Err(LloyalError::Backend(format!(
+                "llama.cpp wrote {written} of {size} bytes of seq {seq_id}'s state"
+            )));
+        }
+        Ok(payload)
+    }
+
     /// `kv_cache_save(seq_id)`: the sequence's KV cells as a verified byte string.
     pub fn kv_save(&mut self, seq_id: i32) -> Result<Vec<u8>> {
         self.kv_save_tokens(seq_id, &[])
@@ -40,17 +56,7 @@ impl ContextState {
         if tokens.len() > u32::MAX as usize {
             return Err(LloyalError::invalid("too many tokens to store with a KV state"));
         }
-        let ctx = self.raw_mut().as_ptr();
-        // SAFETY: valid context; seq id range-checked.
-        let size = unsafe { sys::llama_state_seq_get_size(ctx, seq_id) };
-        let mut payload = vec![0u8; size];
-        // SAFETY: `payload` has exactly `size` writable bytes, the size llama.cpp asked for.
-        let written = unsafe { sys::llama_state_seq_get_data(ctx, payload.as_mut_ptr(), size, seq_id) };
-        if written != size {
-            return Err(LloyalError::Backend(format!(
-                "llama.cpp wrote {written} of {size} bytes of seq {seq_id}'s state"
-            )));
-        }
+        let payload = self.seq_state_bytes(seq_id)?;
         let pos_max = self.seq_pos_max(seq_id)?;
         let pos_min = if pos_max < 0 { -1 } else { self.seq_pos_min(seq_id) };
         let state = SavedState { pos_min, pos_max, tokens: tokens.to_vec(), payload };
@@ -63,19 +69,10 @@ impl ContextState {
     /// visits a sequence's cells in cell order, would sum them in another order (README
     /// "Numerics"). Costs one copy of the sequence's KV.
     pub(crate) fn compact_seq(&mut self, seq_id: i32) -> Result<()> {
-        let ctx = self.raw_mut().as_ptr();
-        // SAFETY: valid context; seq id is a lease id.
-        let size = unsafe { sys::llama_state_seq_get_size(ctx, seq_id) };
-        let mut payload = vec![0u8; size];
-        // SAFETY: `payload` has exactly `size` writable bytes, the size llama.cpp asked for.
-        let written = unsafe { sys::llama_state_seq_get_data(ctx, payload.as_mut_ptr(), size, seq_id) };
-        if written != size {
-            return Err(LloyalError::Backend(format!(
-                "llama.cpp wrote {written} of {size} bytes of seq {seq_id}'s state"
-            )));
-        }
+        let payload = self.seq_state_bytes(seq_id)?;
         self.remove_cells(seq_id, 0, -1);
         clear_recent_errors();
+        let ctx = self.raw_mut().as_ptr();
         // SAFETY: valid context; `payload` is readable for its length; the cache is empty, so the
         // cells the state needs are free.
         let read = unsafe { sys::llama_state_seq_set_data(ctx, payload.as_ptr(), payload.len(), seq_id) };
