@@ -2,10 +2,46 @@
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
+import subprocess
+import sys
+from pathlib import Path
+from types import ModuleType
+from typing import Any
 
 import lloyal
+
+EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
+
+
+def load_example(name: str) -> ModuleType:
+    """Import ``examples/<name>.py`` as module ``name`` (the scripts are not a package)."""
+    spec = importlib.util.spec_from_file_location(name, EXAMPLES / f"{name}.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+def run_example_jsonl(name: str, *args: str, stdin: str = "") -> list[dict[str, Any]]:
+    """Run ``examples/<name>.py --jsonl *args``: it must exit 0 and print one JSON object a line."""
+    proc = subprocess.run(
+        [sys.executable, str(EXAMPLES / f"{name}.py"), "--jsonl", *args],
+        input=stdin,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+    assert proc.returncode == 0, proc.stderr
+    lines = proc.stdout.splitlines()
+    assert lines, proc.stderr
+    events = [json.loads(line) for line in lines]
+    assert all(isinstance(e, dict) for e in events)
+    return events
 
 
 def soak_report(name: str, **figures: object) -> None:

@@ -40,17 +40,12 @@ STORY = (
 MakeContext = Callable[..., lloyal.Context]
 
 
-def run_branches(
-    ctx: lloyal.Context, prompts: list[list[int]], steps: int, batched: bool
-) -> tuple[list[list[int]], list[float], list[np.ndarray]]:
-    """Greedy generation for one branch per prompt: batched commits or one branch at a time."""
-    store = BranchStore(ctx)
-    branches = [Branch.create(ctx, 0, GREEDY) for _ in prompts]
-    for b, p in zip(branches, prompts, strict=True):
-        b.prefill(p)
-    out: list[list[int]] = [[] for _ in branches]
+def greedy_steps(branches: list[Branch], out: list[list[int]], steps: int, batched: bool) -> None:
+    """``steps`` greedy tokens for every branch, appended to ``out``: one batched commit per
+    step, or one branch at a time."""
+    store = BranchStore(branches[0].context) if batched else None
     for _ in range(steps):
-        if batched:
+        if store is not None:
             produced = store.produce_all(branches)
             store.commit([(b, p.token) for b, p in zip(branches, produced, strict=True)])
             for o, p in zip(out, produced, strict=True):
@@ -58,6 +53,17 @@ def run_branches(
         else:
             for o, b in zip(out, branches, strict=True):
                 o.extend(produce_commit(b, 1))
+
+
+def run_branches(
+    ctx: lloyal.Context, prompts: list[list[int]], steps: int, batched: bool
+) -> tuple[list[list[int]], list[float], list[np.ndarray]]:
+    """Greedy generation for one branch per prompt: batched commits or one branch at a time."""
+    branches = [Branch.create(ctx, 0, GREEDY) for _ in prompts]
+    for b, p in zip(branches, prompts, strict=True):
+        b.prefill(p)
+    out: list[list[int]] = [[] for _ in branches]
+    greedy_steps(branches, out, steps, batched)
     result = (out, [b.perplexity for b in branches], [b.logits for b in branches])
     for b in branches:
         b.prune()
@@ -97,15 +103,7 @@ def test_batched_commit_exact_over_a_long_shared_prefix(make_context: MakeContex
         kids = [root.fork() for _ in firsts]
         out: list[list[int]] = [[t] for t in firsts]
         store.commit(list(zip(kids, firsts, strict=True)))
-        for _ in range(4):
-            if batched:
-                produced = store.produce_all(kids)
-                store.commit([(k, p.token) for k, p in zip(kids, produced, strict=True)])
-                for o, p in zip(out, produced, strict=True):
-                    o.append(p.token)
-            else:
-                for o, k in zip(out, kids, strict=True):
-                    o.extend(produce_commit(k, 1))
+        greedy_steps(kids, out, 4, batched)
         ppl = [k.perplexity for k in kids]
         for k in kids:
             k.prune()

@@ -2,27 +2,15 @@
 
 from __future__ import annotations
 
-import importlib.util
-import sys
 from pathlib import Path
-from types import ModuleType
+
+from helpers import load_example
 
 import lloyal
 
-EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
-
-
-def _load(name: str) -> ModuleType:
-    spec = importlib.util.spec_from_file_location(name, EXAMPLES / f"{name}.py")
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[name] = module
-    spec.loader.exec_module(module)
-    return module
-
 
 def test_best_of_n_keeps_one_lease_and_returns_the_winner_text(model_path: Path) -> None:
-    example = _load("best_of_n")
+    example = load_example("best_of_n")
     with lloyal.Context(model_path, n_ctx=1024, n_seq_max=5) as ctx:
         winner, text = example.best_of_n(ctx, "The capital of France is", n=4, max_tokens=8)
         assert 0 <= winner < 4

@@ -2,44 +2,21 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import math
-import subprocess
-import sys
 from collections.abc import Callable
 from pathlib import Path
-from types import ModuleType
 from typing import Any
+
+from helpers import load_example, run_example_jsonl
 
 import lloyal
 
-EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
-
-
-def _load(name: str) -> ModuleType:
-    spec = importlib.util.spec_from_file_location(name, EXAMPLES / f"{name}.py")
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[name] = module
-    spec.loader.exec_module(module)
-    return module
-
 
 def _run_jsonl(name: str, model_path: Path, *flags: str) -> list[dict[str, Any]]:
-    """Run ``examples/<name>.py --jsonl``; every stdout line must be one JSON object."""
-    proc = subprocess.run(
-        [sys.executable, str(EXAMPLES / f"{name}.py"), "--jsonl", "--model", str(model_path), *flags],
-        capture_output=True,
-        text=True,
-        timeout=120,
-        check=False,
-    )
-    assert proc.returncode == 0, proc.stderr
-    lines = proc.stdout.splitlines()
-    assert lines, proc.stderr
-    events = [json.loads(line) for line in lines]
-    assert all(isinstance(e, dict) and "event" in e for e in events)
+    """Run ``examples/<name>.py --jsonl``; every stdout line must be one JSON event."""
+    events = run_example_jsonl(name, "--model", str(model_path), *flags)
+    assert all("event" in e for e in events)
     return events
 
 
@@ -51,7 +28,7 @@ def _ok_perplexity(x: float) -> bool:
 
 
 def test_streaming_runs_past_its_window_with_reseeds(make_context: Callable[..., lloyal.Context]) -> None:
-    example = _load("streaming")
+    example = load_example("streaming")
     ctx = make_context(n_ctx=256, n_seq_max=2)
     events = list(example.stream(ctx, "Once upon a time,", 52, window=48, tail=8, summary_tokens=4))
     done = events[-1]
@@ -85,7 +62,7 @@ def test_streaming_script_prints_jsonl(model_path: Path) -> None:
 
 
 def test_entropy_adapts_temperature_and_forks(make_context: Callable[..., lloyal.Context]) -> None:
-    example = _load("entropy")
+    example = load_example("entropy")
     ctx = make_context(n_ctx=512, n_seq_max=2)
     store = lloyal.BranchStore(ctx)
     assert store.available == 2
@@ -112,7 +89,7 @@ def test_entropy_adapts_temperature_and_forks(make_context: Callable[..., lloyal
 
 
 def test_entropy_temperature_map_is_monotone() -> None:
-    example = _load("entropy")
+    example = load_example("entropy")
     temps = [example.temperature_for(e / 2) for e in range(14)]
     assert temps == sorted(temps) and temps[0] == 0.1 and temps[-1] == 1.1
 
@@ -141,7 +118,7 @@ def _matches_product(doc: Any) -> bool:
 
 
 def test_grammar_children_are_distinct_valid_documents(make_context: Callable[..., lloyal.Context]) -> None:
-    example = _load("grammar")
+    example = load_example("grammar")
     ctx = make_context(n_ctx=512, n_seq_max=4)
     events = list(example.grammar_fork(ctx, max_tokens=40))
     assert [e["event"] for e in events] == ["choice_point", "child", "child", "child", "done"]
@@ -162,7 +139,7 @@ def test_grammar_children_are_distinct_valid_documents(make_context: Callable[..
 
 
 def test_grammar_schema_check_reports_each_violation() -> None:
-    example = _load("grammar")
+    example = load_example("grammar")
     good = {"name": "pen", "category": "tool", "in_stock": False, "price": 3}
     assert example.schema_errors(good, example.PRODUCT) == []
     bad = {"name": "x" * 20, "category": "car", "in_stock": 1, "price": 5000, "extra": None}

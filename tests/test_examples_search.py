@@ -2,42 +2,14 @@
 
 from __future__ import annotations
 
-import importlib.util
-import json
-import subprocess
-import sys
 from collections.abc import Callable
-from pathlib import Path
-from types import ModuleType
-from typing import Any
 
 import numpy as np
+from helpers import load_example, run_example_jsonl
 
 import lloyal
 
-EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
 GREEDY = lloyal.SamplingParams(temperature=0)
-
-
-def _load(name: str) -> ModuleType:
-    spec = importlib.util.spec_from_file_location(name, EXAMPLES / f"{name}.py")
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[name] = module
-    spec.loader.exec_module(module)
-    return module
-
-
-def _run(name: str, *args: str, stdin: str = "") -> list[dict[str, Any]]:
-    proc = subprocess.run(
-        [sys.executable, str(EXAMPLES / f"{name}.py"), "--jsonl", *args],
-        input=stdin,
-        capture_output=True,
-        text=True,
-        timeout=120,
-        check=True,
-    )
-    return [json.loads(line) for line in proc.stdout.splitlines()]  # every line is JSON
 
 
 def _encode(ctx: lloyal.Context, prompt: str) -> list[int]:
@@ -45,7 +17,7 @@ def _encode(ctx: lloyal.Context, prompt: str) -> list[int]:
 
 
 def test_chat_prefills_only_the_new_turn(make_context: Callable[..., lloyal.Context]) -> None:
-    example = _load("chat")
+    example = load_example("chat")
     ctx = make_context(n_ctx=512)
     lines = ["Hi!", "What is 2+2?", "", "/clear", "Name a colour."]
     streamed: list[str] = []
@@ -74,7 +46,7 @@ def test_chat_prefills_only_the_new_turn(make_context: Callable[..., lloyal.Cont
 
 
 def test_chat_session_resets_when_the_context_is_full(make_context: Callable[..., lloyal.Context]) -> None:
-    example = _load("chat")
+    example = load_example("chat")
     ctx = make_context(n_ctx=256)  # the smallest context llama.cpp makes
     session = example.ChatSession(ctx, params=GREEDY, max_tokens=2)
     text = "Tell me a long story about a dragon, a knight and a castle by the sea, please. " * 4
@@ -88,7 +60,7 @@ def test_chat_session_resets_when_the_context_is_full(make_context: Callable[...
 
 
 def test_chat_cli_jsonl_reads_stdin() -> None:
-    events = _run("chat", "--max-tokens", "4", stdin="Hi!\nWhat is 2+2?\n")
+    events = run_example_jsonl("chat", "--max-tokens", "4", stdin="Hi!\nWhat is 2+2?\n")
     assert [e["event"] for e in events] == ["turn", "turn"]
     first, second = events
     assert (first["user"], second["user"]) == ("Hi!", "What is 2+2?")
@@ -98,7 +70,7 @@ def test_chat_cli_jsonl_reads_stdin() -> None:
 
 
 def test_embed_matrix_and_neighbours(make_context: Callable[..., lloyal.Context]) -> None:
-    example = _load("embed")
+    example = load_example("embed")
     ctx = make_context(n_ctx=1024, n_seq_max=4, embeddings=True)
     sentences, queries = list(example.SENTENCES), list(example.QUERIES)
     matrix, found = example.neighbours(ctx, sentences, queries)
@@ -115,7 +87,7 @@ def test_embed_matrix_and_neighbours(make_context: Callable[..., lloyal.Context]
 
 
 def test_beam_search_cli_jsonl() -> None:
-    events = _run("beam_search", "--width", "2", "--max-tokens", "3")
+    events = run_example_jsonl("beam_search", "--width", "2", "--max-tokens", "3")
     assert [e["event"] for e in events] == ["result", "result", "summary"]
     assert [e["method"] for e in events[:2]] == ["greedy", "beam"]
     for e in events[:2]:
@@ -127,7 +99,7 @@ def test_beam_search_cli_jsonl() -> None:
 
 
 def test_beam_search_compare(make_context: Callable[..., lloyal.Context]) -> None:
-    example = _load("beam_search")
+    example = load_example("beam_search")
     ctx = make_context(n_ctx=512, n_seq_max=2)
     base, beam = example.compare(ctx, "The capital of France is", 1, 4)
     assert (base.method, beam.method) == ("greedy", "beam")
@@ -137,7 +109,7 @@ def test_beam_search_compare(make_context: Callable[..., lloyal.Context]) -> Non
 
 
 def test_best_of_n_cli_jsonl_defaults() -> None:
-    events = _run("best_of_n", "-n", "2", "--max-tokens", "3")
+    events = run_example_jsonl("best_of_n", "-n", "2", "--max-tokens", "3")
     assert [e["event"] for e in events] == ["candidate", "candidate", "summary"]
     winners = [e["index"] for e in events[:2] if e["winner"]]
     assert winners == [events[2]["winner"]]

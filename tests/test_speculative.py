@@ -2,27 +2,15 @@
 
 from __future__ import annotations
 
-import importlib.util
-import sys
 from collections.abc import Callable
-from pathlib import Path
 
 import pytest
+from helpers import load_example
 
 import lloyal
 
-EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
 GREEDY = lloyal.SamplingParams(temperature=0)
 PROMPT = "The capital of France is Paris. The capital of Germany is"
-
-
-def _example():  # type: ignore[no-untyped-def]
-    spec = importlib.util.spec_from_file_location("speculative", EXAMPLES / "speculative.py")
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["speculative"] = module
-    spec.loader.exec_module(module)
-    return module
 
 
 @pytest.fixture
@@ -77,7 +65,7 @@ def test_verify_refusals(ctx2: lloyal.Context) -> None:
 
 
 def test_prompt_lookup_example_equals_plain_greedy_with_fewer_decodes(ctx2: lloyal.Context) -> None:
-    ex = _example()
+    ex = load_example("speculative")
     prompt = ctx2.tokenize(ex.PROMPT)
     base = ex.plain(ctx2, prompt, 32)
     spec = ex.speculative(ctx2, prompt, 32)
