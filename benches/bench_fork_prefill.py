@@ -3,6 +3,10 @@
 - fork: a 16-token vs a long prefix (2000 tokens when run for real): the child shares the
   parent's cells (``llama_memory_seq_cp``, metadata only), so time and new KV cells must not
   grow with the prefix.
+  ``test_fork_raw`` is llama.cpp's floor for the same step: ``llama_memory_seq_cp`` then
+  ``llama_memory_seq_rm`` through llama-cpp-python's C bindings on a context configured like
+  lloyal's (unified KV, full SWA cache). Both cost per cell of the prefix: llama.cpp keeps a
+  per-sequence ordered set of positions and inserts / erases one node per shared cell.
 - prefill: six branches with mixed prompt lengths written by one ``BranchStore.prefill``
   (packed into ceil(T / n_batch) decodes) vs the same rows decoded through llama.cpp's C API
   at the same n_batch (lloyal on llama.cpp's own kernels, ``batch_invariant=False``, and on
@@ -50,6 +54,32 @@ def test_fork(benchmark, model_path: Path, full: bool, prefix: int) -> None:
         assert pos == length
         assert store.kv_pressure.cells_used == cells == length
         root.prune()
+
+
+@pytest.mark.parametrize("prefix", [16, 2000])
+def test_fork_raw(benchmark, model_path: Path, full: bool, prefix: int) -> None:
+    benchmark.group = "fork-vs-prefix"
+    length = prefix if full else min(prefix, 64)
+    raw = RawLoop(model_path, 4096, 2, THREADS)
+    try:
+        with lloyal.Context(model_path, n_ctx=256) as tok_ctx:
+            toks = _tokens(tok_ctx, length)
+        rows = [(t, i, 0, i == len(toks) - 1) for i, t in enumerate(toks)]
+        for start in range(0, len(rows), 512):
+            raw.decode(rows[start : start + 512])
+        mem = raw.ll.llama_get_memory(raw.ctx)
+
+        def run() -> int:
+            raw.seq_cp(0, 1)
+            pos = int(raw.ll.llama_memory_seq_pos_max(mem, 1)) + 1
+            raw.seq_rm(1)
+            return pos
+
+        pos = benchmark(run)
+        assert pos == length
+        assert int(raw.ll.llama_memory_seq_pos_max(mem, 1)) == -1
+    finally:
+        raw.close()
 
 
 @pytest.mark.parametrize("impl", ["lloyal_store_prefill", "lloyal_store_prefill_invariant", "raw_loop"])

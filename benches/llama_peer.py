@@ -70,6 +70,10 @@ class RawLoop:
         mem = self.ll.llama_get_memory(self.ctx)
         self.ll.llama_memory_seq_cp(mem, src, dst, -1, -1)
 
+    def seq_rm(self, seq: int) -> None:
+        mem = self.ll.llama_get_memory(self.ctx)
+        self.ll.llama_memory_seq_rm(mem, seq, -1, -1)
+
     def clear(self) -> None:
         self.ll.llama_memory_clear(self.ll.llama_get_memory(self.ctx), True)
 

@@ -113,6 +113,25 @@ def single_stream_table(means: dict[str, float]) -> str:
     return "\n".join(lines)
 
 
+def paired_table(data: dict[str, Any]) -> str:
+    """Markdown table for the interleaved single-stream comparison (medians of its rounds)."""
+    rows = [b for b in data["benchmarks"] if b["group"] == "decode-single-stream-paired"]
+    if not rows:
+        return ""
+    info = rows[0]["extra_info"]
+    return "\n".join(
+        [
+            "| implementation | median s | speed vs raw loop |",
+            "|---|---|---|",
+            f"| lloyal Branch (produce/commit) | {info['branch_median_s']:.3f} | {info['branch_vs_raw']:.2f}x |",
+            f"| lloyal flat path (Context.decode/sample) | {info['flat_median_s']:.3f} | {info['flat_vs_raw']:.2f}x |",
+            f"| raw llama.cpp loop (C API via llama-cpp-python) | {info['raw_median_s']:.3f} | 1.00x |",
+            f"\n{info['rounds']} interleaved rounds of each (raw, flat, Branch, raw, ...); medians"
+            " without the first (warm-up) round.",
+        ]
+    )
+
+
 def plot(series: dict[str, dict[int, float]], out: Path) -> None:
     """Aggregate tokens/s against N for each implementation (needs matplotlib)."""
     import matplotlib
@@ -144,6 +163,10 @@ def main() -> None:
     table, series = best_of_n_table(means)
     print("## Single stream (128-token prompt + 64 greedy tokens)\n")
     print(single_stream_table(means))
+    paired = paired_table(data)
+    if paired:
+        print("\n## Single stream, interleaved rounds (target 2)\n")
+        print(paired)
     print("\n## Best-of-N (128-token shared prompt, 64 tokens per branch)\n")
     print(table)
     grammar = grammar_table(data)

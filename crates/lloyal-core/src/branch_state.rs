@@ -10,6 +10,8 @@
 //! Not restorable exactly: the internal RNG of XTC and the running `mu` of mirostat (llama.cpp
 //! keeps them private); those restart from their seed.
 
+use std::sync::Arc;
+
 use serde_json::{json, Value};
 
 use crate::branch::BranchState;
@@ -229,7 +231,7 @@ impl ContextState {
             "grammar": grammar,
         });
         let meta = meta.to_string().into_bytes();
-        let logits = b.logits.clone();
+        let logits = Arc::clone(&b.logits);
         let kv = self.kv_save(seq)?;
         let mut out = Vec::with_capacity(40 + meta.len() + logits.len() * 4 + kv.len());
         out.extend_from_slice(MAGIC);
@@ -237,7 +239,7 @@ impl ContextState {
         out.extend_from_slice(&(meta.len() as u64).to_le_bytes());
         out.extend_from_slice(&meta);
         out.extend_from_slice(&(logits.len() as u64).to_le_bytes());
-        for x in &logits {
+        for x in logits.iter() {
             out.extend_from_slice(&x.to_le_bytes());
         }
         out.extend_from_slice(&(kv.len() as u64).to_le_bytes());
@@ -342,7 +344,7 @@ impl ContextState {
         b.sampling_ppl = p.sampling_ppl;
         b.logit_bias = p.logit_bias;
         b.steer = p.steer;
-        b.logits = p.logits;
+        b.logits = Arc::new(p.logits);
         let handle = self.branches.insert(b);
         self.topology.add(handle, None);
         self.cells_used += p.cells;

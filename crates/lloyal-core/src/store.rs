@@ -2,6 +2,8 @@
 //! commit and packed prefill. Each validates, plans, executes, then publishes — a failure
 //! leaves every branch exactly as it was.
 
+use std::sync::Arc;
+
 use crate::branch::BranchState;
 use crate::context::ContextState;
 use crate::error::{LloyalError, Result};
@@ -433,7 +435,7 @@ impl ContextState {
             return Err(LloyalError::invalid("logits must not contain NaN"));
         }
         let b = self.branch_mut(handle)?;
-        b.logits = logits;
+        b.logits = Arc::new(logits);
         b.invalidate();
         Ok(())
     }
