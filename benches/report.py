@@ -119,12 +119,13 @@ def paired_table(data: dict[str, Any]) -> str:
     if not rows:
         return ""
     info = rows[0]["extra_info"]
+    branch, flat = info["branch_median_s"], info["flat_median_s"]
     return "\n".join(
         [
             "| implementation | median s | speed vs raw loop |",
             "|---|---|---|",
-            f"| lloyal Branch (produce/commit) | {info['branch_median_s']:.3f} | {info['branch_vs_raw']:.2f}x |",
-            f"| lloyal flat path (Context.decode/sample) | {info['flat_median_s']:.3f} | {info['flat_vs_raw']:.2f}x |",
+            f"| lloyal Branch (produce/commit) | {branch:.3f} | {info['branch_vs_raw']:.2f}x |",
+            f"| lloyal flat path (Context.decode/sample) | {flat:.3f} | {info['flat_vs_raw']:.2f}x |",
             f"| raw llama.cpp loop (C API via llama-cpp-python) | {info['raw_median_s']:.3f} | 1.00x |",
             f"\n{info['rounds']} interleaved rounds of each (raw, flat, Branch, raw, ...); medians"
             " without the first (warm-up) round.",
