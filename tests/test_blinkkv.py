@@ -90,3 +90,29 @@ def test_branch_reseed_refusals_change_nothing(ctx3: lloyal.Context) -> None:
         a.reseed(tokens[:4], tokens * 5)
     assert a.position == 40 and ctx3.kv_seq_pos_max(a.seq_id) == 39
     assert lloyal.BranchStore(ctx3).available == 2
+
+
+def test_branch_reseed_on_a_nearly_full_cache_frees_its_cells_first(
+    make_context: Callable[..., lloyal.Context],
+) -> None:
+    """The BlinkKV case: 240 of 256 cells used, reseed to 64 tokens. Keeping the old cells
+    while writing the new would need 304 cells, so the old ones are freed first."""
+    with make_context(n_ctx=256, n_seq_max=2) as ctx:
+        tokens = (ctx.tokenize(STORY) * 20)[:240]
+        store = lloyal.BranchStore(ctx)
+        a = lloyal.Branch.create(ctx, 0, lloyal.SamplingParams(temperature=0))
+        a.prefill(tokens)
+        assert store.kv_pressure.cells_used == 240
+        sinks, tail = tokens[:4], tokens[180:]
+        assert a.reseed(sinks, tail) == 64
+        assert a.position == 64 and ctx.kv_seq_pos_max(a.seq_id) == 63
+        assert store.kv_pressure.cells_used == 64
+        assert store.available == 1  # no parking lease left behind
+        with lloyal.Branch.create(ctx, 0, lloyal.SamplingParams(temperature=0)) as twin:
+            twin.prefill(sinks + tail)
+            for _ in range(4):  # continues exactly like a fresh prefill of the same tokens
+                t = a.sample()
+                assert twin.sample() == t
+                a.commit(t)
+                twin.commit(t)
+        assert store.kv_pressure.cells_used == 68

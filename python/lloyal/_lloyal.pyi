@@ -512,7 +512,17 @@ class Branch:
     def acommit(self, token: int) -> Any:
         """Awaitable ``commit`` run off the event loop."""
     def reseed(self, sinks: list[int], tail: list[int]) -> int:
-        """BlinkKV: replace this branch's sequence with ``sinks + tail``; returns the position."""
+        """BlinkKV: replace this branch's sequence with ``sinks + tail``; returns the position.
+
+        Needs ``len(sinks) + len(tail)`` free cells once this branch's own cells are freed
+        (``KvCacheFullError`` up front otherwise, nothing changed), so it works on a full
+        cache. When a lease and enough cells are free to keep the old cells until the new
+        ones are written, a failed decode restores the branch; otherwise it leaves the
+        branch empty at position 0.
+
+        Example:
+            >>> pos = branch.reseed(tokens[:4], tokens[-200:])  # sinks + recent tail
+        """
     def reseed_sampler(self, seed: int) -> None:
         """Restart the sampler's RNG with ``seed`` (history kept)."""
     def set_sampler_params(self, params: object | None = None, **overrides: Any) -> None:

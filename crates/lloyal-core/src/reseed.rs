@@ -22,9 +22,13 @@ impl ContextState {
 
     /// `Branch.reseed(sinks, tail)`: replace this branch's own sequence with `sinks + tail` at
     /// positions `0..n`; sampler history and metrics are kept. Refused while children live
-    /// (they share its cells). All-or-nothing: the old cells are parked on a free lease (a
-    /// metadata copy) and restored if the decode fails; with no lease free, a failure leaves
-    /// the branch empty at position 0.
+    /// (they share its cells). Needs room for the new cells once the branch's own are freed.
+    ///
+    /// All-or-nothing when it can be: with a lease free and room for the new cells next to
+    /// the old ones, the old cells are parked on that lease (a metadata copy) and restored if
+    /// the decode fails. Otherwise (the usual BlinkKV case: the cache is nearly full) the old
+    /// cells are freed first, and a failed decode (an interrupt, a backend error) leaves the
+    /// branch empty at position 0.
     pub fn branch_reseed(&mut self, handle: Handle, sinks: &[i32], tail: &[i32]) -> Result<i32> {
         let tokens: Vec<i32> = sinks.iter().chain(tail).copied().collect();
         self.model().check_tokens(&tokens)?;
@@ -46,7 +50,8 @@ impl ContextState {
                 detail: format!("branches would hold {} cells", self.cells_used - own + tokens.len()),
             });
         }
-        let parking = self.leases.acquire();
+        // Parking keeps the old cells occupied while the new ones are written.
+        let parking = if self.cells_used + tokens.len() <= n_ctx { self.leases.acquire() } else { None };
         if let Some(p) = parking {
             self.copy_seq(seq, p);
         }
