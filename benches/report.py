@@ -133,6 +133,23 @@ def paired_table(data: dict[str, Any]) -> str:
     )
 
 
+def paired_best_of_n_table(data: dict[str, Any]) -> str:
+    """Markdown table for the interleaved best-of-N rounds (lloyal batched vs raw batched loop)."""
+    rows = [b for b in data["benchmarks"] if b["group"] == "best-of-n-paired"]
+    if not rows:
+        return ""
+    lines = ["| N | lloyal batched: median s | raw C-API batched loop: median s | lloyal vs raw |"]
+    lines.append("|---|---|---|---|")
+    for b in sorted(rows, key=lambda b: int(b["extra_info"]["n"])):
+        i = b["extra_info"]
+        lines.append(
+            f"| {i['n']} | {i['lloyal_median_s']:.3f} | {i['raw_median_s']:.3f} | {i['lloyal_vs_raw']:.2f}x |"
+        )
+    rounds = rows[0]["extra_info"]["rounds"]
+    lines.append(f"\n{rounds} interleaved rounds of each (raw, lloyal, raw, ...); medians without the first.")
+    return "\n".join(lines)
+
+
 def plot(series: dict[str, dict[int, float]], out: Path) -> None:
     """Aggregate tokens/s against N for each implementation (needs matplotlib)."""
     import matplotlib
@@ -170,6 +187,10 @@ def main() -> None:
         print(paired)
     print("\n## Best-of-N (128-token shared prompt, 64 tokens per branch)\n")
     print(table)
+    paired_bon = paired_best_of_n_table(data)
+    if paired_bon:
+        print("\n## Best-of-N, interleaved rounds (target 1 against the raw loop)\n")
+        print(paired_bon)
     grammar = grammar_table(data)
     if grammar:
         print("\n## JSON-schema constrained generation (prefill + up to 64 tokens, temperature 0.8)\n")
