@@ -13,6 +13,7 @@ import statistics
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
 from conftest import THREADS
@@ -141,16 +142,11 @@ def test_best_of_n_sequential(
     assert counts == [steps] * n
 
 
-@pytest.mark.parametrize("n", NS)
-def test_best_of_n_llama_cpp_python(
-    benchmark, model_path: Path, prompt_tokens: list[int], full: bool, n: int
-) -> None:
-    steps = _ns(full, n)
-    benchmark.group = f"best-of-{n}"
-    llm = high_level(model_path, 1024, THREADS)
+def llama_cpp_python_run(llm: Any, prompt_tokens: list[int], n: int, steps: int) -> Callable[[], list[int]]:
+    """What a Python user does today: ``Llama.create_completion`` N times from the same prompt."""
 
     def run() -> list[int]:
-        llm.reset()  # no prompt cache carried over from the warm-up round: prefill once, like ours
+        llm.reset()  # no prompt cache carried over from the previous round: prefill once, like ours
         counts = []
         for i in range(n):
             out = llm.create_completion(
@@ -159,6 +155,16 @@ def test_best_of_n_llama_cpp_python(
             counts.append(out["usage"]["completion_tokens"])
         return counts
 
+    return run
+
+
+@pytest.mark.parametrize("n", NS)
+def test_best_of_n_llama_cpp_python(
+    benchmark, model_path: Path, prompt_tokens: list[int], full: bool, n: int
+) -> None:
+    steps = _ns(full, n)
+    benchmark.group = f"best-of-{n}"
+    run = llama_cpp_python_run(high_level(model_path, 1024, THREADS), prompt_tokens, n, steps)
     counts = benchmark.pedantic(
         run, rounds=ROUNDS if full else 1, iterations=1, warmup_rounds=1 if full else 0
     )
@@ -186,22 +192,25 @@ def test_best_of_n_raw_batched(
 
 @pytest.mark.parametrize("n", NS)
 def test_best_of_n_paired(benchmark, model_path: Path, prompt_tokens: list[int], full: bool, n: int) -> None:
-    """Target 1's overhead ratio with interleaved rounds: raw C-API batched loop, then lloyal
-    batched (llama.cpp's kernels), repeated. The separate benchmarks above run minutes apart
-    and a shared machine drifts between them; here each lloyal round follows a raw round.
-    pytest-benchmark times the lloyal round; the raw round runs (timed by hand) as its setup."""
+    """Target 1 with interleaved rounds: the raw C-API batched loop, llama-cpp-python's N
+    sequential completions, then lloyal batched (llama.cpp's kernels), repeated. The separate
+    benchmarks above run minutes apart and a shared machine drifts between them; here each
+    lloyal round follows one round of each peer. pytest-benchmark times the lloyal round; the
+    peers run (timed by hand) as its setup."""
     steps = _ns(full, n)
     benchmark.group = "best-of-n-paired"
     rounds = ROUNDS + 1 if full else 1
-    times: dict[str, list[float]] = {"raw": [], "lloyal": []}
+    times: dict[str, list[float]] = {"raw": [], "llama_cpp_python": [], "lloyal": []}
     counts: dict[str, list[int]] = {}
     raw = RawLoop(model_path, 4096, n + 1, THREADS)
+    llm = high_level(model_path, 1024, THREADS)
     try:
         with lloyal.Context(
             model_path, n_ctx=4096, n_seq_max=n + 1, n_threads=THREADS, batch_invariant=False
         ) as ctx:
             runs = {
                 "raw": raw_batched_run(raw, prompt_tokens, n, steps),
+                "llama_cpp_python": llama_cpp_python_run(llm, prompt_tokens, n, steps),
                 "lloyal": lloyal_batched_run(ctx, prompt_tokens, n, steps),
             }
 
@@ -210,9 +219,11 @@ def test_best_of_n_paired(benchmark, model_path: Path, prompt_tokens: list[int],
                 counts[name] = runs[name]()
                 times[name].append(time.perf_counter() - t0)
 
-            benchmark.pedantic(
-                lambda: timed("lloyal"), setup=lambda: timed("raw"), rounds=rounds, iterations=1
-            )
+            def peers() -> None:
+                timed("raw")
+                timed("llama_cpp_python")
+
+            benchmark.pedantic(lambda: timed("lloyal"), setup=peers, rounds=rounds, iterations=1)
     finally:
         raw.close()
     # The first round of each is a warm-up when there are several.
@@ -222,6 +233,9 @@ def test_best_of_n_paired(benchmark, model_path: Path, prompt_tokens: list[int],
         rounds=rounds,
         raw_median_s=round(med["raw"], 4),
         lloyal_median_s=round(med["lloyal"], 4),
+        llama_cpp_python_median_s=round(med["llama_cpp_python"], 4),
         lloyal_vs_raw=round(med["raw"] / med["lloyal"], 3),
+        lloyal_vs_llama_cpp_python=round(med["llama_cpp_python"] / med["lloyal"], 3),
     )
-    assert counts == {"raw": [steps] * n, "lloyal": [steps] * n}
+    assert counts["raw"] == counts["lloyal"] == [steps] * n
+    assert all(1 <= c <= steps for c in counts["llama_cpp_python"])

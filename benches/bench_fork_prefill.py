@@ -15,6 +15,9 @@
 
 from __future__ import annotations
 
+import statistics
+import time
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -82,6 +85,52 @@ def test_fork_raw(benchmark, model_path: Path, full: bool, prefix: int) -> None:
         raw.close()
 
 
+def raw_prefill_run(model_path: Path, lengths: list[int]) -> tuple[RawLoop, Callable[[], int]]:
+    """llama.cpp's C API: every prompt's rows in order, N_BATCH rows per llama_decode."""
+    raw = RawLoop(model_path, 2048, len(lengths), THREADS)
+    raw.batch = raw.ll.llama_batch_init(N_BATCH, 0, 1)
+    with lloyal.Context(model_path, n_ctx=256) as tok_ctx:
+        items = [_tokens(tok_ctx, n) for n in lengths]
+    rows = [(t, i, s, i == len(toks) - 1) for s, toks in enumerate(items) for i, t in enumerate(toks)]
+
+    def run() -> int:
+        raw.clear()
+        calls = 0
+        for start in range(0, len(rows), N_BATCH):
+            raw.decode(rows[start : start + N_BATCH])
+            calls += 1
+        return calls
+
+    return raw, run
+
+
+def lloyal_context(model_path: Path, lengths: list[int], invariant: bool) -> lloyal.Context:
+    return lloyal.Context(
+        model_path,
+        n_ctx=2048,
+        n_batch=N_BATCH,
+        n_seq_max=len(lengths),
+        n_threads=THREADS,
+        batch_invariant=invariant,
+    )
+
+
+def lloyal_prefill_run(ctx: lloyal.Context, lengths: list[int]) -> Callable[[], int]:
+    """One ``BranchStore.prefill`` of every prompt (bin-packed into ceil(T / n_batch) decodes)."""
+    store = lloyal.BranchStore(ctx)
+    items = [_tokens(ctx, n) for n in lengths]
+
+    def run() -> int:
+        branches = [lloyal.Branch.create(ctx, 0) for _ in lengths]
+        store.prefill(list(zip(branches, items, strict=True)))
+        assert [b.position for b in branches] == lengths
+        for b in branches:
+            b.prune()
+        return -(-sum(lengths) // N_BATCH)
+
+    return run
+
+
 @pytest.mark.parametrize("impl", ["lloyal_store_prefill", "lloyal_store_prefill_invariant", "raw_loop"])
 def test_prefill_mixed(benchmark, model_path: Path, full: bool, impl: str) -> None:
     benchmark.group = "prefill-mixed"
@@ -89,45 +138,47 @@ def test_prefill_mixed(benchmark, model_path: Path, full: bool, impl: str) -> No
     total = sum(lengths)
     rounds = 3 if full else 1
     if impl == "raw_loop":
-        raw = RawLoop(model_path, 2048, len(lengths), THREADS)
-        raw.batch = raw.ll.llama_batch_init(N_BATCH, 0, 1)
-        with lloyal.Context(model_path, n_ctx=256) as tok_ctx:
-            items = [_tokens(tok_ctx, n) for n in lengths]
-        rows = [(t, i, s, i == len(toks) - 1) for s, toks in enumerate(items) for i, t in enumerate(toks)]
-
-        def run_raw() -> int:
-            raw.clear()
-            calls = 0
-            for start in range(0, len(rows), N_BATCH):
-                raw.decode(rows[start : start + N_BATCH])
-                calls += 1
-            return calls
-
+        raw, run_raw = raw_prefill_run(model_path, lengths)
         try:
             calls = benchmark.pedantic(run_raw, rounds=rounds, iterations=1)
         finally:
             raw.close()
     else:
-        invariant = impl.endswith("_invariant")
-        with lloyal.Context(
-            model_path,
-            n_ctx=2048,
-            n_batch=N_BATCH,
-            n_seq_max=len(lengths),
-            n_threads=THREADS,
-            batch_invariant=invariant,
-        ) as ctx:
-            store = lloyal.BranchStore(ctx)
-            items = [_tokens(ctx, n) for n in lengths]
-
-            def run_ours() -> int:
-                branches = [lloyal.Branch.create(ctx, 0) for _ in lengths]
-                store.prefill(list(zip(branches, items, strict=True)))
-                assert [b.position for b in branches] == lengths
-                for b in branches:
-                    b.prune()
-                return -(-total // N_BATCH)
-
-            calls = benchmark.pedantic(run_ours, rounds=rounds, iterations=1)
+        with lloyal_context(model_path, lengths, impl.endswith("_invariant")) as ctx:
+            calls = benchmark.pedantic(lloyal_prefill_run(ctx, lengths), rounds=rounds, iterations=1)
     benchmark.extra_info.update(tokens=total, decode_calls=calls)
     assert calls == -(-total // N_BATCH)
+
+
+def test_prefill_mixed_paired(benchmark, model_path: Path, full: bool) -> None:
+    """Target 5 with interleaved rounds: raw loop, then ``store.prefill`` on llama.cpp's kernels,
+    repeated (the separate benchmarks above run a minute apart on a machine that drifts)."""
+    benchmark.group = "prefill-mixed-paired"
+    lengths = LENGTHS if full else [5, 12, 3]
+    rounds = 6 if full else 1
+    times: dict[str, list[float]] = {"raw": [], "lloyal": []}
+    calls: dict[str, int] = {}
+    raw, run_raw = raw_prefill_run(model_path, lengths)
+    try:
+        with lloyal_context(model_path, lengths, invariant=False) as ctx:
+            runs = {"raw": run_raw, "lloyal": lloyal_prefill_run(ctx, lengths)}
+
+            def timed(name: str) -> None:
+                t0 = time.perf_counter()
+                calls[name] = runs[name]()
+                times[name].append(time.perf_counter() - t0)
+
+            benchmark.pedantic(
+                lambda: timed("lloyal"), setup=lambda: timed("raw"), rounds=rounds, iterations=1
+            )
+    finally:
+        raw.close()
+    med = {k: statistics.median(v[1:] if len(v) > 1 else v) for k, v in times.items()}
+    benchmark.extra_info.update(
+        tokens=sum(lengths),
+        rounds=rounds,
+        raw_median_s=round(med["raw"], 4),
+        lloyal_median_s=round(med["lloyal"], 4),
+        lloyal_vs_raw=round(med["raw"] / med["lloyal"], 3),
+    )
+    assert calls == {"raw": -(-sum(lengths) // N_BATCH), "lloyal": -(-sum(lengths) // N_BATCH)}

@@ -134,20 +134,45 @@ def paired_table(data: dict[str, Any]) -> str:
 
 
 def paired_best_of_n_table(data: dict[str, Any]) -> str:
-    """Markdown table for the interleaved best-of-N rounds (lloyal batched vs raw batched loop)."""
+    """Markdown table for the interleaved best-of-N rounds (lloyal batched vs both peers)."""
     rows = [b for b in data["benchmarks"] if b["group"] == "best-of-n-paired"]
     if not rows:
         return ""
-    lines = ["| N | lloyal batched: median s | raw C-API batched loop: median s | lloyal vs raw |"]
-    lines.append("|---|---|---|---|")
+    lines = [
+        "| N | lloyal batched: median s | raw C-API batched loop: median s | llama-cpp-python sequential:"
+        " median s | lloyal vs raw | lloyal vs llama-cpp-python |",
+        "|---|---|---|---|---|---|",
+    ]
     for b in sorted(rows, key=lambda b: int(b["extra_info"]["n"])):
         i = b["extra_info"]
         lines.append(
-            f"| {i['n']} | {i['lloyal_median_s']:.3f} | {i['raw_median_s']:.3f} | {i['lloyal_vs_raw']:.2f}x |"
+            f"| {i['n']} | {i['lloyal_median_s']:.3f} | {i['raw_median_s']:.3f}"
+            f" | {i['llama_cpp_python_median_s']:.3f} | {i['lloyal_vs_raw']:.2f}x"
+            f" | {i['lloyal_vs_llama_cpp_python']:.2f}x |"
         )
     rounds = rows[0]["extra_info"]["rounds"]
-    lines.append(f"\n{rounds} interleaved rounds of each (raw, lloyal, raw, ...); medians without the first.")
+    lines.append(
+        f"\n{rounds} interleaved rounds of each (raw, llama-cpp-python, lloyal, raw, ...);"
+        " medians without the first."
+    )
     return "\n".join(lines)
+
+
+def paired_prefill_table(data: dict[str, Any]) -> str:
+    """One line for the interleaved packed-prefill rounds."""
+    rows = [b for b in data["benchmarks"] if b["group"] == "prefill-mixed-paired"]
+    if not rows:
+        return ""
+    i = rows[0]["extra_info"]
+    return "\n".join(
+        [
+            "| tokens | lloyal store.prefill: median s | raw loop: median s | lloyal vs raw |",
+            "|---|---|---|---|",
+            f"| {i['tokens']} | {i['lloyal_median_s']:.3f} | {i['raw_median_s']:.3f}"
+            f" | {i['lloyal_vs_raw']:.2f}x |",
+            f"\n{i['rounds']} interleaved rounds of each (raw, lloyal, raw, ...); medians without the first.",
+        ]
+    )
 
 
 def plot(series: dict[str, dict[int, float]], out: Path) -> None:
@@ -204,6 +229,9 @@ def main() -> None:
         if table_text:
             print(f"\n## {title}\n")
             print(table_text)
+        if group == "prefill-mixed" and paired_prefill_table(data):
+            print("\nInterleaved rounds (target 5):\n")
+            print(paired_prefill_table(data))
     if args.plot:
         plot(series, args.plot)
 
