@@ -9,14 +9,13 @@ The lloyal rows compared with llama.cpp use its own kernels (``batch_invariant=F
 
 from __future__ import annotations
 
-import statistics
-import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import pytest
 from conftest import THREADS
+from interleave import interleaved
 from llama_peer import RawLoop, high_level
 
 import lloyal
@@ -200,8 +199,6 @@ def test_best_of_n_paired(benchmark, model_path: Path, prompt_tokens: list[int],
     steps = _ns(full, n)
     benchmark.group = "best-of-n-paired"
     rounds = ROUNDS + 1 if full else 1
-    times: dict[str, list[float]] = {"raw": [], "llama_cpp_python": [], "lloyal": []}
-    counts: dict[str, list[int]] = {}
     raw = RawLoop(model_path, 4096, n + 1, THREADS)
     llm = high_level(model_path, 1024, THREADS)
     try:
@@ -213,21 +210,9 @@ def test_best_of_n_paired(benchmark, model_path: Path, prompt_tokens: list[int],
                 "llama_cpp_python": llama_cpp_python_run(llm, prompt_tokens, n, steps),
                 "lloyal": lloyal_batched_run(ctx, prompt_tokens, n, steps),
             }
-
-            def timed(name: str) -> None:
-                t0 = time.perf_counter()
-                counts[name] = runs[name]()
-                times[name].append(time.perf_counter() - t0)
-
-            def peers() -> None:
-                timed("raw")
-                timed("llama_cpp_python")
-
-            benchmark.pedantic(lambda: timed("lloyal"), setup=peers, rounds=rounds, iterations=1)
+            med, counts = interleaved(benchmark, runs, rounds)
     finally:
         raw.close()
-    # The first round of each is a warm-up when there are several.
-    med = {k: statistics.median(v[1:] if len(v) > 1 else v) for k, v in times.items()}
     benchmark.extra_info.update(
         n=n,
         rounds=rounds,

@@ -15,13 +15,12 @@
 
 from __future__ import annotations
 
-import statistics
-import time
 from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 from conftest import THREADS
+from interleave import interleaved
 from llama_peer import RawLoop
 
 import lloyal
@@ -156,24 +155,13 @@ def test_prefill_mixed_paired(benchmark, model_path: Path, full: bool) -> None:
     benchmark.group = "prefill-mixed-paired"
     lengths = LENGTHS if full else [5, 12, 3]
     rounds = 6 if full else 1
-    times: dict[str, list[float]] = {"raw": [], "lloyal": []}
-    calls: dict[str, int] = {}
     raw, run_raw = raw_prefill_run(model_path, lengths)
     try:
         with lloyal_context(model_path, lengths, invariant=False) as ctx:
             runs = {"raw": run_raw, "lloyal": lloyal_prefill_run(ctx, lengths)}
-
-            def timed(name: str) -> None:
-                t0 = time.perf_counter()
-                calls[name] = runs[name]()
-                times[name].append(time.perf_counter() - t0)
-
-            benchmark.pedantic(
-                lambda: timed("lloyal"), setup=lambda: timed("raw"), rounds=rounds, iterations=1
-            )
+            med, calls = interleaved(benchmark, runs, rounds)
     finally:
         raw.close()
-    med = {k: statistics.median(v[1:] if len(v) > 1 else v) for k, v in times.items()}
     benchmark.extra_info.update(
         tokens=sum(lengths),
         rounds=rounds,
