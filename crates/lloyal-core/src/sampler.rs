@@ -456,7 +456,7 @@ pub fn top_candidates(logits: &[f32], replace: &[(usize, f32)], k: usize) -> Vec
 /// Block size of [`top_candidates`]' prefilter.
 const TOP_BLOCK: usize = 64;
 
-/// Largest value of a block (NaN ignored; `-inf` when none), in SIMD lanes.
+/// Largest value of a slice (NaN ignored; `-inf` when none), in 16 SIMD lanes.
 fn block_max(block: &[f32]) -> f32 {
     let mut lanes = [f32::NEG_INFINITY; 16];
     let chunks = block.chunks_exact(16);
@@ -507,19 +507,11 @@ pub fn greedy_token(logits: &[f32], replace: &[(usize, f32)]) -> i32 {
 /// negative infinity (NaN never wins).
 ///
 /// Two passes over the slice: a lane-wise maximum the compiler turns into SIMD `max`
-/// instructions, then the first position holding it. On a 262,144-token vocabulary this is
-/// several times faster than a compare-and-branch scan (greedy decoding runs it every step).
+/// instructions ([`block_max`]), then the first position holding it. On a 262,144-token
+/// vocabulary this is several times faster than a compare-and-branch scan (greedy decoding
+/// runs it every step).
 pub fn argmax(values: &[f32]) -> i32 {
-    const LANES: usize = 16;
-    let mut lanes = [f32::NEG_INFINITY; LANES];
-    let chunks = values.chunks_exact(LANES);
-    let rest = chunks.remainder();
-    for chunk in chunks {
-        for (m, &v) in lanes.iter_mut().zip(chunk) {
-            *m = if v > *m { v } else { *m };
-        }
-    }
-    let best = lanes.iter().chain(rest).fold(f32::NEG_INFINITY, |m, &v| if v > m { v } else { m });
+    let best = block_max(values);
     if best == f32::NEG_INFINITY {
         return 0;
     }
