@@ -59,12 +59,18 @@ fn exp_f32(x: f32) -> f32 {
     }
 }
 
-/// Largest value (`-inf` for an empty slice), vectorised.
-fn max_f32(xs: &[f32]) -> f32 {
-    let mut acc = [f32::NEG_INFINITY; LANES];
-    let mut chunks = xs.chunks_exact(LANES);
+/// Largest value, NaN ignored (`-inf` for an empty slice or when none), vectorised.
+pub(crate) fn max_f32(xs: &[f32]) -> f32 {
+    max_f32_lanes::<LANES>(xs)
+}
+
+/// [`max_f32`] with `L` accumulator lanes: wide for long slices, 16 for short blocks, where
+/// folding the lanes at the end would cost as much as the scan.
+pub(crate) fn max_f32_lanes<const L: usize>(xs: &[f32]) -> f32 {
+    let mut acc = [f32::NEG_INFINITY; L];
+    let mut chunks = xs.chunks_exact(L);
     for c in &mut chunks {
-        for k in 0..LANES {
+        for k in 0..L {
             acc[k] = acc[k].max(c[k]);
         }
     }

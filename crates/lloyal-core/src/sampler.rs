@@ -7,6 +7,7 @@ use std::ptr::NonNull;
 use llama_cpp_sys_2 as sys;
 
 use crate::error::{LloyalError, Result};
+use crate::metrics::{max_f32, max_f32_lanes};
 use crate::model::Model;
 use crate::sampling::{adjusted_replacements, SamplingParams};
 
@@ -422,14 +423,14 @@ pub fn top_candidates(logits: &[f32], replace: &[(usize, f32)], k: usize) -> Vec
     let cap = (k + replace.len()).min(logits.len()).max(1);
     let mut heap = TopHeap::new(cap);
     if logits.len() >= cap * TOP_BLOCK * 4 {
-        let mut maxes: Vec<f32> = logits.chunks(TOP_BLOCK).map(block_max).collect();
+        let maxes: Vec<f32> = logits.chunks(TOP_BLOCK).map(max_f32_lanes::<16>).collect();
         let bound = {
-            let (_, nth, _) = maxes.select_nth_unstable_by(cap - 1, |a, b| b.total_cmp(a));
+            let mut order = maxes.clone(); // the selection reorders; the scan needs block order
+            let (_, nth, _) = order.select_nth_unstable_by(cap - 1, |a, b| b.total_cmp(a));
             *nth
         };
-        maxes.clear();
-        for (b, block) in logits.chunks(TOP_BLOCK).enumerate() {
-            if block_max(block) >= bound {
+        for (b, (block, &block_max)) in logits.chunks(TOP_BLOCK).zip(&maxes).enumerate() {
+            if block_max >= bound {
                 let base = b * TOP_BLOCK;
                 for (j, &x) in block.iter().enumerate() {
                     if x >= bound {
@@ -455,19 +456,6 @@ pub fn top_candidates(logits: &[f32], replace: &[(usize, f32)], k: usize) -> Vec
 
 /// Block size of [`top_candidates`]' prefilter.
 const TOP_BLOCK: usize = 64;
-
-/// Largest value of a slice (NaN ignored; `-inf` when none), in 16 SIMD lanes.
-fn block_max(block: &[f32]) -> f32 {
-    let mut lanes = [f32::NEG_INFINITY; 16];
-    let chunks = block.chunks_exact(16);
-    let rest = chunks.remainder();
-    for chunk in chunks {
-        for (m, &v) in lanes.iter_mut().zip(chunk) {
-            *m = if v > *m { v } else { *m };
-        }
-    }
-    lanes.iter().chain(rest).fold(f32::NEG_INFINITY, |m, &v| if v > m { v } else { m })
-}
 
 /// The `cap` best candidates seen so far (a min-heap on [`Cand`] order).
 struct TopHeap {
@@ -507,11 +495,11 @@ pub fn greedy_token(logits: &[f32], replace: &[(usize, f32)]) -> i32 {
 /// negative infinity (NaN never wins).
 ///
 /// Two passes over the slice: a lane-wise maximum the compiler turns into SIMD `max`
-/// instructions ([`block_max`]), then the first position holding it. On a 262,144-token
+/// instructions ([`max_f32`]), then the first position holding it. On a 262,144-token
 /// vocabulary this is several times faster than a compare-and-branch scan (greedy decoding
 /// runs it every step).
 pub fn argmax(values: &[f32]) -> i32 {
-    let best = block_max(values);
+    let best = max_f32(values);
     if best == f32::NEG_INFINITY {
         return 0;
     }
