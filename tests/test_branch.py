@@ -226,6 +226,31 @@ def test_fork_clones_seeded_rng(ctx):
     assert root.produce().token == child.produce().token
 
 
+def test_forked_logits_stay_with_each_branch_after_either_decodes(ctx, root):
+    """A fork shares the parent's logits snapshot until one of them decodes; each decode then
+    gives only that branch new logits, and later decodes (which reuse the old buffer once no
+    fork shares it) never write into another branch's snapshot."""
+    snapshot = root.logits.copy()
+    child = root.fork()
+    first = int(np.argmax(snapshot))
+    root.commit(first)
+    assert np.array_equal(child.logits, snapshot)
+    assert not np.array_equal(root.logits, snapshot)
+    after_first = root.logits.copy()
+    child.commit(first)  # same token at the same position: the same logits (batch-invariant)
+    assert np.array_equal(child.logits, after_first)
+    assert np.array_equal(root.logits, after_first)
+    second = int(np.argsort(after_first)[-2])  # the children diverge from here
+    root.commit(int(np.argmax(after_first)))
+    root_logits = root.logits.copy()
+    child.commit(second)
+    assert np.array_equal(root.logits, root_logits)
+    assert not np.array_equal(child.logits, root_logits)
+    child_logits = child.logits.copy()
+    root.commit(root.produce().token)
+    assert np.array_equal(child.logits, child_logits)
+
+
 def test_fork_without_logits(ctx, root):
     child = root.fork(clone_logits=False)
     assert child.position == root.position
