@@ -82,32 +82,35 @@ def context(model_path: Path, invariant: bool = False) -> lloyal.Context:
     return lloyal.Context(model_path, n_ctx=1024, n_threads=THREADS, batch_invariant=invariant)
 
 
-@pytest.mark.benchmark(group=GROUP)
-def test_lloyal_flat(benchmark, model_path: Path, prompt_tokens: list[int], full: bool) -> None:
-    with context(model_path) as ctx:
+def _lloyal_single(
+    benchmark,
+    model_path: Path,
+    prompt_tokens: list[int],
+    full: bool,
+    build: Callable[[lloyal.Context, list[int], int], Run],
+    invariant: bool = False,
+) -> None:
+    with context(model_path, invariant) as ctx:
+        assert ctx.batch_invariant is invariant
         out = benchmark.pedantic(
-            flat_run(ctx, prompt_tokens, steps(full)), rounds=3 if full else 1, iterations=1
+            build(ctx, prompt_tokens, steps(full)), rounds=3 if full else 1, iterations=1
         )
     assert len(out) == steps(full)
+
+
+@pytest.mark.benchmark(group=GROUP)
+def test_lloyal_flat(benchmark, model_path: Path, prompt_tokens: list[int], full: bool) -> None:
+    _lloyal_single(benchmark, model_path, prompt_tokens, full, flat_run)
 
 
 @pytest.mark.benchmark(group=GROUP)
 def test_lloyal_branch(benchmark, model_path: Path, prompt_tokens: list[int], full: bool) -> None:
-    with context(model_path) as ctx:
-        out = benchmark.pedantic(
-            branch_run(ctx, prompt_tokens, steps(full)), rounds=3 if full else 1, iterations=1
-        )
-    assert len(out) == steps(full)
+    _lloyal_single(benchmark, model_path, prompt_tokens, full, branch_run)
 
 
 @pytest.mark.benchmark(group=GROUP)
 def test_lloyal_branch_invariant(benchmark, model_path: Path, prompt_tokens: list[int], full: bool) -> None:
-    with context(model_path, invariant=True) as ctx:
-        assert ctx.batch_invariant
-        out = benchmark.pedantic(
-            branch_run(ctx, prompt_tokens, steps(full)), rounds=3 if full else 1, iterations=1
-        )
-    assert len(out) == steps(full)
+    _lloyal_single(benchmark, model_path, prompt_tokens, full, branch_run, invariant=True)
 
 
 @pytest.mark.benchmark(group=GROUP)
