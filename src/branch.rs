@@ -12,7 +12,7 @@ use crate::aio;
 use crate::context::{to_i32, PyContext};
 use crate::convert::{clamp_i32, narrow};
 use crate::detach::run;
-use crate::errors::IntoPyResult;
+use crate::error::IntoPyResult;
 use crate::grammar::PyGrammar;
 use crate::sampling::{extract_params, extract_params_onto};
 

@@ -11,12 +11,12 @@ use pyo3::types::{PyBytes, PyDict, PyType};
 use crate::convert::{clamp_i32, narrow, readonly_f32};
 use crate::detach::{detached, detached_io, run};
 use crate::embeddings::{extract_texts, to_array};
-use crate::errors::IntoPyResult;
+use crate::error::IntoPyResult;
 use crate::grammar::PyGrammar;
 use crate::metrics::PyPerplexityTracker;
 use crate::model::PyModel;
 use crate::sampling::extract_params;
-use crate::state_io::write_atomic;
+use crate::state::write_atomic;
 use crate::text::PyTextStream;
 
 /// A llama.cpp context: KV cache, sequences and the flat decode path.

@@ -11,7 +11,7 @@ use std::sync::{Arc, Mutex};
 use lloyal_core::{Context, ContextState, LloyalError, Result};
 use pyo3::prelude::*;
 
-use crate::errors::to_py;
+use crate::error::to_py;
 
 fn panic_message(payload: Box<dyn std::any::Any + Send>) -> String {
     let what = payload

@@ -7,7 +7,7 @@ use numpy::PyReadwriteArray1;
 use pyo3::prelude::*;
 
 use crate::detach::detached;
-use crate::errors::IntoPyResult;
+use crate::error::IntoPyResult;
 
 /// A GBNF grammar's parse state: mask logits with ``apply``, advance with ``accept``.
 #[pyclass(name = "Grammar", module = "lloyal._lloyal", frozen)]

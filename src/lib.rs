@@ -8,12 +8,12 @@ mod context;
 mod convert;
 mod detach;
 mod embeddings;
-mod errors;
+mod error;
 mod grammar;
 mod metrics;
 mod model;
 mod sampling;
-mod state_io;
+mod state;
 mod store;
 mod text;
 

@@ -7,7 +7,7 @@ use pyo3::prelude::*;
 use pyo3::types::PyDict;
 
 use crate::convert::narrow;
-use crate::errors::IntoPyResult;
+use crate::error::IntoPyResult;
 
 const FIELDS: &[&str] = &[
     "temperature",

@@ -10,7 +10,7 @@ use crate::aio;
 use crate::branch::{PyBranch, PyProduced};
 use crate::context::{to_i32, PyContext};
 use crate::detach::run;
-use crate::errors::IntoPyResult;
+use crate::error::IntoPyResult;
 
 /// KV occupancy by branches.
 #[pyclass(name = "KvPressure", module = "lloyal._lloyal", frozen, get_all, eq)]

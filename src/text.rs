@@ -5,7 +5,7 @@ use std::sync::{Arc, Mutex};
 use lloyal_core::{Model, Utf8Stream};
 use pyo3::prelude::*;
 
-use crate::errors::IntoPyResult;
+use crate::error::IntoPyResult;
 
 /// Turns tokens into text one at a time; a character split across tokens is released
 /// whole once its last byte arrives.

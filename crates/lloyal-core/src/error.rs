@@ -6,7 +6,7 @@ use thiserror::Error;
 pub type Result<T> = std::result::Result<T, LloyalError>;
 
 /// Every error the core reports. The Python glue maps each variant to exactly one
-/// exception class of `lloyal.errors` (see `src/errors.rs`); messages say what was
+/// exception class of `lloyal.errors` (see `src/error.rs`); messages say what was
 /// wrong and what to do about it.
 #[derive(Debug, Error, Clone, PartialEq)]
 pub enum LloyalError {

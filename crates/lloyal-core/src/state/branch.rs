@@ -21,8 +21,8 @@ use crate::grammar::{Grammar, GrammarSource};
 use crate::metrics::PerplexityTracker;
 use crate::sampler::Sampler;
 use crate::sampling::{Dry, Mirostat, SamplingParams, Xtc};
-use crate::state_format::{self, fnv1a64};
-use crate::state_io::fingerprint;
+use crate::state::envelope::{self, fnv1a64};
+use crate::state::kv::fingerprint;
 use crate::tenancy::Handle;
 
 const MAGIC: &[u8; 8] = b"LLOYALBR";
@@ -283,7 +283,7 @@ impl ContextState {
                 model.n_vocab()
             )));
         }
-        let kv_state = state_format::decode(&fingerprint(&model), &kv)?;
+        let kv_state = envelope::decode(&fingerprint(&model), &kv)?;
         let position = i32_of(&meta, "position")?;
         if position != kv_state.pos_max + 1 {
             return Err(bad(format!("position {position} does not follow the stored cells")));

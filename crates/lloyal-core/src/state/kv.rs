@@ -1,5 +1,5 @@
 //! Per-sequence KV state save/load through llama.cpp's `llama_state_seq_*`, wrapped in the
-//! verified envelope of [`crate::state_format`]. A failed load leaves the target sequence
+//! verified envelope of [`crate::state::envelope`]. A failed load leaves the target sequence
 //! empty and every other sequence untouched.
 
 use llama_cpp_sys_2 as sys;
@@ -8,7 +8,7 @@ use crate::backend::{clear_recent_errors, recent_errors};
 use crate::context::ContextState;
 use crate::error::{LloyalError, Result};
 use crate::model::Model;
-use crate::state_format::{self, Fingerprint, SavedState};
+use crate::state::envelope::{self, Fingerprint, SavedState};
 
 /// The fingerprint of `model` written into (and required from) saved states.
 pub fn fingerprint(model: &Model) -> Fingerprint {
@@ -60,7 +60,7 @@ impl ContextState {
         let pos_max = self.seq_pos_max(seq_id)?;
         let pos_min = if pos_max < 0 { -1 } else { self.seq_pos_min(seq_id) };
         let state = SavedState { pos_min, pos_max, tokens: tokens.to_vec(), payload };
-        Ok(state_format::encode(&fingerprint(&self.model()), &state))
+        Ok(envelope::encode(&fingerprint(&self.model()), &state))
     }
 
     /// Rewrite `seq_id`'s cells so they sit in position order from cell 0. Called by
@@ -102,7 +102,7 @@ impl ContextState {
 
     pub(crate) fn kv_load_unchecked(&mut self, seq_id: i32, data: &[u8]) -> Result<Vec<i32>> {
         let model = self.model();
-        let state = state_format::decode(&fingerprint(&model), data)?;
+        let state = envelope::decode(&fingerprint(&model), data)?;
         if let Err(e) = model.check_tokens(&state.tokens) {
             return Err(LloyalError::State(format!("cannot load KV state: stored tokens are invalid ({e})")));
         }

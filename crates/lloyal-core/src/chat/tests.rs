@@ -2,7 +2,13 @@
 
 use serde_json::json;
 
-use super::*;
+use serde_json::Value as Json;
+
+use super::parse::*;
+use super::render::*;
+use super::templates::builtin_template;
+use super::ChatFamily;
+use crate::error::LloyalError;
 
 fn vars(add_generation_prompt: bool) -> RenderVars<'static> {
     RenderVars { add_generation_prompt, bos_token: "<bos>", eos_token: "<eos>", ..Default::default() }

@@ -1,5 +1,5 @@
-//! Chat: render messages with a Jinja chat template (minijinja), and parse model output into
-//! content, reasoning and tool calls.
+//! Render chat messages with a Jinja chat template (minijinja): template choice, message
+//! checks, HF-compatible environment (`tojson`, Python string methods), `Model::format_chat`.
 //!
 //! Tokenizing a rendered prompt: the prompt already contains the BOS text when the template
 //! writes `{{ bos_token }}` (the model's own templates and the Gemma/Llama 3 built-ins do), and
@@ -12,7 +12,7 @@ use minijinja::value::{Kwargs, Serde, Value};
 use minijinja::{Environment, Error as JinjaError, ErrorKind};
 use serde_json::Value as Json;
 
-use crate::chat_templates::builtin_template;
+use super::templates::builtin_template;
 use crate::error::{LloyalError, Result};
 use crate::{ChatFamily, Model};
 
@@ -312,131 +312,3 @@ impl Model {
         self.llama().vocab().eos().0
     }
 }
-
-/// One tool call parsed from model output.
-#[derive(Debug, Clone, PartialEq)]
-pub struct ToolCall {
-    /// Function name.
-    pub name: String,
-    /// Arguments (a JSON object).
-    pub arguments: Json,
-}
-
-/// Model output split into visible content, reasoning and tool calls.
-#[derive(Debug, Clone, PartialEq, Default)]
-pub struct ChatOutput {
-    /// The answer text, with reasoning, valid tool calls and end-of-turn markers removed.
-    pub content: String,
-    /// The text inside `<think>...</think>`, if any.
-    pub reasoning_content: Option<String>,
-    /// Tool calls in the order they appear.
-    pub tool_calls: Vec<ToolCall>,
-}
-
-const END_MARKERS: &[&str] = &[
-    "<end_of_turn>",
-    "<|im_end|>",
-    "<|eot_id|>",
-    "<|eom_id|>",
-    "<|end_of_text|>",
-    "<|endoftext|>",
-    "<eos>",
-    "</s>",
-];
-
-/// Split generated text into content, `<think>` reasoning and tool calls (Hermes/Qwen
-/// `<tool_call>{...}</tool_call>` blocks, or a Llama 3 JSON call with optional
-/// `<|python_tag|>`). Malformed tool calls stay in `content`; this never fails.
-pub fn parse_chat_output(text: &str) -> ChatOutput {
-    let mut text = text.to_string();
-    for m in END_MARKERS {
-        text = text.replace(m, "");
-    }
-    let (reasoning, rest) = split_reasoning(&text);
-    let (mut content, mut tool_calls) = extract_hermes(&rest);
-    if tool_calls.is_empty() {
-        if let Some(calls) = llama3_calls(&content) {
-            tool_calls = calls;
-            content.clear();
-        }
-    }
-    ChatOutput { content: content.trim().to_string(), reasoning_content: reasoning, tool_calls }
-}
-
-fn split_reasoning(text: &str) -> (Option<String>, String) {
-    const OPEN: &str = "<think>";
-    const CLOSE: &str = "</think>";
-    match (text.find(OPEN), text.find(CLOSE)) {
-        (Some(o), Some(c)) if o < c => {
-            let reasoning = text[o + OPEN.len()..c].trim().to_string();
-            (Some(reasoning), format!("{}{}", &text[..o], &text[c + CLOSE.len()..]))
-        }
-        // The template opened <think> in the prompt: everything before </think> is reasoning.
-        (None, Some(c)) => (Some(text[..c].trim().to_string()), text[c + CLOSE.len()..].to_string()),
-        // Unfinished reasoning (generation stopped inside it).
-        (Some(o), None) => (Some(text[o + OPEN.len()..].trim().to_string()), text[..o].to_string()),
-        _ => (None, text.to_string()),
-    }
-}
-
-fn extract_hermes(text: &str) -> (String, Vec<ToolCall>) {
-    const OPEN: &str = "<tool_call>";
-    const CLOSE: &str = "</tool_call>";
-    let mut content = String::new();
-    let mut calls = Vec::new();
-    let mut rest = text;
-    while let Some(o) = rest.find(OPEN) {
-        let after = &rest[o + OPEN.len()..];
-        let Some(c) = after.find(CLOSE) else { break };
-        match tool_call_from_json(after[..c].trim(), "arguments") {
-            Some(call) => {
-                content.push_str(&rest[..o]);
-                calls.push(call);
-            }
-            None => content.push_str(&rest[..o + OPEN.len() + c + CLOSE.len()]),
-        }
-        rest = &after[c + CLOSE.len()..];
-    }
-    content.push_str(rest);
-    (content, calls)
-}
-
-fn llama3_calls(content: &str) -> Option<Vec<ToolCall>> {
-    let t = content.trim();
-    let t = t.strip_prefix("<|python_tag|>").unwrap_or(t).trim();
-    if !t.starts_with('{') {
-        return None;
-    }
-    let mut calls = Vec::new();
-    for part in serde_json::Deserializer::from_str(t).into_iter::<Json>() {
-        let value = part.ok()?;
-        calls.push(call_from_value(value, "parameters", true)?);
-    }
-    (!calls.is_empty()).then_some(calls)
-}
-
-fn tool_call_from_json(text: &str, args_key: &str) -> Option<ToolCall> {
-    call_from_value(serde_json::from_str(text).ok()?, args_key, false)
-}
-
-/// `{"name": str, args_key|"arguments"|"parameters": object or JSON-object string}`;
-/// without `require_args` a missing argument object means `{}`.
-fn call_from_value(value: Json, args_key: &str, require_args: bool) -> Option<ToolCall> {
-    let Json::Object(mut map) = value else { return None };
-    let Some(Json::String(name)) = map.remove("name") else { return None };
-    let args = map.remove(args_key).or_else(|| map.remove("arguments")).or_else(|| map.remove("parameters"));
-    let args = match args {
-        Some(a) => a,
-        None if require_args => return None,
-        None => Json::Object(Default::default()),
-    };
-    let arguments = match args {
-        Json::String(s) => serde_json::from_str::<Json>(&s).ok()?,
-        other => other,
-    };
-    arguments.is_object().then_some(ToolCall { name, arguments })
-}
-
-#[cfg(test)]
-#[path = "chat_tests.rs"]
-mod tests;

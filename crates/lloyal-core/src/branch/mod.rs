@@ -1,4 +1,12 @@
-//! One branch's private state: its sequence, sampler, logits snapshot, metrics and biases.
+//! A branch: its private state (this file: sequence, sampler, logits snapshot, metrics,
+//! biases), its single-branch operations (`ops`), BlinkKV reseed (`reseed`) and speculative
+//! verify (`verify`).
+
+pub mod ops;
+pub mod reseed;
+pub mod verify;
+
+pub use ops::BranchInfo;
 
 use std::sync::Arc;
 

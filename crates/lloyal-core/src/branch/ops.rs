@@ -1,0 +1,251 @@
+//! Single-branch operations on a locked context: create, fork, prune, produce, accept, the
+//! `set_*` setters and per-branch reads. Multi-branch work (commit, prefill, retain_only)
+//! lives in [`crate::store`].
+
+use std::sync::Arc;
+
+use crate::branch::BranchState;
+use crate::context::ContextState;
+use crate::error::{LloyalError, Result};
+use crate::grammar::Grammar;
+use crate::metrics::{entropy, surprisal, Base};
+use crate::sampler::Sampler;
+use crate::sampling::SamplingParams;
+use crate::tenancy::Handle;
+
+/// A read-only view of one branch for the glue.
+#[derive(Debug, Clone, PartialEq)]
+pub struct BranchInfo {
+    pub seq_id: i32,
+    pub position: i32,
+    pub fork_head: i32,
+    pub perplexity: f64,
+    pub sampling_perplexity: f64,
+    pub parent: Option<Handle>,
+    pub children: Vec<Handle>,
+}
+
+impl ContextState {
+    fn disposed(handle: Handle) -> LloyalError {
+        LloyalError::BranchDisposed { handle }
+    }
+
+    /// The live branch behind `handle`.
+    pub fn branch(&self, handle: Handle) -> Result<&BranchState> {
+        self.branches.get(handle).ok_or_else(|| Self::disposed(handle))
+    }
+
+    /// The live branch behind `handle`, mutably.
+    pub fn branch_mut(&mut self, handle: Handle) -> Result<&mut BranchState> {
+        self.branches.get_mut(handle).ok_or_else(|| Self::disposed(handle))
+    }
+
+    /// Whether `handle` is a live branch.
+    pub fn is_live(&self, handle: Handle) -> bool {
+        self.branches.contains(handle)
+    }
+
+    /// Summary of a live branch.
+    pub fn branch_info(&self, handle: Handle) -> Result<BranchInfo> {
+        let b = self.branch(handle)?;
+        Ok(BranchInfo {
+            seq_id: b.seq_id,
+            position: b.position,
+            fork_head: b.fork_head,
+            perplexity: b.perplexity(),
+            sampling_perplexity: b.sampling_perplexity(),
+            parent: self.topology.parent(handle),
+            children: self.topology.children(handle).to_vec(),
+        })
+    }
+
+    /// `Branch.create`: take a lease (its sequence emptied first) and start a root at `position`.
+    pub fn branch_create(&mut self, position: i32, params: SamplingParams) -> Result<Handle> {
+        if position < 0 {
+            return Err(LloyalError::invalid(format!("position must be >= 0, got {position}")));
+        }
+        let model = self.model();
+        let sampler = Sampler::new(&model, params)?;
+        let seq = self.leases.acquire().ok_or_else(|| self.lease_exhausted())?;
+        self.remove_cells(seq, -1, -1);
+        let handle = self.branches.insert(BranchState::new(seq, position, sampler));
+        self.topology.add(handle, None);
+        Ok(handle)
+    }
+
+    /// `Branch.fork`: a child sharing the parent's KV prefix (metadata copy, 0 new cells).
+    pub fn branch_fork(&mut self, parent: Handle, clone_logits: bool) -> Result<Handle> {
+        self.branch(parent)?;
+        let seq = self.leases.acquire().ok_or_else(|| self.lease_exhausted())?;
+        let child = match self.branch(parent).and_then(|p| p.fork(seq, clone_logits)) {
+            Ok(c) => c,
+            Err(e) => {
+                self.leases.release(seq);
+                return Err(e);
+            }
+        };
+        let parent_seq = self.branch(parent)?.seq_id;
+        self.remove_cells(seq, -1, -1);
+        let mem = self.raw_mut().memory();
+        // SAFETY: valid memory; both seq ids are leases (< n_seq_max); unified KV shares cells.
+        unsafe { llama_cpp_sys_2::llama_memory_seq_cp(mem, parent_seq, seq, -1, -1) };
+        let handle = self.branches.insert(child);
+        self.topology.add(handle, Some(parent));
+        Ok(handle)
+    }
+
+    fn dispose(&mut self, handle: Handle) {
+        if let Some(b) = self.branches.remove(handle) {
+            self.remove_cells(b.seq_id, -1, -1);
+            self.cells_used = self.cells_used.saturating_sub((b.position - b.fork_head).max(0) as usize);
+            self.leases.release(b.seq_id);
+            self.topology.remove(handle);
+        }
+    }
+
+    /// `prune()` (RESTRICT): refuse while children live; idempotent on a disposed handle.
+    pub fn branch_prune(&mut self, handle: Handle) -> Result<()> {
+        if !self.is_live(handle) {
+            return Ok(());
+        }
+        let children = self.topology.children(handle);
+        if !children.is_empty() {
+            let names: Vec<String> = children.iter().map(|c| c.to_string()).collect();
+            return Err(LloyalError::Topology(format!(
+                "cannot prune branch {handle}: it has {} live children (handles {}); prune them first \
+                 or use prune_subtree()",
+                names.len(),
+                names.join(", ")
+            )));
+        }
+        self.dispose(handle);
+        Ok(())
+    }
+
+    /// `prune_subtree()` (CASCADE): children before parents; idempotent.
+    pub fn branch_prune_subtree(&mut self, handle: Handle) -> Result<()> {
+        if !self.is_live(handle) {
+            return Ok(());
+        }
+        for h in self.topology.post_order(handle) {
+            self.dispose(h);
+        }
+        Ok(())
+    }
+
+    /// `produce()`: the token this branch would sample now (no state change; idempotent).
+    pub fn branch_produce(&mut self, handle: Handle) -> Result<i32> {
+        self.branch_mut(handle)?.produce()
+    }
+
+    /// `accept(token)`: update sampler history and metrics without decoding.
+    pub fn branch_accept(&mut self, handle: Handle, token: i32) -> Result<()> {
+        self.model().check_token(i64::from(token))?;
+        let b = self.branch_mut(handle)?;
+        b.check_grammar(token)?;
+        let s = b.surprisals(token);
+        b.accept_with(token, s);
+        Ok(())
+    }
+
+    /// A branch's current sampling parameters.
+    pub fn branch_params(&self, handle: Handle) -> Result<SamplingParams> {
+        Ok(self.branch(handle)?.sampler.params().clone())
+    }
+
+    /// Replace a branch's sampler parameters (history kept; no-op if unchanged).
+    pub fn branch_set_params(&mut self, handle: Handle, params: SamplingParams) -> Result<()> {
+        let model = self.model();
+        let b = self.branch_mut(handle)?;
+        b.sampler.set_params(&model, params)?;
+        b.invalidate();
+        Ok(())
+    }
+
+    /// Restart a branch's RNG with `seed`.
+    pub fn branch_reseed_sampler(&mut self, handle: Handle, seed: u32) -> Result<()> {
+        let model = self.model();
+        let b = self.branch_mut(handle)?;
+        b.sampler.reseed(&model, seed)?;
+        b.invalidate();
+        Ok(())
+    }
+
+    fn check_bias(&self, bias: &[(i32, f32)]) -> Result<()> {
+        let model = self.model();
+        for &(t, b) in bias {
+            model.check_token(i64::from(t))?;
+            if b.is_nan() || b == f32::INFINITY {
+                return Err(LloyalError::invalid(format!(
+                    "bias for token {t} must be finite or -inf, got {b}"
+                )));
+            }
+        }
+        Ok(())
+    }
+
+    /// Set the inherited logit bias (replaces the previous one).
+    pub fn branch_set_logit_bias(&mut self, handle: Handle, bias: Vec<(i32, f32)>) -> Result<()> {
+        self.check_bias(&bias)?;
+        let b = self.branch_mut(handle)?;
+        b.logit_bias = bias;
+        b.invalidate();
+        Ok(())
+    }
+
+    /// Set per-branch steering (not inherited by forks).
+    pub fn branch_steer(&mut self, handle: Handle, bias: Vec<(i32, f32)>) -> Result<()> {
+        self.check_bias(&bias)?;
+        let b = self.branch_mut(handle)?;
+        b.steer = bias;
+        b.invalidate();
+        Ok(())
+    }
+
+    /// Replace the logits snapshot.
+    pub fn branch_set_logits(&mut self, handle: Handle, logits: Vec<f32>) -> Result<()> {
+        let n_vocab = self.shape().n_vocab as usize;
+        if logits.len() != n_vocab {
+            return Err(LloyalError::invalid(format!(
+                "logits must have shape ({n_vocab},), got ({},)",
+                logits.len()
+            )));
+        }
+        if logits.iter().any(|x| x.is_nan()) {
+            return Err(LloyalError::invalid("logits must not contain NaN"));
+        }
+        let b = self.branch_mut(handle)?;
+        b.logits = Arc::new(logits);
+        b.invalidate();
+        Ok(())
+    }
+
+    /// Entropy of a branch's next-token distribution.
+    pub fn branch_entropy(&self, handle: Handle, base: Base) -> Result<f64> {
+        Ok(entropy(self.branch(handle)?.logits()?, base))
+    }
+
+    /// Surprisal of `token` under a branch's logits.
+    pub fn branch_surprisal(&self, handle: Handle, token: i32, base: Base) -> Result<f64> {
+        self.model().check_token(i64::from(token))?;
+        Ok(surprisal(self.branch(handle)?.logits()?, token as usize, base))
+    }
+
+    /// `set_grammar`: replace (or with `None` remove) the branch's grammar.
+    pub fn branch_set_grammar(&mut self, handle: Handle, grammar: Option<Grammar>) -> Result<()> {
+        let b = self.branch_mut(handle)?;
+        b.grammar = grammar;
+        b.invalidate();
+        Ok(())
+    }
+
+    /// How many sampled tokens the branch's grammar rejected (each needed a full mask).
+    pub fn branch_grammar_resamples(&self, handle: Handle) -> Result<u64> {
+        Ok(self.branch(handle)?.grammar_resamples)
+    }
+
+    /// The branch's most recently accepted token (`None` before any).
+    pub fn branch_last_token(&self, handle: Handle) -> Result<Option<i32>> {
+        Ok(self.branch(handle)?.sampler.history().last().copied())
+    }
+}
