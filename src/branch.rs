@@ -35,7 +35,7 @@ impl PyProduced {
     }
 }
 
-/// A generated (committed) token.
+/// A generated (committed) token with its UTF-8-safe text.
 #[pyclass(name = "Token", module = "lloyal._lloyal", frozen, get_all, eq)]
 #[derive(Clone, PartialEq)]
 pub struct PyToken {
@@ -52,7 +52,14 @@ impl PyToken {
     }
 }
 
-/// One branch: a leased KV sequence with its own sampler, logits, metrics and tree links.
+/// A leased KV sequence with its own sampler, logits snapshot, metrics and tree links.
+///
+/// Example:
+///     >>> with Context(default_model_path(), n_seq_max=4) as ctx:
+///     ...     root = Branch.create(ctx, 0, SamplingParams(temperature=0))
+///     ...     root.prefill(ctx.tokenize("Hello"))
+///     ...     child = root.fork()
+///     ...     child.commit(child.produce().token)
 #[pyclass(name = "Branch", module = "lloyal._lloyal", frozen)]
 pub struct PyBranch {
     pub(crate) ctx: Py<PyContext>,
@@ -115,6 +122,12 @@ fn bias_list(model: &lloyal_core::Model, bias: &Bound<'_, PyDict>) -> PyResult<V
 #[pymethods]
 impl PyBranch {
     /// Create a root branch on ``ctx`` at ``position`` (takes a lease; its sequence starts empty).
+    ///
+    /// ``grammar`` (GBNF text with a ``root`` rule, or a :class:`Grammar` whose state is
+    /// copied) constrains every sampled token; forks inherit a copy of its state.
+    ///
+    /// Raises:
+    ///     LeaseExhaustedError: every sequence id of the context is leased.
     #[classmethod]
     #[pyo3(signature = (ctx, position=0, params=None, *, grammar=None))]
     fn create(
@@ -179,7 +192,7 @@ impl PyBranch {
         Ok(self.wrap(py, child))
     }
 
-    /// Dispose this branch (RESTRICT: raises TopologyError while children live). Idempotent.
+    /// Dispose this branch (RESTRICT: ``TopologyError`` while children live). Idempotent.
     fn prune(&self, py: Python<'_>) -> PyResult<()> {
         self.call(py, |s, h| s.branch_prune(h))
     }
@@ -212,9 +225,11 @@ impl PyBranch {
         self.call(py, move |s, h| s.commit(&[(h, token)]))
     }
 
-    /// Speculative check: decode ``draft_tokens`` in one batch, keep the longest prefix this
-    /// branch's sampler agrees with, drop the rest's cells, commit the sampler's own next token
-    /// (the bonus, readable as ``last_token``). Returns how many drafts were accepted.
+    /// Speculative check of ``draft_tokens`` in one decode; returns how many were accepted.
+    ///
+    /// Keeps the longest prefix of the drafts that this branch's sampler agrees with, removes
+    /// the rejected drafts' cells, and commits the sampler's own next token (the bonus, see
+    /// ``last_token``). Greedy output equals plain greedy decoding.
     fn verify(&self, py: Python<'_>, draft_tokens: Vec<i64>) -> PyResult<usize> {
         let drafts = to_i32(self.core().model(), &draft_tokens)?;
         Ok(self.call(py, move |s, h| s.branch_verify(h, &drafts))?.accepted)
@@ -242,8 +257,18 @@ impl PyBranch {
         aio::in_thread(slf.py(), slf.getattr("commit")?, vec![token])
     }
 
-    /// BlinkKV: replace this branch's sequence with ``sinks + tail`` at positions ``0..n``
-    /// (sampler history and metrics kept); returns the new position.
+    /// BlinkKV: replace this branch's sequence with ``sinks + tail``; returns the new position.
+    ///
+    /// The tokens go to positions ``0..len(sinks) + len(tail)``; sampler history and metrics are
+    /// kept. Needs ``len(sinks) + len(tail)`` free cells once this branch's own cells are freed
+    /// (``KvCacheFullError`` up front otherwise, nothing changed), so it works on a full
+    /// cache. When a lease and enough cells are free to keep the old cells until the new
+    /// ones are written, a failed decode restores the branch; otherwise it leaves the
+    /// branch empty at position 0.
+    ///
+    /// Example:
+    ///     >>> branch.reseed(tokens[:4], tokens[-8:])  # sinks + recent tail
+    ///     12
     fn reseed(&self, py: Python<'_>, sinks: Vec<i64>, tail: Vec<i64>) -> PyResult<i32> {
         let model = self.core().model();
         let (sinks, tail) = (to_i32(model, &sinks)?, to_i32(model, &tail)?);
@@ -256,8 +281,14 @@ impl PyBranch {
         self.call(py, move |s, h| s.branch_reseed_sampler(h, seed))
     }
 
-    /// Replace the sampling parameters (history kept; no rebuild when unchanged). A
-    /// ``SamplingParams`` replaces all of them; keyword overrides alone change only those fields.
+    /// Replace the sampling parameters (penalty history and RNG kept).
+    ///
+    /// A ``SamplingParams`` replaces all of them (keyword overrides then apply on top);
+    /// keyword overrides alone change only those fields of the current parameters. Nothing
+    /// is rebuilt when the parameters are unchanged.
+    ///
+    /// Example:
+    ///     >>> branch.set_sampler_params(temperature=0.2)  # top_k, top_p... unchanged
     #[pyo3(signature = (params=None, **overrides))]
     fn set_sampler_params(
         &self,
@@ -344,7 +375,7 @@ impl PyBranch {
         self.call(py, |s, h| Ok(s.branch(h)?.fork_head))
     }
 
-    /// exp(mean surprisal) of accepted tokens under the model; ``inf`` before any.
+    /// Model perplexity ``exp(mean surprisal)`` of accepted tokens; ``inf`` before any.
     #[getter]
     fn perplexity(&self, py: Python<'_>) -> PyResult<f64> {
         self.call(py, |s, h| Ok(s.branch(h)?.perplexity()))
@@ -363,7 +394,7 @@ impl PyBranch {
         Ok(p.map(|p| self.wrap(py, p)))
     }
 
-    /// Live children, in fork order.
+    /// Live children in fork order.
     #[getter]
     fn children(&self, py: Python<'_>) -> PyResult<Vec<PyBranch>> {
         let c = self.call(py, |s, h| Ok(s.branch_info(h)?.children))?;
@@ -388,7 +419,7 @@ impl PyBranch {
         !self.is_active(py)
     }
 
-    /// The branch's handle (stable identity; never reused for another branch).
+    /// Stable identity; never reused for another branch.
     #[getter]
     fn handle(&self) -> Handle {
         self.handle
@@ -441,7 +472,7 @@ impl PyBranch {
     }
 }
 
-/// Iterator behind ``for tok in branch`` / ``branch.generate()`` / ``async for``.
+/// Iterator behind ``for tok in branch``, ``branch.generate()`` and ``async for``.
 #[pyclass(name = "TokenIterator", module = "lloyal._lloyal", frozen)]
 pub struct PyTokenIter {
     branch: PyBranch,

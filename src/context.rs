@@ -20,6 +20,23 @@ use crate::state::write_atomic;
 use crate::text::PyTextStream;
 
 /// A llama.cpp context: KV cache, sequences and the flat decode path.
+///
+/// Always created with a unified KV cache and a full-size SWA cache, so forks share
+/// prefix cells. A context manager; ``close()`` is idempotent.
+///
+/// Batch invariance (``batch_invariant``, on by default on the CPU): a token's logits do not
+/// depend on which other rows share its decode (``n_batch``, batched vs single commits,
+/// packed prefill) nor on where its cells sit in the cache, so greedy output is identical
+/// whatever the batching. It takes llama.cpp's per-row kernels: weights not repacked,
+/// flash attention on its one-row path (the K cache defaults to ``q8_0`` for that), and
+/// ggml's tiled K-quant matmul off. ``batch_invariant=False`` uses llama.cpp's fastest
+/// kernels instead (f16 K cache; a ``Context`` built from a path then loads repacked
+/// weights); ``None`` turns it on when the model and cache types allow it.
+///
+/// Example:
+///     >>> with Context(default_model_path(), n_ctx=512) as ctx:
+///     ...     ctx.decode(ctx.tokenize("Hello"), 0)
+///     ...     token = ctx.sample(temperature=0)
 #[pyclass(name = "Context", module = "lloyal._lloyal", frozen)]
 pub struct PyContext {
     pub(crate) inner: Arc<Context>,
@@ -127,7 +144,8 @@ impl PyContext {
         self.inner.shape().n_threads
     }
 
-    /// Whether flash attention is on (the default, as in llama.cpp).
+    /// Whether flash attention is on (default, as in llama.cpp; needed for a quantized
+    /// ``type_v`` and for batch invariance).
     #[getter]
     fn flash_attn(&self) -> bool {
         self.inner.options().flash_attn
@@ -187,7 +205,7 @@ impl PyContext {
 
     // ----- tokens and text -----
 
-    /// Text to token ids. ``parse_special`` turns control-token text into control tokens.
+    /// Text to token ids; ``parse_special`` turns control-token text into control tokens.
     #[pyo3(signature = (text, add_special=true, parse_special=false))]
     fn tokenize(
         &self,
@@ -202,7 +220,7 @@ impl PyContext {
         detached(py, move || Ok(model.tokenize(&text, add_special, parse_special)))
     }
 
-    /// Token ids to text. ``special`` renders control tokens.
+    /// Token ids to text; ``special`` renders control tokens.
     #[pyo3(signature = (tokens, special=false))]
     fn detokenize(&self, py: Python<'_>, tokens: Vec<i64>, special: bool) -> PyResult<String> {
         self.check_open()?;
@@ -255,8 +273,33 @@ impl PyContext {
 
     // ----- chat -----
 
-    /// Render ``messages`` with the chat template (``template`` > the model's > built-in);
-    /// returns a ``lloyal.chat.FormattedChat``.
+    /// Render a conversation as a prompt with a Jinja chat template.
+    ///
+    /// Template: ``template`` (a Jinja string) > the model's own GGUF template > the built-in
+    /// one of the model's family (Gemma, ChatML, Llama 3). Templates see ``messages``,
+    /// ``add_generation_prompt``, ``tools``, ``bos_token``, ``eos_token``, and may use
+    /// ``raise_exception(msg)``, ``strftime_now(fmt)``, ``tojson`` and Python string/dict
+    /// methods (``.strip()``, ``.items()``...). The built-in Gemma template folds a leading
+    /// system message into the first user turn and renders content verbatim.
+    ///
+    /// Tokenize the prompt with ``add_special=False, parse_special=True`` (it holds the BOS
+    /// text and the turn markers).
+    ///
+    /// Args:
+    ///     messages: Dicts with ``role`` and ``content`` (str, None or a list of
+    ///         ``{"type": "text", "text": ...}`` parts); optional ``tool_calls``.
+    ///     add_generation_prompt: Append the opening of an assistant turn.
+    ///     template: A Jinja chat template that overrides the model's.
+    ///     tools: JSON-serialisable tool (function) definitions, passed as ``tools``.
+    ///
+    /// Returns:
+    ///     The prompt, the stop tokens and where the template came from.
+    ///
+    /// Raises:
+    ///     TypeError: ``messages``/``tools`` are not lists of JSON-serialisable dicts.
+    ///     ValueError: A message lacks a string ``role`` or has a bad ``content``.
+    ///     ChatTemplateError: The template failed (syntax, ``raise_exception``), or the
+    ///         model has no template and no built-in fits (pass ``template=``).
     #[pyo3(signature = (messages, *, add_generation_prompt=true, template=None, tools=None))]
     fn format_chat(
         &self,
@@ -275,8 +318,25 @@ impl PyContext {
         crate::chat::formatted_to_py(py, formatted)
     }
 
-    /// Render one new turn as it follows a finished assistant turn (after
-    /// ``turn_separator``), for warm multi-turn chat on a live branch.
+    /// Render one new turn exactly as it follows a finished assistant turn.
+    ///
+    /// For warm multi-turn chat on a live branch: after generating the assistant reply
+    /// (stopped at a stop token, which is not in the KV), prefill ``turn_separator`` and then
+    /// ``tokenize(turn.prompt, add_special=False, parse_special=True)``. The result equals,
+    /// token for token, a cold prefill of ``format_chat`` over the whole conversation with
+    /// the built-in template of the model's family (used here whatever the model's own).
+    ///
+    /// Args:
+    ///     message: The new message (usually ``{"role": "user", "content": ...}``).
+    ///     add_generation_prompt: Append the opening of the next assistant turn.
+    ///
+    /// Returns:
+    ///     The turn's text (no BOS, no system/tools preamble) and the stop tokens.
+    ///
+    /// Raises:
+    ///     TypeError: ``message`` is not a dict.
+    ///     ValueError: It lacks a string ``role`` or has a bad ``content``.
+    ///     ChatTemplateError: The model belongs to no built-in chat family.
     #[pyo3(signature = (message, *, add_generation_prompt=true))]
     fn format_chat_turn(
         &self,
@@ -302,7 +362,7 @@ impl PyContext {
         run(py, self.ctx(), move |s| s.decode(&tokens, pos, seq_id))
     }
 
-    /// Sample a token from the last decode's logits (accepted into the penalty history).
+    /// Sample from the last decode's logits; the token joins the penalty history.
     #[pyo3(signature = (params=None, **overrides))]
     fn sample(
         &self,
@@ -351,8 +411,7 @@ impl PyContext {
         run(py, self.ctx(), move |s| s.model_surprisal(t, base))
     }
 
-    /// A new, empty perplexity tracker.
-    /// Parse GBNF ``gbnf`` (start rule ``root``) into a :class:`Grammar` handle.
+    /// Parse GBNF rules into a :class:`Grammar` handle (``GrammarError`` if invalid).
     #[pyo3(signature = (gbnf, root="root"))]
     fn create_grammar(&self, py: Python<'_>, gbnf: String, root: &str) -> PyResult<PyGrammar> {
         self.check_open()?;
@@ -360,6 +419,7 @@ impl PyContext {
         Ok(PyGrammar::from_core(PyGrammar::parse(py, model, gbnf, root.to_string())?))
     }
 
+    /// A new, empty perplexity tracker.
     fn create_perplexity_tracker(&self) -> PyResult<PyPerplexityTracker> {
         self.check_open()?;
         Ok(PyPerplexityTracker::from_core(lloyal_core::PerplexityTracker::new()))
@@ -367,15 +427,26 @@ impl PyContext {
 
     // ----- embeddings -----
 
-    /// Width of one embedding vector (n_embd; 640 for Gemma 3 270M).
+    /// Width of one embedding vector (``n_embd``; 640 for Gemma 3 270M).
     #[getter]
     fn embedding_dimension(&self) -> PyResult<usize> {
         self.check_open()?;
         Ok(lloyal_core::embeddings::embedding_dimension(self.inner.model()))
     }
 
-    /// Clear ``seq_id``, decode ``tokens`` from position 0 for embeddings, keep the vectors
-    /// for ``get_embeddings`` and clear the sequence again.
+    /// Compute embeddings of ``tokens`` on ``seq_id`` (needs ``embeddings=True``).
+    ///
+    /// Clears ``seq_id``, decodes ``tokens`` from position 0, keeps the vectors for
+    /// :meth:`get_embeddings`, then clears the sequence again (no cells are left behind).
+    /// With pooling ``"mean"``/``"cls"``/``"last"`` the tokens must fit in one decode
+    /// (``n_batch``); with ``"none"`` longer runs are chunked.
+    ///
+    /// Raises:
+    ///     ValueError: not an embeddings context, empty ``tokens``, too many tokens, or a
+    ///         ``seq_id`` outside ``[0, n_seq_max)``.
+    ///     InvalidTokenError: a token id outside the vocabulary.
+    ///     SeqLeasedError: a live branch holds ``seq_id``.
+    ///     ContextClosedError: the context is closed.
     #[pyo3(signature = (tokens, seq_id=0))]
     fn encode(&self, py: Python<'_>, tokens: Vec<i64>, seq_id: i64) -> PyResult<()> {
         let seq_id = clamp_i32(seq_id);
@@ -383,8 +454,13 @@ impl PyContext {
         run(py, self.ctx(), move |s| s.encode(&tokens, seq_id))
     }
 
-    /// The vectors of the last ``encode`` on ``seq_id``: ``(dim,)`` pooled, or
-    /// ``(n_tokens, dim)`` with pooling "none"; rows L2-normalised when ``normalize``.
+    /// The vectors of the last :meth:`encode` on ``seq_id``, as a new float32 array.
+    ///
+    /// Shape ``(embedding_dimension,)`` when pooled, ``(n_tokens, embedding_dimension)``
+    /// with ``pooling="none"``. ``normalize`` scales each row to unit L2 norm.
+    ///
+    /// Raises:
+    ///     ValueError: not an embeddings context, or no ``encode`` ran on ``seq_id``.
     #[pyo3(signature = (normalize=true, seq_id=0))]
     fn get_embeddings<'py>(
         &self,
@@ -398,8 +474,19 @@ impl PyContext {
         to_array(py, encoded, pooled)
     }
 
-    /// Pooled embeddings of ``texts``: ``(dim,)`` for one ``str``, ``(n, dim)`` for a list;
-    /// packed across free sequences into as few decodes as fit.
+    /// Pooled embeddings of ``texts`` (tokenized with BOS); needs ``embeddings=True``.
+    ///
+    /// One ``str`` gives shape ``(embedding_dimension,)``; a list gives
+    /// ``(len(texts), embedding_dimension)`` in input order. Texts are packed across the
+    /// free sequences (not leased by a branch and empty) into as few ``llama_decode`` calls
+    /// as ``n_batch`` and those sequences allow (one when all fit), and the sequences are
+    /// cleared after reading; other sequences are not touched.
+    ///
+    /// Raises:
+    ///     ValueError: not an embeddings context, pooling ``"none"``, a text longer than
+    ///         ``n_batch`` tokens, or no empty sequence to borrow.
+    ///     SeqLeasedError: no sequence is free and a live branch holds one.
+    ///     KvCacheFullError: the cache has no room for a group of texts.
     #[pyo3(signature = (texts, normalize=true))]
     fn embed<'py>(
         &self,
@@ -459,7 +546,16 @@ impl PyContext {
 
     // ----- KV state -----
 
-    /// ``seq_id``'s KV cells as verified bytes (``LLOYALKV`` format; see the stub).
+    /// ``seq_id``'s KV cells (via ``llama_state_seq_get_data``) in a verified envelope.
+    ///
+    /// Format (little-endian): magic ``LLOYALKV``, u32 version (1), the model's fingerprint
+    /// (i32 n_vocab, i32 n_embd, u32 n_layer, u64 n_params, 32-byte NUL-padded
+    /// architecture), i32 smallest and largest position, u32 token count, u64 payload
+    /// length, the tokens (i32 each), llama.cpp's payload, and a trailing u64 FNV-1a 64 of
+    /// every preceding byte. No logits are saved.
+    ///
+    /// Raises:
+    ///     ValueError: ``seq_id`` outside ``[0, n_seq_max)``.
     #[pyo3(signature = (seq_id=0))]
     fn kv_cache_save<'py>(&self, py: Python<'py>, seq_id: i64) -> PyResult<Bound<'py, PyBytes>> {
         let seq_id = clamp_i32(seq_id);
@@ -467,13 +563,25 @@ impl PyContext {
         Ok(PyBytes::new(py, &data))
     }
 
-    /// Replace ``seq_id``'s cells with saved bytes; on failure the sequence is left empty.
+    /// Replace ``seq_id``'s cells with bytes from :meth:`kv_cache_save`.
+    ///
+    /// The envelope is verified (magic, version, lengths, checksum, model fingerprint)
+    /// before llama.cpp sees the payload. On any failure ``seq_id`` is left empty and no
+    /// other sequence changes. No logits are restored: decode the next token to get some.
+    ///
+    /// Raises:
+    ///     StateError: truncated, corrupt or foreign bytes, or llama.cpp refused the payload
+    ///         (another cache type, too few free cells).
+    ///     SeqLeasedError: a live branch holds ``seq_id`` (nothing is changed).
     fn kv_cache_load(&self, py: Python<'_>, seq_id: i64, data: &[u8]) -> PyResult<()> {
         let seq_id = clamp_i32(seq_id);
         run(py, self.ctx(), move |s| s.kv_load(seq_id, data).map(drop))
     }
 
-    /// Save ``seq_id``'s cells and ``tokens`` to ``path`` (written atomically).
+    /// Save ``seq_id``'s cells with ``tokens`` (the text they came from) to ``path``.
+    ///
+    /// Same format as :meth:`kv_cache_save`; written to a temporary file and renamed, so
+    /// ``path`` never holds a half-written state.
     fn kv_cache_write_file(
         &self,
         py: Python<'_>,
@@ -487,7 +595,12 @@ impl PyContext {
         detached_io(py, move || write_atomic(&path, &data))
     }
 
-    /// Load a file written by ``kv_cache_write_file`` into ``seq_id``; returns its tokens.
+    /// Load a file from :meth:`kv_cache_write_file` into ``seq_id``; returns its tokens.
+    ///
+    /// Raises:
+    ///     OSError: the file cannot be read (nothing is changed).
+    ///     StateError: as :meth:`kv_cache_load` (``seq_id`` is left empty).
+    ///     SeqLeasedError: a live branch holds ``seq_id``.
     fn kv_cache_read_file(&self, py: Python<'_>, seq_id: i64, path: PathBuf) -> PyResult<Vec<i32>> {
         let seq_id = clamp_i32(seq_id);
         self.check_open()?;

@@ -10,6 +10,13 @@ use crate::detach::detached;
 use crate::error::IntoPyResult;
 
 /// A GBNF grammar's parse state: mask logits with ``apply``, advance with ``accept``.
+///
+/// Example:
+///     >>> g = ctx.create_grammar('root ::= "yes" | "no"')
+///     >>> logits = ctx.get_logits().copy()
+///     >>> g.apply(logits)  # forbidden tokens become -inf
+///     >>> g.allows(ctx.tokenize("yes", add_special=False)[0])
+///     True
 #[pyclass(name = "Grammar", module = "lloyal._lloyal", frozen)]
 pub struct PyGrammar {
     inner: Mutex<Grammar>,
@@ -36,7 +43,7 @@ impl PyGrammar {
         Ok(PyGrammar::from_core(self.lock().try_clone().py()?))
     }
 
-    /// Set every token the grammar forbids to ``-inf`` in ``logits`` (float32, n_vocab), in place.
+    /// Set every forbidden token to ``-inf`` in ``logits`` (float32, length n_vocab), in place.
     fn apply(&self, py: Python<'_>, mut logits: PyReadwriteArray1<'_, f32>) -> PyResult<()> {
         let slice = logits.as_slice_mut()?;
         py.detach(|| self.lock().mask(slice)).py()
@@ -75,7 +82,7 @@ impl PyGrammar {
     }
 }
 
-/// GBNF (start rule ``root``) for a JSON schema given as a JSON string.
+/// GBNF (start rule ``root``) for a JSON schema given as JSON text.
 #[pyfunction]
 pub fn json_schema_to_grammar(py: Python<'_>, schema: String) -> PyResult<String> {
     detached(py, move || lloyal_core::json_schema_to_grammar(&schema))

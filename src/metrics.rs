@@ -5,7 +5,7 @@ use std::sync::Mutex;
 use lloyal_core::PerplexityTracker;
 use pyo3::prelude::*;
 
-/// Running perplexity: ``exp(mean surprisal)``; ``inf`` before any observation.
+/// Running perplexity ``exp(mean surprisal)``; ``inf`` before any observation.
 #[pyclass(name = "PerplexityTracker", module = "lloyal._lloyal", frozen)]
 pub struct PyPerplexityTracker {
     inner: Mutex<PerplexityTracker>,

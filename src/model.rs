@@ -8,7 +8,21 @@ use pyo3::prelude::*;
 
 use crate::detach::detached;
 
-/// Model weights (thread-safe, shared by every context created from it).
+/// Model weights (thread-safe; shared by every context created from it).
+///
+/// ``Model(path, *, n_gpu_layers=0, use_mmap=True, repack=False)`` loads (or shares) the
+/// weights of a GGUF file: a path opened twice loads once. ``repack=True`` lets llama.cpp
+/// rearrange Q4 weights for its fastest CPU matmul, which multiplies rows in groups of 4: a
+/// token's logits then depend on how many rows share its decode, so contexts of such a model
+/// are not batch-invariant.
+///
+/// Raises:
+///     ModelLoadError: the file is missing, not a GGUF, or of an unsupported architecture.
+///
+/// Example:
+///     >>> m = Model(default_model_path())
+///     >>> m.architecture
+///     'gemma3'
 #[pyclass(name = "Model", module = "lloyal._lloyal", frozen)]
 pub struct PyModel {
     pub(crate) inner: Arc<Model>,

@@ -138,7 +138,7 @@ pub fn extract_params_onto(
     Ok(p)
 }
 
-/// `validate_sampling_params(params)`: raise ValueError/TypeError if `params` is invalid.
+/// Raise ``ValueError``/``TypeError`` if ``params`` is not a valid set of sampling parameters.
 #[pyfunction]
 pub fn validate_sampling_params(params: &Bound<'_, PyAny>) -> PyResult<()> {
     extract_params(Some(params), None).map(|_| ())

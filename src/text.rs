@@ -23,7 +23,7 @@ impl PyTextStream {
 
 #[pymethods]
 impl PyTextStream {
-    /// Add a token; return the text completed by it (possibly empty).
+    /// Add a token; return the text it completes (possibly empty).
     fn push(&self, token: i64) -> PyResult<String> {
         let t = self.model.check_token(token).py()?;
         let bytes = self.model.token_bytes(t, false).py()?;

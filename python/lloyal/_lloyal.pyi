@@ -1,13 +1,14 @@
 """Type stubs for the native module ``lloyal._lloyal`` (checked by ``mypy.stubtest``)."""
 
 import os
-from collections.abc import Mapping
+from collections.abc import Awaitable, Coroutine, Mapping
 from typing import Any, final
 
 import numpy as np
 import numpy.typing as npt
 
 from lloyal.chat import FormattedChat
+from lloyal.sampling import SamplingParams
 
 __version__: str
 __all__ = [
@@ -35,11 +36,20 @@ def validate_sampling_params(params: object) -> None:
     """Raise ``ValueError``/``TypeError`` if ``params`` is not a valid set of sampling parameters."""
 
 def _parse_chat_output(text: str) -> tuple[str, str | None, list[tuple[str, str]]]:
-    """Native part of ``lloyal.parse_chat_output``: ``(content, reasoning, [(name, arguments_json)])``."""
+    """Native part of `lloyal.parse_chat_output`: `(content, reasoning_content, [(name, arguments_json)])`."""
 
 @final
 class Model:
     """Model weights (thread-safe; shared by every context created from it).
+
+    ``Model(path, *, n_gpu_layers=0, use_mmap=True, repack=False)`` loads (or shares) the
+    weights of a GGUF file: a path opened twice loads once. ``repack=True`` lets llama.cpp
+    rearrange Q4 weights for its fastest CPU matmul, which multiplies rows in groups of 4: a
+    token's logits then depend on how many rows share its decode, so contexts of such a model
+    are not batch-invariant.
+
+    Raises:
+        ModelLoadError: the file is missing, not a GGUF, or of an unsupported architecture.
 
     Example:
         >>> m = Model(default_model_path())
@@ -54,16 +64,10 @@ class Model:
         n_gpu_layers: int = 0,
         use_mmap: bool = True,
         repack: bool = False,
-    ) -> Model:
-        """Load (or share) the weights of a GGUF file.
-
-        ``repack=True`` lets llama.cpp rearrange Q4 weights for its fastest CPU matmul, which
-        multiplies rows in groups of 4: a token's logits then depend on how many rows share
-        its decode, so contexts of such a model are not batch-invariant.
-        """
+    ) -> Model: ...
     @property
     def repack(self) -> bool:
-        """Whether the weights were repacked for llama.cpp's fastest (batch-dependent) kernels."""
+        """Whether llama.cpp repacked the weights for its fastest (batch-dependent) CPU kernels."""
     @property
     def path(self) -> os.PathLike[str]:
         """Path of the GGUF file."""
@@ -133,7 +137,7 @@ class Context:
     ) -> Context: ...
     @classmethod
     def from_path(cls, path: str | os.PathLike[str], **options: Any) -> Context:
-        """Create a context from a model path."""
+        """Create a context from a model path (``Context(path, **options)``)."""
     @property
     def model(self) -> Model:
         """The :class:`Model` this context runs."""
@@ -161,10 +165,10 @@ class Context:
         ``type_v`` and for batch invariance)."""
     @property
     def batch_invariant(self) -> bool:
-        """Whether this context runs batch-invariant kernels (README "Numerics")."""
+        """Whether this context runs batch-invariant kernels (see ``Context``)."""
     @property
     def type_k(self) -> str:
-        """K cache element type (``"q8_0"`` by default when batch-invariant, else ``"f16"``)."""
+        """K cache element type (``"q8_0"`` by default in a batch-invariant context, else ``"f16"``)."""
     @property
     def type_v(self) -> str:
         """V cache element type."""
@@ -257,25 +261,27 @@ class Context:
     def detokenize(self, tokens: list[int], special: bool = False) -> str:
         """Token ids to text; ``special`` renders control tokens."""
     def token_to_text(self, token: int, special: bool = False) -> str:
-        """One token's text (a partial UTF-8 character becomes U+FFFD; see ``text_stream``)."""
+        """One token's text (a partial UTF-8 character becomes U+FFFD; use ``text_stream()``)."""
     def text_stream(self) -> TextStream:
         """A UTF-8-safe streaming detokenizer."""
     def is_stop_token(self, token: int) -> bool:
         """Whether ``token`` ends generation (EOS/EOT)."""
     def decode(self, tokens: list[int], pos: int, seq_id: int = 0) -> None:
-        """Decode ``tokens`` on ``seq_id`` from ``pos`` (chunked by n_batch; all-or-nothing)."""
-    def sample(self, params: object | None = None, **overrides: Any) -> int:
+        """Decode ``tokens`` on ``seq_id`` starting at ``pos`` (chunked by n_batch; all-or-nothing)."""
+    def sample(self, params: SamplingParams | dict[str, Any] | None = None, **overrides: Any) -> int:
         """Sample from the last decode's logits; the token joins the penalty history."""
     def clear_and_reseed(self, sinks: list[int], tail: list[int]) -> int:
-        """BlinkKV: clear, decode ``sinks`` at 0 and ``tail`` after them on seq 0; next position."""
+        """BlinkKV: clear the cache, decode ``sinks`` at 0 and ``tail`` after them on seq 0
+        (sampler history kept); returns the next position, ``len(sinks) + len(tail)``.
+        """
     def reset_sampler(self) -> None:
         """Forget the flat sampler's penalty history and RNG state."""
     def get_logits(self) -> npt.NDArray[np.float32]:
-        """The last decode's logits, read-only, shape ``(n_vocab,)``."""
+        """The last decode's logits: a read-only float32 array of shape ``(n_vocab,)``."""
     def model_entropy(self, base: str = "nats") -> float:
-        """Entropy of the next-token distribution in ``"nats"`` or ``"bits"``."""
+        """Entropy of the next-token distribution, in ``"nats"`` or ``"bits"``."""
     def model_surprisal(self, token: int, base: str = "nats") -> float:
-        """Surprisal ``-log p(token)`` under the last logits."""
+        """Surprisal ``-log p(token)`` under the last logits, in ``"nats"`` or ``"bits"``."""
     def create_grammar(self, gbnf: str, root: str = "root") -> Grammar:
         """Parse GBNF rules into a :class:`Grammar` handle (``GrammarError`` if invalid)."""
     def create_perplexity_tracker(self) -> PerplexityTracker:
@@ -289,9 +295,9 @@ class Context:
     def kv_cache_remove(self, seq_id: int, start: int, end: int = -1) -> None:
         """Remove positions ``[start, end)`` of ``seq_id``; ``end=-1`` means to the end."""
     def kv_seq_copy(self, src: int, dst: int, p0: int = 0, p1: int = -1) -> None:
-        """Share ``src``'s cells ``[p0, p1)`` with ``dst`` (no tensor copy)."""
+        """Share ``src``'s cells ``[p0, p1)`` with ``dst`` (metadata only, no tensor copy)."""
     def kv_seq_keep(self, seq_id: int) -> None:
-        """Keep only ``seq_id``."""
+        """Keep only ``seq_id``; drop every other sequence's cells."""
     def kv_cache_save(self, seq_id: int = 0) -> bytes:
         """``seq_id``'s KV cells (via ``llama_state_seq_get_data``) in a verified envelope.
 
@@ -375,12 +381,14 @@ class Context:
 
 @final
 class Grammar:
-    """A GBNF grammar's parse state.
+    """A GBNF grammar's parse state: mask logits with ``apply``, advance with ``accept``.
 
     Example:
         >>> g = ctx.create_grammar('root ::= "yes" | "no"')
         >>> logits = ctx.get_logits().copy()
         >>> g.apply(logits)  # forbidden tokens become -inf
+        >>> g.allows(ctx.tokenize("yes", add_special=False)[0])
+        True
     """
 
     def clone(self) -> Grammar:
@@ -388,7 +396,7 @@ class Grammar:
     def apply(self, logits: npt.NDArray[np.float32]) -> None:
         """Set every forbidden token to ``-inf`` in ``logits`` (float32, length n_vocab), in place."""
     def accept(self, token: int) -> None:
-        """Advance past ``token`` (``GrammarError`` if forbidden; state unchanged)."""
+        """Advance past ``token``; a forbidden token raises ``GrammarError`` (state unchanged)."""
     def allows(self, token: int) -> bool:
         """Whether ``token`` may come next."""
     def reset(self) -> None:
@@ -406,7 +414,7 @@ class PerplexityTracker:
 
     def __new__(cls) -> PerplexityTracker: ...
     def add_surprisal(self, surprisal: float) -> None:
-        """Record one token's surprisal in nats."""
+        """Record one token's surprisal in nats (see ``model_surprisal``)."""
     @property
     def perplexity(self) -> float:
         """``exp(mean surprisal)``, ``inf`` when empty."""
@@ -420,7 +428,9 @@ class PerplexityTracker:
 
 @final
 class TextStream:
-    """Token-by-token text; a character split across tokens comes out whole."""
+    """Turns tokens into text one at a time; a character split across tokens is released
+    whole once its last byte arrives.
+    """
 
     def push(self, token: int) -> str:
         """Add a token; return the text it completes (possibly empty)."""
@@ -432,20 +442,25 @@ class Produced:
     """A sampled-but-not-written token."""
 
     @property
-    def token(self) -> int: ...
+    def token(self) -> int:
+        """Token id."""
     @property
-    def text(self) -> str: ...
+    def text(self) -> str:
+        """The token's text (may be a partial UTF-8 character)."""
     @property
-    def is_stop(self) -> bool: ...
+    def is_stop(self) -> bool:
+        """Whether the token ends generation."""
 
 @final
 class Token:
     """A generated (committed) token with its UTF-8-safe text."""
 
     @property
-    def token(self) -> int: ...
+    def token(self) -> int:
+        """Token id."""
     @property
-    def text(self) -> str: ...
+    def text(self) -> str:
+        """The text it completes (UTF-8 safe: may be empty mid-character)."""
 
 @final
 class TokenIterator:
@@ -454,7 +469,7 @@ class TokenIterator:
     def __iter__(self) -> TokenIterator: ...
     def __next__(self) -> Token: ...
     def __aiter__(self) -> TokenIterator: ...
-    def __anext__(self) -> Any: ...
+    def __anext__(self) -> Awaitable[Token]: ...
 
 @final
 class Branch:
@@ -473,94 +488,113 @@ class Branch:
         cls,
         ctx: Context,
         position: int = 0,
-        params: object | None = None,
+        params: SamplingParams | dict[str, Any] | None = None,
         *,
         grammar: str | Grammar | None = None,
     ) -> Branch:
-        """Create a root branch (takes a lease; its sequence starts empty).
+        """Create a root branch on ``ctx`` at ``position`` (takes a lease; its sequence starts empty).
 
         ``grammar`` (GBNF text with a ``root`` rule, or a :class:`Grammar` whose state is
         copied) constrains every sampled token; forks inherit a copy of its state.
+
+        Raises:
+            LeaseExhaustedError: every sequence id of the context is leased.
         """
     def fork(self, clone_logits: bool = True) -> Branch:
-        """A child sharing this branch's KV prefix; sampler, metrics, logit bias cloned."""
+        """A child sharing this branch's KV prefix (no tensor copy); sampler, metrics, logit bias
+        and (if ``clone_logits``) logits are cloned. Takes a lease.
+        """
     def prune(self) -> None:
-        """Dispose this branch (RESTRICT: ``TopologyError`` while children live)."""
+        """Dispose this branch (RESTRICT: ``TopologyError`` while children live). Idempotent."""
     def prune_subtree(self) -> None:
-        """Dispose this branch and its descendants (CASCADE)."""
+        """Dispose this branch and every descendant (CASCADE). Idempotent."""
     def produce(self) -> Produced:
-        """Sample the next token without writing anything (idempotent)."""
+        """Sample the next token without writing anything (idempotent until state changes)."""
     def sample(self) -> int:
         """The token ``produce()`` would return."""
     def accept(self, token: int) -> None:
-        """Record ``token`` in sampler history and metrics without decoding it."""
+        """Record ``token`` in the sampler history, grammar and metrics without decoding it."""
     def commit(self, token: int) -> None:
-        """Accept, decode and capture logits; on failure nothing changes."""
+        """Accept ``token``, decode it, and capture the new logits; on failure nothing changes."""
     def prefill(self, tokens: list[int]) -> None:
-        """Write tokens to KV (not accepted into penalties/perplexity)."""
+        """Write ``tokens`` to this branch's KV (not accepted into penalties/perplexity)."""
     def verify(self, draft_tokens: list[int]) -> int:
         """Speculative check of ``draft_tokens`` in one decode; returns how many were accepted.
 
-        The branch then holds the accepted drafts plus the sampler's own next token (the
-        bonus, see ``last_token``); the rejected drafts' cells are removed.
+        Keeps the longest prefix of the drafts that this branch's sampler agrees with, removes
+        the rejected drafts' cells, and commits the sampler's own next token (the bonus, see
+        ``last_token``). Greedy output equals plain greedy decoding.
         """
     @property
     def last_token(self) -> int | None:
         """The most recently accepted token (``None`` before any)."""
-    def aprefill(self, tokens: list[int]) -> Any:
-        """Awaitable ``prefill`` run off the event loop."""
-    def acommit(self, token: int) -> Any:
-        """Awaitable ``commit`` run off the event loop."""
+    def aprefill(self, tokens: list[int]) -> Coroutine[Any, Any, None]:
+        """Await ``prefill(tokens)`` off the event loop."""
+    def acommit(self, token: int) -> Coroutine[Any, Any, None]:
+        """Await ``commit(token)`` off the event loop."""
     def reseed(self, sinks: list[int], tail: list[int]) -> int:
-        """BlinkKV: replace this branch's sequence with ``sinks + tail``; returns the position.
+        """BlinkKV: replace this branch's sequence with ``sinks + tail``; returns the new position.
 
-        Needs ``len(sinks) + len(tail)`` free cells once this branch's own cells are freed
+        The tokens go to positions ``0..len(sinks) + len(tail)``; sampler history and metrics are
+        kept. Needs ``len(sinks) + len(tail)`` free cells once this branch's own cells are freed
         (``KvCacheFullError`` up front otherwise, nothing changed), so it works on a full
         cache. When a lease and enough cells are free to keep the old cells until the new
         ones are written, a failed decode restores the branch; otherwise it leaves the
         branch empty at position 0.
 
         Example:
-            >>> pos = branch.reseed(tokens[:4], tokens[-200:])  # sinks + recent tail
+            >>> branch.reseed(tokens[:4], tokens[-8:])  # sinks + recent tail
+            12
         """
     def reseed_sampler(self, seed: int) -> None:
         """Restart the sampler's RNG with ``seed`` (history kept)."""
-    def set_sampler_params(self, params: object | None = None, **overrides: Any) -> None:
+    def set_sampler_params(
+        self, params: SamplingParams | dict[str, Any] | None = None, **overrides: Any
+    ) -> None:
         """Replace the sampling parameters (penalty history and RNG kept).
 
         A ``SamplingParams`` replaces all of them (keyword overrides then apply on top);
-        keyword overrides alone change only those fields of the current parameters.
+        keyword overrides alone change only those fields of the current parameters. Nothing
+        is rebuilt when the parameters are unchanged.
 
         Example:
             >>> branch.set_sampler_params(temperature=0.2)  # top_k, top_p... unchanged
         """
     def save_state(self) -> bytes:
-        """KV cells, position, sampler (params, history, RNG), grammar, metrics, biases, logits."""
+        """The branch as bytes: KV cells, position, sampler (parameters, history, RNG), grammar,
+        metrics, biases and logits; ``Branch.load_state`` resumes it in any process.
+        """
     @staticmethod
     def load_state(ctx: Context, data: bytes) -> Branch:
-        """A new root branch from ``save_state()`` bytes (``StateError`` if corrupt or foreign)."""
+        """A new root branch on ``ctx`` from ``Branch.save_state()`` bytes (takes a lease).
+        Corrupt, truncated or foreign data raises ``StateError`` and changes nothing.
+        """
     def set_grammar(self, grammar: str | Grammar | None) -> None:
-        """Constrain sampling with a grammar (GBNF or a :class:`Grammar`), or remove it."""
+        """Constrain sampling with a grammar (GBNF text or a :class:`Grammar`, whose state is
+        copied), or remove it with ``None``. Forks inherit a copy.
+        """
     @property
     def grammar_resamples(self) -> int:
         """Sampled tokens the grammar rejected so far (each cost a full vocabulary mask)."""
     def set_logit_bias(self, bias: Mapping[int, float]) -> None:
-        """``{token: bias}`` added before sampling; inherited by forks; ``-inf`` bans."""
+        """Set ``{token: bias}`` added to the logits before sampling; inherited by forks; ``-inf`` bans."""
     def steer(self, bias: Mapping[int, float]) -> None:
-        """Per-branch ``{token: bias}``, not inherited by forks."""
+        """Set per-branch steering ``{token: bias}`` (not inherited by forks)."""
     def clear_steer(self) -> None:
         """Remove steering."""
     @property
     def logits(self) -> npt.NDArray[np.float32]:
-        """A copy of the current logits, shape ``(n_vocab,)``."""
+        """A float32 copy of the current logits, shape ``(n_vocab,)``."""
     def set_logits(self, logits: npt.NDArray[np.float32]) -> None:
-        """Replace the logits snapshot."""
+        """Replace the logits snapshot (shape ``(n_vocab,)``)."""
     def model_entropy(self, base: str = "nats") -> float:
-        """Entropy of the next-token distribution."""
+        """Entropy of the next-token distribution in ``"nats"`` or ``"bits"``."""
     def model_surprisal(self, token: int, base: str = "nats") -> float:
         """Surprisal of ``token`` under the current logits."""
     def generate(self, max_tokens: int | None = None) -> TokenIterator:
-        """Generate until a stop token (not yielded) or ``max_tokens``."""
+        """Generate until a stop token (not yielded) or ``max_tokens``, committing each token
+        before yielding it.
+        """
     def __iter__(self) -> TokenIterator: ...
     def __aiter__(self) -> TokenIterator: ...
     @property
@@ -571,22 +605,22 @@ class Branch:
         """Position where this branch diverged from its parent."""
     @property
     def perplexity(self) -> float:
-        """Model perplexity of accepted tokens; ``inf`` before any."""
+        """Model perplexity ``exp(mean surprisal)`` of accepted tokens; ``inf`` before any."""
     @property
     def sampling_perplexity(self) -> float:
-        """Perplexity under the sampling distribution."""
+        """Perplexity under the sampling distribution (penalties, biases, temperature)."""
     @property
     def parent(self) -> Branch | None:
-        """The parent, or None for a root."""
+        """The parent branch, or None for a root."""
     @property
     def children(self) -> list[Branch]:
         """Live children in fork order."""
     @property
     def is_leaf(self) -> bool:
-        """Whether no child is live."""
+        """Whether the branch has no live children."""
     @property
     def is_active(self) -> bool:
-        """Whether the branch holds a lease."""
+        """Whether the branch is live (holds a lease)."""
     @property
     def disposed(self) -> bool:
         """Whether the branch was pruned, retained away, or its context closed."""
@@ -595,7 +629,7 @@ class Branch:
         """Stable identity; never reused for another branch."""
     @property
     def seq_id(self) -> int:
-        """The leased sequence id (read-only)."""
+        """The leased sequence id (read-only; for interop with the flat path)."""
     @property
     def context(self) -> Context:
         """The context this branch lives in."""
@@ -612,11 +646,14 @@ class KvPressure:
     """KV occupancy by branches."""
 
     @property
-    def n_ctx(self) -> int: ...
+    def n_ctx(self) -> int:
+        """Total cells."""
     @property
-    def cells_used(self) -> int: ...
+    def cells_used(self) -> int:
+        """Cells held by branches."""
     @property
-    def remaining(self) -> int: ...
+    def remaining(self) -> int:
+        """Cells left."""
 
 @final
 class BranchStore:
@@ -624,17 +661,17 @@ class BranchStore:
 
     def __new__(cls, ctx: Context) -> BranchStore: ...
     def commit(self, pairs: list[tuple[Branch, int]]) -> None:
-        """Accept and decode one token per branch in one decode; all-or-nothing."""
+        """Accept and decode one token per branch in ONE ``llama_decode``; all-or-nothing."""
     def prefill(self, items: list[tuple[Branch, list[int]]]) -> None:
-        """Write each branch's tokens, bin-packed into ceil(total / n_batch) decodes."""
+        """Write each branch's tokens, bin-packed into ``ceil(total / n_batch)`` decodes; all-or-nothing."""
     def retain_only(self, winner: Branch) -> None:
-        """Keep the winner's sequence only; every other branch is disposed."""
+        """Keep ``winner``'s sequence only; every other branch is disposed; the winner becomes a root."""
     def produce_all(self, branches: list[Branch]) -> list[Produced]:
-        """Sample every branch in one native call."""
-    def acommit(self, pairs: list[tuple[Branch, int]]) -> Any:
-        """Awaitable ``commit``."""
-    def aprefill(self, items: list[tuple[Branch, list[int]]]) -> Any:
-        """Awaitable ``prefill``."""
+        """Sample every branch in one native call (GIL released)."""
+    def acommit(self, pairs: list[tuple[Branch, int]]) -> Coroutine[Any, Any, None]:
+        """Await ``commit(pairs)`` off the event loop."""
+    def aprefill(self, items: list[tuple[Branch, list[int]]]) -> Coroutine[Any, Any, None]:
+        """Await ``prefill(items)`` off the event loop."""
     @property
     def available(self) -> int:
         """Free leases."""
