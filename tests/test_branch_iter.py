@@ -1,4 +1,4 @@
-"""`for tok in branch`, `branch.generate(max_tokens)`, Token text UTF-8 safety (API.md §3)."""
+"""`for tok in branch`, `branch.generate(max_tokens)`, Token text UTF-8 safety (docs/api.md, "Branch")."""
 
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
-"""Threads and asyncio against ONE context and ONE store (API.md §7): 8 threads driving their
-own branches get the sequential tokens, 500 asyncio tasks sharing a store finish without a
+"""Threads and asyncio against ONE context and ONE store (docs/api.md, "Threads and the GIL"): 8 threads
+driving their own branches get the sequential tokens, 500 asyncio tasks sharing a store finish without a
 deadlock, and ``close()`` from another thread waits for a running decode, then rejects calls."""
 
 from __future__ import annotations

@@ -171,7 +171,7 @@ def test_invalid_tokens_change_nothing(ctx: lloyal.Context) -> None:
 
 
 def test_greedy_tokens_identical_across_n_batch_without_flash_attn(model: lloyal.Model) -> None:
-    """API.md §4: greedy output identical for n_batch 32/64/128/512 (exact with flash_attn=False;
+    """docs/api.md: greedy output identical for n_batch 32/64/128/512 (exact with flash_attn=False;
     llama.cpp's CPU flash attention rounds differently per batch shape, see README "Numerics")."""
     prompt = [1000 + (i * 53) % 4000 for i in range(150)]
     runs = []

@@ -1,4 +1,4 @@
-"""Embeddings (API.md §1): encode/get_embeddings/embed on an embeddings context, batching
+"""Embeddings (docs/api.md, "Context"): encode/get_embeddings/embed on an embeddings context, batching
 across sequences, lease and sequence protection, errors. Real default model, small contexts."""
 
 from __future__ import annotations

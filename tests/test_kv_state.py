@@ -1,4 +1,4 @@
-"""Flat KV state (API.md §1 "State"): kv_cache_save/load and write_file/read_file round
+"""Flat KV state (docs/api.md, "Context", State): kv_cache_save/load and write_file/read_file round
 trips onto fresh contexts and other sequences, and rejection of truncated, corrupt, random
 and foreign bytes (target left empty, other sequences untouched). Real default model."""
 

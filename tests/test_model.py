@@ -29,7 +29,7 @@ def test_model_facts(model: lloyal.Model, model_path: Path) -> None:
 
 
 def test_same_path_loads_once(model: lloyal.Model, model_path: Path, tmp_path: Path) -> None:
-    """API.md §1: a path opened twice loads once. A real load of this model takes ~0.7 s
+    """docs/api.md ("Model"): a path opened twice loads once. A real load of this model takes ~0.7 s
     (262k-token vocabulary); a second Model() of a path that is loaded must be a lookup."""
     link = tmp_path / "alias.gguf"
     link.symlink_to(model_path)

@@ -1,4 +1,4 @@
-"""Sampling: every SamplingParams field is honoured and validated (API.md §2).
+"""Sampling: every SamplingParams field is honoured and validated (docs/api.md, "Sampling").
 
 Most tests draw several times from the same logits (no decode in between). ``ctx.sample``
 accepts each drawn token into the flat sampler's history, which is how penalty history is

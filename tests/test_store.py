@@ -1,4 +1,4 @@
-"""BranchStore: batched commit, packed prefill, leases, retain_only, KV pressure (API.md §4).
+"""BranchStore: batched commit, packed prefill, leases, retain_only, KV pressure (docs/api.md, "BranchStore").
 
 Runs on the real default model (Gemma 3 270M). Every context here is small; prompts are
 short except where the contract is about long prompts (n_batch invariance, KV full).

@@ -1,4 +1,4 @@
-"""lloyal.strategies on the real model: best_of_n, beam_search, speculative_generate (API.md §5)."""
+"""lloyal.strategies on the real model: best_of_n, beam_search, speculative_generate (docs/api.md)."""
 
 from __future__ import annotations
 

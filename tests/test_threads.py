@@ -1,5 +1,5 @@
-"""API.md §7: model calls release the GIL; one context serialises its callers (one lock per
-context); different contexts run in parallel."""
+"""docs/api.md ("Threads and the GIL"): model calls release the GIL; one context serialises its
+callers (one lock per context); different contexts run in parallel."""
 
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
 """Branch trees: RESTRICT prune, CASCADE prune_subtree, idempotence, stale handles, lease and
-KV-cell accounting (API.md §3 Topology, §4)."""
+KV-cell accounting (docs/api.md, "Branch" and "BranchStore")."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""The exception hierarchy of lloyal (API.md §6).
+"""The exception hierarchy of lloyal (docs/api.md, "Errors").
 
 Every error a user can cause derives from :class:`LloyalError`; each message says what
 was wrong and what to do. The Rust core raises these classes through one error map.

@@ -1,4 +1,4 @@
-"""Sampling parameters (API.md §2): frozen, keyword-only, validated on construction.
+"""Sampling parameters (docs/api.md, "Sampling"): frozen, keyword-only, validated on construction.
 
 Example:
     >>> from lloyal import SamplingParams

@@ -29,7 +29,7 @@ pub struct Xtc {
     pub min_keep: usize,
 }
 
-/// The full sampler configuration of API.md §2. `temperature <= 0` means greedy.
+/// The full sampler configuration of docs/api.md ("Sampling"). `temperature <= 0` means greedy.
 #[derive(Debug, Clone, PartialEq)]
 pub struct SamplingParams {
     pub temperature: f32,
