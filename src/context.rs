@@ -33,6 +33,9 @@ use crate::text::PyTextStream;
 /// kernels instead (f16 K cache; a ``Context`` built from a path then loads repacked
 /// weights); ``None`` turns it on when the model and cache types allow it.
 ///
+/// ``pooling`` (for ``embeddings=True``): ``None`` pools the way the model's GGUF declares
+/// (``<arch>.pooling_type``, e.g. the last token for Qwen3-Embedding), else by mean.
+///
 /// Example:
 ///     >>> with Context(default_model_path(), n_ctx=512) as ctx:
 ///     ...     ctx.decode(ctx.tokenize("Hello"), 0)
@@ -57,7 +60,7 @@ impl PyContext {
 impl PyContext {
     #[new]
     #[pyo3(signature = (model, *, n_ctx=2048, n_batch=512, n_seq_max=1, n_threads=None,
-                        embeddings=false, pooling="mean", type_k=None, type_v="f16", flash_attn=true,
+                        embeddings=false, pooling=None, type_k=None, type_v="f16", flash_attn=true,
                         batch_invariant=None))]
     #[allow(clippy::too_many_arguments)]
     fn new(
@@ -68,7 +71,7 @@ impl PyContext {
         n_seq_max: i64,
         n_threads: Option<i64>,
         embeddings: bool,
-        pooling: &str,
+        pooling: Option<&str>,
         type_k: Option<&str>,
         type_v: &str,
         flash_attn: bool,
@@ -80,7 +83,7 @@ impl PyContext {
             n_seq_max: narrow("n_seq_max", n_seq_max, "a positive number of sequences")?,
             n_threads: n_threads.map(|t| narrow("n_threads", t, "in 1..=1024")).transpose()?,
             embeddings,
-            pooling: Pooling::parse(pooling).py()?,
+            pooling: pooling.map(Pooling::parse).transpose().py()?,
             type_k: type_k.map(str::to_string),
             type_v: type_v.to_string(),
             flash_attn,
@@ -469,7 +472,7 @@ impl PyContext {
         seq_id: i64,
     ) -> PyResult<Bound<'py, PyAny>> {
         let seq_id = clamp_i32(seq_id);
-        let pooled = self.inner.options().pooling != Pooling::None;
+        let pooled = self.inner.options().pooling() != Pooling::None;
         let encoded = run(py, self.ctx(), move |s| s.embeddings(seq_id, normalize))?;
         to_array(py, encoded, pooled)
     }

@@ -114,6 +114,9 @@ class Context:
     kernels instead (f16 K cache; a ``Context`` built from a path then loads repacked
     weights); ``None`` turns it on when the model and cache types allow it.
 
+    ``pooling`` (for ``embeddings=True``): ``None`` pools the way the model's GGUF declares
+    (``<arch>.pooling_type``, e.g. the last token for Qwen3-Embedding), else by mean.
+
     Example:
         >>> with Context(default_model_path(), n_ctx=512) as ctx:
         ...     ctx.decode(ctx.tokenize("Hello"), 0)
@@ -129,7 +132,7 @@ class Context:
         n_seq_max: int = 1,
         n_threads: int | None = None,
         embeddings: bool = False,
-        pooling: str = "mean",
+        pooling: str | None = None,
         type_k: str | None = None,
         type_v: str = "f16",
         flash_attn: bool = True,

@@ -7,6 +7,6 @@ them after. Output quality is irrelevant: the suite asserts lloyal's behaviour o
 
 from __future__ import annotations
 
-from .generate import FAMILIES, Family, family_path, generate_all
+from .generate import FAMILIES, Family, family_path, generate_all, token_id, vocab
 
-__all__ = ["FAMILIES", "Family", "family_path", "generate_all"]
+__all__ = ["FAMILIES", "Family", "family_path", "generate_all", "token_id", "vocab"]

@@ -289,6 +289,18 @@ def _write(f: Family, path: Path) -> None:
     os.replace(tmp, path)
 
 
+
+def vocab(name: str) -> list[str]:
+    """The token texts of family ``name`` in id order (byte tokens, merges, then its specials)."""
+    tokens, _ = _bpe_vocab()
+    return tokens + list(FAMILIES[name].specials)
+
+
+def token_id(name: str, text: str) -> int:
+    """The id of a special token (or a byte-level token text) in family ``name``'s vocabulary."""
+    return vocab(name).index(text)
+
+
 if __name__ == "__main__":
     for name, p in generate_all().items():
         print(f"{name}: {p} ({p.stat().st_size} bytes)")

@@ -162,6 +162,11 @@ impl Model {
         self.meta("tokenizer.chat_template")
     }
 
+    /// The embedding pooling this model declares (`<arch>.pooling_type`), if any.
+    pub fn pooling(&self) -> Option<crate::options::Pooling> {
+        self.meta_u64("pooling_type").and_then(crate::options::Pooling::from_gguf)
+    }
+
     fn meta_u64(&self, suffix: &str) -> Option<u64> {
         let key = format!("{}.{suffix}", self.architecture());
         self.meta(&key)?.trim().parse().ok()
@@ -249,6 +254,8 @@ impl Model {
     /// end-of-generation token alone for a model with no known chat convention.
     pub fn turn_separator(&self) -> Vec<i32> {
         match self.chat_family() {
+            // Mistral closes a turn with EOS itself, whatever its text in this vocabulary.
+            Some(crate::ChatFamily::Mistral) if self.eos_token() >= 0 => vec![self.eos_token()],
             Some(family) => self.tokenize(family.turn_separator(), false, true),
             None => vec![self.eog()],
         }

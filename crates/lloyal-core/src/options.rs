@@ -36,6 +36,18 @@ impl Pooling {
         })
     }
 
+    /// The pooling a GGUF declares as `<arch>.pooling_type` (llama_pooling_type); None if unknown.
+    pub fn from_gguf(value: u64) -> Option<Self> {
+        Some(match value {
+            0 => Pooling::None,
+            1 => Pooling::Mean,
+            2 => Pooling::Cls,
+            3 => Pooling::Last,
+            4 => Pooling::Rank,
+            _ => return None,
+        })
+    }
+
     fn raw(self) -> sys::llama_pooling_type {
         match self {
             Pooling::None => sys::LLAMA_POOLING_TYPE_NONE,
@@ -90,7 +102,9 @@ pub struct ContextOptions {
     pub n_seq_max: u32,
     pub n_threads: Option<i32>,
     pub embeddings: bool,
-    pub pooling: Pooling,
+    /// Pooling of embeddings; `None` takes the model's own (`<arch>.pooling_type` in the
+    /// GGUF), else mean (see [`ContextOptions::with_model_pooling`]).
+    pub pooling: Option<Pooling>,
     /// K cache type; `None` picks `q8_0` for a batch-invariant context, else `f16`.
     pub type_k: Option<String>,
     pub type_v: String,
@@ -110,7 +124,7 @@ impl Default for ContextOptions {
             n_seq_max: 1,
             n_threads: None,
             embeddings: false,
-            pooling: Pooling::Mean,
+            pooling: None,
             type_k: None,
             type_v: "f16".into(),
             flash_attn: true,
@@ -146,12 +160,13 @@ impl ContextOptions {
         }
         // llama.cpp reserves the mean-pooling graph with n_batch rounded up to a multiple of
         // n_seq_max but only n_batch output rows, and aborts on the shape mismatch.
-        let mean = matches!(self.pooling, Pooling::Mean | Pooling::Rank);
+        // (An unset pooling is checked once the model's own has filled it in.)
+        let mean = matches!(self.pooling, Some(Pooling::Mean | Pooling::Rank));
         if self.embeddings && mean && self.n_batch % self.n_seq_max != 0 {
             return Err(LloyalError::invalid(format!(
                 "with embeddings=True and pooling={:?}, n_batch must be a multiple of n_seq_max \
                  (got n_batch={}, n_seq_max={}); try n_batch={}",
-                if self.pooling == Pooling::Mean { "mean" } else { "rank" },
+                if self.pooling == Some(Pooling::Mean) { "mean" } else { "rank" },
                 self.n_batch,
                 self.n_seq_max,
                 self.n_batch.div_ceil(self.n_seq_max) * self.n_seq_max
@@ -194,6 +209,17 @@ impl ContextOptions {
     fn explicit_f16_pair(&self) -> bool {
         let class = |field: &str, t: &str| parse_kv_type(field, t).is_ok_and(f16_class);
         self.type_k.as_deref().is_some_and(|k| class("type_k", k) && class("type_v", &self.type_v))
+    }
+
+    /// Fill an unset `pooling` with the model's own (`model_pooling`, from its GGUF), else mean.
+    pub fn with_model_pooling(mut self, model_pooling: Option<Pooling>) -> ContextOptions {
+        self.pooling = self.pooling.or(model_pooling).or(Some(Pooling::Mean));
+        self
+    }
+
+    /// The pooling in effect (mean while unset).
+    pub fn pooling(&self) -> Pooling {
+        self.pooling.unwrap_or(Pooling::Mean)
     }
 
     /// Settle `batch_invariant` and `type_k` for a model loaded with `model`. Batch invariance
@@ -249,7 +275,7 @@ impl ContextOptions {
         p.n_threads = threads;
         p.n_threads_batch = threads;
         p.embeddings = self.embeddings;
-        p.pooling_type = if self.embeddings { self.pooling.raw() } else { sys::LLAMA_POOLING_TYPE_NONE };
+        p.pooling_type = if self.embeddings { self.pooling().raw() } else { sys::LLAMA_POOLING_TYPE_NONE };
         let default_k = default_type_k(self.is_batch_invariant());
         p.type_k = parse_kv_type("type_k", self.type_k.as_deref().unwrap_or(default_k))?;
         p.type_v = parse_kv_type("type_v", &self.type_v)?;
@@ -288,14 +314,21 @@ mod tests {
             ContextOptions { type_k: Some("f8".into()), ..Default::default() },
             ContextOptions { n_threads: Some(0), ..Default::default() },
             ContextOptions { type_v: "q8_0".into(), flash_attn: false, ..Default::default() },
-            ContextOptions { embeddings: true, n_seq_max: 3, ..Default::default() },
+            ContextOptions { embeddings: true, n_seq_max: 3, pooling: Some(Pooling::Mean), ..Default::default() },
         ] {
             assert!(matches!(o.validate(), Err(LloyalError::InvalidArgument(_))), "{o:?}");
         }
         assert!(Pooling::parse("max").is_err());
         let last =
-            ContextOptions { embeddings: true, n_seq_max: 3, pooling: Pooling::Last, ..Default::default() };
+            ContextOptions { embeddings: true, n_seq_max: 3, pooling: Some(Pooling::Last), ..Default::default() };
         assert!(last.validate().is_ok(), "only mean pooling needs n_batch % n_seq_max == 0");
+        // Unset pooling: the model's own wins, mean when it has none; the mean check then runs.
+        let unset = ContextOptions { embeddings: true, n_seq_max: 3, ..Default::default() };
+        assert!(unset.validate().is_ok());
+        assert_eq!(unset.clone().with_model_pooling(Some(Pooling::Last)).pooling, Some(Pooling::Last));
+        let mean = unset.with_model_pooling(None);
+        assert_eq!(mean.pooling, Some(Pooling::Mean));
+        assert!(matches!(mean.validate(), Err(LloyalError::InvalidArgument(_))));
     }
 
     fn with(

@@ -1,4 +1,5 @@
-//! Which chat convention a model follows (Gemma, ChatML, Llama 3), from its template or architecture.
+//! Which chat convention a model follows (Gemma, ChatML, Llama 3, Phi-3, Mistral), from its template
+//! or architecture.
 
 /// A chat convention: how turns are opened and closed.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -9,6 +10,10 @@ pub enum ChatFamily {
     ChatMl,
     /// `<|start_header_id|>user<|end_header_id|>\n\n...<|eot_id|>` (Llama 3.x).
     Llama3,
+    /// `<|user|>\n...<|end|>\n<|assistant|>\n` (Phi-3, Phi-3.5).
+    Phi3,
+    /// `[INST] ... [/INST]answer</s>` (Mistral 7B Instruct, Mixtral): the turn ends with EOS.
+    Mistral,
 }
 
 impl ChatFamily {
@@ -24,6 +29,14 @@ impl ChatFamily {
             if t.contains("<|start_header_id|>") {
                 return Some(ChatFamily::Llama3);
             }
+            if t.contains("<|assistant|>") && t.contains("<|end|>") {
+                return Some(ChatFamily::Phi3);
+            }
+            // Llama 2 also writes [INST] but wraps the system prompt in <<SYS>> and opens every
+            // turn with BOS: a different convention, left to the model's own template.
+            if t.contains("[INST]") && !t.contains("<<SYS>>") {
+                return Some(ChatFamily::Mistral);
+            }
         }
         let arch = architecture.to_ascii_lowercase();
         if arch.starts_with("gemma") {
@@ -32,6 +45,8 @@ impl ChatFamily {
             Some(ChatFamily::ChatMl)
         } else if arch == "llama" {
             Some(ChatFamily::Llama3)
+        } else if arch == "phi3" {
+            Some(ChatFamily::Phi3)
         } else {
             None
         }
@@ -43,6 +58,8 @@ impl ChatFamily {
             ChatFamily::Gemma => "<end_of_turn>\n",
             ChatFamily::ChatMl => "<|im_end|>\n",
             ChatFamily::Llama3 => "<|eot_id|>",
+            ChatFamily::Phi3 => "<|end|>\n",
+            ChatFamily::Mistral => "</s>",
         }
     }
 }
@@ -59,5 +76,12 @@ mod tests {
         assert_eq!(ChatFamily::detect(None, "llama"), Some(ChatFamily::Llama3));
         assert_eq!(ChatFamily::detect(None, "qwen2"), Some(ChatFamily::ChatMl));
         assert_eq!(ChatFamily::detect(Some("plain"), "mamba"), None);
+        let phi3 = "{{'<|user|>\\n' + m + '<|end|>\\n'}}{{ '<|assistant|>\\n' }}";
+        assert_eq!(ChatFamily::detect(Some(phi3), "phi3"), Some(ChatFamily::Phi3));
+        assert_eq!(ChatFamily::detect(None, "phi3"), Some(ChatFamily::Phi3));
+        let mistral = "{{ '[INST] ' + m + ' [/INST]' }}";
+        assert_eq!(ChatFamily::detect(Some(mistral), "llama"), Some(ChatFamily::Mistral));
+        let llama2 = "{{ '[INST] <<SYS>>\\n' + s + '\\n<</SYS>>\\n\\n' }}";
+        assert_eq!(ChatFamily::detect(Some(llama2), "llama"), Some(ChatFamily::Llama3));
     }
 }

@@ -44,6 +44,8 @@ pub fn family_name(family: ChatFamily) -> &'static str {
         ChatFamily::Gemma => "gemma",
         ChatFamily::ChatMl => "chatml",
         ChatFamily::Llama3 => "llama3",
+        ChatFamily::Phi3 => "phi3",
+        ChatFamily::Mistral => "mistral",
     }
 }
 
@@ -53,6 +55,8 @@ pub fn end_of_turn_markers(family: ChatFamily) -> &'static [&'static str] {
         ChatFamily::Gemma => &["<end_of_turn>"],
         ChatFamily::ChatMl => &["<|im_end|>"],
         ChatFamily::Llama3 => &["<|eot_id|>", "<|eom_id|>"],
+        ChatFamily::Phi3 => &["<|end|>"],
+        ChatFamily::Mistral => &["</s>"],
     }
 }
 
@@ -293,7 +297,7 @@ impl Model {
         let messages = parse_messages(&format!("[{message_json}]"))?;
         let Some(family) = self.chat_family() else {
             return Err(LloyalError::ChatTemplate(
-                "format_chat_turn needs a built-in chat family (Gemma, ChatML, Llama 3); this \
+                "format_chat_turn needs a built-in chat family (Gemma, ChatML, Llama 3, Phi-3, Mistral); this \
                  model has none: re-render the whole conversation with format_chat(template=...)"
                     .into(),
             ));
@@ -308,7 +312,7 @@ impl Model {
         })
     }
 
-    fn eos_token(&self) -> i32 {
+    pub(crate) fn eos_token(&self) -> i32 {
         self.llama().vocab().eos().0
     }
 }

@@ -1,6 +1,7 @@
-//! Built-in Jinja chat templates (Gemma, ChatML, Llama 3), used when a model file has none.
+//! Built-in Jinja chat templates (Gemma, ChatML, Llama 3, Phi-3, Mistral), used when a model file
+//! has none and by `format_chat_turn`.
 //!
-//! Written for lloyal, following each family's published turn markers. All three:
+//! Written for lloyal, following each family's published turn markers. All of them:
 //! - render `content` verbatim (no trimming), so the KV of a warm multi-turn chat equals a
 //!   re-render of the whole conversation token for token;
 //! - accept `content` as a string, `None`, or a list of `{"type": "text", "text": ...}` parts;
@@ -122,12 +123,85 @@ To call a function, respond with only a JSON object {"name": function name, "par
 {%- if add_generation_prompt -%}<|start_header_id|>assistant<|end_header_id|>{{ "\n\n" }}{%- endif -%}
 "#;
 
+/// Phi-3/3.5: `<|role|>\n...<|end|>\n`. Phi-3 publishes no tool convention; tools are listed
+/// in the system turn and calls written as `<tool_call>{json}</tool_call>` (which
+/// `parse_chat_output` reads), results as a user turn in `<tool_response>`.
+const PHI3_BODY: &str = r#"
+{%- set ns = namespace(start=0) -%}
+{%- if not continuation -%}
+{%- if messages and messages[0].role == "system" -%}{%- set ns.start = 1 -%}{%- endif -%}
+{%- if ns.start == 1 or tools -%}
+<|system|>{{ "\n" }}
+{%- if ns.start == 1 -%}{{ text(messages[0].content) }}{%- endif -%}
+{%- if tools -%}
+{%- if ns.start == 1 -%}{{ "\n\n" }}{%- endif -%}
+You can call these tools. To call one, reply with <tool_call>{"name": <tool name>, "arguments": <arguments object>}</tool_call>.{{ "\n" }}<tools>{{ "\n" }}
+{%- for t in tools -%}{{ t|tojson }}{{ "\n" }}{%- endfor -%}
+</tools>
+{%- endif -%}
+<|end|>{{ "\n" }}
+{%- endif -%}
+{%- endif -%}
+{%- for m in messages[ns.start:] -%}
+{%- if m.role == "assistant" -%}
+<|assistant|>{{ "\n" }}{{ text(m.content) }}
+{%- for tc in m.tool_calls or [] -%}<tool_call>{{ call_json(tc, "arguments") }}</tool_call>{%- endfor -%}
+<|end|>{{ "\n" }}
+{%- elif m.role == "tool" -%}
+<|user|>{{ "\n" }}<tool_response>{{ "\n" }}{{ text(m.content) }}{{ "\n" }}</tool_response><|end|>{{ "\n" }}
+{%- else -%}
+<|{{ m.role }}|>{{ "\n" }}{{ text(m.content) }}<|end|>{{ "\n" }}
+{%- endif -%}
+{%- endfor -%}
+{%- if add_generation_prompt -%}<|assistant|>{{ "\n" }}{%- endif -%}
+"#;
+
+/// Mistral Instruct: `[INST] user [/INST]answer</s>` after one BOS. A leading system message
+/// is folded into the first user turn (so a warm chat's earlier turns never change); tools
+/// are listed there too, calls written as `<tool_call>{json}</tool_call>`, results as a user
+/// turn in `<tool_response>`.
+const MISTRAL_BODY: &str = r#"
+{%- set ns = namespace(prefix="", start=0) -%}
+{%- if not continuation -%}
+{{ bos_token }}
+{%- if messages and messages[0].role == "system" -%}
+{%- set ns.prefix = text(messages[0].content) ~ "\n\n" -%}
+{%- set ns.start = 1 -%}
+{%- endif -%}
+{%- if tools -%}
+{%- set ns.prefix = ns.prefix ~ "You can call these tools. To call one, reply with <tool_call>{\"name\": <tool name>, \"arguments\": <arguments object>}</tool_call> and nothing else.\n<tools>\n" -%}
+{%- for t in tools -%}{%- set ns.prefix = ns.prefix ~ (t|tojson) ~ "\n" -%}{%- endfor -%}
+{%- set ns.prefix = ns.prefix ~ "</tools>\n\n" -%}
+{%- endif -%}
+{%- endif -%}
+{%- for m in messages[ns.start:] -%}
+{%- if m.role == "assistant" -%}
+{{ text(m.content) }}
+{%- for tc in m.tool_calls or [] -%}<tool_call>{{ call_json(tc, "arguments") }}</tool_call>{%- endfor -%}
+{{ eos_token }}
+{%- elif m.role == "user" -%}
+[INST] {{ ns.prefix }}{{ text(m.content) }} [/INST]
+{%- set ns.prefix = "" -%}
+{%- elif m.role == "tool" -%}
+[INST] {{ ns.prefix }}<tool_response>{{ "\n" }}{{ text(m.content) }}{{ "\n" }}</tool_response> [/INST]
+{%- set ns.prefix = "" -%}
+{%- else -%}
+{{ raise_exception("Mistral has no '" ~ m.role ~ "' role: use user/assistant/tool; only a leading system message is supported (it is folded into the first user turn)") }}
+{%- endif -%}
+{%- endfor -%}
+{%- if ns.prefix -%}
+[INST] {{ ns.prefix }} [/INST]
+{%- endif -%}
+"#;
+
 /// The built-in template source for `family` (macros + body).
 pub fn builtin_template(family: crate::ChatFamily) -> String {
     let body = match family {
         crate::ChatFamily::Gemma => GEMMA_BODY,
         crate::ChatFamily::ChatMl => CHATML_BODY,
         crate::ChatFamily::Llama3 => LLAMA3_BODY,
+        crate::ChatFamily::Phi3 => PHI3_BODY,
+        crate::ChatFamily::Mistral => MISTRAL_BODY,
     };
     format!("{}{}", MACROS.trim(), body.trim())
 }

@@ -58,8 +58,27 @@ fn chatml_and_llama3_turns() {
 }
 
 #[test]
+fn phi3_and_mistral_turns() {
+    let m = json!([{"role": "system", "content": "S"}, {"role": "user", "content": "U"},
+                   {"role": "assistant", "content": "A"}, {"role": "user", "content": "V"}]);
+    assert_eq!(
+        builtin(ChatFamily::Phi3, m.clone(), true),
+        "<|system|>\nS<|end|>\n<|user|>\nU<|end|>\n<|assistant|>\nA<|end|>\n<|user|>\nV<|end|>\n<|assistant|>\n"
+    );
+    // Mistral: the system message joins the first user turn; the answer ends with EOS.
+    assert_eq!(builtin(ChatFamily::Mistral, m, true), "<bos>[INST] S\n\nU [/INST]A<eos>[INST] V [/INST]");
+    let err = render(
+        &builtin_template(ChatFamily::Mistral),
+        &[json!({"role": "user", "content": "a"}), json!({"role": "system", "content": "b"})],
+        &vars(true),
+    )
+    .unwrap_err();
+    assert!(matches!(&err, LloyalError::ChatTemplate(s) if s.contains("no 'system' role")), "{err}");
+}
+
+#[test]
 fn warm_turn_is_the_suffix_of_a_full_render() {
-    for f in [ChatFamily::Gemma, ChatFamily::ChatMl, ChatFamily::Llama3] {
+    for f in [ChatFamily::Gemma, ChatFamily::ChatMl, ChatFamily::Llama3, ChatFamily::Phi3, ChatFamily::Mistral] {
         let first =
             builtin(f, json!([{"role": "system", "content": "S"}, {"role": "user", "content": "U1"}]), true);
         let full = builtin(
@@ -71,7 +90,9 @@ fn warm_turn_is_the_suffix_of_a_full_render() {
         let turn_vars = RenderVars { continuation: true, ..vars(true) };
         let delta =
             render(&builtin_template(f), &[json!({"role": "user", "content": "U2"})], &turn_vars).unwrap();
-        assert_eq!(full, format!("{first}A1{}{delta}", f.turn_separator()), "{f:?}");
+        // Mistral's separator is the EOS token ("</s>" in its vocabulary, "<eos>" here).
+        let sep = if f == ChatFamily::Mistral { "<eos>" } else { f.turn_separator() };
+        assert_eq!(full, format!("{first}A1{sep}{delta}"), "{f:?}");
     }
 }
 
