@@ -279,7 +279,7 @@ impl PyContext {
     /// Render a conversation as a prompt with a Jinja chat template.
     ///
     /// Template: ``template`` (a Jinja string) > the model's own GGUF template > the built-in
-    /// one of the model's family (Gemma, ChatML, Llama 3). Templates see ``messages``,
+    /// one of the model's family (Gemma, ChatML, Llama 3, Phi-3, Mistral). Templates see ``messages``,
     /// ``add_generation_prompt``, ``tools``, ``bos_token``, ``eos_token``, and may use
     /// ``raise_exception(msg)``, ``strftime_now(fmt)``, ``tojson`` and Python string/dict
     /// methods (``.strip()``, ``.items()``...). The built-in Gemma template folds a leading
