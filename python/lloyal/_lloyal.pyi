@@ -112,7 +112,9 @@ class Context:
     flash attention on its one-row path (the K cache defaults to ``q8_0`` for that), and
     ggml's tiled K-quant matmul off. ``batch_invariant=False`` uses llama.cpp's fastest
     kernels instead (f16 K cache; a ``Context`` built from a path then loads repacked
-    weights); ``None`` turns it on when the model and cache types allow it.
+    weights); ``None`` turns it on when the model and cache types allow it. Float
+    (F32/F16/BF16) weights never allow it: llama.cpp multiplies them with one kernel for a
+    single row and another for several.
 
     ``pooling`` (for ``embeddings=True``): ``None`` pools the way the model's GGUF declares
     (``<arch>.pooling_type``, e.g. the last token for Qwen3-Embedding), else by mean.

@@ -100,7 +100,9 @@ FAMILIES: dict[str, Family] = {
             "phi3",
             "gpt-2",
             templates.PHI3,
-            ("<s>", "<|endoftext|>", "<|assistant|>", "<|system|>", "<|end|>", "<|user|>"),
+            # llama.cpp looks these four up by text for any model named "phi3" (and gives every
+            # other control token RSTRIP: the whitespace after it is part of the token).
+            ("<unk>", "<s>", "</s>", "<|endoftext|>", "<|assistant|>", "<|system|>", "<|end|>", "<|user|>"),
             bos="<s>",
             eos="<|endoftext|>",
             eot="<|end|>",

@@ -49,7 +49,8 @@ impl std::fmt::Debug for Context {
 impl Context {
     /// Create a context for `model` (validated options; llama.cpp failures explained).
     pub fn new(model: Arc<Model>, options: ContextOptions) -> Result<Arc<Context>> {
-        let options = options.with_model_pooling(model.pooling()).resolve(&model.options())?;
+        let options =
+            options.with_model_pooling(model.pooling()).resolve(&model.options(), model.float_weights())?;
         let params = options.to_llama()?;
         clear_recent_errors();
         let mut raw = RawContext::new(model.clone(), params).ok_or_else(|| {

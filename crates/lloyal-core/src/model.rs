@@ -162,6 +162,17 @@ impl Model {
         self.meta("tokenizer.chat_template")
     }
 
+    /// The weight type of a float model (`general.file_type` all F32, mostly F16 or mostly
+    /// BF16), whose matmuls llama.cpp runs with batch-size-dependent kernels; None otherwise.
+    pub fn float_weights(&self) -> Option<&'static str> {
+        match self.meta("general.file_type")?.trim().parse::<u32>().ok()? {
+            0 => Some("F32"),
+            1 => Some("F16"),
+            32 => Some("BF16"),
+            _ => None,
+        }
+    }
+
     /// The embedding pooling this model declares (`<arch>.pooling_type`), if any.
     pub fn pooling(&self) -> Option<crate::options::Pooling> {
         self.meta_u64("pooling_type").and_then(crate::options::Pooling::from_gguf)

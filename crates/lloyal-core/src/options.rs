@@ -226,18 +226,29 @@ impl ContextOptions {
     /// needs llama.cpp's per-row kernels everywhere: weights not repacked, ggml's tiled K-quant
     /// matmul off (see `backend`), flash attention on its one-row-at-a-time path (taken when K
     /// and V are not both f16: the K cache defaults to q8_0), and the CPU. `None` turns it on
-    /// when all of that holds; `Some(true)` says which part does not.
-    pub fn resolve(&self, model: &ModelOptions) -> Result<ContextOptions> {
+    /// when all of that holds; `Some(true)` says which part does not. `float_weights` names the
+    /// weight type of a float (F32/F16/BF16) model: llama.cpp multiplies those with llamafile's
+    /// sgemm for 2+ rows and with a differently ordered dot product for one row, so they are
+    /// never batch-invariant (quantized weights take the same per-block order either way).
+    pub fn resolve(&self, model: &ModelOptions, float_weights: Option<&str>) -> Result<ContextOptions> {
         self.validate()?;
         let mut out = self.clone();
+        let float_blocker = float_weights.map(|t| {
+            format!(
+                "the model's weights are {t}, which llama.cpp multiplies with one kernel for a single \
+                 row and another (llamafile sgemm) for 2+ rows; use a quantized model (e.g. Q8_0)"
+            )
+        });
         let blocker = if model.n_gpu_layers > 0 {
-            Some("the model is offloaded to a GPU (n_gpu_layers > 0), whose kernels are not batch-invariant")
+            Some("the model is offloaded to a GPU (n_gpu_layers > 0), whose kernels are not batch-invariant".into())
         } else if model.repack {
-            Some("the model was loaded with repack=True, whose Q4 kernel multiplies rows in groups of 4")
+            Some("the model was loaded with repack=True, whose Q4 kernel multiplies rows in groups of 4".into())
+        } else if float_blocker.is_some() {
+            float_blocker
         } else if !tiled_matmul_off() {
-            Some("GGML_CPU_TILED_MM is set to a non-zero value, which turns on ggml's tiled K-quant matmul for batches of 8+ rows")
+            Some("GGML_CPU_TILED_MM is set to a non-zero value, which turns on ggml's tiled K-quant matmul for batches of 8+ rows".into())
         } else {
-            None
+            None::<String>
         };
         let on = match (self.batch_invariant, blocker) {
             (Some(true), Some(why)) => {
@@ -350,7 +361,7 @@ mod tests {
     fn batch_invariance_resolves_from_the_model_and_cache_types() {
         crate::backend::backend(); // sets GGML_CPU_TILED_MM=0 unless the environment has it
         let cpu = ModelOptions::default();
-        let auto = ContextOptions::default().resolve(&cpu).unwrap();
+        let auto = ContextOptions::default().resolve(&cpu, None).unwrap();
         assert_eq!((auto.batch_invariant, auto.type_k.as_deref()), (Some(true), Some("q8_0")));
         let p = auto.to_llama().unwrap();
         assert_eq!((p.type_k, p.type_v), (sys::GGML_TYPE_Q8_0, sys::GGML_TYPE_F16));
@@ -361,7 +372,7 @@ mod tests {
             (with(None, None, "f16", true), ModelOptions { repack: true, ..cpu }),
             (with(None, None, "f16", true), ModelOptions { n_gpu_layers: 99, ..cpu }),
         ] {
-            let r = opts.resolve(&model).unwrap();
+            let r = opts.resolve(&model, None).unwrap();
             assert_eq!((r.batch_invariant, r.type_k.as_deref()), (Some(false), Some("f16")), "{opts:?}");
         }
         // ...and an explicit request names the obstacle.
@@ -371,15 +382,22 @@ mod tests {
             (with(Some(true), None, "f16", true), ModelOptions { repack: true, ..cpu }, "repack"),
             (with(Some(true), None, "f16", true), ModelOptions { n_gpu_layers: 1, ..cpu }, "GPU"),
         ] {
-            match opts.resolve(&model) {
+            match opts.resolve(&model, None) {
                 Err(LloyalError::InvalidArgument(m)) => assert!(m.contains(needle), "{m}"),
                 other => panic!("{opts:?}: {other:?}"),
             }
         }
         // Explicit quantized or mixed cache types keep invariance.
-        let v8 = with(Some(true), Some("f16"), "q8_0", true).resolve(&cpu).unwrap();
+        let v8 = with(Some(true), Some("f16"), "q8_0", true).resolve(&cpu, None).unwrap();
         assert_eq!((v8.batch_invariant, v8.type_k.as_deref()), (Some(true), Some("f16")));
-        let off = with(Some(false), None, "f16", true).resolve(&cpu).unwrap();
+        let off = with(Some(false), None, "f16", true).resolve(&cpu, None).unwrap();
         assert_eq!((off.batch_invariant, off.type_k.as_deref()), (Some(false), Some("f16")));
+        // Float weights: auto is off, an explicit request says why.
+        let f32 = ContextOptions::default().resolve(&cpu, Some("F32")).unwrap();
+        assert_eq!((f32.batch_invariant, f32.type_k.as_deref()), (Some(false), Some("f16")));
+        match with(Some(true), None, "f16", true).resolve(&cpu, Some("BF16")) {
+            Err(LloyalError::InvalidArgument(m)) => assert!(m.contains("weights are BF16"), "{m}"),
+            other => panic!("{other:?}"),
+        }
     }
 }
