@@ -34,7 +34,8 @@ FIRST_PROMPT = {
     "llama3": "<|begin_of_text|><|start_header_id|>user<|end_header_id|>\n\n"
     "What is the capital of France?<|eot_id|><|start_header_id|>assistant<|end_header_id|>\n\n",
     "mistral": "<s>[INST] What is the capital of France? [/INST]",
-    "qwen2": "<|im_start|>system\nYou are Qwen, created by Alibaba Cloud. You are a helpful assistant.<|im_end|>\n"
+    "qwen2": "<|im_start|>system\nYou are Qwen, created by Alibaba Cloud. You are a helpful assistant."
+    "<|im_end|>\n"
     "<|im_start|>user\nWhat is the capital of France?<|im_end|>\n<|im_start|>assistant\n",
     "qwen3": "<|im_start|>user\nWhat is the capital of France?<|im_end|>\n<|im_start|>assistant\n",
     "phi3": "<|user|>\nWhat is the capital of France?<|end|>\n<|assistant|>\n",
@@ -194,11 +195,11 @@ def test_batched_commit_equals_single_commits(ctx: lloyal.Context) -> None:
     root.prefill(tokens)
     nexts = [ctx.tokenize(w, add_special=False)[0] for w in (" cat", " dog", " fox")]
     batched = [root.fork() for _ in nexts]
-    BranchStore(ctx).commit(list(zip(batched, nexts)))
+    BranchStore(ctx).commit(list(zip(batched, nexts, strict=True)))
     rows = [b.logits for b in batched]
     for b in batched:
         b.prune()
-    for t, row in zip(nexts, rows):
+    for t, row in zip(nexts, rows, strict=True):
         single = root.fork()
         single.commit(t)
         assert np.array_equal(single.logits, row)  # bit for bit
@@ -354,12 +355,12 @@ def test_float_weights_are_not_batch_invariant() -> None:
         root.prefill(c.tokenize(PROMPT))
         nexts = [c.tokenize(w, add_special=False)[0] for w in (" cat", " dog", " fox")]
         batched = [root.fork() for _ in nexts]
-        BranchStore(c).commit(list(zip(batched, nexts)))
+        BranchStore(c).commit(list(zip(batched, nexts, strict=True)))
         rows = [b.logits for b in batched]
         for b in batched:
             b.prune()
         differs = []
-        for t, row in zip(nexts, rows):
+        for t, row in zip(nexts, rows, strict=True):
             alone = root.fork()
             alone.commit(t)
             differs.append(not np.array_equal(alone.logits, row))

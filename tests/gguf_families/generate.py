@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import hashlib
+import itertools
 import os
 import re
 from dataclasses import dataclass, field
@@ -55,8 +56,15 @@ FAMILIES: dict[str, Family] = {
             "llama",
             "llama-bpe",
             templates.LLAMA3,
-            ("<|begin_of_text|>", "<|end_of_text|>", "<|start_header_id|>", "<|end_header_id|>",
-             "<|eot_id|>", "<|eom_id|>", "<|python_tag|>"),
+            (
+                "<|begin_of_text|>",
+                "<|end_of_text|>",
+                "<|start_header_id|>",
+                "<|end_header_id|>",
+                "<|eot_id|>",
+                "<|eom_id|>",
+                "<|python_tag|>",
+            ),
             bos="<|begin_of_text|>",
             eos="<|end_of_text|>",
             eot="<|eot_id|>",
@@ -112,8 +120,15 @@ FAMILIES: dict[str, Family] = {
             "llama",
             "llama-bpe",
             templates.LLAMA3,
-            ("<|begin_of_text|>", "<|end_of_text|>", "<|start_header_id|>", "<|end_header_id|>",
-             "<|eot_id|>", "<|eom_id|>", "<|python_tag|>"),
+            (
+                "<|begin_of_text|>",
+                "<|end_of_text|>",
+                "<|start_header_id|>",
+                "<|end_header_id|>",
+                "<|eot_id|>",
+                "<|eom_id|>",
+                "<|python_tag|>",
+            ),
             bos="<|begin_of_text|>",
             eos="<|end_of_text|>",
             eot="<|eot_id|>",
@@ -147,7 +162,7 @@ def _bytes_to_unicode() -> dict[int, str]:
             bs.append(b)
             cs.append(256 + n)
             n += 1
-    return {b: chr(c) for b, c in zip(bs, cs)}
+    return {b: chr(c) for b, c in zip(bs, cs, strict=True)}
 
 
 def _bpe_vocab() -> tuple[list[str], list[str]]:
@@ -162,7 +177,7 @@ def _bpe_vocab() -> tuple[list[str], list[str]]:
     for _ in range(N_MERGES):
         pairs: dict[tuple[str, str], int] = {}
         for w, n in words.items():
-            for a, b in zip(w, w[1:]):
+            for a, b in itertools.pairwise(w):
                 pairs[(a, b)] = pairs.get((a, b), 0) + n
         if not pairs:
             break
@@ -268,8 +283,11 @@ def _write(f: Family, path: Path) -> None:
             w.add_tensor(name, gguf.quants.quantize(data, f.qtype), raw_dtype=f.qtype)
 
     def vector(name: str, n: int, value: float | None = None) -> None:
-        data = np.full(n, value, np.float32) if value is not None else rng.standard_normal(n).astype(np.float32)
-        w.add_tensor(name, data * (1.0 if value is not None else 0.02))
+        if value is None:
+            data = rng.standard_normal(n).astype(np.float32) * 0.02
+        else:
+            data = np.full(n, value, np.float32)
+        w.add_tensor(name, data)
 
     matrix("token_embd.weight", n_vocab, N_EMBD)
     vector("output_norm.weight", N_EMBD, 1.0)
@@ -302,7 +320,6 @@ def _write(f: Family, path: Path) -> None:
     w.write_tensors_to_file()
     w.close()
     os.replace(tmp, path)
-
 
 
 def vocab(name: str) -> list[str]:

@@ -39,7 +39,7 @@ _QWEN_TOOLS = (
 )
 _QWEN_TOOLS_END = (
     '"\\n</tools>\\n\\nFor each function call, return a json object with function name and arguments '
-    "within <tool_call></tool_call> XML tags:\\n<tool_call>\\n{\\\"name\\\": <function-name>, "
+    'within <tool_call></tool_call> XML tags:\\n<tool_call>\\n{\\"name\\": <function-name>, '
     '\\"arguments\\": <args-json-object>}\\n</tool_call><|im_end|>\\n"'
 )
 

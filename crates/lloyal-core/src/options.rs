@@ -240,9 +240,15 @@ impl ContextOptions {
             )
         });
         let blocker = if model.n_gpu_layers > 0 {
-            Some("the model is offloaded to a GPU (n_gpu_layers > 0), whose kernels are not batch-invariant".into())
+            Some(
+                "the model is offloaded to a GPU (n_gpu_layers > 0), whose kernels are not batch-invariant"
+                    .into(),
+            )
         } else if model.repack {
-            Some("the model was loaded with repack=True, whose Q4 kernel multiplies rows in groups of 4".into())
+            Some(
+                "the model was loaded with repack=True, whose Q4 kernel multiplies rows in groups of 4"
+                    .into(),
+            )
         } else if float_blocker.is_some() {
             float_blocker
         } else if !tiled_matmul_off() {
@@ -325,13 +331,22 @@ mod tests {
             ContextOptions { type_k: Some("f8".into()), ..Default::default() },
             ContextOptions { n_threads: Some(0), ..Default::default() },
             ContextOptions { type_v: "q8_0".into(), flash_attn: false, ..Default::default() },
-            ContextOptions { embeddings: true, n_seq_max: 3, pooling: Some(Pooling::Mean), ..Default::default() },
+            ContextOptions {
+                embeddings: true,
+                n_seq_max: 3,
+                pooling: Some(Pooling::Mean),
+                ..Default::default()
+            },
         ] {
             assert!(matches!(o.validate(), Err(LloyalError::InvalidArgument(_))), "{o:?}");
         }
         assert!(Pooling::parse("max").is_err());
-        let last =
-            ContextOptions { embeddings: true, n_seq_max: 3, pooling: Some(Pooling::Last), ..Default::default() };
+        let last = ContextOptions {
+            embeddings: true,
+            n_seq_max: 3,
+            pooling: Some(Pooling::Last),
+            ..Default::default()
+        };
         assert!(last.validate().is_ok(), "only mean pooling needs n_batch % n_seq_max == 0");
         // Unset pooling: the model's own wins, mean when it has none; the mean check then runs.
         let unset = ContextOptions { embeddings: true, n_seq_max: 3, ..Default::default() };

@@ -78,7 +78,9 @@ fn phi3_and_mistral_turns() {
 
 #[test]
 fn warm_turn_is_the_suffix_of_a_full_render() {
-    for f in [ChatFamily::Gemma, ChatFamily::ChatMl, ChatFamily::Llama3, ChatFamily::Phi3, ChatFamily::Mistral] {
+    for f in
+        [ChatFamily::Gemma, ChatFamily::ChatMl, ChatFamily::Llama3, ChatFamily::Phi3, ChatFamily::Mistral]
+    {
         let first =
             builtin(f, json!([{"role": "system", "content": "S"}, {"role": "user", "content": "U1"}]), true);
         let full = builtin(
