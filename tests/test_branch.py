@@ -560,16 +560,16 @@ def test_branch_context_manager_prunes_subtree(ctx, root):
 
 def test_set_logits_and_metrics(ctx, root):
     logits = np.full(ctx.n_vocab, -30.0, dtype=np.float32)
-    logits[1234] = 10.0
+    logits[123] = 10.0  # any id of any vocabulary
     root.set_logits(logits)
     assert np.array_equal(root.logits, logits)
-    assert root.produce().token == 1234
-    assert root.model_surprisal(1234) == pytest.approx(0.0, abs=1e-3)
+    assert root.produce().token == 123
+    assert root.model_surprisal(123) == pytest.approx(0.0, abs=1e-3)
     assert root.model_entropy() == pytest.approx(0.0, abs=1e-2)
     assert root.model_entropy("bits") >= 0.0
     with pytest.raises(ValueError):
         root.set_logits(np.zeros(10, dtype=np.float32))
-    assert root.produce().token == 1234
+    assert root.produce().token == 123
 
 
 def test_set_sampler_params_overrides_keep_the_other_fields(ctx):

@@ -36,6 +36,7 @@ def greedy(ctx: lloyal.Context, tokens: list[int], n: int) -> list[int]:
     return out
 
 
+@pytest.mark.gemma
 def test_user_message_uses_gemma_markers(ctx: lloyal.Context) -> None:
     chat = ctx.format_chat([{"role": "user", "content": "What is 2+2?"}])
     assert chat.prompt == "<bos><start_of_turn>user\nWhat is 2+2?<end_of_turn>\n<start_of_turn>model\n"
@@ -51,6 +52,7 @@ def test_user_message_uses_gemma_markers(ctx: lloyal.Context) -> None:
     assert "<start_of_turn>model" not in no_gen.prompt
 
 
+@pytest.mark.gemma
 def test_system_message_is_folded_into_first_user_turn(ctx: lloyal.Context) -> None:
     chat = ctx.format_chat(
         [
@@ -68,6 +70,7 @@ def test_system_message_is_folded_into_first_user_turn(ctx: lloyal.Context) -> N
     assert "system" not in chat.prompt
 
 
+@pytest.mark.gemma
 def test_template_override_is_honoured(ctx: lloyal.Context) -> None:
     chat = ctx.format_chat([{"role": "user", "content": "Hi"}], template=CHATML)
     assert chat.prompt == "<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n"
@@ -76,6 +79,7 @@ def test_template_override_is_honoured(ctx: lloyal.Context) -> None:
     assert ctx.format_chat([{"role": "user", "content": "  hi  "}], template=hf).prompt == "<bos>HI"
 
 
+@pytest.mark.gemma
 def test_raise_exception_is_chat_template_error(ctx: lloyal.Context) -> None:
     template = "{{ raise_exception('Conversation roles must alternate') }}"
     with pytest.raises(lloyal.ChatTemplateError, match="roles must alternate"):
@@ -86,6 +90,7 @@ def test_raise_exception_is_chat_template_error(ctx: lloyal.Context) -> None:
         ctx.format_chat([{"role": "user", "content": "a"}, {"role": "system", "content": "b"}])
 
 
+@pytest.mark.gemma
 def test_tools_reach_the_template(ctx: lloyal.Context) -> None:
     tools = [{"type": "function", "function": {"name": "get_weather", "parameters": {"city": "str"}}}]
     chat = ctx.format_chat([{"role": "user", "content": "x"}], template="{{ tools|tojson }}", tools=tools)
@@ -97,6 +102,7 @@ def test_tools_reach_the_template(ctx: lloyal.Context) -> None:
     assert "<tool_call>" in builtin.prompt
 
 
+@pytest.mark.gemma
 def test_assistant_tool_calls_round_trip(ctx: lloyal.Context) -> None:
     call = lloyal.ToolCall("get_weather", {"city": "Paris"})
     chat = ctx.format_chat(
@@ -153,6 +159,7 @@ def test_parse_hermes_llama3_and_reasoning() -> None:
     assert lloyal.parse_chat_output(broken) == lloyal.ChatOutput(broken)
 
 
+@pytest.mark.gemma
 def test_greedy_answer_contains_paris(ctx: lloyal.Context) -> None:
     chat = ctx.format_chat([*ONE_SHOT, {"role": "user", "content": "What is the capital of France?"}])
     tokens = greedy(ctx, encode(ctx, chat.prompt), 40)
@@ -164,6 +171,7 @@ def test_greedy_answer_contains_paris(ctx: lloyal.Context) -> None:
     assert not any(t in chat.stop_tokens for t in tokens)
 
 
+@pytest.mark.gemma
 def test_warm_continuation_equals_cold_prefill(model: lloyal.Model) -> None:
     with lloyal.Context(model, n_ctx=1024, n_seq_max=2) as ctx:
         history = [*ONE_SHOT, {"role": "user", "content": "What is the capital of France?"}]
@@ -189,6 +197,7 @@ def test_warm_continuation_equals_cold_prefill(model: lloyal.Model) -> None:
         assert "Rome" in ctx.detokenize(warm_tokens)
 
 
+@pytest.mark.gemma
 def test_chat_module_doctests() -> None:
     result = doctest.testmod(lloyal.chat)
     assert result.attempted > 0

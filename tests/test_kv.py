@@ -55,7 +55,7 @@ def test_copy_then_keep(ctx4: lloyal.Context) -> None:
 
 
 def test_partial_copy(ctx4: lloyal.Context) -> None:
-    ctx4.decode(list(range(1000, 1020)), 0, 0)
+    ctx4.decode(list(range(100, 120)), 0, 0)
     ctx4.kv_seq_copy(0, 2, 0, 10)
     assert ctx4.kv_seq_pos_max(2) == 9
     ctx4.kv_seq_copy(0, 3, 0, -1)
@@ -68,7 +68,7 @@ def test_partial_copy(ctx4: lloyal.Context) -> None:
 
 
 def test_remove_trims(ctx4: lloyal.Context) -> None:
-    ctx4.decode(list(range(1000, 1020)), 0, 0)
+    ctx4.decode(list(range(100, 120)), 0, 0)
     ctx4.kv_cache_remove(0, 15)  # [15, end)
     assert ctx4.kv_cache_size(0) == 14
     ctx4.kv_cache_remove(0, 12, -1)
@@ -82,7 +82,7 @@ def test_remove_trims(ctx4: lloyal.Context) -> None:
 
 
 def test_remove_only_touches_its_sequence(ctx4: lloyal.Context) -> None:
-    ctx4.decode(list(range(1000, 1020)), 0, 0)
+    ctx4.decode(list(range(100, 120)), 0, 0)
     ctx4.kv_seq_copy(0, 1)
     ctx4.kv_cache_remove(1, 5)
     assert ctx4.kv_seq_pos_max(1) == 4
@@ -91,7 +91,7 @@ def test_remove_only_touches_its_sequence(ctx4: lloyal.Context) -> None:
 
 def test_clear_empties_every_sequence(ctx4: lloyal.Context) -> None:
     for s in range(4):
-        ctx4.decode(list(range(1000, 1005 + s)), 0, s)
+        ctx4.decode(list(range(100, 105 + s)), 0, s)
     assert [ctx4.kv_seq_pos_max(s) for s in range(4)] == [4, 5, 6, 7]
     ctx4.kv_cache_clear()
     assert [ctx4.kv_seq_pos_max(s) for s in range(4)] == [-1, -1, -1, -1]
@@ -124,7 +124,7 @@ def test_huge_seq_id_is_a_value_error(ctx4: lloyal.Context) -> None:
 
 @pytest.mark.parametrize(("start", "end"), [(5, 2), (-3, -1), (-1, 4), (3, -2)])
 def test_invalid_ranges(ctx4: lloyal.Context, start: int, end: int) -> None:
-    ctx4.decode(list(range(1000, 1010)), 0, 0)
+    ctx4.decode(list(range(100, 110)), 0, 0)
     with pytest.raises(ValueError, match="range"):
         ctx4.kv_cache_remove(0, start, end)
     with pytest.raises(ValueError, match="range"):
