@@ -18,6 +18,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 from gguf_families import FAMILIES, Family, family_path, token_id, vocab
+from helpers import run_example_jsonl
 
 import lloyal
 from lloyal import Branch, BranchStore, SamplingParams
@@ -322,6 +323,22 @@ def test_unpooled_model_defaults_to_mean_pooling(fam: Fam) -> None:
         default = c.embed(text)
     with lloyal.Context(fam.model, n_ctx=256, embeddings=True, pooling="mean") as c:
         assert np.array_equal(default, c.embed(text))
+
+
+def test_chat_example_runs_warm_on_each_family(fam: Fam, ctx: lloyal.Context) -> None:
+    """examples/chat.py --model: the second turn prefills only the separator and the new turn."""
+    hello, again = "Hello there", "And again?"
+    args = ["--model", str(fam.path), "--max-tokens", "4", "--seed", "1"]
+    events = run_example_jsonl("chat", *args, stdin=f"{hello}\n{again}\n")
+    turns = [e for e in events if e["event"] == "turn"]
+    assert [t["user"] for t in turns] == [hello, again]
+    first = encode(ctx, ctx.format_chat([{"role": "user", "content": hello}]).prompt)
+    turn = ctx.format_chat_turn({"role": "user", "content": again}).prompt
+    second = ctx.turn_separator + encode(ctx, turn)
+    assert (turns[0]["prefilled"], turns[1]["prefilled"]) == (len(first), len(second))
+    for before, t in zip([0, turns[0]["position"]], turns, strict=True):
+        assert 0 <= t["reply_tokens"] <= 4
+        assert t["position"] == before + t["prefilled"] + t["reply_tokens"]
 
 
 @pytest.mark.parametrize("name", [*CHAT, "qwen3-embed"])
