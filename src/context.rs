@@ -4,7 +4,7 @@ use std::path::PathBuf;
 use std::sync::Arc;
 
 use lloyal_core::{Base, Context, ContextOptions, ModelOptions, Pooling};
-use numpy::PyArray1;
+use numpy::{PyArray1, PyReadonlyArray1};
 use pyo3::prelude::*;
 use pyo3::types::{PyBytes, PyDict, PyType};
 
@@ -363,15 +363,25 @@ impl PyContext {
     }
 
     /// Sample from the last decode's logits; the token joins the penalty history.
-    #[pyo3(signature = (params=None, **overrides))]
+    ///
+    /// ``logits=`` samples from that float32 array (length n_vocab, e.g. a modified copy of
+    /// ``get_logits()``) instead. ``grammar=`` masks every token the grammar forbids first;
+    /// the grammar is not advanced: call ``grammar.accept(token)`` yourself.
+    #[pyo3(signature = (params=None, *, grammar=None, logits=None, **overrides))]
     fn sample(
         &self,
         py: Python<'_>,
         params: Option<&Bound<'_, PyAny>>,
+        grammar: Option<Py<PyGrammar>>,
+        logits: Option<PyReadonlyArray1<'_, f32>>,
         overrides: Option<&Bound<'_, PyDict>>,
     ) -> PyResult<i32> {
         let params = extract_params(params, overrides)?;
-        run(py, self.ctx(), move |s| s.sample(params))
+        let logits = logits.map(|l| l.as_array().to_vec());
+        run(py, self.ctx(), move |s| match &grammar {
+            Some(g) => s.sample_from(params, logits, Some(&mut g.get().lock())),
+            None => s.sample_from(params, logits, None),
+        })
     }
 
     /// BlinkKV: clear the cache, decode ``sinks`` at 0 and ``tail`` after them on seq 0

@@ -268,8 +268,20 @@ class Context:
         """Whether ``token`` ends generation (EOS/EOT)."""
     def decode(self, tokens: list[int], pos: int, seq_id: int = 0) -> None:
         """Decode ``tokens`` on ``seq_id`` starting at ``pos`` (chunked by n_batch; all-or-nothing)."""
-    def sample(self, params: SamplingParams | dict[str, Any] | None = None, **overrides: Any) -> int:
-        """Sample from the last decode's logits; the token joins the penalty history."""
+    def sample(
+        self,
+        params: SamplingParams | dict[str, Any] | None = None,
+        *,
+        grammar: Grammar | None = None,
+        logits: npt.NDArray[np.float32] | None = None,
+        **overrides: Any,
+    ) -> int:
+        """Sample from the last decode's logits; the token joins the penalty history.
+
+        ``logits=`` samples from that float32 array (length n_vocab, e.g. a modified copy of
+        ``get_logits()``) instead. ``grammar=`` masks every token the grammar forbids first;
+        the grammar is not advanced: call ``grammar.accept(token)`` yourself.
+        """
     def clear_and_reseed(self, sinks: list[int], tail: list[int]) -> int:
         """BlinkKV: clear the cache, decode ``sinks`` at 0 and ``tail`` after them on seq 0
         (sampler history kept); returns the next position, ``len(sinks) + len(tail)``.

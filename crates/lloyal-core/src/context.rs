@@ -10,6 +10,7 @@ use crate::backend::{clear_recent_errors, recent_errors};
 use crate::branch::BranchState;
 use crate::embeddings::Encoded;
 use crate::error::{LloyalError, Result};
+use crate::grammar::Grammar;
 use crate::metrics::{entropy, surprisal, Base};
 use crate::model::Model;
 use crate::options::ContextOptions;
@@ -364,16 +365,52 @@ impl ContextState {
     /// Sample from the flat path's last logits with `params`, then accept the token into the
     /// flat sampler's history (penalties persist across calls, as in the original API).
     pub fn sample(&mut self, params: SamplingParams) -> Result<i32> {
-        if self.logits.is_empty() {
+        self.sample_from(params, None, None)
+    }
+
+    /// [`Self::sample`] from `logits` (caller-modified, length n_vocab) instead of the last
+    /// decode's, and/or with every token `grammar` forbids masked out first. The grammar is
+    /// not advanced: the caller accepts the token into it (as with `Grammar.apply`).
+    pub fn sample_from(
+        &mut self,
+        params: SamplingParams,
+        logits: Option<Vec<f32>>,
+        grammar: Option<&mut Grammar>,
+    ) -> Result<i32> {
+        let n_vocab = self.shape.n_vocab as usize;
+        if let Some(l) = &logits {
+            if l.len() != n_vocab {
+                return Err(LloyalError::invalid(format!(
+                    "logits has {} entries; the model's vocabulary has {n_vocab}: pass an array of \
+                     length n_vocab (e.g. a modified copy of get_logits())",
+                    l.len()
+                )));
+            }
+        } else if self.logits.is_empty() {
             return Err(LloyalError::NoLogits);
         }
+        let masked = match grammar {
+            Some(g) => {
+                let mut m = logits.as_deref().unwrap_or(&self.logits).to_vec();
+                g.mask(&mut m)?;
+                if m.iter().all(|&l| l == f32::NEG_INFINITY) {
+                    return Err(LloyalError::Grammar(
+                        "the grammar allows no token with these logits; check the grammar's \
+                         state (accept each sampled token into it) or the logits passed"
+                            .into(),
+                    ));
+                }
+                Some(m)
+            }
+            None => logits,
+        };
         let model = self.model();
         match &mut self.sampler {
             Some(s) => s.set_params(&model, params)?,
             None => self.sampler = Some(Sampler::new(&model, params)?),
         }
         let sampler = self.sampler.as_mut().ok_or(LloyalError::NoLogits)?;
-        let token = sampler.sample(&self.logits, &[]);
+        let token = sampler.sample(masked.as_deref().unwrap_or(&self.logits), &[]);
         sampler.accept(token);
         Ok(token)
     }
