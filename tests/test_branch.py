@@ -590,3 +590,25 @@ def test_set_sampler_params_overrides_keep_the_other_fields(ctx):
         b.reseed_sampler(seed)
         hot.add(b.produce().token)
     assert len(hot) > 1, "a full SamplingParams resets top_k to its default (40)"
+
+
+def test_create_and_fork_skip_sequences_holding_flat_cells(make_context) -> None:
+    ctx = make_context(n_ctx=512, n_seq_max=3)
+    flat = ctx.tokenize("Flat path tokens")
+    ctx.decode(flat, 0, seq_id=0)
+    store = lloyal.BranchStore(ctx)
+    with lloyal.Branch.create(ctx, 0) as b:
+        assert b.seq_id == 1  # seq 0 holds flat cells: skipped, not wiped
+        assert ctx.kv_seq_pos_max(0) == len(flat) - 1
+        b.prefill(flat)
+        child = b.fork()
+        assert child.seq_id == 2
+        with pytest.raises(lloyal.LeaseExhaustedError, match=r"\[0\] hold flat-path cells.*kv_cache_remove"):
+            b.fork()
+        with pytest.raises(lloyal.LeaseExhaustedError, match="flat-path"):
+            lloyal.Branch.create(ctx, 0)
+        assert store.available == 1 and ctx.kv_seq_pos_max(0) == len(flat) - 1
+        ctx.kv_cache_remove(0, 0)  # freed: leasable again
+        with lloyal.Branch.create(ctx, 0) as c:
+            assert c.seq_id == 0
+    assert store.available == 3
