@@ -393,7 +393,7 @@ impl PyContext {
         let params = extract_params(params, overrides)?;
         let logits = logits.map(|l| l.as_array().to_vec());
         run(py, self.ctx(), move |s| match &grammar {
-            Some(g) => s.sample_from(params, logits, Some(&mut g.get().lock())),
+            Some(g) => s.sample_from(params, logits, Some(&mut *g.get().lock())),
             None => s.sample_from(params, logits, None),
         })
     }

@@ -55,14 +55,14 @@ fn unknown_key(what: &str, key: &str, valid: &[&str]) -> PyErr {
         _ => {
             let snake = snake_case(key);
             if snake != key && valid.contains(&snake.as_str()) {
-                format!("; did you mean {snake:?}? (lloyal spells sampling keys in snake_case)")
+                format!("; did you mean '{snake}'? (lloyal spells sampling keys in snake_case)")
             } else {
                 String::new()
             }
         }
     };
     PyValueError::new_err(format!(
-        "unknown {what} key {key:?}{hint}; valid keys: {}",
+        "unknown {what} key '{key}'{hint}; valid keys: {}",
         valid.join(", ")
     ))
 }
@@ -160,12 +160,12 @@ fn set_field(p: &mut SamplingParams, key: &str, value: &Bound<'_, PyAny>) -> PyR
         other => {
             let snake = snake_case(other);
             let hint = if snake != other && FIELDS.contains(&snake.as_str()) {
-                format!("; did you mean {snake:?}?")
+                format!("; did you mean '{snake}'?")
             } else {
                 String::new()
             };
             return Err(PyTypeError::new_err(format!(
-                "unknown sampling parameter {other:?}{hint}; valid names: {}",
+                "unknown sampling parameter '{other}'{hint}; valid names: {}",
                 FIELDS.join(", ")
             )));
         }

@@ -207,8 +207,8 @@ def test_template_kwargs_reach_the_template(ctx: lloyal.Context) -> None:
         documents=[{"title": "A"}, {"title": "B"}], custom={"x": 7},
     )  # fmt: skip
     assert chat.prompt == "<bos><think on>[26 Jul 2024](A)(B)7user: Hi\n"
-    assert ctx.format_chat(msgs, template=template, documents=[]).prompt == "<bos>[]user: Hi\n"
-    with pytest.raises(ValueError, match="'bos_token' is set by format_chat itself|\"bos_token\" is set"):
+    assert ctx.format_chat(msgs, template=template, documents=[], custom={"x": 0}).prompt == "<bos>[]0user: Hi\n"
+    with pytest.raises(ValueError, match="'bos_token' is set by format_chat itself"):
         ctx.format_chat(msgs, template=template, bos_token="<s>")
     with pytest.raises(TypeError, match="template variables must be JSON-serialisable"):
         ctx.format_chat(msgs, template=template, documents=object())

@@ -153,7 +153,7 @@ pub fn render(template: &str, messages: &[Json], vars: &RenderVars<'_>) -> Resul
         ("continuation", Value::from(vars.continuation)),
     ];
     let extra = vars.extra.into_iter().flatten().map(|(k, v)| (k.as_str(), Value::from(Serde(v))));
-    let ctx: Value = extra.chain(fixed).collect();
+    let ctx = Value::from(extra.chain(fixed).collect::<std::collections::BTreeMap<&str, Value>>());
     tmpl.render(ctx).map_err(template_error)
 }
 
@@ -290,7 +290,7 @@ pub(crate) fn parse_extra_vars(json: Option<&str>) -> Result<Option<serde_json::
     };
     if let Some(k) = map.keys().find(|k| RESERVED_VARS.contains(&k.as_str())) {
         return Err(LloyalError::invalid(format!(
-            "template variable {k:?} is set by format_chat itself (reserved: {}); pass it through \
+            "template variable '{k}' is set by format_chat itself (reserved: {}); pass it through \
              its own argument or rename it",
             RESERVED_VARS.join(", ")
         )));

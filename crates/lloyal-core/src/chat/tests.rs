@@ -250,7 +250,7 @@ fn extra_template_variables_are_visible_and_reserved_names_refused() {
     assert_eq!(render(t, &[], &v).unwrap(), "26 Jul 2024|false|T|<bos>");
     assert!(parse_extra_vars(Some(r#"{"x": 1}"#)).unwrap().is_some());
     let err = parse_extra_vars(Some(r#"{"bos_token": "<s>"}"#)).unwrap_err().to_string();
-    assert!(err.contains("\"bos_token\" is set by format_chat itself"), "{err}");
+    assert!(err.contains("'bos_token' is set by format_chat itself"), "{err}");
 }
 
 #[test]
