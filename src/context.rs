@@ -360,8 +360,9 @@ impl PyContext {
         self.check_open()?;
         let message = crate::chat::message_json(py, message)?;
         let model = self.inner.model().clone();
-        let formatted =
-            detached(py, move || model.format_chat_turn(&message, add_generation_prompt, template.as_deref()))?;
+        let formatted = detached(py, move || {
+            model.format_chat_turn(&message, add_generation_prompt, template.as_deref())
+        })?;
         crate::chat::formatted_to_py(py, formatted)
     }
 

@@ -61,10 +61,7 @@ fn unknown_key(what: &str, key: &str, valid: &[&str]) -> PyErr {
             }
         }
     };
-    PyValueError::new_err(format!(
-        "unknown {what} key '{key}'{hint}; valid keys: {}",
-        valid.join(", ")
-    ))
+    PyValueError::new_err(format!("unknown {what} key '{key}'{hint}; valid keys: {}", valid.join(", ")))
 }
 
 /// Refuse a dict carrying a key outside `valid` (a typo or another library's spelling would

@@ -603,7 +603,8 @@ def test_create_and_fork_skip_sequences_holding_flat_cells(make_context) -> None
         b.prefill(flat)
         child = b.fork()
         assert child.seq_id == 2
-        with pytest.raises(lloyal.LeaseExhaustedError, match=r"\(\[0\]\) hold flat-path cells.*kv_cache_remove"):
+        flat_message = r"\(\[0\]\) hold flat-path cells.*kv_cache_remove"
+        with pytest.raises(lloyal.LeaseExhaustedError, match=flat_message):
             b.fork()
         with pytest.raises(lloyal.LeaseExhaustedError, match="flat-path"):
             lloyal.Branch.create(ctx, 0)

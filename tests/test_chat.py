@@ -207,7 +207,8 @@ def test_template_kwargs_reach_the_template(ctx: lloyal.Context) -> None:
         documents=[{"title": "A"}, {"title": "B"}], custom={"x": 7},
     )  # fmt: skip
     assert chat.prompt == "<bos><think on>[26 Jul 2024](A)(B)7user: Hi\n"
-    assert ctx.format_chat(msgs, template=template, documents=[], custom={"x": 0}).prompt == "<bos>[]0user: Hi\n"
+    bare = ctx.format_chat(msgs, template=template, documents=[], custom={"x": 0})
+    assert bare.prompt == "<bos>[]0user: Hi\n"
     with pytest.raises(ValueError, match="'bos_token' is set by format_chat itself"):
         ctx.format_chat(msgs, template=template, bos_token="<s>")
     with pytest.raises(TypeError, match="template variables must be JSON-serialisable"):
@@ -227,7 +228,8 @@ def test_format_chat_turn_uses_the_conversation_template(ctx: lloyal.Context) ->
     """A template given to format_chat_turn (as a model's own one would be) renders the turn:
     here Gemma's own GGUF template, which trims content where the built-in one does not."""
     gemma_own = (
-        "{{ bos_token }}{% for m in messages %}{% set role = 'model' if m['role'] == 'assistant' else m['role'] %}"
+        "{{ bos_token }}{% for m in messages %}"
+        "{% set role = 'model' if m['role'] == 'assistant' else m['role'] %}"
         "<start_of_turn>{{ role }}\n{{ m['content'] | trim }}<end_of_turn>\n{% endfor %}"
         "{% if add_generation_prompt %}<start_of_turn>model\n{% endif %}"
     )
@@ -242,6 +244,8 @@ def test_format_chat_turn_uses_the_conversation_template(ctx: lloyal.Context) ->
     # Without a template this model (no GGUF template) uses the built-in one, content verbatim.
     assert ctx.format_chat_turn(follow_up).template_source == "builtin:gemma"
     assert "  And of Italy?  " in ctx.format_chat_turn(follow_up).prompt
-    rewrites = "{% for m in messages %}{{ m.content }}{% if loop.last %}!{% endif %}<end_of_turn>\n{% endfor %}"
+    rewrites = (
+        "{% for m in messages %}{{ m.content }}{% if loop.last %}!{% endif %}<end_of_turn>\n{% endfor %}"
+    )
     with pytest.raises(lloyal.ChatTemplateError, match="plain continuation"):
         ctx.format_chat_turn(follow_up, template=rewrites)

@@ -147,11 +147,15 @@ def test_verify_is_interrupted_and_leaves_the_branch_exactly_as_before(model: ll
         drafts = expected + LONG[:300]
         with lloyal.Branch.create(ctx, 0, greedy) as b:
             b.prefill(prompt)
-            before = (b.position, b.last_token, b.perplexity, b.logits.tobytes(), store.kv_pressure.cells_used)
+
+            def state() -> tuple[object, ...]:
+                cells = store.kv_pressure.cells_used
+                return (b.position, b.last_token, b.perplexity, b.logits.tobytes(), cells)
+
+            before = state()
             with sigint_after(0.15), pytest.raises(KeyboardInterrupt):
                 b.verify(drafts)
-            after = (b.position, b.last_token, b.perplexity, b.logits.tobytes(), store.kv_pressure.cells_used)
-            assert after == before
+            assert state() == before
             assert ctx.kv_seq_pos_max(b.seq_id) == b.position - 1
             # The sampler history is as before too: greedy verification goes on from the prompt.
             assert b.verify(expected[:5]) == 5 and b.last_token == expected[5]

@@ -91,5 +91,7 @@ def test_survivor_is_unchanged_by_pruning_its_siblings(
     for prompt, (want_tokens, want_logits) in lone_runs.items():
         tokens, logits = with_pruned_siblings(ctx7, prompt, how)
         assert tokens == want_tokens, prompt
-        first = next((i for i, (a, b) in enumerate(zip(logits, want_logits)) if not np.array_equal(a, b)), None)
+        assert len(logits) == len(want_logits) == STEPS
+        pairs = enumerate(zip(logits, want_logits, strict=True))
+        first = next((i for i, (a, b) in pairs if not np.array_equal(a, b)), None)
         assert first is None, f"{prompt!r}: logits differ from step {first}"

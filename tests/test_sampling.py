@@ -288,13 +288,13 @@ def test_unknown_dict_key_is_refused_with_its_name(primed: lloyal.Context, key: 
 def test_unknown_nested_dict_key_is_refused(primed: lloyal.Context) -> None:
     with pytest.raises(ValueError, match="unknown mirostat key 'taw'"):
         primed.sample({"mirostat": {"version": 2, "taw": 3.0}})
-    with pytest.raises(ValueError, match="unknown dry key 'allowedLength'.*allowed_length"):
+    with pytest.raises(ValueError, match=r"unknown dry key 'allowedLength'.*allowed_length"):
         primed.sample({"dry": {"allowedLength": 3}})
     with pytest.raises(ValueError, match="unknown xtc key 'p'"):
         primed.sample({"xtc": {"p": 0.5}})
     # The valid spellings work, and a camelCase keyword override is a TypeError with the hint.
     primed.sample({"temperature": 0, "mirostat": {"version": 2, "tau": 3.0}, "dry": {"allowed_length": 3}})
-    with pytest.raises(TypeError, match="repeatPenalty.*did you mean 'repeat_penalty'"):
+    with pytest.raises(TypeError, match=r"repeatPenalty.*did you mean 'repeat_penalty'"):
         primed.sample(repeatPenalty=1.1)
 
 

@@ -34,7 +34,11 @@ impl ContextState {
         }
         let mut flat = self.leases.free_ids().to_vec();
         flat.sort_unstable();
-        Err(LloyalError::LeasesHoldFlatCells { n_seq_max: self.leases.n_seq_max(), live: self.leases.live(), flat })
+        Err(LloyalError::LeasesHoldFlatCells {
+            n_seq_max: self.leases.n_seq_max(),
+            live: self.leases.live(),
+            flat,
+        })
     }
 
     /// Free leases.

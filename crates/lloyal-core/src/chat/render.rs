@@ -270,7 +270,8 @@ pub fn turn_delta(template: &str, message: &Json, vars: &RenderVars<'_>, separat
         serde_json::json!({"role": "user", "content": "lloyal-turn-probe"}),
         serde_json::json!({"role": "assistant", "content": REPLY}),
     ];
-    let before = render(template, &history, &RenderVars { add_generation_prompt: false, ..vars.clone() }).ok()?;
+    let before =
+        render(template, &history, &RenderVars { add_generation_prompt: false, ..vars.clone() }).ok()?;
     if !before.ends_with(&format!("{REPLY}{separator}")) {
         return None;
     }
@@ -385,7 +386,9 @@ impl Model {
         let messages = parse_messages(&format!("[{message_json}]"))?;
         let (bos, eos) = (self.special_text(self.bos()), self.special_text(self.eos_token()));
         let own = self.chat_template();
-        let jinja = template.map(|t| ("override", t)).or(own.as_deref().filter(|t| !t.trim().is_empty()).map(|t| ("model", t)));
+        let jinja = template
+            .map(|t| ("override", t))
+            .or(own.as_deref().filter(|t| !t.trim().is_empty()).map(|t| ("model", t)));
         if let Some((source, text)) = jinja {
             let family = ChatFamily::detect(Some(text), &self.architecture());
             let vars = RenderVars { add_generation_prompt, ..self.render_vars(&bos, &eos) };

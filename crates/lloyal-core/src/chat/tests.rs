@@ -244,7 +244,8 @@ fn generation_blocks_render_as_plain_blocks() {
 #[test]
 fn extra_template_variables_are_visible_and_reserved_names_refused() {
     let t = "{{ date_string }}|{{ enable_thinking }}|{{ documents[0].title }}|{{ bos_token }}";
-    let extra = json!({"date_string": "26 Jul 2024", "enable_thinking": false, "documents": [{"title": "T"}]});
+    let extra =
+        json!({"date_string": "26 Jul 2024", "enable_thinking": false, "documents": [{"title": "T"}]});
     let Json::Object(extra) = extra else { panic!("not an object") };
     let v = RenderVars { extra: Some(&extra), ..vars(true) };
     assert_eq!(render(t, &[], &v).unwrap(), "26 Jul 2024|false|T|<bos>");
@@ -256,18 +257,24 @@ fn extra_template_variables_are_visible_and_reserved_names_refused() {
 #[test]
 fn turn_delta_is_the_new_turn_of_a_jinja_template() {
     // Gemma's own GGUF template trims content (the built-in one does not).
-    let gemma = "{{ bos_token }}{% for m in messages %}{% set role = 'model' if m.role == 'assistant' else m.role %}\
+    let gemma =
+        "{{ bos_token }}{% for m in messages %}{% set role = 'model' if m.role == 'assistant' else m.role %}\
                  <start_of_turn>{{ role }}\n{{ m.content | trim }}<end_of_turn>\n{% endfor %}\
                  {% if add_generation_prompt %}<start_of_turn>model\n{% endif %}";
     let msg = json!({"role": "user", "content": "  And of Italy? "});
     let delta = turn_delta(gemma, &msg, &vars(true), "<end_of_turn>\n").unwrap();
     assert_eq!(delta, "<start_of_turn>user\nAnd of Italy?<end_of_turn>\n<start_of_turn>model\n");
     // A template that rewrites earlier turns when a new one comes has no clean delta.
-    let rewrites = "{% for m in messages %}{{ m.content }}{% if loop.last %}!{% endif %}<end_of_turn>\n{% endfor %}";
+    let rewrites =
+        "{% for m in messages %}{{ m.content }}{% if loop.last %}!{% endif %}<end_of_turn>\n{% endfor %}";
     assert_eq!(turn_delta(rewrites, &msg, &vars(true), "<end_of_turn>\n"), None);
     // Nor does one that closes turns with another separator, or refuses the message.
     assert_eq!(turn_delta(gemma, &msg, &vars(true), "<|im_end|>\n"), None);
-    let strict = "{% for m in messages %}{% if m.role == 'tool' %}{{ raise_exception('no tools') }}{% endif %}\
+    let strict =
+        "{% for m in messages %}{% if m.role == 'tool' %}{{ raise_exception('no tools') }}{% endif %}\
                   {{ m.content }}<end_of_turn>\n{% endfor %}";
-    assert_eq!(turn_delta(strict, &json!({"role": "tool", "content": "x"}), &vars(true), "<end_of_turn>\n"), None);
+    assert_eq!(
+        turn_delta(strict, &json!({"role": "tool", "content": "x"}), &vars(true), "<end_of_turn>\n"),
+        None
+    );
 }
