@@ -284,7 +284,12 @@ mod tests {
         assert_eq!(p.flash_attn_type, sys::LLAMA_FLASH_ATTN_TYPE_ENABLED);
         let off = ContextOptions { flash_attn: false, ..Default::default() };
         assert_eq!(off.to_llama().unwrap().flash_attn_type, sys::LLAMA_FLASH_ATTN_TYPE_DISABLED);
-        assert_eq!((p.n_ctx, p.n_batch, p.n_ubatch, p.n_seq_max), (2048, 512, 512, 1));
+        // One sequence for the user plus the hidden one that parks pruned branches' cells.
+        assert_eq!((p.n_ctx, p.n_batch, p.n_ubatch, p.n_seq_max), (2048, 512, 512, 2));
+        let embed = ContextOptions { embeddings: true, ..Default::default() };
+        assert_eq!(embed.to_llama().unwrap().n_seq_max, 1);
+        let all = ContextOptions { n_seq_max: MAX_SEQ, ..Default::default() };
+        assert_eq!(all.to_llama().unwrap().n_seq_max, MAX_SEQ);
     }
 
     #[test]

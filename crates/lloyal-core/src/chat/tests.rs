@@ -248,7 +248,7 @@ fn extra_template_variables_are_visible_and_reserved_names_refused() {
         json!({"date_string": "26 Jul 2024", "enable_thinking": false, "documents": [{"title": "T"}]});
     let Json::Object(extra) = extra else { panic!("not an object") };
     let v = RenderVars { extra: Some(&extra), ..vars(true) };
-    assert_eq!(render(t, &[], &v).unwrap(), "26 Jul 2024|false|T|<bos>");
+    assert_eq!(render(t, &[], &v).unwrap(), "26 Jul 2024|False|T|<bos>");
     assert!(parse_extra_vars(Some(r#"{"x": 1}"#)).unwrap().is_some());
     let err = parse_extra_vars(Some(r#"{"bos_token": "<s>"}"#)).unwrap_err().to_string();
     assert!(err.contains("'bos_token' is set by format_chat itself"), "{err}");
