@@ -430,13 +430,13 @@ def test_flat_path_cannot_touch_a_leased_sequence(ctx, root):
 
 
 def test_create_takes_an_empty_sequence(ctx):
-    """Cells the flat path left on a sequence are cleared when a branch leases it."""
+    """Cells the flat path left on a sequence are never wiped by a lease: that id is skipped."""
     ctx.decode([2, 100, 200], 0, seq_id=0)
     b = Branch.create(ctx, 0, GREEDY)
-    assert b.seq_id == 0
-    assert ctx.kv_seq_pos_max(0) == -1
+    assert b.seq_id == 1
+    assert (ctx.kv_seq_pos_max(0), ctx.kv_seq_pos_max(1)) == (2, -1)
     b.prefill([2, 300])
-    assert ctx.kv_seq_pos_max(0) == 1
+    assert (ctx.kv_seq_pos_max(0), ctx.kv_seq_pos_max(1)) == (2, 1)
 
 
 # --------------------------------------------------------------------------- disposal
