@@ -124,10 +124,12 @@ impl PyBranch {
     /// Create a root branch on ``ctx`` at ``position`` (takes a lease; its sequence starts empty).
     ///
     /// ``grammar`` (GBNF text with a ``root`` rule, or a :class:`Grammar` whose state is
-    /// copied) constrains every sampled token; forks inherit a copy of its state.
+    /// copied) constrains every sampled token; forks inherit a copy of its state. Sequence ids
+    /// holding flat-path cells (``Context.decode``) are skipped, never wiped.
     ///
     /// Raises:
-    ///     LeaseExhaustedError: every sequence id of the context is leased.
+    ///     LeaseExhaustedError: every sequence id of the context is leased or holds flat-path
+    ///         cells.
     #[classmethod]
     #[pyo3(signature = (ctx, position=0, params=None, *, grammar=None))]
     fn create(
@@ -190,6 +192,23 @@ impl PyBranch {
     fn fork(&self, py: Python<'_>, clone_logits: bool) -> PyResult<PyBranch> {
         let child = self.call(py, move |s, h| s.branch_fork(h, clone_logits))?;
         Ok(self.wrap(py, child))
+    }
+
+    /// Await ``fork(clone_logits)`` off the event loop.
+    #[pyo3(signature = (clone_logits=true))]
+    fn afork<'py>(slf: &Bound<'py, Self>, clone_logits: bool) -> PyResult<Bound<'py, PyAny>> {
+        let py = slf.py();
+        aio::in_thread(py, slf.getattr("fork")?, vec![clone_logits.into_pyobject(py)?.to_owned().into_any()])
+    }
+
+    /// Await ``prune()`` off the event loop.
+    fn aprune<'py>(slf: &Bound<'py, Self>) -> PyResult<Bound<'py, PyAny>> {
+        aio::in_thread(slf.py(), slf.getattr("prune")?, vec![])
+    }
+
+    /// Await ``prune_subtree()`` off the event loop.
+    fn aprune_subtree<'py>(slf: &Bound<'py, Self>) -> PyResult<Bound<'py, PyAny>> {
+        aio::in_thread(slf.py(), slf.getattr("prune_subtree")?, vec![])
     }
 
     /// Dispose this branch (RESTRICT: ``TopologyError`` while children live). Idempotent.

@@ -65,6 +65,14 @@ pub fn tools_json(py: Python<'_>, tools: Option<&Bound<'_, PyAny>>) -> PyResult<
     }
 }
 
+/// `format_chat`'s extra keyword arguments as one JSON object (None when there are none).
+pub fn template_vars_json(py: Python<'_>, kwargs: Option<&Bound<'_, PyDict>>) -> PyResult<Option<String>> {
+    match kwargs.filter(|k| !k.is_empty()) {
+        Some(k) => dumps(py, k.as_any(), "template variables").map(Some),
+        None => Ok(None),
+    }
+}
+
 /// A core [`FormattedChat`] as a `lloyal.chat.FormattedChat`.
 pub fn formatted_to_py(py: Python<'_>, f: FormattedChat) -> PyResult<Py<PyAny>> {
     let cls = py.import("lloyal.chat")?.getattr("FormattedChat")?;

@@ -4,7 +4,7 @@ use std::path::PathBuf;
 use std::sync::Arc;
 
 use lloyal_core::{Base, Context, ContextOptions, ModelOptions, Pooling};
-use numpy::PyArray1;
+use numpy::{PyArray1, PyReadonlyArray1};
 use pyo3::prelude::*;
 use pyo3::types::{PyBytes, PyDict, PyType};
 
@@ -296,16 +296,21 @@ impl PyContext {
     ///     add_generation_prompt: Append the opening of an assistant turn.
     ///     template: A Jinja chat template that overrides the model's.
     ///     tools: JSON-serialisable tool (function) definitions, passed as ``tools``.
+    ///     **template_kwargs: More JSON-serialisable template variables (``enable_thinking``,
+    ///         ``documents``, ``date_string``, any custom one), as in Hugging Face's
+    ///         ``apply_chat_template``.
     ///
     /// Returns:
     ///     The prompt, the stop tokens and where the template came from.
     ///
     /// Raises:
-    ///     TypeError: ``messages``/``tools`` are not lists of JSON-serialisable dicts.
-    ///     ValueError: A message lacks a string ``role`` or has a bad ``content``.
+    ///     TypeError: ``messages``/``tools`` are not lists of JSON-serialisable dicts, or a
+    ///         template variable is not JSON-serialisable.
+    ///     ValueError: A message lacks a string ``role`` or has a bad ``content``, or a
+    ///         template variable reuses a name format_chat sets (``bos_token``...).
     ///     ChatTemplateError: The template failed (syntax, ``raise_exception``), or the
     ///         model has no template and no built-in fits (pass ``template=``).
-    #[pyo3(signature = (messages, *, add_generation_prompt=true, template=None, tools=None))]
+    #[pyo3(signature = (messages, *, add_generation_prompt=true, template=None, tools=None, **template_kwargs))]
     fn format_chat(
         &self,
         py: Python<'_>,
@@ -313,11 +318,13 @@ impl PyContext {
         add_generation_prompt: bool,
         template: Option<String>,
         tools: Option<&Bound<'_, PyAny>>,
+        template_kwargs: Option<&Bound<'_, PyDict>>,
     ) -> PyResult<Py<PyAny>> {
         self.check_open()?;
         let messages = crate::chat::messages_json(py, messages)?;
         let tools = crate::chat::tools_json(py, tools)?;
-        let options = lloyal_core::ChatOptions { add_generation_prompt, template, tools };
+        let extra_vars = crate::chat::template_vars_json(py, template_kwargs)?;
+        let options = lloyal_core::ChatOptions { add_generation_prompt, template, tools, extra_vars };
         let model = self.inner.model().clone();
         let formatted = detached(py, move || model.format_chat(&messages, &options))?;
         crate::chat::formatted_to_py(py, formatted)
@@ -329,11 +336,15 @@ impl PyContext {
     /// (stopped at a stop token, which is not in the KV), prefill ``turn_separator`` and then
     /// ``tokenize(turn.prompt, add_special=False, parse_special=True)``. The result equals,
     /// token for token, a cold prefill of ``format_chat`` over the whole conversation with
-    /// the built-in template of the model's family (used here whatever the model's own).
+    /// the same template: ``template`` > the model's own > its family's built-in. A Jinja
+    /// template that does not render a new turn as a plain continuation (it rewrites earlier
+    /// turns, or refuses the role order) falls back to the built-in one.
     ///
     /// Args:
     ///     message: The new message (usually ``{"role": "user", "content": ...}``).
     ///     add_generation_prompt: Append the opening of the next assistant turn.
+    ///     template: The Jinja chat template the conversation was started with, if not the
+    ///         model's.
     ///
     /// Returns:
     ///     The turn's text (no BOS, no system/tools preamble) and the stop tokens.
@@ -341,18 +352,22 @@ impl PyContext {
     /// Raises:
     ///     TypeError: ``message`` is not a dict.
     ///     ValueError: It lacks a string ``role`` or has a bad ``content``.
-    ///     ChatTemplateError: The model belongs to no built-in chat family.
-    #[pyo3(signature = (message, *, add_generation_prompt=true))]
+    ///     ChatTemplateError: The model belongs to no built-in chat family, or ``template``
+    ///         does not render a turn as a plain continuation.
+    #[pyo3(signature = (message, *, add_generation_prompt=true, template=None))]
     fn format_chat_turn(
         &self,
         py: Python<'_>,
         message: &Bound<'_, PyAny>,
         add_generation_prompt: bool,
+        template: Option<String>,
     ) -> PyResult<Py<PyAny>> {
         self.check_open()?;
         let message = crate::chat::message_json(py, message)?;
         let model = self.inner.model().clone();
-        let formatted = detached(py, move || model.format_chat_turn(&message, add_generation_prompt))?;
+        let formatted = detached(py, move || {
+            model.format_chat_turn(&message, add_generation_prompt, template.as_deref())
+        })?;
         crate::chat::formatted_to_py(py, formatted)
     }
 
@@ -368,15 +383,25 @@ impl PyContext {
     }
 
     /// Sample from the last decode's logits; the token joins the penalty history.
-    #[pyo3(signature = (params=None, **overrides))]
+    ///
+    /// ``logits=`` samples from that float32 array (length n_vocab, e.g. a modified copy of
+    /// ``get_logits()``) instead. ``grammar=`` masks every token the grammar forbids first;
+    /// the grammar is not advanced: call ``grammar.accept(token)`` yourself.
+    #[pyo3(signature = (params=None, *, grammar=None, logits=None, **overrides))]
     fn sample(
         &self,
         py: Python<'_>,
         params: Option<&Bound<'_, PyAny>>,
+        grammar: Option<Py<PyGrammar>>,
+        logits: Option<PyReadonlyArray1<'_, f32>>,
         overrides: Option<&Bound<'_, PyDict>>,
     ) -> PyResult<i32> {
         let params = extract_params(params, overrides)?;
-        run(py, self.ctx(), move |s| s.sample(params))
+        let logits = logits.map(|l| l.as_array().to_vec());
+        run(py, self.ctx(), move |s| match &grammar {
+            Some(g) => s.sample_from(params, logits, Some(&mut *g.get().lock())),
+            None => s.sample_from(params, logits, None),
+        })
     }
 
     /// BlinkKV: clear the cache, decode ``sinks`` at 0 and ``tail`` after them on seq 0

@@ -21,7 +21,7 @@ fn class_name(err: &LloyalError) -> Option<&'static str> {
         LloyalError::Decode { .. } => "DecodeError",
         LloyalError::KvCacheFull { .. } => "KvCacheFullError",
         LloyalError::BranchDisposed { .. } => "BranchDisposedError",
-        LloyalError::LeaseExhausted { .. } => "LeaseExhaustedError",
+        LloyalError::LeaseExhausted { .. } | LloyalError::LeasesHoldFlatCells { .. } => "LeaseExhaustedError",
         LloyalError::Topology(_) => "TopologyError",
         LloyalError::SeqLeased { .. } => "SeqLeasedError",
         LloyalError::InvalidToken { .. } => "InvalidTokenError",

@@ -2,7 +2,7 @@
 //! keyword overrides) into the core's `SamplingParams`.
 
 use lloyal_core::{Dry, Mirostat, SamplingParams, Xtc};
-use pyo3::exceptions::PyTypeError;
+use pyo3::exceptions::{PyTypeError, PyValueError};
 use pyo3::prelude::*;
 use pyo3::types::PyDict;
 
@@ -25,6 +25,61 @@ const FIELDS: &[&str] = &[
     "xtc",
 ];
 
+const MIROSTAT_FIELDS: &[&str] = &["version", "tau", "eta"];
+const DRY_FIELDS: &[&str] = &["multiplier", "base", "allowed_length", "penalty_last_n", "sequence_breakers"];
+const XTC_FIELDS: &[&str] = &["probability", "threshold", "min_keep"];
+
+/// `repeatPenalty` -> `repeat_penalty`.
+fn snake_case(key: &str) -> String {
+    let mut out = String::with_capacity(key.len() + 4);
+    for c in key.chars() {
+        if c.is_ascii_uppercase() {
+            out.push('_');
+            out.push(c.to_ascii_lowercase());
+        } else {
+            out.push(c);
+        }
+    }
+    out
+}
+
+/// The `ValueError` for an unknown key `key` of a `what` dict whose valid keys are `valid`.
+fn unknown_key(what: &str, key: &str, valid: &[&str]) -> PyErr {
+    let hint = match key {
+        "penalties" => " (the original project's nested shape; lloyal takes flat keys: \
+                        repeat_penalty, frequency_penalty, presence_penalty, penalty_last_n)"
+            .to_string(),
+        "advanced" => " (the original project's nested shape; lloyal takes flat keys: typical_p, \
+                       mirostat, dry, xtc)"
+            .to_string(),
+        _ => {
+            let snake = snake_case(key);
+            if snake != key && valid.contains(&snake.as_str()) {
+                format!("; did you mean '{snake}'? (lloyal spells sampling keys in snake_case)")
+            } else {
+                String::new()
+            }
+        }
+    };
+    PyValueError::new_err(format!("unknown {what} key '{key}'{hint}; valid keys: {}", valid.join(", ")))
+}
+
+/// Refuse a dict carrying a key outside `valid` (a typo or another library's spelling would
+/// otherwise be silently ignored). Non-dict objects are read by attribute and not checked.
+fn check_keys(obj: &Bound<'_, PyAny>, what: &str, valid: &[&str]) -> PyResult<()> {
+    if let Ok(d) = obj.cast::<PyDict>() {
+        for k in d.keys() {
+            let key: String = k
+                .extract()
+                .map_err(|_| PyTypeError::new_err(format!("{what} keys must be strings, got {k:?}")))?;
+            if !valid.contains(&key.as_str()) {
+                return Err(unknown_key(what, &key, valid));
+            }
+        }
+    }
+    Ok(())
+}
+
 /// `obj.name` for objects, `obj[name]` for dicts; `None` when absent.
 fn field<'py>(obj: &Bound<'py, PyAny>, name: &str) -> PyResult<Option<Bound<'py, PyAny>>> {
     if let Ok(d) = obj.cast::<PyDict>() {
@@ -44,6 +99,7 @@ fn get<'py, T: FromPyObjectOwned<'py>>(obj: &Bound<'py, PyAny>, name: &str, defa
 }
 
 fn mirostat(v: &Bound<'_, PyAny>) -> PyResult<Mirostat> {
+    check_keys(v, "mirostat", MIROSTAT_FIELDS)?;
     Ok(Mirostat {
         version: get(v, "version", 2u8)?,
         tau: get(v, "tau", 5.0f32)?,
@@ -52,6 +108,7 @@ fn mirostat(v: &Bound<'_, PyAny>) -> PyResult<Mirostat> {
 }
 
 fn dry(v: &Bound<'_, PyAny>) -> PyResult<Dry> {
+    check_keys(v, "dry", DRY_FIELDS)?;
     let default_breakers: Vec<String> = ["\n", ":", "\"", "*"].iter().map(|s| s.to_string()).collect();
     Ok(Dry {
         multiplier: get(v, "multiplier", 0.8f32)?,
@@ -63,6 +120,7 @@ fn dry(v: &Bound<'_, PyAny>) -> PyResult<Dry> {
 }
 
 fn xtc(v: &Bound<'_, PyAny>) -> PyResult<Xtc> {
+    check_keys(v, "xtc", XTC_FIELDS)?;
     Ok(Xtc {
         probability: get(v, "probability", 0.5f32)?,
         threshold: get(v, "threshold", 0.1f32)?,
@@ -97,10 +155,16 @@ fn set_field(p: &mut SamplingParams, key: &str, value: &Bound<'_, PyAny>) -> PyR
         "dry" => p.dry = if none { None } else { Some(dry(value)?) },
         "xtc" => p.xtc = if none { None } else { Some(xtc(value)?) },
         other => {
+            let snake = snake_case(other);
+            let hint = if snake != other && FIELDS.contains(&snake.as_str()) {
+                format!("; did you mean '{snake}'?")
+            } else {
+                String::new()
+            };
             return Err(PyTypeError::new_err(format!(
-                "unknown sampling parameter {other:?}; valid names: {}",
+                "unknown sampling parameter '{other}'{hint}; valid names: {}",
                 FIELDS.join(", ")
-            )))
+            )));
         }
     }
     Ok(())
@@ -122,6 +186,7 @@ pub fn extract_params_onto(
 ) -> PyResult<SamplingParams> {
     let mut p = base;
     if let Some(obj) = params.filter(|o| !o.is_none()) {
+        check_keys(obj, "sampling parameter", FIELDS)?;
         for name in FIELDS {
             if let Some(v) = field(obj, name)? {
                 set_field(&mut p, name, &v)?;

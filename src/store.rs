@@ -99,6 +99,11 @@ impl PyBranchStore {
         aio::in_thread(slf.py(), slf.getattr("commit")?, vec![pairs])
     }
 
+    /// Await ``retain_only(winner)`` off the event loop.
+    fn aretain_only<'py>(slf: &Bound<'py, Self>, winner: Bound<'py, PyAny>) -> PyResult<Bound<'py, PyAny>> {
+        aio::in_thread(slf.py(), slf.getattr("retain_only")?, vec![winner])
+    }
+
     /// Await ``prefill(items)`` off the event loop.
     fn aprefill<'py>(slf: &Bound<'py, Self>, items: Bound<'py, PyAny>) -> PyResult<Bound<'py, PyAny>> {
         aio::in_thread(slf.py(), slf.getattr("prefill")?, vec![items])

@@ -430,13 +430,13 @@ def test_flat_path_cannot_touch_a_leased_sequence(ctx, root):
 
 
 def test_create_takes_an_empty_sequence(ctx):
-    """Cells the flat path left on a sequence are cleared when a branch leases it."""
+    """Cells the flat path left on a sequence are never wiped by a lease: that id is skipped."""
     ctx.decode([2, 100, 200], 0, seq_id=0)
     b = Branch.create(ctx, 0, GREEDY)
-    assert b.seq_id == 0
-    assert ctx.kv_seq_pos_max(0) == -1
+    assert b.seq_id == 1
+    assert (ctx.kv_seq_pos_max(0), ctx.kv_seq_pos_max(1)) == (2, -1)
     b.prefill([2, 300])
-    assert ctx.kv_seq_pos_max(0) == 1
+    assert (ctx.kv_seq_pos_max(0), ctx.kv_seq_pos_max(1)) == (2, 1)
 
 
 # --------------------------------------------------------------------------- disposal
@@ -590,3 +590,26 @@ def test_set_sampler_params_overrides_keep_the_other_fields(ctx):
         b.reseed_sampler(seed)
         hot.add(b.produce().token)
     assert len(hot) > 1, "a full SamplingParams resets top_k to its default (40)"
+
+
+def test_create_and_fork_skip_sequences_holding_flat_cells(make_context) -> None:
+    ctx = make_context(n_ctx=512, n_seq_max=3)
+    flat = ctx.tokenize("Flat path tokens")
+    ctx.decode(flat, 0, seq_id=0)
+    store = lloyal.BranchStore(ctx)
+    with lloyal.Branch.create(ctx, 0) as b:
+        assert b.seq_id == 1  # seq 0 holds flat cells: skipped, not wiped
+        assert ctx.kv_seq_pos_max(0) == len(flat) - 1
+        b.prefill(flat)
+        child = b.fork()
+        assert child.seq_id == 2
+        flat_message = r"\(\[0\]\) hold flat-path cells.*kv_cache_remove"
+        with pytest.raises(lloyal.LeaseExhaustedError, match=flat_message):
+            b.fork()
+        with pytest.raises(lloyal.LeaseExhaustedError, match="flat-path"):
+            lloyal.Branch.create(ctx, 0)
+        assert store.available == 1 and ctx.kv_seq_pos_max(0) == len(flat) - 1
+        ctx.kv_cache_remove(0, 0)  # freed: leasable again
+        with lloyal.Branch.create(ctx, 0) as c:
+            assert c.seq_id == 0
+    assert store.available == 3

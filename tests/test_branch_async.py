@@ -209,3 +209,36 @@ def test_concurrent_acommits_on_different_branches_are_serialized_correctly(ctx)
     out_a, out_b = asyncio.run(main())
     assert a.position == b.position == root.position + 4
     assert out_a == out_b == expected
+
+
+def test_tree_operations_have_awaitable_forms(ctx):
+    """The original project's main loop awaits every step, fork and prune included."""
+    store = BranchStore(ctx)
+
+    async def main():
+        root = Branch.create(ctx, 0, GREEDY)
+        await root.aprefill(ctx.tokenize("The capital of France is"))
+        pending = root.afork()
+        assert asyncio.iscoroutine(pending)
+        first = await pending
+        a, b, c = [await root.afork() for _ in range(3)]
+        assert root.children == [first, a, b, c] and a.parent == root
+        await first.aprune()
+        assert (await a.afork(clone_logits=False)).parent == a
+        with pytest.raises(lloyal.TopologyError, match="live children"):
+            await a.aprune()  # RESTRICT still applies
+        for br in (a, b, c):
+            await br.acommit(br.produce().token)
+        await a.aprune_subtree()  # a and its child
+        assert a.disposed and root.children == [b, c]
+        assert store.available == ctx.n_seq_max - 3
+        await b.aprune()
+        await b.aprune()  # idempotent, like prune()
+        await store.aretain_only(c)
+        return root, c
+
+    root, c = asyncio.run(main())
+    assert root.disposed and c.parent is None and c.is_active
+    assert store.available == ctx.n_seq_max - 1
+    assert store.kv_pressure.cells_used == c.position == len(ctx.tokenize("The capital of France is")) + 1
+    c.prune()

@@ -202,3 +202,59 @@ def test_chat_module_doctests() -> None:
     result = doctest.testmod(lloyal.chat)
     assert result.attempted > 0
     assert result.failed == 0
+
+
+def test_template_kwargs_reach_the_template(ctx: lloyal.Context) -> None:
+    template = (
+        "{{ bos_token }}{% if enable_thinking %}<think on>{% endif %}[{{ date_string }}]"
+        "{% for d in documents %}({{ d.title }}){% endfor %}{{ custom.x }}"
+        "{% for m in messages %}{{ m.role }}: {{ m.content }}\n{% endfor %}"
+    )
+    msgs = [{"role": "user", "content": "Hi"}]
+    chat = ctx.format_chat(
+        msgs, template=template, enable_thinking=True, date_string="26 Jul 2024",
+        documents=[{"title": "A"}, {"title": "B"}], custom={"x": 7},
+    )  # fmt: skip
+    assert chat.prompt == "<bos><think on>[26 Jul 2024](A)(B)7user: Hi\n"
+    bare = ctx.format_chat(msgs, template=template, documents=[], custom={"x": 0})
+    assert bare.prompt == "<bos>[]0user: Hi\n"
+    with pytest.raises(ValueError, match="'bos_token' is set by format_chat itself"):
+        ctx.format_chat(msgs, template=template, bos_token="<s>")
+    with pytest.raises(TypeError, match="template variables must be JSON-serialisable"):
+        ctx.format_chat(msgs, template=template, documents=object())
+
+
+def test_generation_block_renders_as_a_plain_block(ctx: lloyal.Context) -> None:
+    template = (
+        "{% for m in messages %}{% if m.role == 'assistant' %}{% generation %}<a>{{ m.content }}</a>"
+        "{% endgeneration %}{% else %}<u>{{ m.content }}</u>{% endif %}{% endfor %}"
+    )
+    msgs = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello"}]
+    assert ctx.format_chat(msgs, template=template).prompt == "<u>Hi</u><a>Hello</a>"
+
+
+def test_format_chat_turn_uses_the_conversation_template(ctx: lloyal.Context) -> None:
+    """A template given to format_chat_turn (as a model's own one would be) renders the turn:
+    here Gemma's own GGUF template, which trims content where the built-in one does not."""
+    gemma_own = (
+        "{{ bos_token }}{% for m in messages %}"
+        "{% set role = 'model' if m['role'] == 'assistant' else m['role'] %}"
+        "<start_of_turn>{{ role }}\n{{ m['content'] | trim }}<end_of_turn>\n{% endfor %}"
+        "{% if add_generation_prompt %}<start_of_turn>model\n{% endif %}"
+    )
+    history = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello."}]
+    follow_up = {"role": "user", "content": "  And of Italy?  "}
+    turn = ctx.format_chat_turn(follow_up, template=gemma_own)
+    assert turn.template_source == "override"
+    assert turn.prompt == "<start_of_turn>user\nAnd of Italy?<end_of_turn>\n<start_of_turn>model\n"
+    full = ctx.format_chat([*history, follow_up], template=gemma_own).prompt
+    before = ctx.format_chat(history, template=gemma_own, add_generation_prompt=False).prompt
+    assert full == before + turn.prompt  # the turn splices on after the closed assistant turn
+    # Without a template this model (no GGUF template) uses the built-in one, content verbatim.
+    assert ctx.format_chat_turn(follow_up).template_source == "builtin:gemma"
+    assert "  And of Italy?  " in ctx.format_chat_turn(follow_up).prompt
+    rewrites = (
+        "{% for m in messages %}{{ m.content }}{% if loop.last %}!{% endif %}<end_of_turn>\n{% endfor %}"
+    )
+    with pytest.raises(lloyal.ChatTemplateError, match="plain continuation"):
+        ctx.format_chat_turn(follow_up, template=rewrites)

@@ -206,3 +206,72 @@ def test_fork_mid_document_clones_the_grammar_state(ctx4: lloyal.Context) -> Non
         tails = [[t.token for t in b.generate(60)] for b in (root, child)]
         for tail in tails:
             assert _matches_person(json.loads(ctx4.detokenize(head + tail)))
+
+
+# --------------------------------------------------------------------------- flat path
+
+
+def _flat_constrained(ctx: lloyal.Context, grammar: lloyal.Grammar, *, via_logits: bool) -> list[int]:
+    """The original project's flat grammar example, ported: decode, copy the logits, apply
+    the grammar, sample from the masked copy, accept the token into the grammar, decode it."""
+    ctx.kv_cache_clear()
+    ctx.reset_sampler()
+    prompt = ctx.tokenize("A person as JSON:")
+    ctx.decode(prompt, 0)
+    pos, out = len(prompt), []
+    for _ in range(60):
+        if via_logits:
+            logits = ctx.get_logits().copy()
+            grammar.apply(logits)
+            token = ctx.sample(logits=logits, temperature=0)
+        else:
+            token = ctx.sample(grammar=grammar, temperature=0)
+        if ctx.is_stop_token(token):
+            break
+        grammar.accept(token)
+        out.append(token)
+        ctx.decode([token], pos)
+        pos += 1
+    return out
+
+
+def test_flat_path_constrained_sampling_ports_the_original_example(ctx: lloyal.Context) -> None:
+    gbnf = lloyal.json_schema_to_grammar(PERSON)
+    masked = _flat_constrained(ctx, ctx.create_grammar(gbnf), via_logits=True)
+    assert _matches_person(json.loads(ctx.detokenize(masked)))
+    # grammar= does the masking itself and picks exactly the same tokens.
+    assert _flat_constrained(ctx, ctx.create_grammar(gbnf), via_logits=False) == masked
+
+
+def test_flat_sample_from_caller_logits(ctx: lloyal.Context) -> None:
+    logits = np.full(ctx.n_vocab, -np.inf, dtype=np.float32)
+    logits[[7000, 7001]] = [1.0, 5.0]
+    assert ctx.sample(logits=logits, temperature=0) == 7001  # no decode needed
+    # The draw joins the penalty history like any flat sample.
+    assert ctx.sample(logits=logits, temperature=0, repeat_penalty=100.0) == 7000
+    with pytest.raises(ValueError, match="n_vocab"):
+        ctx.sample(logits=np.zeros(10, dtype=np.float32))
+    with pytest.raises(lloyal.LloyalError, match="no logits"):
+        ctx.sample(temperature=0)  # still nothing decoded
+
+
+def test_flat_grammar_sample_does_not_advance_the_grammar(ctx: lloyal.Context) -> None:
+    ctx.decode(ctx.tokenize("Is the sky blue? Answer:"), 0)
+    g = ctx.create_grammar(YES_NO)
+    best = int(np.argmax(ctx.get_logits()))
+    assert not g.allows(best)  # the unconstrained choice is not "yes"/"no" ...
+    first = ctx.sample(grammar=g, temperature=0)
+    assert ctx.detokenize([first]) in ("yes", "no")  # ... the constrained one is
+    assert ctx.sample(grammar=g, temperature=0) == first  # not advanced: same state, same draw
+    g.accept(first)
+    # The grammar is complete: only end-of-generation is allowed now; with a caller's logits
+    # that ban it, the grammar allows no token.
+    stop = ctx.sample(grammar=g, temperature=0)
+    assert ctx.is_stop_token(stop)
+    logits = ctx.get_logits().copy()
+    logits[stop] = -np.inf
+    for t in range(ctx.n_vocab):
+        if ctx.is_stop_token(t):
+            logits[t] = -np.inf
+    with pytest.raises(lloyal.GrammarError, match="allows no token"):
+        ctx.sample(grammar=g, logits=logits)

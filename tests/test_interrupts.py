@@ -130,3 +130,32 @@ def test_worker_thread_calls_are_not_interrupted_by_signals_meant_for_the_main_t
         worker.join(60)
         assert done.is_set()
         assert ctx.kv_seq_pos_max(0) == 255
+
+
+def test_verify_is_interrupted_and_leaves_the_branch_exactly_as_before(model: lloyal.Model) -> None:
+    """Ctrl-C during the draft decode stops the call before its bonus decode; the drafts the
+    sampler already accepted are rolled back with everything else."""
+    greedy = lloyal.SamplingParams(temperature=0.0)
+    with lloyal.Context(model, n_ctx=1024, n_batch=512, n_seq_max=1) as ctx:
+        store = lloyal.BranchStore(ctx)
+        prompt = ctx.tokenize("The capital of France is Paris. The capital of Germany is")
+        with lloyal.Branch.create(ctx, 0, greedy) as g:
+            g.prefill(prompt)
+            expected = [t.token for t in g.generate(6)]
+        # Six drafts the sampler agrees with, then filler: decoding ~300 rows with logits takes
+        # far longer than the signal's delay, so the signal lands during the draft decode.
+        drafts = expected + LONG[:300]
+        with lloyal.Branch.create(ctx, 0, greedy) as b:
+            b.prefill(prompt)
+
+            def state() -> tuple[object, ...]:
+                cells = store.kv_pressure.cells_used
+                return (b.position, b.last_token, b.perplexity, b.logits.tobytes(), cells)
+
+            before = state()
+            with sigint_after(0.15), pytest.raises(KeyboardInterrupt):
+                b.verify(drafts)
+            assert state() == before
+            assert ctx.kv_seq_pos_max(b.seq_id) == b.position - 1
+            # The sampler history is as before too: greedy verification goes on from the prompt.
+            assert b.verify(expected[:5]) == 5 and b.last_token == expected[5]

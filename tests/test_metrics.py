@@ -105,3 +105,18 @@ def test_perplexity_of_a_greedy_continuation(ctx: lloyal.Context) -> None:
     assert tracker.count == 5
     assert tracker.perplexity == pytest.approx(math.exp(sum(surprisals) / 5))
     assert 1.0 <= tracker.perplexity < 50.0  # greedy tokens are likely ones
+
+
+def test_sampling_perplexity_is_not_truncated_by_top_k_or_top_p(ctx: lloyal.Context) -> None:
+    """docs/concepts.md: sampling_perplexity is taken under penalties, biases and temperature,
+    without top-k/top-p/min-p truncation: a token outside the truncated set is finite."""
+    params = lloyal.SamplingParams(temperature=2.0, top_k=1, top_p=0.1, min_p=0.9, penalty_last_n=0)
+    with lloyal.Branch.create(ctx, 0, params) as b:
+        b.prefill(ctx.tokenize("The capital of France is"))
+        logits = b.logits
+        rare = int(np.argsort(-logits)[1000])  # far outside top-1 / top-p 0.1
+        b.commit(rare)
+        want = -log_softmax(logits / 2.0)[rare]  # the temperature-2 distribution, untruncated
+        assert math.isfinite(b.sampling_perplexity)
+        assert math.log(b.sampling_perplexity) == pytest.approx(want, rel=1e-4)
+        assert math.log(b.perplexity) == pytest.approx(-log_softmax(logits)[rare], rel=1e-4)

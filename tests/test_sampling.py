@@ -262,3 +262,44 @@ def test_unknown_or_bad_override(primed: lloyal.Context) -> None:
         primed.sample(mirostat=Mirostat(version=3))
     with pytest.raises(TypeError):
         primed.sample(top_k="many")
+
+
+@pytest.mark.parametrize(
+    ("key", "hint"),
+    [
+        ("repeatPenalty", "repeat_penalty"),
+        ("topK", "top_k"),
+        ("penaltyLastN", "penalty_last_n"),
+        ("penalties", "repeat_penalty, frequency_penalty, presence_penalty, penalty_last_n"),
+        ("advanced", "typical_p, mirostat, dry, xtc"),
+        ("top_kk", "valid keys: temperature"),
+    ],
+)
+def test_unknown_dict_key_is_refused_with_its_name(primed: lloyal.Context, key: str, hint: str) -> None:
+    params = {"temperature": 0, key: 1.1}
+    with pytest.raises(ValueError, match=rf"unknown sampling parameter key '{key}'") as err:
+        primed.sample(params)
+    assert hint in str(err.value)
+    with pytest.raises(ValueError, match=key), lloyal.Branch.create(primed, 0, params):
+        pass
+    assert lloyal.BranchStore(primed).available == 1  # the refused create took no lease
+
+
+def test_unknown_nested_dict_key_is_refused(primed: lloyal.Context) -> None:
+    with pytest.raises(ValueError, match="unknown mirostat key 'taw'"):
+        primed.sample({"mirostat": {"version": 2, "taw": 3.0}})
+    with pytest.raises(ValueError, match=r"unknown dry key 'allowedLength'.*allowed_length"):
+        primed.sample({"dry": {"allowedLength": 3}})
+    with pytest.raises(ValueError, match="unknown xtc key 'p'"):
+        primed.sample({"xtc": {"p": 0.5}})
+    # The valid spellings work, and a camelCase keyword override is a TypeError with the hint.
+    primed.sample({"temperature": 0, "mirostat": {"version": 2, "tau": 3.0}, "dry": {"allowed_length": 3}})
+    with pytest.raises(TypeError, match=r"repeatPenalty.*did you mean 'repeat_penalty'"):
+        primed.sample(repeatPenalty=1.1)
+
+
+def test_a_dict_of_known_keys_is_honoured(primed: lloyal.Context) -> None:
+    best = ranked(primed)[0]
+    primed.reset_sampler()
+    assert primed.sample({"temperature": 0, "repeat_penalty": 100.0}) == best
+    assert primed.sample({"temperature": 0, "repeat_penalty": 100.0}) != best  # the penalty bites

@@ -74,3 +74,36 @@ def test_prompt_lookup_example_equals_plain_greedy_with_fewer_decodes(ctx2: lloy
     assert spec.accepted / spec.drafted > 0.8
     assert ex.lookup_drafts([1, 2, 3, 9, 1, 2], 2) == [3, 9]
     assert ex.lookup_drafts([1, 2, 3], 4) == []
+
+
+def _branch_state(b: lloyal.Branch, store: lloyal.BranchStore) -> tuple[object, ...]:
+    return (
+        b.position,
+        b.context.kv_seq_pos_max(b.seq_id),
+        store.kv_pressure.cells_used,
+        b.last_token,
+        b.perplexity,
+        b.sampling_perplexity,
+        b.grammar_resamples,
+        b.logits.tobytes(),
+    )
+
+
+def test_a_grammar_error_part_way_leaves_the_branch_exactly_as_before(ctx2: lloyal.Context) -> None:
+    # The grammar takes exactly the one draft token; after it only end-of-generation is
+    # allowed, and those are banned, so choosing the bonus fails after the draft was accepted.
+    [berlin] = ctx2.tokenize(" Berlin", add_special=False)
+    grammar = f'root ::= "{ctx2.detokenize([berlin])}"'
+    store = lloyal.BranchStore(ctx2)
+    with lloyal.Branch.create(ctx2, 0, GREEDY, grammar=grammar) as b:
+        b.prefill(ctx2.tokenize(PROMPT))
+        stops = [t for t in range(ctx2.n_vocab) if ctx2.is_stop_token(t)]
+        b.set_logit_bias({t: float("-inf") for t in stops})
+        before = _branch_state(b, store)
+        with pytest.raises(lloyal.GrammarError, match="allows no token"):
+            b.verify([berlin])
+        assert _branch_state(b, store) == before
+        # The grammar is back at its start: the draft is still the only allowed token.
+        assert b.produce().token == berlin
+        b.commit(berlin)
+        assert (b.position, b.last_token) == (before[0] + 1, berlin)

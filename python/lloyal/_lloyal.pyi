@@ -202,6 +202,7 @@ class Context:
         add_generation_prompt: bool = True,
         template: str | None = None,
         tools: list[dict[str, Any]] | None = None,
+        **template_kwargs: Any,
     ) -> FormattedChat:
         """Render a conversation as a prompt with a Jinja chat template.
 
@@ -221,18 +222,27 @@ class Context:
             add_generation_prompt: Append the opening of an assistant turn.
             template: A Jinja chat template that overrides the model's.
             tools: JSON-serialisable tool (function) definitions, passed as ``tools``.
+            **template_kwargs: More JSON-serialisable template variables (``enable_thinking``,
+                ``documents``, ``date_string``, any custom one), as in Hugging Face's
+                ``apply_chat_template``.
 
         Returns:
             The prompt, the stop tokens and where the template came from.
 
         Raises:
-            TypeError: ``messages``/``tools`` are not lists of JSON-serialisable dicts.
-            ValueError: A message lacks a string ``role`` or has a bad ``content``.
+            TypeError: ``messages``/``tools`` are not lists of JSON-serialisable dicts, or a
+                template variable is not JSON-serialisable.
+            ValueError: A message lacks a string ``role`` or has a bad ``content``, or a
+                template variable reuses a name format_chat sets (``bos_token``...).
             ChatTemplateError: The template failed (syntax, ``raise_exception``), or the
                 model has no template and no built-in fits (pass ``template=``).
         """
     def format_chat_turn(
-        self, message: dict[str, Any], *, add_generation_prompt: bool = True
+        self,
+        message: dict[str, Any],
+        *,
+        add_generation_prompt: bool = True,
+        template: str | None = None,
     ) -> FormattedChat:
         """Render one new turn exactly as it follows a finished assistant turn.
 
@@ -240,11 +250,15 @@ class Context:
         (stopped at a stop token, which is not in the KV), prefill ``turn_separator`` and then
         ``tokenize(turn.prompt, add_special=False, parse_special=True)``. The result equals,
         token for token, a cold prefill of ``format_chat`` over the whole conversation with
-        the built-in template of the model's family (used here whatever the model's own).
+        the same template: ``template`` > the model's own > its family's built-in. A Jinja
+        template that does not render a new turn as a plain continuation (it rewrites earlier
+        turns, or refuses the role order) falls back to the built-in one.
 
         Args:
             message: The new message (usually ``{"role": "user", "content": ...}``).
             add_generation_prompt: Append the opening of the next assistant turn.
+            template: The Jinja chat template the conversation was started with, if not the
+                model's.
 
         Returns:
             The turn's text (no BOS, no system/tools preamble) and the stop tokens.
@@ -252,7 +266,8 @@ class Context:
         Raises:
             TypeError: ``message`` is not a dict.
             ValueError: It lacks a string ``role`` or has a bad ``content``.
-            ChatTemplateError: The model belongs to no built-in chat family.
+            ChatTemplateError: The model belongs to no built-in chat family, or ``template``
+                does not render a turn as a plain continuation.
         """
     def close(self) -> None:
         """Free the context (waits for a running call; idempotent)."""
@@ -273,8 +288,20 @@ class Context:
         """Whether ``token`` ends generation (EOS/EOT)."""
     def decode(self, tokens: list[int], pos: int, seq_id: int = 0) -> None:
         """Decode ``tokens`` on ``seq_id`` starting at ``pos`` (chunked by n_batch; all-or-nothing)."""
-    def sample(self, params: SamplingParams | dict[str, Any] | None = None, **overrides: Any) -> int:
-        """Sample from the last decode's logits; the token joins the penalty history."""
+    def sample(
+        self,
+        params: SamplingParams | dict[str, Any] | None = None,
+        *,
+        grammar: Grammar | None = None,
+        logits: npt.NDArray[np.float32] | None = None,
+        **overrides: Any,
+    ) -> int:
+        """Sample from the last decode's logits; the token joins the penalty history.
+
+        ``logits=`` samples from that float32 array (length n_vocab, e.g. a modified copy of
+        ``get_logits()``) instead. ``grammar=`` masks every token the grammar forbids first;
+        the grammar is not advanced: call ``grammar.accept(token)`` yourself.
+        """
     def clear_and_reseed(self, sinks: list[int], tail: list[int]) -> int:
         """BlinkKV: clear the cache, decode ``sinks`` at 0 and ``tail`` after them on seq 0
         (sampler history kept); returns the next position, ``len(sinks) + len(tail)``.
@@ -500,10 +527,12 @@ class Branch:
         """Create a root branch on ``ctx`` at ``position`` (takes a lease; its sequence starts empty).
 
         ``grammar`` (GBNF text with a ``root`` rule, or a :class:`Grammar` whose state is
-        copied) constrains every sampled token; forks inherit a copy of its state.
+        copied) constrains every sampled token; forks inherit a copy of its state. Sequence ids
+        holding flat-path cells (``Context.decode``) are skipped, never wiped.
 
         Raises:
-            LeaseExhaustedError: every sequence id of the context is leased.
+            LeaseExhaustedError: every sequence id of the context is leased or holds flat-path
+                cells.
         """
     def fork(self, clone_logits: bool = True) -> Branch:
         """A child sharing this branch's KV prefix (no tensor copy); sampler, metrics, logit bias
@@ -535,6 +564,12 @@ class Branch:
         """The most recently accepted token (``None`` before any)."""
     def aprefill(self, tokens: list[int]) -> Coroutine[Any, Any, None]:
         """Await ``prefill(tokens)`` off the event loop."""
+    def afork(self, clone_logits: bool = True) -> Coroutine[Any, Any, Branch]:
+        """Await ``fork(clone_logits)`` off the event loop."""
+    def aprune(self) -> Coroutine[Any, Any, None]:
+        """Await ``prune()`` off the event loop."""
+    def aprune_subtree(self) -> Coroutine[Any, Any, None]:
+        """Await ``prune_subtree()`` off the event loop."""
     def acommit(self, token: int) -> Coroutine[Any, Any, None]:
         """Await ``commit(token)`` off the event loop."""
     def reseed(self, sinks: list[int], tail: list[int]) -> int:
@@ -675,6 +710,8 @@ class BranchStore:
         """Sample every branch in one native call (GIL released)."""
     def acommit(self, pairs: list[tuple[Branch, int]]) -> Coroutine[Any, Any, None]:
         """Await ``commit(pairs)`` off the event loop."""
+    def aretain_only(self, winner: Branch) -> Coroutine[Any, Any, None]:
+        """Await ``retain_only(winner)`` off the event loop."""
     def aprefill(self, items: list[tuple[Branch, list[int]]]) -> Coroutine[Any, Any, None]:
         """Await ``prefill(items)`` off the event loop."""
     @property

@@ -10,6 +10,7 @@ use crate::backend::{clear_recent_errors, recent_errors};
 use crate::branch::BranchState;
 use crate::embeddings::Encoded;
 use crate::error::{LloyalError, Result};
+use crate::grammar::Grammar;
 use crate::metrics::{entropy, surprisal, Base};
 use crate::model::Model;
 use crate::options::ContextOptions;
@@ -60,10 +61,13 @@ impl Context {
             ))
         })?;
         // SAFETY: valid context pointer held exclusively here.
-        let (n_ctx, n_batch, n_seq_max) = unsafe {
+        let (n_ctx, n_batch, n_seq_all) = unsafe {
             let p = raw.as_ptr();
             (sys::llama_n_ctx(p), sys::llama_n_batch(p), sys::llama_n_seq_max(p))
         };
+        let parks = options.parks_freed_cells();
+        // The hidden parking sequence is the last id; users and leases see the ones before it.
+        let n_seq_max = n_seq_all - u32::from(parks);
         let shape = ContextShape {
             n_ctx,
             n_batch,
@@ -82,6 +86,8 @@ impl Context {
             topology: Topology::default(),
             leases: Leases::new(n_seq_max),
             cells_used: 0,
+            park_seq: parks.then_some(n_seq_max as i32),
+            parked: 0,
             kv_cell_bytes: model.kv_bytes_per_cell(params.type_k, params.type_v),
             batch_invariant: options.is_batch_invariant(),
             encoded: HashMap::new(),
@@ -184,7 +190,13 @@ pub struct ContextState {
     /// Which sequence ids live branches hold.
     pub(crate) leases: Leases,
     /// KV cells held by branches (exact: prefill +n, commit +N, fork +0, prune -own cells).
+    /// Parked cells are not counted: they are free to any decode that needs them.
     pub(crate) cells_used: usize,
+    /// The hidden sequence id holding the cells of pruned branches until a decode needs the
+    /// room (`None` for embeddings contexts and `n_seq_max = 256`, which free at once).
+    park_seq: Option<i32>,
+    /// Cells only `park_seq` holds (exact, like `cells_used`).
+    pub(crate) parked: usize,
     /// K+V bytes per cell (for `memory_size`).
     kv_cell_bytes: u64,
     /// Batch-invariant kernels (then `retain_only` also rewrites the winner's cells in order).
@@ -307,7 +319,42 @@ impl ContextState {
         Ok(self.batch.len() as i32 - 1)
     }
 
-    /// Run `llama_decode` on the current batch, mapping its return codes.
+    /// Free a pruned branch's own cells `[p0, p1)` of `seq_id` without making them reusable
+    /// yet: they move to the hidden parking sequence, so the survivors' next tokens keep
+    /// landing after their own cells (in position order) instead of in the holes. The caller
+    /// then removes `seq_id`'s cells. [`Self::reclaim_parked`] frees them when a decode or a
+    /// state load needs the room.
+    pub(crate) fn park_cells(&mut self, seq_id: i32, p0: i32, p1: i32) {
+        let Some(park) = self.park_seq else { return };
+        if p1 <= p0 {
+            return;
+        }
+        let mem = self.raw.memory();
+        // SAFETY: valid memory; both ids are below llama's n_seq_max (park is the hidden last
+        // id); unified KV makes a partial-range copy a metadata change.
+        unsafe { sys::llama_memory_seq_cp(mem, seq_id, park, p0, p1) };
+        self.parked += (p1 - p0) as usize;
+    }
+
+    /// Really free the parked cells (after this, survivors may reuse them and exactness of
+    /// their later logits against a lone run is no longer guaranteed).
+    pub(crate) fn reclaim_parked(&mut self) {
+        if let Some(park) = self.park_seq {
+            if self.parked > 0 {
+                self.remove_cells(park, -1, -1);
+            }
+        }
+        self.parked = 0;
+    }
+
+    /// The parked-cell count after llama.cpp dropped every sequence but the branches'
+    /// (`llama_memory_clear`, `seq_keep`).
+    pub(crate) fn forget_parked(&mut self) {
+        self.parked = 0;
+    }
+
+    /// Run `llama_decode` on the current batch, mapping its return codes. When no cells are
+    /// free for it but some are parked, the parked cells are reclaimed and the decode retried.
     pub(crate) fn run_batch(&mut self) -> Result<()> {
         if self.batches_in_call > 0 && self.interrupt.as_ref().is_some_and(|check| check()) {
             return Err(LloyalError::Interrupted);
@@ -317,7 +364,13 @@ impl ContextState {
         let n = self.batch.len();
         let raw_batch = self.batch.raw();
         // SAFETY: the batch holds n valid rows (tokens and seq ids validated by callers).
-        let code = unsafe { sys::llama_decode(self.raw.as_ptr(), raw_batch) };
+        let mut code = unsafe { sys::llama_decode(self.raw.as_ptr(), raw_batch) };
+        if code == 1 && self.parked > 0 {
+            // llama.cpp checks for room before touching the cache, so the retry is clean.
+            self.reclaim_parked();
+            // SAFETY: as above; the batch is unchanged.
+            code = unsafe { sys::llama_decode(self.raw.as_ptr(), raw_batch) };
+        }
         match code {
             0 => Ok(()),
             1 => Err(LloyalError::KvCacheFull {
@@ -365,16 +418,52 @@ impl ContextState {
     /// Sample from the flat path's last logits with `params`, then accept the token into the
     /// flat sampler's history (penalties persist across calls, as in the original API).
     pub fn sample(&mut self, params: SamplingParams) -> Result<i32> {
-        if self.logits.is_empty() {
+        self.sample_from(params, None, None)
+    }
+
+    /// [`Self::sample`] from `logits` (caller-modified, length n_vocab) instead of the last
+    /// decode's, and/or with every token `grammar` forbids masked out first. The grammar is
+    /// not advanced: the caller accepts the token into it (as with `Grammar.apply`).
+    pub fn sample_from(
+        &mut self,
+        params: SamplingParams,
+        logits: Option<Vec<f32>>,
+        grammar: Option<&mut Grammar>,
+    ) -> Result<i32> {
+        let n_vocab = self.shape.n_vocab as usize;
+        if let Some(l) = &logits {
+            if l.len() != n_vocab {
+                return Err(LloyalError::invalid(format!(
+                    "logits has {} entries; the model's vocabulary has {n_vocab}: pass an array of \
+                     length n_vocab (e.g. a modified copy of get_logits())",
+                    l.len()
+                )));
+            }
+        } else if self.logits.is_empty() {
             return Err(LloyalError::NoLogits);
         }
+        let masked = match grammar {
+            Some(g) => {
+                let mut m = logits.as_deref().unwrap_or(&self.logits).to_vec();
+                g.mask(&mut m)?;
+                if m.iter().all(|&l| l == f32::NEG_INFINITY) {
+                    return Err(LloyalError::Grammar(
+                        "the grammar allows no token with these logits; check the grammar's \
+                         state (accept each sampled token into it) or the logits passed"
+                            .into(),
+                    ));
+                }
+                Some(m)
+            }
+            None => logits,
+        };
         let model = self.model();
         match &mut self.sampler {
             Some(s) => s.set_params(&model, params)?,
             None => self.sampler = Some(Sampler::new(&model, params)?),
         }
         let sampler = self.sampler.as_mut().ok_or(LloyalError::NoLogits)?;
-        let token = sampler.sample(&self.logits, &[]);
+        let token = sampler.sample(masked.as_deref().unwrap_or(&self.logits), &[]);
         sampler.accept(token);
         Ok(token)
     }
@@ -401,6 +490,7 @@ impl ContextState {
         let mem = self.raw.memory();
         // SAFETY: valid memory handle.
         unsafe { sys::llama_memory_clear(mem, true) };
+        self.forget_parked();
         self.logits.clear();
         Ok(())
     }
@@ -438,6 +528,7 @@ impl ContextState {
         let mem = self.raw.memory();
         // SAFETY: valid memory; id range-checked.
         unsafe { sys::llama_memory_seq_keep(mem, seq_id) };
+        self.forget_parked();
         Ok(())
     }
 

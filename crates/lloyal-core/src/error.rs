@@ -40,6 +40,15 @@ pub enum LloyalError {
     )]
     LeaseExhausted { n_seq_max: u32, live: u32 },
 
+    /// Every sequence id not held by a branch holds flat-path cells (which a lease would wipe).
+    #[error(
+        "no free KV lease: {live} of {n_seq_max} sequences are held by live branches and the other \
+         ones ({flat:?}) hold flat-path cells (ctx.decode), which a branch would wipe; free them with \
+         ctx.kv_cache_remove(seq_id, 0) or ctx.kv_cache_clear(), prune a branch, or create the \
+         context with a larger n_seq_max"
+    )]
+    LeasesHoldFlatCells { n_seq_max: u32, live: u32, flat: Vec<i32> },
+
     /// A topology rule was broken (e.g. RESTRICT prune of a branch with live children).
     #[error("{0}")]
     Topology(String),

@@ -139,6 +139,14 @@ pub fn default_threads() -> i32 {
 }
 
 impl ContextOptions {
+    /// Whether the context gets one hidden extra sequence id (`n_seq_max`) where the cells of
+    /// pruned branches are parked (see `ContextState::park_cells`): not for embeddings
+    /// contexts (no decode order to keep; their pooling ties `n_batch` to `n_seq_max`) and
+    /// not when `n_seq_max` already takes every id llama.cpp has.
+    pub fn parks_freed_cells(&self) -> bool {
+        !self.embeddings && self.n_seq_max < MAX_SEQ
+    }
+
     /// Reject values llama.cpp would assert on, naming the field and the valid range.
     pub fn validate(&self) -> Result<()> {
         if !(1..=MAX_SEQ).contains(&self.n_seq_max) {
@@ -285,10 +293,10 @@ impl ContextOptions {
         p.n_ctx = self.n_ctx;
         p.n_batch = self.n_batch;
         p.n_ubatch = self.n_batch;
-        p.n_seq_max = self.n_seq_max;
+        p.n_seq_max = self.n_seq_max + u32::from(self.parks_freed_cells());
         // llama.cpp reserves max(outputs, n_seq_max) logit rows and asserts that fits in
         // n_outputs_max (default n_batch): an n_batch below n_seq_max would abort.
-        p.n_outputs_max = self.n_batch.max(self.n_seq_max);
+        p.n_outputs_max = self.n_batch.max(p.n_seq_max);
         p.n_threads = threads;
         p.n_threads_batch = threads;
         p.embeddings = self.embeddings;
@@ -319,7 +327,12 @@ mod tests {
         assert_eq!(p.flash_attn_type, sys::LLAMA_FLASH_ATTN_TYPE_ENABLED);
         let off = ContextOptions { flash_attn: false, ..Default::default() };
         assert_eq!(off.to_llama().unwrap().flash_attn_type, sys::LLAMA_FLASH_ATTN_TYPE_DISABLED);
-        assert_eq!((p.n_ctx, p.n_batch, p.n_ubatch, p.n_seq_max), (2048, 512, 512, 1));
+        // One sequence for the user plus the hidden one that parks pruned branches' cells.
+        assert_eq!((p.n_ctx, p.n_batch, p.n_ubatch, p.n_seq_max), (2048, 512, 512, 2));
+        let embed = ContextOptions { embeddings: true, ..Default::default() };
+        assert_eq!(embed.to_llama().unwrap().n_seq_max, 1);
+        let all = ContextOptions { n_seq_max: MAX_SEQ, ..Default::default() };
+        assert_eq!(all.to_llama().unwrap().n_seq_max, MAX_SEQ);
     }
 
     #[test]

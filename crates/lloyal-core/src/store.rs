@@ -20,6 +20,27 @@ impl ContextState {
         LloyalError::LeaseExhausted { n_seq_max: self.leases.n_seq_max(), live: self.leases.live() }
     }
 
+    /// Take a lease whose sequence is empty: an id holding flat-path cells (`ctx.decode` on
+    /// a sequence no branch holds) is skipped rather than wiped.
+    pub(crate) fn acquire_lease(&mut self) -> Result<i32> {
+        let mem = self.raw_mut().memory();
+        // SAFETY: valid memory; every free id is below n_seq_max.
+        let holds_cells = |s: i32| unsafe { llama_cpp_sys_2::llama_memory_seq_pos_max(mem, s) } >= 0;
+        if let Some(seq) = self.leases.acquire_where(|s| !holds_cells(s)) {
+            return Ok(seq);
+        }
+        if self.leases.available() == 0 {
+            return Err(self.lease_exhausted());
+        }
+        let mut flat = self.leases.free_ids().to_vec();
+        flat.sort_unstable();
+        Err(LloyalError::LeasesHoldFlatCells {
+            n_seq_max: self.leases.n_seq_max(),
+            live: self.leases.live(),
+            flat,
+        })
+    }
+
     /// Free leases.
     pub fn available(&self) -> u32 {
         self.leases.available()
@@ -57,6 +78,7 @@ impl ContextState {
         self.topology = Default::default();
         self.leases.rebuild(&[]);
         self.cells_used = 0;
+        self.reclaim_parked();
     }
 
     /// `retain_only(winner)`: one `seq_keep`; every other branch disposed; winner becomes a root.
@@ -73,6 +95,7 @@ impl ContextState {
                 llama_cpp_sys_2::llama_memory_seq_pos_max(mem, seq),
             )
         };
+        self.forget_parked();
         for h in self.branches.handles() {
             if h != winner {
                 self.branches.remove(h);

@@ -115,6 +115,17 @@ impl Leases {
         self.free.pop()
     }
 
+    /// Take the most recently freed id for which `usable` holds (see [`Self::acquire`]).
+    pub fn acquire_where(&mut self, mut usable: impl FnMut(i32) -> bool) -> Option<i32> {
+        let at = self.free.iter().rposition(|&s| usable(s))?;
+        Some(self.free.remove(at))
+    }
+
+    /// The free ids, most recently freed last.
+    pub fn free_ids(&self) -> &[i32] {
+        &self.free
+    }
+
     /// Return an id.
     pub fn release(&mut self, seq_id: i32) {
         debug_assert!(!self.free.contains(&seq_id), "double release of seq {seq_id}");
@@ -174,5 +185,15 @@ mod tests {
         l.rebuild(&[2]);
         assert_eq!((l.available(), l.live()), (2, 1));
         assert_eq!(l.acquire(), Some(0));
+    }
+
+    #[test]
+    fn acquire_where_skips_unusable_ids() {
+        let mut l = Leases::new(4);
+        assert_eq!(l.acquire_where(|s| s != 0 && s != 1), Some(2));
+        assert_eq!(l.acquire(), Some(0));
+        assert_eq!(l.acquire_where(|s| s == 1), Some(1));
+        assert_eq!(l.acquire_where(|s| s == 1), None);
+        assert_eq!((l.available(), l.free_ids()), (1, &[3][..]));
     }
 }

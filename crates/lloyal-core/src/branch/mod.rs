@@ -159,6 +159,30 @@ impl BranchState {
         })
     }
 
+    /// An exact copy of everything this state holds (sampler and grammar state, a produced
+    /// token, metrics, logits, position), for restoring after a multi-step call fails part-way.
+    pub(crate) fn snapshot(&self) -> Result<Self> {
+        let pending = match &self.pending {
+            Some((t, s)) => Some((*t, s.try_clone()?)),
+            None => None,
+        };
+        Ok(BranchState {
+            seq_id: self.seq_id,
+            position: self.position,
+            fork_head: self.fork_head,
+            sampler: self.sampler.try_clone()?,
+            pending,
+            model_ppl: self.model_ppl.clone(),
+            sampling_ppl: self.sampling_ppl.clone(),
+            logits: Arc::clone(&self.logits),
+            next_logits: Vec::new(),
+            logit_bias: self.logit_bias.clone(),
+            steer: self.steer.clone(),
+            grammar: self.grammar.as_ref().map(Grammar::try_clone).transpose()?,
+            grammar_resamples: self.grammar_resamples,
+        })
+    }
+
     /// The logits snapshot, or `NoLogits`.
     pub fn logits(&self) -> Result<&[f32]> {
         if self.logits.is_empty() {

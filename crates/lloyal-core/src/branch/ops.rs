@@ -59,15 +59,15 @@ impl ContextState {
         })
     }
 
-    /// `Branch.create`: take a lease (its sequence emptied first) and start a root at `position`.
+    /// `Branch.create`: take a lease (an empty sequence; ids holding flat-path cells are
+    /// skipped, see [`ContextState::acquire_lease`]) and start a root at `position`.
     pub fn branch_create(&mut self, position: i32, params: SamplingParams) -> Result<Handle> {
         if position < 0 {
             return Err(LloyalError::invalid(format!("position must be >= 0, got {position}")));
         }
         let model = self.model();
         let sampler = Sampler::new(&model, params)?;
-        let seq = self.leases.acquire().ok_or_else(|| self.lease_exhausted())?;
-        self.remove_cells(seq, -1, -1);
+        let seq = self.acquire_lease()?;
         let handle = self.branches.insert(BranchState::new(seq, position, sampler));
         self.topology.add(handle, None);
         Ok(handle)
@@ -76,7 +76,7 @@ impl ContextState {
     /// `Branch.fork`: a child sharing the parent's KV prefix (metadata copy, 0 new cells).
     pub fn branch_fork(&mut self, parent: Handle, clone_logits: bool) -> Result<Handle> {
         self.branch(parent)?;
-        let seq = self.leases.acquire().ok_or_else(|| self.lease_exhausted())?;
+        let seq = self.acquire_lease()?;
         let child = match self.branch(parent).and_then(|p| p.fork(seq, clone_logits)) {
             Ok(c) => c,
             Err(e) => {
@@ -85,7 +85,6 @@ impl ContextState {
             }
         };
         let parent_seq = self.branch(parent)?.seq_id;
-        self.remove_cells(seq, -1, -1);
         let mem = self.raw_mut().memory();
         // SAFETY: valid memory; both seq ids are leases (< n_seq_max); unified KV shares cells.
         unsafe { llama_cpp_sys_2::llama_memory_seq_cp(mem, parent_seq, seq, -1, -1) };
@@ -96,6 +95,8 @@ impl ContextState {
 
     fn dispose(&mut self, handle: Handle) {
         if let Some(b) = self.branches.remove(handle) {
+            // Its own cells [fork_head, position) are held by no other sequence: park them.
+            self.park_cells(b.seq_id, b.fork_head, b.position);
             self.remove_cells(b.seq_id, -1, -1);
             self.cells_used = self.cells_used.saturating_sub((b.position - b.fork_head).max(0) as usize);
             self.leases.release(b.seq_id);

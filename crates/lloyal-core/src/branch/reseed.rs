@@ -51,7 +51,7 @@ impl ContextState {
             });
         }
         // Parking keeps the old cells occupied while the new ones are written.
-        let parking = if self.cells_used + tokens.len() <= n_ctx { self.leases.acquire() } else { None };
+        let parking = if self.cells_used + tokens.len() <= n_ctx { self.acquire_lease().ok() } else { None };
         if let Some(p) = parking {
             self.copy_seq(seq, p);
         }

@@ -19,7 +19,8 @@ pub struct Verified {
 impl ContextState {
     /// Verify `drafts` on `handle` (see the module docs). Afterwards the branch holds
     /// `drafts[..accepted] + [bonus]`, each accepted into its sampler and metrics exactly as
-    /// `produce` + `commit` would have. A decode failure leaves the branch as before.
+    /// `produce` + `commit` would have. Any failure (a decode, Ctrl-C, a grammar that allows
+    /// no token part-way) leaves the branch exactly as before.
     pub fn branch_verify(&mut self, handle: Handle, drafts: &[i32]) -> Result<Verified> {
         self.model().check_tokens(drafts)?;
         let k = drafts.len();
@@ -54,6 +55,32 @@ impl ContextState {
             }
         }
 
+        // Walking the drafts and committing the bonus can still fail (a grammar that allows
+        // no token, Ctrl-C before the bonus decode): then restore the branch exactly.
+        let saved = self.branch(handle)?.snapshot()?;
+        let cells_before = self.cells_used;
+        match self.verify_walk(handle, drafts, rows, seq, pos) {
+            Ok(v) => Ok(v),
+            Err(e) => {
+                self.remove_cells(seq, pos, -1);
+                self.cells_used = cells_before;
+                *self.branch_mut(handle)? = saved;
+                Err(e)
+            }
+        }
+    }
+
+    /// Accept the drafts the sampler agrees with (their logits rows in `rows`), drop the
+    /// cells of the rest and commit the bonus. Leaves partial state behind on failure.
+    fn verify_walk(
+        &mut self,
+        handle: Handle,
+        drafts: &[i32],
+        mut rows: Vec<Vec<f32>>,
+        seq: i32,
+        pos: i32,
+    ) -> Result<Verified> {
+        let k = drafts.len();
         let mut accepted = 0;
         let bonus = loop {
             let b = self.branch_mut(handle)?;

@@ -36,7 +36,15 @@ pub struct ChatOptions {
     pub template: Option<String>,
     /// Tool (function) definitions as JSON text, passed to the template as `tools`.
     pub tools: Option<String>,
+    /// More template variables as a JSON object text (`enable_thinking`, `documents`,
+    /// `date_string`, any custom one), like the keyword arguments of Hugging Face's
+    /// `apply_chat_template`.
+    pub extra_vars: Option<String>,
 }
+
+/// Names the renderer sets itself; extra template variables may not reuse them.
+pub const RESERVED_VARS: &[&str] =
+    &["messages", "add_generation_prompt", "tools", "bos_token", "eos_token", "continuation"];
 
 /// Stable name of a family in `template_source` (`builtin:gemma`...).
 pub fn family_name(family: ChatFamily) -> &'static str {
@@ -130,22 +138,57 @@ pub struct RenderVars<'a> {
     pub eos_token: &'a str,
     /// Render only turns that follow a finished turn (no BOS, no preamble; built-ins only).
     pub continuation: bool,
+    /// More variables (a JSON object; keys outside [`RESERVED_VARS`]).
+    pub extra: Option<&'a serde_json::Map<String, Json>>,
 }
 
 /// Render `template` over `messages` with HF-compatible settings: `trim_blocks`,
 /// `lstrip_blocks`, Python string/dict methods, `raise_exception`, `strftime_now`, `tojson`.
 pub fn render(template: &str, messages: &[Json], vars: &RenderVars<'_>) -> Result<String> {
     let env = environment();
-    let tmpl = env.template_from_str(template).map_err(template_error)?;
-    let ctx = minijinja::context! {
-        messages => Value::from(Serde(messages)),
-        add_generation_prompt => vars.add_generation_prompt,
-        tools => vars.tools.map(|t| Value::from(Serde(t))),
-        bos_token => vars.bos_token,
-        eos_token => vars.eos_token,
-        continuation => vars.continuation,
-    };
+    let template = plain_generation_blocks(template);
+    let tmpl = env.template_from_str(&template).map_err(template_error)?;
+    let fixed: [(&str, Value); 6] = [
+        ("messages", Value::from(Serde(messages))),
+        ("add_generation_prompt", Value::from(vars.add_generation_prompt)),
+        ("tools", vars.tools.map(|t| Value::from(Serde(t))).unwrap_or(Value::from(()))),
+        ("bos_token", Value::from(vars.bos_token)),
+        ("eos_token", Value::from(vars.eos_token)),
+        ("continuation", Value::from(vars.continuation)),
+    ];
+    let extra = vars.extra.into_iter().flatten().map(|(k, v)| (k.as_str(), Value::from(Serde(v))));
+    let ctx = Value::from(extra.chain(fixed).collect::<std::collections::BTreeMap<&str, Value>>());
     tmpl.render(ctx).map_err(template_error)
+}
+
+/// Hugging Face's `{% generation %}...{% endgeneration %}` (which marks the assistant's
+/// tokens in training templates) as a plain block: `{% if true %}...{% endif %}`, keeping the
+/// tags' whitespace control (`{%-`, `-%}`).
+pub fn plain_generation_blocks(template: &str) -> Cow<'_, str> {
+    if !template.contains("generation") {
+        return Cow::Borrowed(template);
+    }
+    let mut out = String::with_capacity(template.len());
+    let mut rest = template;
+    while let Some(start) = rest.find("{%") {
+        out.push_str(&rest[..start]);
+        let tag = &rest[start..];
+        let Some(end) = tag.find("%}") else {
+            out.push_str(tag);
+            return Cow::Owned(out);
+        };
+        let inner = &tag[2..end];
+        let (lead, body) = inner.strip_prefix('-').map_or(("", inner), |b| ("-", b));
+        let (body, trail) = body.strip_suffix('-').map_or((body, ""), |b| (b, "-"));
+        match body.trim() {
+            "generation" => out.push_str(&format!("{{%{lead} if true {trail}%}}")),
+            "endgeneration" => out.push_str(&format!("{{%{lead} endif {trail}%}}")),
+            _ => out.push_str(&tag[..end + 2]),
+        }
+        rest = &tag[end + 2..];
+    }
+    out.push_str(rest);
+    Cow::Owned(out)
 }
 
 fn environment() -> Environment<'static> {
@@ -221,6 +264,45 @@ fn write_json(out: &mut String, value: &Json, indent: Option<usize>, depth: usiz
     }
 }
 
+/// The text `template` adds for `message` after a finished assistant turn closed by
+/// `separator`: render a short conversation (user, assistant) without and with `message` and
+/// take the difference. `None` when the template fails on it or the longer render does not
+/// extend the shorter one ending in `separator` (the turn would not splice on token for token).
+pub fn turn_delta(template: &str, message: &Json, vars: &RenderVars<'_>, separator: &str) -> Option<String> {
+    const REPLY: &str = "lloyal-turn-probe-reply";
+    let history = vec![
+        serde_json::json!({"role": "user", "content": "lloyal-turn-probe"}),
+        serde_json::json!({"role": "assistant", "content": REPLY}),
+    ];
+    let before =
+        render(template, &history, &RenderVars { add_generation_prompt: false, ..vars.clone() }).ok()?;
+    if !before.ends_with(&format!("{REPLY}{separator}")) {
+        return None;
+    }
+    let mut longer = history;
+    longer.push(message.clone());
+    let after = render(template, &longer, vars).ok()?;
+    after.strip_prefix(&before).map(str::to_owned)
+}
+
+/// The extra template variables (a JSON object), refusing the names the renderer sets.
+pub(crate) fn parse_extra_vars(json: Option<&str>) -> Result<Option<serde_json::Map<String, Json>>> {
+    let Some(json) = json else { return Ok(None) };
+    let map = match serde_json::from_str(json) {
+        Ok(Json::Object(map)) => map,
+        Ok(_) => return Err(LloyalError::invalid("template variables must be a JSON object")),
+        Err(e) => return Err(LloyalError::invalid(format!("template variables are not valid JSON: {e}"))),
+    };
+    if let Some(k) = map.keys().find(|k| RESERVED_VARS.contains(&k.as_str())) {
+        return Err(LloyalError::invalid(format!(
+            "template variable '{k}' is set by format_chat itself (reserved: {}); pass it through \
+             its own argument or rename it",
+            RESERVED_VARS.join(", ")
+        )));
+    }
+    Ok(Some(map))
+}
+
 fn template_error(e: JinjaError) -> LloyalError {
     let mut msg = match e.detail() {
         Some(d) if e.kind() == ErrorKind::InvalidOperation => d.to_string(),
@@ -279,10 +361,12 @@ impl Model {
             ),
             None => None,
         };
+        let extra = parse_extra_vars(options.extra_vars.as_deref())?;
         let (bos, eos) = (self.special_text(self.bos()), self.special_text(self.eos_token()));
         let vars = RenderVars {
             add_generation_prompt: options.add_generation_prompt,
             tools: tools.as_ref().filter(|t| !t.is_null()),
+            extra: extra.as_ref(),
             ..self.render_vars(&bos, &eos)
         };
         let prompt = render(&text, &messages, &vars)?;
@@ -290,11 +374,46 @@ impl Model {
     }
 
     /// Render one new turn (`message_json`, a JSON object) exactly as it follows a finished
-    /// turn in a full render with the built-in template of this model's family: prefill
+    /// assistant turn in a full [`Model::format_chat`] render with the same template
+    /// (`template` > the model's own > the family's built-in): prefill
     /// [`Model::turn_separator`] (closing the assistant turn) and then this prompt on a live
-    /// branch instead of re-prefilling the whole conversation.
-    pub fn format_chat_turn(&self, message_json: &str, add_generation_prompt: bool) -> Result<FormattedChat> {
+    /// branch instead of re-prefilling the whole conversation. A Jinja template is asked for
+    /// the difference between a conversation with and without the new turn; when that is not
+    /// a clean continuation (the template rewrites earlier turns, or refuses the role order),
+    /// the family's built-in template renders the turn instead.
+    pub fn format_chat_turn(
+        &self,
+        message_json: &str,
+        add_generation_prompt: bool,
+        template: Option<&str>,
+    ) -> Result<FormattedChat> {
         let messages = parse_messages(&format!("[{message_json}]"))?;
+        let (bos, eos) = (self.special_text(self.bos()), self.special_text(self.eos_token()));
+        let own = self.chat_template();
+        let jinja = template
+            .map(|t| ("override", t))
+            .or(own.as_deref().filter(|t| !t.trim().is_empty()).map(|t| ("model", t)));
+        if let Some((source, text)) = jinja {
+            let family = ChatFamily::detect(Some(text), &self.architecture());
+            let vars = RenderVars { add_generation_prompt, ..self.render_vars(&bos, &eos) };
+            // The caller closes the assistant turn with the model's `turn_separator`.
+            let separator = self.chat_family().map(ChatFamily::turn_separator);
+            if let Some(prompt) = separator.and_then(|sep| turn_delta(text, &messages[0], &vars, sep)) {
+                return Ok(FormattedChat {
+                    prompt,
+                    stop_tokens: self.chat_stop_tokens(family),
+                    template_source: source.into(),
+                });
+            }
+            if template.is_some() {
+                return Err(LloyalError::ChatTemplate(
+                    "format_chat_turn: this template does not render a new turn as a plain \
+                     continuation of the conversation (or belongs to no known chat family); \
+                     re-render the whole conversation with format_chat(template=...)"
+                        .into(),
+                ));
+            }
+        }
         let Some(family) = self.chat_family() else {
             return Err(LloyalError::ChatTemplate(
                 "format_chat_turn needs a built-in chat family (Gemma, ChatML, Llama 3, Phi-3, Mistral); this \
@@ -302,7 +421,6 @@ impl Model {
                     .into(),
             ));
         };
-        let (bos, eos) = (self.special_text(self.bos()), self.special_text(self.eos_token()));
         let vars = RenderVars { add_generation_prompt, continuation: true, ..self.render_vars(&bos, &eos) };
         let prompt = render(&builtin_template(family), &messages, &vars)?;
         Ok(FormattedChat {

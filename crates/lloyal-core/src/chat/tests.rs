@@ -246,3 +246,58 @@ fn python_json_matches_json_dumps() {
     let v = json!({"b": 1, "a": [true, null, "é\"x"], "e": {}, "f": []});
     assert_eq!(python_json(&v, None), r#"{"b": 1, "a": [true, null, "é\"x"], "e": {}, "f": []}"#);
 }
+
+#[test]
+fn generation_blocks_render_as_plain_blocks() {
+    let t = "{% for m in messages %}{% if m.role == 'assistant' %}{%- generation -%} [{{ m.content }}] \
+             {%- endgeneration %}{% else %}<{{ m.content }}>{% endif %}{% endfor %}";
+    assert_eq!(
+        plain_generation_blocks(t),
+        "{% for m in messages %}{% if m.role == 'assistant' %}{%- if true -%} [{{ m.content }}] \
+         {%- endif %}{% else %}<{{ m.content }}>{% endif %}{% endfor %}"
+    );
+    let m = json!([{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"}]);
+    let Json::Array(m) = m else { panic!("not a list") };
+    assert_eq!(render(t, &m, &vars(false)).unwrap(), "<a>[b]");
+    // A variable or string merely named "generation" is left alone.
+    let plain = "{% set generation = 1 %}{{ generation }}{{ 'endgeneration' }}";
+    assert_eq!(plain_generation_blocks(plain), plain);
+}
+
+#[test]
+fn extra_template_variables_are_visible_and_reserved_names_refused() {
+    let t = "{{ date_string }}|{{ enable_thinking }}|{{ documents[0].title }}|{{ bos_token }}";
+    let extra =
+        json!({"date_string": "26 Jul 2024", "enable_thinking": false, "documents": [{"title": "T"}]});
+    let Json::Object(extra) = extra else { panic!("not an object") };
+    let v = RenderVars { extra: Some(&extra), ..vars(true) };
+    assert_eq!(render(t, &[], &v).unwrap(), "26 Jul 2024|False|T|<bos>");
+    assert!(parse_extra_vars(Some(r#"{"x": 1}"#)).unwrap().is_some());
+    let err = parse_extra_vars(Some(r#"{"bos_token": "<s>"}"#)).unwrap_err().to_string();
+    assert!(err.contains("'bos_token' is set by format_chat itself"), "{err}");
+}
+
+#[test]
+fn turn_delta_is_the_new_turn_of_a_jinja_template() {
+    // Gemma's own GGUF template trims content (the built-in one does not).
+    let gemma =
+        "{{ bos_token }}{% for m in messages %}{% set role = 'model' if m.role == 'assistant' else m.role %}\
+                 <start_of_turn>{{ role }}\n{{ m.content | trim }}<end_of_turn>\n{% endfor %}\
+                 {% if add_generation_prompt %}<start_of_turn>model\n{% endif %}";
+    let msg = json!({"role": "user", "content": "  And of Italy? "});
+    let delta = turn_delta(gemma, &msg, &vars(true), "<end_of_turn>\n").unwrap();
+    assert_eq!(delta, "<start_of_turn>user\nAnd of Italy?<end_of_turn>\n<start_of_turn>model\n");
+    // A template that rewrites earlier turns when a new one comes has no clean delta.
+    let rewrites =
+        "{% for m in messages %}{{ m.content }}{% if loop.last %}!{% endif %}<end_of_turn>\n{% endfor %}";
+    assert_eq!(turn_delta(rewrites, &msg, &vars(true), "<end_of_turn>\n"), None);
+    // Nor does one that closes turns with another separator, or refuses the message.
+    assert_eq!(turn_delta(gemma, &msg, &vars(true), "<|im_end|>\n"), None);
+    let strict =
+        "{% for m in messages %}{% if m.role == 'tool' %}{{ raise_exception('no tools') }}{% endif %}\
+                  {{ m.content }}<end_of_turn>\n{% endfor %}";
+    assert_eq!(
+        turn_delta(strict, &json!({"role": "tool", "content": "x"}), &vars(true), "<end_of_turn>\n"),
+        None
+    );
+}

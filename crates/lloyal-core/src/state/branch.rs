@@ -330,7 +330,7 @@ impl ContextState {
     pub fn branch_load(&mut self, data: &[u8]) -> Result<Handle> {
         let p = self.parse_branch_state(data)?;
         self.check_room(p.cells)?;
-        let seq = self.leases.acquire().ok_or_else(|| self.lease_exhausted())?;
+        let seq = self.acquire_lease()?;
         self.remove_cells(seq, -1, -1);
         if let Err(e) = self.kv_load_unchecked(seq, &p.kv) {
             self.remove_cells(seq, -1, -1);

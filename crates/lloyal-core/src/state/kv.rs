@@ -71,6 +71,8 @@ impl ContextState {
     pub(crate) fn compact_seq(&mut self, seq_id: i32) -> Result<()> {
         let payload = self.seq_state_bytes(seq_id)?;
         self.remove_cells(seq_id, 0, -1);
+        // Loading needs one contiguous run of free cells: give back the parked ones first.
+        self.reclaim_parked();
         clear_recent_errors();
         let ctx = self.raw_mut().as_ptr();
         // SAFETY: valid context; `payload` is readable for its length; the cache is empty, so the
@@ -107,6 +109,8 @@ impl ContextState {
             return Err(LloyalError::State(format!("cannot load KV state: stored tokens are invalid ({e})")));
         }
         self.remove_cells(seq_id, 0, -1);
+        // Loading needs one contiguous run of free cells: give back the parked ones first.
+        self.reclaim_parked();
         clear_recent_errors();
         let ctx = self.raw_mut().as_ptr();
         // SAFETY: valid context; `payload` is a readable buffer of its length; seq id range-checked.
