@@ -249,6 +249,19 @@ def test_multi_turn_prefills_only_the_new_turn(client: openai.OpenAI, name: str,
     assert r2.choices[0].message.content == ref.detokenize(greedy(ref, prompt, 8, set(fc.stop_tokens)))
 
 
+def test_shared_system_prompt_is_reused_across_users(client: openai.OpenAI, name: str, ref: lloyal.Context) -> None:
+    system = {"role": "system", "content": "You are a terse assistant for a bakery. " * 4}
+    asks = [[system, {"role": "user", "content": q}] for q in ("Open on Sunday?", "Any rye bread?")]
+    shared = ref.tokenize(ref.format_chat(asks[0]).prompt, add_special=False, parse_special=True)
+    other = ref.tokenize(ref.format_chat(asks[1]).prompt, add_special=False, parse_special=True)
+    common = next(i for i, (x, y) in enumerate(zip(shared, other, strict=False)) if x != y)
+    client.chat.completions.create(model=name, messages=asks[0], max_tokens=4, temperature=0)
+    r = client.chat.completions.create(model=name, messages=asks[1], max_tokens=6, temperature=0)
+    assert r.usage.prompt_tokens_details.cached_tokens == common  # forked at the divergence point
+    fc = ref.format_chat(asks[1])
+    assert r.choices[0].message.content == ref.detokenize(greedy(ref, other, 6, set(fc.stop_tokens)))
+
+
 SCHEMA = {
     "type": "object",
     "properties": {"name": {"type": "string", "maxLength": 12}, "age": {"type": "integer", "minimum": 0}},
@@ -316,11 +329,10 @@ def test_concurrent_requests_share_decode_steps(server: str, name: str, ref: llo
     tokens0 = metric(server, "lloyal_generation_tokens_total")
 
     async def main() -> list[str]:
-        aclient = openai.AsyncOpenAI(base_url=server + "/v1", api_key=KEY, max_retries=0, timeout=120)
-        rs = await asyncio.gather(
-            *(aclient.completions.create(model=name, prompt=p, max_tokens=10, temperature=0) for p in prompts)
-        )
-        await aclient.close()
+        async with openai.AsyncOpenAI(base_url=server + "/v1", api_key=KEY, max_retries=0, timeout=120) as ac:
+            rs = await asyncio.gather(
+                *(ac.completions.create(model=name, prompt=p, max_tokens=10, temperature=0) for p in prompts)
+            )
         return [r.choices[0].text for r in rs]
 
     assert asyncio.run(main()) == want  # batched with each other == alone

@@ -49,14 +49,22 @@ class PrefixCache:
         """Every cached entry (any order)."""
         return [e for _, e in self._tree.items()]
 
-    def lookup(self, tokens: Sequence[int]) -> CacheEntry | None:
-        """The entry with the longest token prefix of ``tokens``, pinned (unpin: ``pins -= 1``)."""
-        _, entry = self._tree.longest_prefix(tokens)
-        if entry is None or entry.branch.disposed:
-            return None
+    def lookup(self, tokens: Sequence[int]) -> tuple[CacheEntry | None, int]:
+        """The entry to fork for ``tokens`` and how many of its tokens to reuse, pinned (unpin: ``pins -= 1``).
+
+        An entry whose whole sequence is a prefix of ``tokens`` is forked whole (its logits come
+        along); an entry that shares more tokens but then diverges is forked at the shared length
+        (``Branch.fork(at=)``), keeping at least one token to prefill so the fork gets logits.
+        """
+        n_full, full = self._tree.longest_prefix(tokens)
+        d, part = self._tree.deepest_match(tokens)
+        d = min(d, len(tokens) - 1)
+        entry, used = (part, d) if part is not None and d > n_full else (full, n_full)
+        if entry is None or entry.branch.disposed or used == 0:
+            return None, 0
         entry.last_used = time.monotonic()
         entry.pins += 1
-        return entry
+        return entry, used
 
     def record(self, hit: int, total: int) -> None:
         """Count a request's prompt: ``hit`` of its ``total`` tokens came from the cache."""

@@ -12,6 +12,8 @@ Example:
     (3, 'a')
     >>> t.longest_prefix([1, 2, 3, 4, 5, 6])
     (5, 'b')
+    >>> t.deepest_match([1, 2, 3, 4, 7])
+    (4, 'b')
     >>> t.remove([1, 2, 3])
     True
     >>> t.longest_prefix([1, 2, 3, 4])
@@ -97,6 +99,30 @@ class RadixTree(Generic[V]):
             if node.has_value:
                 best = (i, node.value)
         return best
+
+    def deepest_match(self, key: Sequence[int]) -> tuple[int, V | None]:
+        """``(d, value)``: the most tokens ``d`` that ``key`` shares with any stored key, and a value
+        stored under such a key (the shortest one); ``(0, None)`` when nothing shares a token."""
+        node, i = self._root, 0
+        while i < len(key):
+            child = node.children.get(key[i])
+            if child is None:
+                break
+            k = _common(key, i, child.edge)
+            node, i = child, i + k
+            if k < len(child.edge):
+                break
+        if i == 0:
+            return 0, None
+        stack = [node]  # breadth-first: the shortest stored key below the divergence point
+        while stack:
+            nxt = []
+            for n in stack:
+                if n.has_value:
+                    return i, n.value
+                nxt.extend(n.children.values())
+            stack = nxt
+        return 0, None  # unreachable: every leaf holds a value
 
     def remove(self, key: Sequence[int]) -> bool:
         """Drop the value stored under ``key``; False when there was none."""

@@ -123,6 +123,7 @@ class Scheduler:
         self._wake = asyncio.Event()
         self._room = asyncio.Condition()
         self._task: asyncio.Task[None] | None = None
+        self._reserved = (0, 0, 0)  # choices, leases, cells promised to requests being admitted
         self.waiting = 0  # requests waiting for leases or cells
         self.steps = 0
         self.tokens_generated = 0
@@ -187,12 +188,16 @@ class Scheduler:
         try:
             async with self._room:
                 while True:
-                    entry = self.cache.lookup(spec.prompt)
-                    hit = len(entry.tokens) if entry else 0
-                    exact = entry is not None and hit == len(spec.prompt)
+                    entry, hit = self.cache.lookup(spec.prompt)
+                    exact = entry is not None and hit == len(entry.tokens) == len(spec.prompt)
                     leases = spec.best_of + (0 if exact else 1)
-                    room = len(self._running) + spec.best_of <= self.max_running
-                    if room and self.cache.evict(leases=leases, cells=len(spec.prompt) - hit + 1):
+                    cells = len(spec.prompt) - hit + 1
+                    room = len(self._running) + self._reserved[0] + spec.best_of <= self.max_running
+                    if room and self.cache.evict(
+                        leases=leases + self._reserved[1], cells=cells + self._reserved[2]
+                    ):
+                        reserved = (spec.best_of, leases, cells)
+                        self._reserve(reserved, +1)
                         break
                     if entry is not None:
                         entry.pins -= 1
@@ -204,8 +209,9 @@ class Scheduler:
             if entry is not None and exact:
                 root, req.root_is_entry = entry.branch, True
             elif entry is not None:
-                root = entry.branch.fork()
-                await root.aprefill(spec.prompt[len(entry.tokens) :])
+                whole = hit == len(entry.tokens)
+                root = entry.branch.fork() if whole else entry.branch.fork(at=hit)
+                await root.aprefill(spec.prompt[hit:])
             else:
                 root = lloyal.Branch.create(ctx, 0, spec.params)
                 await root.aprefill(spec.prompt)
@@ -218,10 +224,8 @@ class Scheduler:
                     b.reseed_sampler((spec.seed + i) & 0xFFFFFFFF)
                 elif spec.best_of > 1 or req.root_is_entry:
                     b.reseed_sampler(int.from_bytes(np.random.bytes(4), "little"))
-                if spec.logit_bias:
-                    b.set_logit_bias(spec.logit_bias)
-                if spec.grammar is not None:
-                    b.set_grammar(spec.grammar)
+                b.set_logit_bias(spec.logit_bias)  # replaces what a cached parent had
+                b.set_grammar(spec.grammar)
         except BaseException:  # a bad grammar or bias, a full cache, a cancelled client: undo it all
             for c in req.choices:
                 c.branch.prune()
@@ -232,12 +236,21 @@ class Scheduler:
                     root.prune()
             raise
         finally:
+            self._reserve(reserved, -1)
             if entry is not None:
                 entry.pins -= 1
-        req.cached_tokens = len(entry.tokens) if entry else 0
+        req.cached_tokens = hit if entry else 0
         self.cache.record(req.cached_tokens, len(spec.prompt))
         self.prompt_tokens += len(spec.prompt)
         self._running.extend(req.choices)
+
+    def _reserve(self, r: tuple[int, int, int], sign: int) -> None:
+        """Hold (or release) choices, leases and cells for a request between admission and its forks."""
+        self._reserved = (
+            self._reserved[0] + sign * r[0],
+            self._reserved[1] + sign * r[1],
+            self._reserved[2] + sign * r[2],
+        )
 
     def _retire_root(self, req: _Request) -> None:
         if req.root is not None and not req.root_is_entry and not req.root.disposed:
