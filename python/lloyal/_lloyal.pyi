@@ -534,9 +534,14 @@ class Branch:
             LeaseExhaustedError: every sequence id of the context is leased or holds flat-path
                 cells.
         """
-    def fork(self, clone_logits: bool = True) -> Branch:
+    def fork(self, clone_logits: bool = True, *, at: int | None = None) -> Branch:
         """A child sharing this branch's KV prefix (no tensor copy); sampler, metrics, logit bias
         and (if ``clone_logits``) logits are cloned. Takes a lease.
+
+        ``at`` (``1 <= at <= position``) shares only the first ``at`` positions: the child
+        starts at position ``at`` with no logits (prefill before sampling), no grammar and fresh
+        metrics; its sampler, penalty history and logit bias are cloned. A prefix cache uses it
+        to reuse the common part of a cached sequence.
         """
     def prune(self) -> None:
         """Dispose this branch (RESTRICT: ``TopologyError`` while children live). Idempotent."""

@@ -325,6 +325,28 @@ def info(model: str | None, jsonl: bool) -> int:
     return 0
 
 
+def serve(args: argparse.Namespace) -> int:
+    """``lloyal serve``: run the OpenAI-compatible server until Ctrl-C."""
+    if args.parallel < 1 or args.n_ctx < 64:
+        raise ValueError("--parallel must be >= 1 and --n-ctx >= 64")
+    try:
+        from lloyal.server import ServerConfig
+        from lloyal.server import serve as run_server
+    except ImportError as exc:
+        raise ValueError(str(exc)) from None
+    cfg = ServerConfig(
+        model=_model_path(args.model),
+        n_ctx=args.n_ctx,
+        parallel=args.parallel,
+        n_threads=args.threads,
+        api_key=args.api_key,
+        embeddings=args.embeddings,
+        model_name=args.served_model_name,
+    )
+    run_server(cfg, host=args.host, port=args.port)
+    return 0
+
+
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="lloyal", description="Forkable, branch-parallel inference.")
     model_help = "GGUF path (default: LLOYAL_MODEL or the embedded Gemma 3 270M)"
@@ -360,6 +382,14 @@ def _parser() -> argparse.ArgumentParser:
     i = command("info", "describe the model")
     i.add_argument("model_arg", nargs="?", metavar="MODEL", help="GGUF path (default: as --model)")
     i.add_argument("--jsonl", action="store_true", help="one JSON object")
+    sv = command("serve", "OpenAI-compatible HTTP server (needs the extra: pip install 'lloyal[server]')")
+    sv.add_argument("--host", default="127.0.0.1")
+    sv.add_argument("--port", type=int, default=8000)
+    sv.add_argument("--n-ctx", type=int, default=4096, help="KV cells shared by all requests (default 4096)")
+    sv.add_argument("--parallel", type=int, default=8, help="completions decoded at once (default 8)")
+    sv.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1/*")
+    sv.add_argument("--embeddings", action="store_true", help="also serve /v1/embeddings")
+    sv.add_argument("--served-model-name", default=None, help="the model id clients use (default: file stem)")
     bn = command("bench", "batched throughput table (llama-batched-bench style)")
     bn.add_argument("-b", "--batches", default="1,2,4,8,16", help="comma-separated batch sizes")
     bn.add_argument("--pp", type=int, default=128, help="prompt tokens")
@@ -386,6 +416,8 @@ def _run(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
             args.jsonl,
             args.threads,
         )
+    if args.command == "serve":
+        return serve(args)
     if args.command == "bench":
         from lloyal.bench import main_bench
 

@@ -183,6 +183,27 @@ impl BranchState {
         })
     }
 
+    /// A child on `seq_id` that keeps only the first `at` positions (`0 < at < position`): no
+    /// logits (prefill before sampling), no grammar, fresh metrics; the sampler (and its
+    /// penalty history) is cloned.
+    pub fn fork_at(&self, seq_id: i32, at: i32) -> Result<Self> {
+        Ok(BranchState {
+            seq_id,
+            position: at,
+            fork_head: at,
+            sampler: self.sampler.try_clone()?,
+            pending: None,
+            model_ppl: Default::default(),
+            sampling_ppl: Default::default(),
+            logits: Arc::default(),
+            next_logits: Vec::new(),
+            logit_bias: self.logit_bias.clone(),
+            steer: Vec::new(),
+            grammar: None,
+            grammar_resamples: 0,
+        })
+    }
+
     /// The logits snapshot, or `NoLogits`.
     pub fn logits(&self) -> Result<&[f32]> {
         if self.logits.is_empty() {

@@ -75,9 +75,29 @@ impl ContextState {
 
     /// `Branch.fork`: a child sharing the parent's KV prefix (metadata copy, 0 new cells).
     pub fn branch_fork(&mut self, parent: Handle, clone_logits: bool) -> Result<Handle> {
-        self.branch(parent)?;
+        self.branch_fork_at(parent, clone_logits, None)
+    }
+
+    /// `fork(at=)`: with `Some(at)` below the parent's position, the child shares only the
+    /// first `at` positions (`BranchState::fork_at`); `Some(position)` or `None` is `fork`.
+    pub fn branch_fork_at(&mut self, parent: Handle, clone_logits: bool, at: Option<i32>) -> Result<Handle> {
+        let position = self.branch(parent)?.position;
+        let at = match at {
+            Some(a) if a < 1 || a > position => {
+                return Err(LloyalError::InvalidArgument(format!(
+                    "fork(at={a}): at must be in [1, {position}] (the parent's position); a fork shares \
+                     the parent's first `at` positions"
+                )))
+            }
+            Some(a) if a < position => Some(a),
+            _ => None,
+        };
         let seq = self.acquire_lease()?;
-        let child = match self.branch(parent).and_then(|p| p.fork(seq, clone_logits)) {
+        let made = self.branch(parent).and_then(|p| match at {
+            Some(a) => p.fork_at(seq, a),
+            None => p.fork(seq, clone_logits),
+        });
+        let child = match made {
             Ok(c) => c,
             Err(e) => {
                 self.leases.release(seq);
@@ -87,7 +107,7 @@ impl ContextState {
         let parent_seq = self.branch(parent)?.seq_id;
         let mem = self.raw_mut().memory();
         // SAFETY: valid memory; both seq ids are leases (< n_seq_max); unified KV shares cells.
-        unsafe { llama_cpp_sys_2::llama_memory_seq_cp(mem, parent_seq, seq, -1, -1) };
+        unsafe { llama_cpp_sys_2::llama_memory_seq_cp(mem, parent_seq, seq, -1, at.unwrap_or(-1)) };
         let handle = self.branches.insert(child);
         self.topology.add(handle, Some(parent));
         Ok(handle)

@@ -1,0 +1,420 @@
+"""`lloyal serve` through the official `openai` client over loopback, on the real model.
+
+One server per module (uvicorn in a thread on 127.0.0.1, a free port). Greedy answers are
+compared token for token with the library driven directly, so batching, forking and the prefix
+cache are checked for exactness, not just for running.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import math
+import re
+import socket
+import threading
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import httpx
+import jsonschema
+import numpy as np
+import pytest
+
+import lloyal
+
+openai = pytest.importorskip("openai", reason="the server extra: pip install 'lloyal[server]'")
+uvicorn = pytest.importorskip("uvicorn")
+
+from lloyal.server import ServerConfig, create_app  # noqa: E402
+
+KEY = "sk-test-key"
+N_CTX = 1024
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@pytest.fixture(scope="module")
+def server(model_path: str) -> Iterator[str]:
+    cfg = ServerConfig(model=model_path, n_ctx=N_CTX, parallel=6, api_key=KEY, embeddings=True, n_threads=2)
+    port = _free_port()
+    srv = uvicorn.Server(uvicorn.Config(create_app(cfg), host="127.0.0.1", port=port, log_level="warning"))
+    t = threading.Thread(target=srv.run, daemon=True)
+    t.start()
+    deadline = time.monotonic() + 60
+    while not srv.started:
+        assert t.is_alive() and time.monotonic() < deadline, "the server did not start"
+        time.sleep(0.05)
+    yield f"http://127.0.0.1:{port}"
+    srv.should_exit = True
+    t.join(30)
+    assert not t.is_alive()
+
+
+@pytest.fixture(scope="module")
+def name(model_path: str) -> str:
+    from pathlib import Path
+
+    return Path(model_path).stem
+
+
+@pytest.fixture(scope="module")
+def client(server: str) -> openai.OpenAI:
+    return openai.OpenAI(base_url=server + "/v1", api_key=KEY, max_retries=0, timeout=120)
+
+
+@pytest.fixture(scope="module")
+def ref(model_path: str) -> Iterator[lloyal.Context]:
+    """A context of our own, to compute what the server should answer."""
+    with lloyal.Context(model_path, n_ctx=N_CTX, n_seq_max=2, n_threads=2) as ctx:
+        yield ctx
+
+
+def greedy(ctx: lloyal.Context, prompt: list[int], n: int, stop: set[int] = frozenset()) -> list[int]:  # type: ignore[assignment]
+    """The greedy continuation of ``prompt`` by the library itself."""
+    with lloyal.Branch.create(ctx, 0, lloyal.SamplingParams(temperature=0)) as b:
+        b.prefill(prompt)
+        out: list[int] = []
+        for _ in range(n):
+            p = b.produce()
+            if p.is_stop or p.token in stop:
+                break
+            out.append(p.token)
+            b.commit(p.token)
+        return out
+
+
+def metric(server: str, key: str) -> float:
+    text = httpx.get(server + "/metrics").text
+    m = re.search(rf"^{re.escape(key)} (\S+)$", text, re.M)
+    assert m, f"{key} not in /metrics"
+    return float(m.group(1))
+
+
+PROMPT = "The capital of France is"
+
+
+# -- basics ----------------------------------------------------------------------------------
+
+
+def test_models_health_tokenize(server: str, client: openai.OpenAI, name: str, ref: lloyal.Context) -> None:
+    assert [m.id for m in client.models.list().data] == [name]
+    assert httpx.get(server + "/health").json() == {"status": "ok"}
+    toks = httpx.post(server + "/tokenize", json={"content": PROMPT}).json()["tokens"]
+    assert toks == ref.tokenize(PROMPT)
+    back = httpx.post(server + "/detokenize", json={"tokens": toks[1:]}).json()["content"]
+    assert back == PROMPT
+
+
+def test_completion_greedy_equals_library(client: openai.OpenAI, name: str, ref: lloyal.Context) -> None:
+    want = greedy(ref, ref.tokenize(PROMPT), 12)
+    r = client.completions.create(model=name, prompt=PROMPT, max_tokens=12, temperature=0)
+    assert r.choices[0].text == ref.detokenize(want)
+    assert r.choices[0].finish_reason == "length"
+    assert r.usage.prompt_tokens == len(ref.tokenize(PROMPT))
+    assert r.usage.completion_tokens == 12
+    # token ids as the prompt, and a batch of two prompts: same answer at index 0 and 1
+    r2 = client.completions.create(
+        model=name, prompt=[ref.tokenize(PROMPT), ref.tokenize(PROMPT)], max_tokens=12, temperature=0
+    )
+    assert [c.index for c in r2.choices] == [0, 1]
+    assert [c.text for c in r2.choices] == [r.choices[0].text] * 2
+
+
+def test_echo_and_stop(client: openai.OpenAI, name: str, ref: lloyal.Context) -> None:
+    full = ref.detokenize(greedy(ref, ref.tokenize(PROMPT), 16))
+    stop = full[5:9]
+    assert stop.strip(), full
+    r = client.completions.create(model=name, prompt=PROMPT, max_tokens=16, temperature=0, stop=[stop])
+    assert r.choices[0].text == full[: full.index(stop)]
+    assert r.choices[0].finish_reason == "stop"
+    e = client.completions.create(model=name, prompt=PROMPT, max_tokens=3, temperature=0, echo=True)
+    assert e.choices[0].text.startswith(PROMPT) and len(e.choices[0].text) > len(PROMPT)
+
+
+def test_stream_equals_non_stream_with_usage(client: openai.OpenAI, name: str) -> None:
+    r = client.completions.create(model=name, prompt=PROMPT, max_tokens=10, temperature=0)
+    chunks = list(
+        client.completions.create(
+            model=name,
+            prompt=PROMPT,
+            max_tokens=10,
+            temperature=0,
+            stream=True,
+            stream_options={"include_usage": True},
+        )
+    )
+    text = "".join(c.choices[0].text for c in chunks if c.choices)
+    assert text == r.choices[0].text
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "length"
+    assert chunks[-1].usage is not None and chunks[-1].usage.completion_tokens == 10
+
+
+def test_logprobs(client: openai.OpenAI, name: str) -> None:
+    r = client.completions.create(model=name, prompt=PROMPT, max_tokens=5, temperature=0, logprobs=3)
+    lp = r.choices[0].logprobs
+    assert lp is not None and len(lp.tokens) == 5 == len(lp.token_logprobs) == len(lp.top_logprobs)
+    assert "".join(lp.tokens) == r.choices[0].text
+    for tok, val, top in zip(lp.tokens, lp.token_logprobs, lp.top_logprobs, strict=True):
+        assert len(top) == 3 and val <= 0
+        assert math.isclose(val, max(top.values()), abs_tol=1e-4)  # greedy: the top token
+        assert tok in top
+    c = client.chat.completions.create(
+        model=name,
+        messages=[{"role": "user", "content": "Say hi"}],
+        max_tokens=4,
+        temperature=0,
+        logprobs=True,
+        top_logprobs=2,
+    )
+    content = c.choices[0].logprobs.content
+    assert len(content) == c.usage.completion_tokens and all(len(t.top_logprobs) == 2 for t in content)
+
+
+def test_logit_bias_bans_the_greedy_token(client: openai.OpenAI, name: str, ref: lloyal.Context) -> None:
+    first = greedy(ref, ref.tokenize(PROMPT), 1)[0]
+    r = client.completions.create(
+        model=name, prompt=PROMPT, max_tokens=1, temperature=0, logit_bias={str(first): -100}, logprobs=0
+    )
+    assert r.choices[0].text != ref.token_to_text(first)
+
+
+# -- n, best_of, seeds -----------------------------------------------------------------------
+
+
+def test_n_choices_are_forks_with_seeds(client: openai.OpenAI, name: str) -> None:
+    args: dict[str, Any] = dict(model=name, prompt="Once upon a time", max_tokens=12, temperature=1.0, seed=7)
+    r = client.completions.create(n=3, **args)
+    texts = [c.text for c in r.choices]
+    assert [c.index for c in r.choices] == [0, 1, 2]
+    assert len(set(texts)) == 3  # different seeds per choice
+    assert [c.text for c in client.completions.create(n=3, **args).choices] == texts  # seeded: reproducible
+    # choice i of a seeded request is what a single request with seed + i gives
+    one = client.completions.create(**{**args, "seed": 8})
+    assert one.choices[0].text == texts[1]
+
+
+def test_best_of_keeps_the_least_perplexing(client: openai.OpenAI, name: str) -> None:
+    args: dict[str, Any] = dict(
+        model=name, prompt="In a quiet harbour", max_tokens=8, temperature=1.0, seed=11
+    )
+    every = client.completions.create(n=4, logprobs=0, **args)  # the same four candidates, all returned
+    ppl = []
+    for c in every.choices:
+        lps = c.logprobs.token_logprobs
+        ppl.append((math.exp(-sum(lps) / len(lps)), c.text))
+    best = client.completions.create(n=1, best_of=4, **args)
+    assert best.usage.completion_tokens == 32  # all four were generated, one returned
+    assert best.choices[0].text == min(ppl)[1], ppl
+    two = client.completions.create(n=2, best_of=4, **args)
+    assert [c.text for c in two.choices] == [t for _, t in sorted(ppl)[:2]]
+
+
+# -- chat ------------------------------------------------------------------------------------
+
+
+def test_chat_greedy_equals_library_and_stream(client: openai.OpenAI, name: str, ref: lloyal.Context) -> None:
+    msgs = [{"role": "user", "content": "Name one colour."}]
+    fc = ref.format_chat(msgs)
+    prompt = ref.tokenize(fc.prompt, add_special=False, parse_special=True)
+    want = ref.detokenize(greedy(ref, prompt, 20, set(fc.stop_tokens)))
+    r = client.chat.completions.create(model=name, messages=msgs, max_tokens=20, temperature=0)
+    assert r.choices[0].message.content == want
+    assert r.choices[0].message.role == "assistant"
+    chunks = list(
+        client.chat.completions.create(model=name, messages=msgs, max_tokens=20, temperature=0, stream=True)
+    )
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == want
+    assert chunks[-1].choices[0].finish_reason == r.choices[0].finish_reason
+
+
+def test_multi_turn_prefills_only_the_new_turn(client: openai.OpenAI, name: str, ref: lloyal.Context) -> None:
+    first = [{"role": "user", "content": "Write the word 'blue'."}]
+    r1 = client.chat.completions.create(model=name, messages=first, max_tokens=8, temperature=0)
+    p1 = r1.usage.prompt_tokens
+    convo = [*first, {"role": "assistant", "content": r1.choices[0].message.content}]
+    convo.append({"role": "user", "content": "Again."})
+    r2 = client.chat.completions.create(model=name, messages=convo, max_tokens=8, temperature=0)
+    cached = r2.usage.prompt_tokens_details.cached_tokens
+    assert cached >= p1  # at least the whole first prompt came from the cache
+    assert r2.usage.prompt_tokens > cached
+    # and the answer is the cold answer
+    fc = ref.format_chat(convo)
+    prompt = ref.tokenize(fc.prompt, add_special=False, parse_special=True)
+    assert r2.choices[0].message.content == ref.detokenize(greedy(ref, prompt, 8, set(fc.stop_tokens)))
+
+
+def test_shared_system_prompt_is_reused_across_users(client: openai.OpenAI, name: str, ref: lloyal.Context) -> None:
+    system = {"role": "system", "content": "You are a terse assistant for a bakery. " * 4}
+    asks = [[system, {"role": "user", "content": q}] for q in ("Open on Sunday?", "Any rye bread?")]
+    shared = ref.tokenize(ref.format_chat(asks[0]).prompt, add_special=False, parse_special=True)
+    other = ref.tokenize(ref.format_chat(asks[1]).prompt, add_special=False, parse_special=True)
+    common = next(i for i, (x, y) in enumerate(zip(shared, other, strict=False)) if x != y)
+    client.chat.completions.create(model=name, messages=asks[0], max_tokens=4, temperature=0)
+    r = client.chat.completions.create(model=name, messages=asks[1], max_tokens=6, temperature=0)
+    assert r.usage.prompt_tokens_details.cached_tokens == common  # forked at the divergence point
+    fc = ref.format_chat(asks[1])
+    assert r.choices[0].message.content == ref.detokenize(greedy(ref, other, 6, set(fc.stop_tokens)))
+
+
+SCHEMA = {
+    "type": "object",
+    "properties": {"name": {"type": "string", "maxLength": 12}, "age": {"type": "integer", "minimum": 0}},
+    "required": ["name", "age"],
+    "additionalProperties": False,
+}
+
+
+def test_response_format_json_schema(client: openai.OpenAI, name: str) -> None:
+    for temperature in (0.0, 1.0):
+        r = client.chat.completions.create(
+            model=name,
+            messages=[{"role": "user", "content": "A person as JSON."}],
+            max_tokens=48,
+            temperature=temperature,
+            seed=3,
+            response_format={"type": "json_schema", "json_schema": {"name": "person", "schema": SCHEMA}},
+        )
+        assert r.choices[0].finish_reason == "stop", r.choices[0].message.content
+        jsonschema.validate(json.loads(r.choices[0].message.content), SCHEMA)
+    o = client.chat.completions.create(
+        model=name,
+        messages=[{"role": "user", "content": "Any JSON object."}],
+        max_tokens=32,
+        temperature=0,
+        response_format={"type": "json_object"},
+    )
+    if o.choices[0].finish_reason == "stop":
+        assert isinstance(json.loads(o.choices[0].message.content), dict)
+
+
+def test_tools_are_rendered_and_parsed(client: openai.OpenAI, name: str) -> None:
+    tools = [
+        {
+            "type": "function",
+            "function": {
+                "name": "get_weather",
+                "description": "Weather in a city",
+                "parameters": {"type": "object", "properties": {"city": {"type": "string"}}},
+            },
+        }
+    ]
+    r = client.chat.completions.create(
+        model=name,
+        messages=[{"role": "user", "content": "Weather in Paris?"}],
+        tools=tools,
+        max_tokens=24,
+        temperature=0,
+    )
+    msg = r.choices[0].message
+    if msg.tool_calls:  # the 270M model may or may not call it; when it does, the shape is OpenAI's
+        assert r.choices[0].finish_reason == "tool_calls"
+        assert isinstance(json.loads(msg.tool_calls[0].function.arguments), dict)
+    else:
+        assert isinstance(msg.content, str)
+
+
+# -- concurrency, cancellation, leases ---------------------------------------------------------
+
+
+def test_concurrent_requests_share_decode_steps(server: str, name: str, ref: lloyal.Context) -> None:
+    prompts = [f"Fact number {i}:" for i in range(6)]
+    want = [ref.detokenize(greedy(ref, ref.tokenize(p), 10)) for p in prompts]
+    steps0 = metric(server, "lloyal_decode_steps_total")
+    tokens0 = metric(server, "lloyal_generation_tokens_total")
+
+    async def main() -> list[str]:
+        async with openai.AsyncOpenAI(base_url=server + "/v1", api_key=KEY, max_retries=0, timeout=120) as ac:
+            rs = await asyncio.gather(
+                *(ac.completions.create(model=name, prompt=p, max_tokens=10, temperature=0) for p in prompts)
+            )
+        return [r.choices[0].text for r in rs]
+
+    assert asyncio.run(main()) == want  # batched with each other == alone
+    steps = metric(server, "lloyal_decode_steps_total") - steps0
+    tokens = metric(server, "lloyal_generation_tokens_total") - tokens0
+    assert tokens == 60
+    assert steps < 40  # 60 tokens in far fewer decode steps: requests shared steps
+
+
+def test_cancelled_stream_frees_its_branches(server: str, client: openai.OpenAI, name: str) -> None:
+    stream = client.completions.create(
+        model=name, prompt="Count: 1, 2,", max_tokens=200, temperature=0, stream=True
+    )
+    for i, _ in enumerate(stream):
+        if i == 3:
+            break
+    stream.close()
+    deadline = time.monotonic() + 20
+    while metric(server, "lloyal_running_sequences") != 0:
+        assert time.monotonic() < deadline, "the cancelled request still runs"
+        time.sleep(0.1)
+
+
+def test_prefix_cache_metrics(server: str) -> None:
+    text = httpx.get(server + "/metrics").text
+    for key in (
+        "lloyal_requests_total",
+        "lloyal_generation_tokens_per_second",
+        "lloyal_queue_depth",
+        "lloyal_kv_cells_used",
+        "lloyal_prefix_cache_hit_rate",
+    ):
+        assert key in text
+    assert 0 < metric(server, "lloyal_prefix_cache_hit_rate") <= 1
+
+
+# -- embeddings ------------------------------------------------------------------------------
+
+
+def test_embeddings(client: openai.OpenAI, name: str, ref: lloyal.Context) -> None:
+    r = client.embeddings.create(model=name, input=["hello world", "a cat"])
+    v = [np.array(d.embedding) for d in r.data]
+    assert len(v) == 2 and v[0].shape == (ref.model.n_embd,)
+    assert [round(float(np.linalg.norm(x)), 4) for x in v] == [1.0, 1.0]
+    again = client.embeddings.create(model=name, input="hello world", encoding_format="float")
+    np.testing.assert_allclose(np.array(again.data[0].embedding), v[0], rtol=1e-5, atol=1e-6)
+    assert r.usage.prompt_tokens == len(ref.tokenize("hello world")) + len(ref.tokenize("a cat"))
+
+
+# -- errors ----------------------------------------------------------------------------------
+
+
+def test_errors_are_openai_shaped(server: str, client: openai.OpenAI, name: str) -> None:
+    with pytest.raises(openai.NotFoundError, match="does not exist"):
+        client.completions.create(model="nope", prompt="x", max_tokens=1)
+    with pytest.raises(openai.BadRequestError, match="maximum context length") as e:
+        client.completions.create(model=name, prompt="x", max_tokens=N_CTX + 1)
+    assert e.value.code == "context_length_exceeded"
+    with pytest.raises(openai.BadRequestError, match="temperature"):
+        client.completions.create(model=name, prompt="x", max_tokens=1, temperature=5)
+    with pytest.raises(openai.BadRequestError, match="outside the vocabulary"):
+        client.completions.create(model=name, prompt=[10**9], max_tokens=1)
+    with pytest.raises(openai.BadRequestError, match="best_of"):
+        client.completions.create(model=name, prompt="x", max_tokens=1, n=3, best_of=2)
+    with pytest.raises(openai.BadRequestError, match="streamed"):
+        client.completions.create(model=name, prompt="x", max_tokens=1, best_of=2, stream=True)
+    with pytest.raises(openai.BadRequestError, match="needs"):
+        client.completions.create(model=name, prompt="x", max_tokens=1, n=40)
+    with pytest.raises(openai.BadRequestError, match="response_format"):
+        client.chat.completions.create(
+            model=name,
+            messages=[{"role": "user", "content": "x"}],
+            response_format={"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "nope"}}},
+        )
+    bad = openai.OpenAI(base_url=server + "/v1", api_key="wrong", max_retries=0)
+    with pytest.raises(openai.AuthenticationError, match="API key"):
+        bad.models.list()
+    raw = httpx.post(
+        server + "/v1/completions", json={"model": name}, headers={"authorization": f"Bearer {KEY}"}
+    )
+    assert raw.status_code == 400 and raw.json()["error"]["type"] == "invalid_request_error"
+    # the server still answers, and nothing leaked
+    assert client.completions.create(model=name, prompt=PROMPT, max_tokens=2, temperature=0).choices
+    assert metric(server, "lloyal_running_sequences") == 0
+    assert metric(server, "lloyal_queue_depth") == 0
