@@ -10,17 +10,6 @@ fn aio(py: Python<'_>) -> PyResult<&Bound<'_, PyModule>> {
     Ok(AIO.get_or_try_init(py, || py.import("lloyal.aio").map(Bound::unbind))?.bind(py))
 }
 
-/// A coroutine that runs `callable(*args)` in a worker thread.
-pub fn in_thread<'py>(
-    py: Python<'py>,
-    callable: Bound<'py, PyAny>,
-    args: Vec<Bound<'py, PyAny>>,
-) -> PyResult<Bound<'py, PyAny>> {
-    let mut all = vec![callable];
-    all.extend(args);
-    aio(py)?.getattr("run_in_thread")?.call1(PyTuple::new(py, all)?)
-}
-
 /// A coroutine that awaits `next(iterator)` in a worker thread.
 pub fn next_in_thread<'py>(py: Python<'py>, iterator: Bound<'py, PyAny>) -> PyResult<Bound<'py, PyAny>> {
     aio(py)?.getattr("next_in_thread")?.call1((iterator,))
