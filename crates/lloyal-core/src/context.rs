@@ -174,9 +174,10 @@ impl Context {
         self.engine.set_gather(seconds)
     }
 
-    /// Free the llama.cpp context (waits for a running call). Idempotent.
+    /// Free the llama.cpp context (waits for a running call, and for the engine to finish
+    /// the operations already submitted to it). Idempotent.
     pub fn close(&self) {
-        self.engine.shutdown();
+        self.engine.close();
         let mut guard = self.guard();
         self.closed.store(true, Ordering::Release);
         let state = guard.take();

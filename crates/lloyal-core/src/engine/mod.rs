@@ -57,8 +57,12 @@ struct Queue {
     ops: VecDeque<Op>,
     next_id: u64,
     paused: bool,
+    /// `close()` began: no new operations; the engine finishes what it has, then stops.
+    closing: bool,
     shutdown: bool,
     started: bool,
+    /// No tick running and no prefill in flight.
+    idle: bool,
     /// Operations the previous tick decoded (the gather window waits for as many).
     last_tick_ops: usize,
     stats: EngineStats,
@@ -119,8 +123,10 @@ impl Default for Engine {
                     ops: VecDeque::new(),
                     next_id: 0,
                     paused: false,
+                    closing: false,
                     shutdown: false,
                     started: false,
+                    idle: true,
                     last_tick_ops: 0,
                     stats: EngineStats { gather: 0.002, ..EngineStats::default() },
                 }),
@@ -141,7 +147,7 @@ impl Engine {
     pub(crate) fn submit(&self, ctx: &Arc<Context>, work: Work, done: Done) -> Result<Ticket> {
         let cancelled = Arc::new(AtomicBool::new(false));
         let mut q = self.shared.lock();
-        if q.shutdown {
+        if q.shutdown || q.closing {
             return Err(LloyalError::ContextClosed);
         }
         if !q.started {
@@ -194,6 +200,18 @@ impl Engine {
         Ok(())
     }
 
+    /// Refuse new operations and wait until the ones already submitted are answered (a
+    /// paused engine's queue is not waited for: it fails with `ContextClosed`), then stop.
+    pub(crate) fn close(&self) {
+        let mut q = self.shared.lock();
+        q.closing = true;
+        while q.started && !q.shutdown && !q.paused && !(q.idle && q.ops.is_empty()) {
+            q = self.shared.cv.wait(q).unwrap_or_else(|p| p.into_inner());
+        }
+        q.shutdown = true;
+        self.shared.cv.notify_all();
+    }
+
     /// Fail everything queued with `ContextClosed` and let the thread end.
     pub(crate) fn shutdown(&self) {
         let mut q = self.shared.lock();
@@ -220,6 +238,11 @@ fn answer(shared: &Shared, replies: Vec<(Reply, Result<()>)>) {
     for (reply, result) in replies {
         reply.send(result);
     }
+}
+
+fn set_idle(shared: &Shared) {
+    shared.lock().idle = true;
+    shared.cv.notify_all();
 }
 
 fn engine_loop(ctx: Weak<Context>, shared: Arc<Shared>) {
@@ -257,6 +280,7 @@ fn engine_loop(ctx: Weak<Context>, shared: Arc<Shared>) {
                 continue;
             }
             q.stats.queue_depth = 0;
+            q.idle = false;
             q.ops.drain(..).collect()
         };
         let Some(context) = ctx.upgrade() else {
@@ -275,6 +299,7 @@ fn engine_loop(ctx: Weak<Context>, shared: Arc<Shared>) {
                 let mut replies = sched.fail_all(&e);
                 replies.extend(pending.take().unwrap_or_default().into_iter().map(|op| (op.reply, Err(e.clone()))));
                 answer(&shared, replies);
+                set_idle(&shared);
                 continue;
             }
             Err(_) => {
@@ -284,6 +309,7 @@ fn engine_loop(ctx: Weak<Context>, shared: Arc<Shared>) {
                     "internal error in lloyal's engine (please report it); the operation failed".into(),
                 );
                 answer(&shared, sched.fail_all(&err));
+                set_idle(&shared);
                 continue;
             }
         };
@@ -307,5 +333,11 @@ fn engine_loop(ctx: Weak<Context>, shared: Arc<Shared>) {
             q.stats.queue_depth = q.ops.len();
         }
         answer(&shared, outcome.replies);
+        let mut q = shared.lock();
+        q.idle = !sched.has_work();
+        if q.idle {
+            // `close()` may be waiting for the engine to run dry.
+            shared.cv.notify_all();
+        }
     }
 }
