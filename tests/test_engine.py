@@ -50,7 +50,7 @@ def in_threads(calls: list[Callable[[], object]]) -> tuple[list[threading.Thread
     def guard(call: Callable[[], object]) -> None:
         try:
             call()
-        except BaseException as e:  # noqa: BLE001 - collected for the test's assertions
+        except BaseException as e:
             errors.append(e)
 
     threads = [threading.Thread(target=guard, args=(c,)) for c in calls]
@@ -178,7 +178,7 @@ def test_a_bad_operation_fails_only_its_caller(ctx8: lloyal.Context) -> None:
             try:
                 call()
                 results[name] = None
-            except Exception as e:  # noqa: BLE001
+            except Exception as e:
                 results[name] = e
 
         return run

@@ -205,7 +205,8 @@ impl Engine {
     pub(crate) fn close(&self) {
         let mut q = self.shared.lock();
         q.closing = true;
-        while q.started && !q.shutdown && !q.paused && !(q.idle && q.ops.is_empty()) {
+        let dry = |q: &Queue| !q.started || q.shutdown || q.paused || (q.idle && q.ops.is_empty());
+        while !dry(&q) {
             q = self.shared.cv.wait(q).unwrap_or_else(|p| p.into_inner());
         }
         q.shutdown = true;
@@ -297,7 +298,9 @@ fn engine_loop(ctx: Weak<Context>, shared: Arc<Shared>) {
             Ok(Err(e)) => {
                 // The context was closed: answer everything.
                 let mut replies = sched.fail_all(&e);
-                replies.extend(pending.take().unwrap_or_default().into_iter().map(|op| (op.reply, Err(e.clone()))));
+                replies.extend(
+                    pending.take().unwrap_or_default().into_iter().map(|op| (op.reply, Err(e.clone()))),
+                );
                 answer(&shared, replies);
                 set_idle(&shared);
                 continue;
