@@ -64,7 +64,7 @@ def test_threads_committing_their_own_branch_share_one_decode(ctx8: lloyal.Conte
     tokens = [k.produce().token for k in kids]
     ctx8.pause_engine()
     before = ctx8.engine_stats()
-    threads, errors = in_threads([lambda k=k, t=t: k.commit(t) for k, t in zip(kids, tokens)])
+    threads, errors = in_threads([lambda k=k, t=t: k.commit(t) for k, t in zip(kids, tokens, strict=True)])
     wait_until(lambda: ctx8.engine_stats().queue_depth == 6)
     ctx8.resume_engine()
     for t in threads:
@@ -130,7 +130,8 @@ def test_coalesced_greedy_runs_equal_hand_batched_commits(model: lloyal.Model) -
     """N tasks, each driving its own branch, produce exactly what one BranchStore.commit
     loop over the same branches produces: tokens, positions, logits, perplexities."""
     n, steps = 4, 8
-    with lloyal.Context(model, n_ctx=1024, n_seq_max=8) as a, lloyal.Context(model, n_ctx=1024, n_seq_max=8) as b:
+    options = {"n_ctx": 1024, "n_seq_max": 8}
+    with lloyal.Context(model, **options) as a, lloyal.Context(model, **options) as b:
         _, kids_a = forks(a, n)
         _, kids_b = forks(b, n)
 
@@ -150,11 +151,11 @@ def test_coalesced_greedy_runs_equal_hand_batched_commits(model: lloyal.Model) -
         want: list[list[int]] = [[] for _ in range(n)]
         for _ in range(steps):
             produced = store.produce_all(kids_b)
-            store.commit([(k, p.token) for k, p in zip(kids_b, produced)])
-            for w, p in zip(want, produced):
+            store.commit([(k, p.token) for k, p in zip(kids_b, produced, strict=True)])
+            for w, p in zip(want, produced, strict=True):
                 w.append(p.token)
         assert got == want
-        for ka, kb in zip(kids_a, kids_b):
+        for ka, kb in zip(kids_a, kids_b, strict=True):
             assert ka.position == kb.position
             assert np.array_equal(ka.logits, kb.logits)
             assert ka.perplexity == kb.perplexity
@@ -351,7 +352,11 @@ def test_token_iterators_in_threads_match_sequential_greedy(ctx8: lloyal.Context
     _, kids = forks(ctx8, 3)
     refs = [k.fork() for k in kids]
     got: dict[int, list[int]] = {}
-    threads, errors = in_threads([lambda i=i, k=k: got.__setitem__(i, [t.token for t in k.generate(6)]) for i, k in enumerate(kids)])
+
+    def drive(i: int, k: Branch) -> None:
+        got[i] = [t.token for t in k.generate(6)]
+
+    threads, errors = in_threads([lambda i=i, k=k: drive(i, k) for i, k in enumerate(kids)])
     for t in threads:
         t.join()
     assert errors == []

@@ -15,6 +15,7 @@ __all__ = [
     "Branch",
     "BranchStore",
     "Context",
+    "EngineStats",
     "Grammar",
     "KvPressure",
     "Model",
