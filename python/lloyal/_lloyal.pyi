@@ -271,7 +271,10 @@ class Context:
         decoded, so callers that come back at slightly different times share one decode.
         """
     @engine_gather.setter
-    def engine_gather(self, seconds: float) -> None: ...
+    def engine_gather(self, seconds: float) -> None:
+        """Seconds (0 to 1, default 0.002) a tick waits for as many callers as the previous tick
+        decoded, so callers that come back at slightly different times share one decode.
+        """
     def close(self) -> None:
         """Free the context (waits for a running call; idempotent)."""
     def __enter__(self) -> Context: ...
