@@ -3,8 +3,8 @@
 
 Modes: ``tasks`` (N asyncio tasks awaiting ``Branch.acommit``), ``threads`` (N threads calling
 ``Branch.commit``), ``batched`` (one ``await store.acommit`` over the N branches per step).
-``pytest benches`` runs each once at small sizes; ``python benches/bench_engine.py`` prints
-the tok/s ratios of one interleaved run (tasks and threads over batched, per N).
+``pytest benches`` runs each once at small sizes; ``python benches/bench_engine.py [STEPS N...]``
+prints the tok/s ratios of one interleaved run (tasks and threads over batched, per N).
 """
 
 from __future__ import annotations
@@ -81,8 +81,9 @@ def test_engine_callers(benchmark: Any, model_path: Path, full: bool, mode: str,
 
 def main() -> None:
     """Interleaved rounds (tasks, threads, batched) per N; prints tok/s and ratios."""
-    ns = [int(a) for a in sys.argv[1:]] or NS
-    steps = 32
+    args = [int(a) for a in sys.argv[1:]]
+    steps, ns = (args[0], args[1:]) if args else (32, [])
+    ns = ns or NS
     with lloyal.Context(lloyal.default_model_path(), n_ctx=4096, n_seq_max=max(ns) + 1) as ctx:
         prompt = ctx.tokenize("The history of the harbour town of Aldermoor begins")
         for n in ns:

@@ -210,7 +210,7 @@ impl PyContext {
         self.inner.resume_engine();
     }
 
-    /// Seconds (0 to 1, default 0.002) a tick waits for as many callers as the previous tick
+    /// Seconds (0 to 1, default 0.002) a tick waits for as many commits as the previous tick
     /// decoded, so callers that come back at slightly different times share one decode.
     #[getter]
     fn engine_gather(&self) -> f64 {

@@ -39,7 +39,7 @@ pub struct PyEngineStats {
     pub in_flight: usize,
     /// Whether the engine is paused (``Context.pause_engine``).
     pub paused: bool,
-    /// Seconds a tick waits for as many callers as the previous tick had.
+    /// Seconds a tick waits for as many commits as the previous tick decoded.
     pub gather: f64,
 }
 

@@ -267,12 +267,12 @@ class Context:
         """Let the engine tick again after ``pause_engine()``."""
     @property
     def engine_gather(self) -> float:
-        """Seconds (0 to 1, default 0.002) a tick waits for as many callers as the previous tick
+        """Seconds (0 to 1, default 0.002) a tick waits for as many commits as the previous tick
         decoded, so callers that come back at slightly different times share one decode.
         """
     @engine_gather.setter
     def engine_gather(self, seconds: float) -> None:
-        """Seconds (0 to 1, default 0.002) a tick waits for as many callers as the previous tick
+        """Seconds (0 to 1, default 0.002) a tick waits for as many commits as the previous tick
         decoded, so callers that come back at slightly different times share one decode.
         """
     def close(self) -> None:
@@ -728,7 +728,7 @@ class EngineStats:
         """Whether the engine is paused (``Context.pause_engine``)."""
     @property
     def gather(self) -> float:
-        """Seconds a tick waits for as many callers as the previous tick had."""
+        """Seconds a tick waits for as many commits as the previous tick decoded."""
 
 @final
 class BranchStore:

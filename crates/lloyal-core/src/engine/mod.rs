@@ -49,7 +49,7 @@ pub struct EngineStats {
     pub in_flight: usize,
     /// Whether the engine is paused.
     pub paused: bool,
-    /// Seconds a tick waits for as many callers as the previous tick had.
+    /// Seconds a tick waits for as many commits as the previous tick decoded.
     pub gather: f64,
 }
 
@@ -63,7 +63,7 @@ struct Queue {
     started: bool,
     /// No tick running and no prefill in flight.
     idle: bool,
-    /// Operations the previous tick decoded (the gather window waits for as many).
+    /// Commits the previous tick decoded (the gather window waits for as many).
     last_tick_ops: usize,
     stats: EngineStats,
 }
@@ -329,7 +329,7 @@ fn engine_loop(ctx: Weak<Context>, shared: Arc<Shared>) {
                 st.max_ops_per_tick = st.max_ops_per_tick.max(outcome.ops);
             }
             st.in_flight = sched.in_flight();
-            q.last_tick_ops = outcome.ops as usize;
+            q.last_tick_ops = outcome.commits as usize;
             for op in outcome.deferred.into_iter().rev() {
                 q.ops.push_front(op);
             }

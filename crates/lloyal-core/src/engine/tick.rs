@@ -61,6 +61,8 @@ pub(crate) struct TickOutcome {
     pub rows: u64,
     /// Operations that decoded rows this tick.
     pub ops: u64,
+    /// Commits among them (their callers may come straight back with the next step).
+    pub commits: u64,
     pub replies: Vec<(Reply, Result<()>)>,
     /// Operations that name a branch an earlier operation is still writing: next tick.
     pub deferred: Vec<Op>,
@@ -138,6 +140,7 @@ impl Scheduler {
 
         // Plan: every commit row, then prefill tokens (FIFO) up to the budget.
         let decode_rows: usize = commits.iter().map(|c| c.1.len()).sum();
+        out.commits = commits.len() as u64;
         let lefts: Vec<usize> =
             self.flights.iter().flat_map(|f| f.items.iter().map(|i| i.tokens.len() - i.done)).collect();
         let plan = plan_tick(decode_rows, &lefts, s.shape().n_batch as usize);
