@@ -25,3 +25,19 @@ pub fn in_thread<'py>(
 pub fn next_in_thread<'py>(py: Python<'py>, iterator: Bound<'py, PyAny>) -> PyResult<Bound<'py, PyAny>> {
     aio(py)?.getattr("next_in_thread")?.call1((iterator,))
 }
+
+/// A coroutine awaiting an engine operation: `submit(loop, future, *args)` queues it.
+pub fn engine_call<'py>(
+    py: Python<'py>,
+    submit: Bound<'py, PyAny>,
+    args: Vec<Bound<'py, PyAny>>,
+) -> PyResult<Bound<'py, PyAny>> {
+    let mut all = vec![submit];
+    all.extend(args);
+    aio(py)?.getattr("engine_call")?.call1(PyTuple::new(py, all)?)
+}
+
+/// `lloyal.aio._settle(future, error)`: set a future's result or exception unless done.
+pub fn settle(py: Python<'_>) -> PyResult<Bound<'_, PyAny>> {
+    aio(py)?.getattr("_settle")
+}

@@ -3,7 +3,7 @@
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
 
-use lloyal_core::{Base, Context, ContextState, Handle, Utf8Stream};
+use lloyal_core::{Base, Context, ContextState, Handle, Utf8Stream, Work};
 use numpy::{PyArray1, PyReadonlyArray1};
 use pyo3::prelude::*;
 use pyo3::types::{PyBytes, PyDict, PyTuple, PyType};
@@ -12,6 +12,7 @@ use crate::aio;
 use crate::context::{to_i32, PyContext};
 use crate::convert::{clamp_i32, narrow};
 use crate::detach::run;
+use crate::engine;
 use crate::error::IntoPyResult;
 use crate::grammar::PyGrammar;
 use crate::sampling::{extract_params, extract_params_onto};
@@ -244,9 +245,12 @@ impl PyBranch {
     }
 
     /// Accept ``token``, decode it, and capture the new logits; on failure nothing changes.
+    ///
+    /// Runs on the context's engine: commits and prefills that other threads or tasks
+    /// submit meanwhile share its ``llama_decode``.
     fn commit(&self, py: Python<'_>, token: i64) -> PyResult<()> {
         let token = self.core().model().check_token(token).py()?;
-        self.call(py, move |s, h| s.commit(&[(h, token)]))
+        engine::wait(py, self.core(), Work::Commit(vec![(self.handle, token)]))
     }
 
     /// Speculative check of ``draft_tokens`` in one decode; returns how many were accepted.
@@ -266,19 +270,44 @@ impl PyBranch {
     }
 
     /// Write ``tokens`` to this branch's KV (not accepted into penalties/perplexity).
+    ///
+    /// Runs on the context's engine in chunks of at most ``n_batch`` tokens per tick, each
+    /// sharing its ``llama_decode`` with other callers' commits.
     fn prefill(&self, py: Python<'_>, tokens: Vec<i64>) -> PyResult<()> {
         let tokens = to_i32(self.core().model(), &tokens)?;
-        self.call(py, move |s, h| s.prefill(&[(h, tokens)]))
+        engine::wait(py, self.core(), Work::Prefill(vec![(self.handle, tokens)]))
     }
 
-    /// Await ``prefill(tokens)`` off the event loop.
+    /// Await ``prefill(tokens)``: queued on the context's engine, the event loop keeps running.
     fn aprefill<'py>(slf: &Bound<'py, Self>, tokens: Bound<'py, PyAny>) -> PyResult<Bound<'py, PyAny>> {
-        aio::in_thread(slf.py(), slf.getattr("prefill")?, vec![tokens])
+        aio::engine_call(slf.py(), slf.getattr("_submit_prefill")?, vec![tokens])
     }
 
-    /// Await ``commit(token)`` off the event loop.
+    /// Await ``commit(token)``: queued on the context's engine, the event loop keeps running.
     fn acommit<'py>(slf: &Bound<'py, Self>, token: Bound<'py, PyAny>) -> PyResult<Bound<'py, PyAny>> {
-        aio::in_thread(slf.py(), slf.getattr("commit")?, vec![token])
+        aio::engine_call(slf.py(), slf.getattr("_submit_commit")?, vec![token])
+    }
+
+    fn _submit_commit<'py>(
+        &self,
+        py: Python<'py>,
+        lp: Bound<'py, PyAny>,
+        fut: Bound<'py, PyAny>,
+        token: i64,
+    ) -> PyResult<Bound<'py, PyAny>> {
+        let token = self.core().model().check_token(token).py()?;
+        engine::submit_async(py, self.core(), Work::Commit(vec![(self.handle, token)]), lp, fut)
+    }
+
+    fn _submit_prefill<'py>(
+        &self,
+        py: Python<'py>,
+        lp: Bound<'py, PyAny>,
+        fut: Bound<'py, PyAny>,
+        tokens: Vec<i64>,
+    ) -> PyResult<Bound<'py, PyAny>> {
+        let tokens = to_i32(self.core().model(), &tokens)?;
+        engine::submit_async(py, self.core(), Work::Prefill(vec![(self.handle, tokens)]), lp, fut)
     }
 
     /// BlinkKV: replace this branch's sequence with ``sinks + tail``; returns the new position.
@@ -523,16 +552,14 @@ impl PyTokenIter {
         }
         let next = self.branch.call(py, |s, h| {
             let t = s.branch_produce(h)?;
-            if s.model().is_eog(t) {
-                return Ok(None);
-            }
-            s.commit(&[(h, t)])?;
-            Ok(Some(t))
+            Ok((!s.model().is_eog(t)).then_some(t))
         });
         let Some(token) = next? else {
             st.2 = true;
             return Ok(None);
         };
+        // The commit goes through the engine, so iterators in other threads share its decode.
+        engine::wait(py, self.branch.core(), Work::Commit(vec![(self.branch.handle, token)]))?;
         if let Some(n) = st.0.as_mut() {
             *n -= 1;
         }

@@ -11,6 +11,7 @@ use pyo3::types::{PyBytes, PyDict, PyType};
 use crate::convert::{clamp_i32, narrow, readonly_f32};
 use crate::detach::{detached, detached_io, run};
 use crate::embeddings::{extract_texts, to_array};
+use crate::engine::PyEngineStats;
 use crate::error::IntoPyResult;
 use crate::grammar::PyGrammar;
 use crate::metrics::PyPerplexityTracker;
@@ -190,6 +191,40 @@ impl PyContext {
     #[getter]
     fn closed(&self) -> bool {
         self.inner.is_closed()
+    }
+
+    /// The engine's counters: ticks, ``llama_decode`` calls, rows, operations coalesced,
+    /// queue depth. Every ``commit``/``prefill`` (Branch, BranchStore, their ``a*`` forms,
+    /// token iteration) runs on the engine, one scheduler thread per context.
+    ///
+    /// Example:
+    ///     >>> ctx.engine_stats().decode_calls >= 0
+    ///     True
+    fn engine_stats(&self) -> PyEngineStats {
+        self.inner.engine_stats().into()
+    }
+
+    /// Hold the engine: submitted operations wait in its queue until ``resume_engine()``.
+    /// Useful to make coalescing deterministic (pause, submit from N callers, resume: one tick).
+    fn pause_engine(&self) {
+        self.inner.pause_engine();
+    }
+
+    /// Let the engine tick again after ``pause_engine()``.
+    fn resume_engine(&self) {
+        self.inner.resume_engine();
+    }
+
+    /// Seconds (0 to 1, default 0.002) a tick waits for as many commits as the previous tick
+    /// decoded, so callers that come back at slightly different times share one decode.
+    #[getter]
+    fn engine_gather(&self) -> f64 {
+        self.inner.engine_stats().gather
+    }
+
+    #[setter]
+    fn set_engine_gather(&self, seconds: f64) -> PyResult<()> {
+        self.inner.set_engine_gather(seconds).py()
     }
 
     /// Free the context (waits for a running call; idempotent).

@@ -31,7 +31,7 @@ thread_local! {
     static ON_MAIN_THREAD: Cell<Option<bool>> = const { Cell::new(None) };
 }
 
-fn on_main_thread(py: Python<'_>) -> bool {
+pub(crate) fn on_main_thread(py: Python<'_>) -> bool {
     ON_MAIN_THREAD.with(|known| {
         if let Some(v) = known.get() {
             return v;

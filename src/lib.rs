@@ -8,6 +8,7 @@ mod context;
 mod convert;
 mod detach;
 mod embeddings;
+mod engine;
 mod error;
 mod grammar;
 mod metrics;
@@ -33,6 +34,7 @@ fn _lloyal(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<branch::PyTokenIter>()?;
     m.add_class::<store::PyBranchStore>()?;
     m.add_class::<store::PyKvPressure>()?;
+    m.add_class::<engine::PyEngineStats>()?;
     m.add_class::<grammar::PyGrammar>()?;
     m.add_function(wrap_pyfunction!(sampling::validate_sampling_params, m)?)?;
     m.add_function(wrap_pyfunction!(grammar::json_schema_to_grammar, m)?)?;

@@ -2,7 +2,7 @@
 
 use std::sync::Arc;
 
-use lloyal_core::{Context, Handle};
+use lloyal_core::{Context, Handle, Work};
 use pyo3::exceptions::PyValueError;
 use pyo3::prelude::*;
 
@@ -10,6 +10,7 @@ use crate::aio;
 use crate::branch::{PyBranch, PyProduced};
 use crate::context::{to_i32, PyContext};
 use crate::detach::run;
+use crate::engine;
 use crate::error::IntoPyResult;
 
 /// KV occupancy by branches.
@@ -52,6 +53,24 @@ impl PyBranchStore {
         }
         Ok(b.handle)
     }
+
+    fn commit_work(&self, pairs: &[(Bound<'_, PyBranch>, i64)]) -> PyResult<Work> {
+        let model = self.core().model();
+        let pairs: Vec<(Handle, i32)> = pairs
+            .iter()
+            .map(|(b, t)| Ok((self.handle_of(b)?, model.check_token(*t).py()?)))
+            .collect::<PyResult<_>>()?;
+        Ok(Work::Commit(pairs))
+    }
+
+    fn prefill_work(&self, items: Vec<(Bound<'_, PyBranch>, Vec<i64>)>) -> PyResult<Work> {
+        let model = self.core().model();
+        let items: Vec<(Handle, Vec<i32>)> = items
+            .into_iter()
+            .map(|(b, t)| Ok((self.handle_of(&b)?, to_i32(model, &t)?)))
+            .collect::<PyResult<_>>()?;
+        Ok(Work::Prefill(items))
+    }
 }
 
 #[pymethods]
@@ -63,22 +82,14 @@ impl PyBranchStore {
 
     /// Accept and decode one token per branch in ONE ``llama_decode``; all-or-nothing.
     fn commit(&self, py: Python<'_>, pairs: Vec<(Bound<'_, PyBranch>, i64)>) -> PyResult<()> {
-        let model = self.core().model();
-        let pairs: Vec<(Handle, i32)> = pairs
-            .iter()
-            .map(|(b, t)| Ok((self.handle_of(b)?, model.check_token(*t).py()?)))
-            .collect::<PyResult<_>>()?;
-        run(py, self.core(), move |s| s.commit(&pairs))
+        let work = self.commit_work(&pairs)?;
+        engine::wait(py, self.core(), work)
     }
 
     /// Write each branch's tokens, bin-packed into ``ceil(total / n_batch)`` decodes; all-or-nothing.
     fn prefill(&self, py: Python<'_>, items: Vec<(Bound<'_, PyBranch>, Vec<i64>)>) -> PyResult<()> {
-        let model = self.core().model();
-        let items: Vec<(Handle, Vec<i32>)> = items
-            .into_iter()
-            .map(|(b, t)| Ok((self.handle_of(&b)?, to_i32(model, &t)?)))
-            .collect::<PyResult<_>>()?;
-        run(py, self.core(), move |s| s.prefill(&items))
+        let work = self.prefill_work(items)?;
+        engine::wait(py, self.core(), work)
     }
 
     /// Keep ``winner``'s sequence only; every other branch is disposed; the winner becomes a root.
@@ -94,9 +105,9 @@ impl PyBranchStore {
         Ok(tokens.into_iter().map(|t| PyBranch::produced(self.core(), t)).collect())
     }
 
-    /// Await ``commit(pairs)`` off the event loop.
+    /// Await ``commit(pairs)``: queued on the context's engine, the event loop keeps running.
     fn acommit<'py>(slf: &Bound<'py, Self>, pairs: Bound<'py, PyAny>) -> PyResult<Bound<'py, PyAny>> {
-        aio::in_thread(slf.py(), slf.getattr("commit")?, vec![pairs])
+        aio::engine_call(slf.py(), slf.getattr("_submit_commit")?, vec![pairs])
     }
 
     /// Await ``retain_only(winner)`` off the event loop.
@@ -104,9 +115,31 @@ impl PyBranchStore {
         aio::in_thread(slf.py(), slf.getattr("retain_only")?, vec![winner])
     }
 
-    /// Await ``prefill(items)`` off the event loop.
+    /// Await ``prefill(items)``: queued on the context's engine, the event loop keeps running.
     fn aprefill<'py>(slf: &Bound<'py, Self>, items: Bound<'py, PyAny>) -> PyResult<Bound<'py, PyAny>> {
-        aio::in_thread(slf.py(), slf.getattr("prefill")?, vec![items])
+        aio::engine_call(slf.py(), slf.getattr("_submit_prefill")?, vec![items])
+    }
+
+    fn _submit_commit<'py>(
+        &self,
+        py: Python<'py>,
+        lp: Bound<'py, PyAny>,
+        fut: Bound<'py, PyAny>,
+        pairs: Vec<(Bound<'py, PyBranch>, i64)>,
+    ) -> PyResult<Bound<'py, PyAny>> {
+        let work = self.commit_work(&pairs)?;
+        engine::submit_async(py, self.core(), work, lp, fut)
+    }
+
+    fn _submit_prefill<'py>(
+        &self,
+        py: Python<'py>,
+        lp: Bound<'py, PyAny>,
+        fut: Bound<'py, PyAny>,
+        items: Vec<(Bound<'py, PyBranch>, Vec<i64>)>,
+    ) -> PyResult<Bound<'py, PyAny>> {
+        let work = self.prefill_work(items)?;
+        engine::submit_async(py, self.core(), work, lp, fut)
     }
 
     /// Free leases.

@@ -15,6 +15,7 @@ __all__ = [
     "Branch",
     "BranchStore",
     "Context",
+    "EngineStats",
     "Grammar",
     "KvPressure",
     "Model",
@@ -268,6 +269,31 @@ class Context:
             ValueError: It lacks a string ``role`` or has a bad ``content``.
             ChatTemplateError: The model belongs to no built-in chat family, or ``template``
                 does not render a turn as a plain continuation.
+        """
+    def engine_stats(self) -> EngineStats:
+        """The engine's counters: ticks, ``llama_decode`` calls, rows, operations coalesced,
+        queue depth. Every ``commit``/``prefill`` (Branch, BranchStore, their ``a*`` forms,
+        token iteration) runs on the engine, one scheduler thread per context.
+
+        Example:
+            >>> ctx.engine_stats().decode_calls >= 0
+            True
+        """
+    def pause_engine(self) -> None:
+        """Hold the engine: submitted operations wait in its queue until ``resume_engine()``.
+        Useful to make coalescing deterministic (pause, submit from N callers, resume: one tick).
+        """
+    def resume_engine(self) -> None:
+        """Let the engine tick again after ``pause_engine()``."""
+    @property
+    def engine_gather(self) -> float:
+        """Seconds (0 to 1, default 0.002) a tick waits for as many commits as the previous tick
+        decoded, so callers that come back at slightly different times share one decode.
+        """
+    @engine_gather.setter
+    def engine_gather(self, seconds: float) -> None:
+        """Seconds (0 to 1, default 0.002) a tick waits for as many commits as the previous tick
+        decoded, so callers that come back at slightly different times share one decode.
         """
     def close(self) -> None:
         """Free the context (waits for a running call; idempotent)."""
@@ -554,9 +580,17 @@ class Branch:
     def accept(self, token: int) -> None:
         """Record ``token`` in the sampler history, grammar and metrics without decoding it."""
     def commit(self, token: int) -> None:
-        """Accept ``token``, decode it, and capture the new logits; on failure nothing changes."""
+        """Accept ``token``, decode it, and capture the new logits; on failure nothing changes.
+
+        Runs on the context's engine: commits and prefills that other threads or tasks
+        submit meanwhile share its ``llama_decode``.
+        """
     def prefill(self, tokens: list[int]) -> None:
-        """Write ``tokens`` to this branch's KV (not accepted into penalties/perplexity)."""
+        """Write ``tokens`` to this branch's KV (not accepted into penalties/perplexity).
+
+        Runs on the context's engine in chunks of at most ``n_batch`` tokens per tick, each
+        sharing its ``llama_decode`` with other callers' commits.
+        """
     def verify(self, draft_tokens: list[int]) -> int:
         """Speculative check of ``draft_tokens`` in one decode; returns how many were accepted.
 
@@ -568,7 +602,7 @@ class Branch:
     def last_token(self) -> int | None:
         """The most recently accepted token (``None`` before any)."""
     def aprefill(self, tokens: list[int]) -> Coroutine[Any, Any, None]:
-        """Await ``prefill(tokens)`` off the event loop."""
+        """Await ``prefill(tokens)``: queued on the context's engine, the event loop keeps running."""
     def afork(self, clone_logits: bool = True) -> Coroutine[Any, Any, Branch]:
         """Await ``fork(clone_logits)`` off the event loop."""
     def aprune(self) -> Coroutine[Any, Any, None]:
@@ -576,7 +610,7 @@ class Branch:
     def aprune_subtree(self) -> Coroutine[Any, Any, None]:
         """Await ``prune_subtree()`` off the event loop."""
     def acommit(self, token: int) -> Coroutine[Any, Any, None]:
-        """Await ``commit(token)`` off the event loop."""
+        """Await ``commit(token)``: queued on the context's engine, the event loop keeps running."""
     def reseed(self, sinks: list[int], tail: list[int]) -> int:
         """BlinkKV: replace this branch's sequence with ``sinks + tail``; returns the new position.
 
@@ -701,6 +735,47 @@ class KvPressure:
         """Cells left."""
 
 @final
+class EngineStats:
+    """Counters of a context's engine (``Context.engine_stats()``)."""
+
+    @property
+    def ticks(self) -> int:
+        """Ticks run (each one pass over the queue that decoded something)."""
+    @property
+    def decode_calls(self) -> int:
+        """``llama_decode`` calls made by the engine."""
+    @property
+    def rows(self) -> int:
+        """Rows (tokens) decoded."""
+    @property
+    def ops_submitted(self) -> int:
+        """Operations submitted."""
+    @property
+    def ops_completed(self) -> int:
+        """Operations answered with success."""
+    @property
+    def ops_failed(self) -> int:
+        """Operations answered with an error (validation, decode, cancellation, close)."""
+    @property
+    def ops_coalesced(self) -> int:
+        """Operations whose rows shared a tick with another operation's."""
+    @property
+    def max_ops_per_tick(self) -> int:
+        """The most operations one tick decoded together."""
+    @property
+    def queue_depth(self) -> int:
+        """Operations waiting for the next tick."""
+    @property
+    def in_flight(self) -> int:
+        """Prefills in flight across ticks."""
+    @property
+    def paused(self) -> bool:
+        """Whether the engine is paused (``Context.pause_engine``)."""
+    @property
+    def gather(self) -> float:
+        """Seconds a tick waits for as many commits as the previous tick decoded."""
+
+@final
 class BranchStore:
     """Multi-branch operations on one context: one ``llama_decode`` for N branches."""
 
@@ -714,11 +789,11 @@ class BranchStore:
     def produce_all(self, branches: list[Branch]) -> list[Produced]:
         """Sample every branch in one native call (GIL released)."""
     def acommit(self, pairs: list[tuple[Branch, int]]) -> Coroutine[Any, Any, None]:
-        """Await ``commit(pairs)`` off the event loop."""
+        """Await ``commit(pairs)``: queued on the context's engine, the event loop keeps running."""
     def aretain_only(self, winner: Branch) -> Coroutine[Any, Any, None]:
         """Await ``retain_only(winner)`` off the event loop."""
     def aprefill(self, items: list[tuple[Branch, list[int]]]) -> Coroutine[Any, Any, None]:
-        """Await ``prefill(items)`` off the event loop."""
+        """Await ``prefill(items)``: queued on the context's engine, the event loop keeps running."""
     @property
     def available(self) -> int:
         """Free leases."""

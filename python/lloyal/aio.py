@@ -18,7 +18,7 @@ from typing import Any, TypeVar
 
 T = TypeVar("T")
 
-__all__ = ["next_in_thread", "run_in_thread"]
+__all__ = ["engine_call", "next_in_thread", "run_in_thread"]
 
 _DONE = object()
 
@@ -36,3 +36,30 @@ async def next_in_thread(iterator: Iterator[T]) -> T:
     if item is _DONE:
         raise StopAsyncIteration
     return item  # type: ignore[return-value]
+
+
+async def engine_call(submit: Callable[..., Callable[[], None]], *args: Any) -> None:
+    """Await an operation of a context's engine (the ``a*`` methods use it).
+
+    ``submit(loop, future, *args)`` validates and queues the operation (its argument errors
+    raise here) and returns a canceller; the engine thread settles ``future`` through
+    ``loop.call_soon_threadsafe``. Cancelling the awaiting task cancels the operation.
+    """
+    loop = asyncio.get_running_loop()
+    future: asyncio.Future[None] = loop.create_future()
+    cancel = submit(loop, future, *args)
+    try:
+        await future
+    except asyncio.CancelledError:
+        cancel()
+        raise
+
+
+def _settle(future: asyncio.Future[None], error: BaseException | None) -> None:
+    """Set ``future``'s result (``None``) or exception, unless it is already done."""
+    if future.done():
+        return
+    if error is None:
+        future.set_result(None)
+    else:
+        future.set_exception(error)

@@ -9,6 +9,7 @@ use llama_cpp_sys_2 as sys;
 use crate::backend::{clear_recent_errors, recent_errors};
 use crate::branch::BranchState;
 use crate::embeddings::Encoded;
+use crate::engine::{Done, Engine, EngineStats, Ticket, Work};
 use crate::error::{LloyalError, Result};
 use crate::grammar::Grammar;
 use crate::metrics::{entropy, surprisal, Base};
@@ -39,6 +40,7 @@ pub struct Context {
     options: ContextOptions,
     state: Mutex<Option<ContextState>>,
     closed: AtomicBool,
+    engine: Engine,
 }
 
 impl std::fmt::Debug for Context {
@@ -100,6 +102,7 @@ impl Context {
             options,
             state: Mutex::new(Some(state)),
             closed: AtomicBool::new(false),
+            engine: Engine::default(),
         }))
     }
 
@@ -150,8 +153,38 @@ impl Context {
         result
     }
 
-    /// Free the llama.cpp context (waits for a running call). Idempotent.
+    /// Queue decode-bearing `work` on this context's engine (started on first use); `done`
+    /// receives the result on the engine thread. Returns a ticket to cancel it, or
+    /// `ContextClosed` (then `done` is never called).
+    pub fn submit(self: &Arc<Self>, work: Work, done: Done) -> Result<Ticket> {
+        self.check_open()?;
+        self.engine.submit(self, work, done)
+    }
+
+    /// The engine's counters.
+    pub fn engine_stats(&self) -> EngineStats {
+        self.engine.stats()
+    }
+
+    /// Hold the engine's ticks (queued operations wait) until [`Context::resume_engine`].
+    pub fn pause_engine(&self) {
+        self.engine.pause();
+    }
+
+    /// Let the engine tick again.
+    pub fn resume_engine(&self) {
+        self.engine.resume();
+    }
+
+    /// Set the engine's gather window in seconds (0 to 1).
+    pub fn set_engine_gather(&self, seconds: f64) -> Result<()> {
+        self.engine.set_gather(seconds)
+    }
+
+    /// Free the llama.cpp context (waits for a running call, and for the engine to finish
+    /// the operations already submitted to it). Idempotent.
     pub fn close(&self) {
+        self.engine.close();
         let mut guard = self.guard();
         self.closed.store(true, Ordering::Release);
         let state = guard.take();

@@ -2,6 +2,7 @@
 //!
 //! Layout, by concept (each glue file in `src/` calls the core module of the same name):
 //! `model` (weights, vocab), `context` (one lock per llama.cpp context; flat decode path),
+//! `engine/` (the per-context scheduler thread that coalesces decode-bearing calls),
 //! `branch/` (the branch type, its operations, reseed, verify), `store` (multi-branch commit,
 //! prefill, retain_only), `state/` (saved KV and branch state), `chat/` (templates, render,
 //! output parsing), `sampling`/`sampler` (parameters and llama.cpp chains), `grammar`,
@@ -13,6 +14,7 @@ pub mod branch;
 pub mod chat;
 pub mod context;
 pub mod embeddings;
+pub mod engine;
 pub mod error;
 pub mod gbnf_check;
 pub mod grammar;
@@ -34,6 +36,7 @@ pub use branch::BranchInfo;
 pub use chat::ChatFamily;
 pub use chat::{ChatOptions, ChatOutput, FormattedChat, ToolCall};
 pub use context::{Context, ContextShape, ContextState, InterruptCheck};
+pub use engine::{EngineStats, Ticket, Waiter, Work};
 pub use error::{LloyalError, Result};
 pub use grammar::{json_schema_to_grammar, Grammar, GrammarSource};
 pub use metrics::{Base, PerplexityTracker};

@@ -68,6 +68,25 @@ impl ContextState {
         Ok(())
     }
 
+    /// Like `check_room`, with `reserved` cells promised to operations the engine is running.
+    pub(crate) fn check_room_reserved(&self, needed: usize, reserved: usize) -> Result<()> {
+        if reserved == 0 {
+            return self.check_room(needed);
+        }
+        let free = (self.shape().n_ctx as usize).saturating_sub(self.cells_used + reserved);
+        if needed > free {
+            return Err(LloyalError::KvCacheFull {
+                needed,
+                n_ctx: self.shape().n_ctx,
+                detail: format!(
+                    "branches hold {} cells and operations in progress {reserved} more, {free} free",
+                    self.cells_used
+                ),
+            });
+        }
+        Ok(())
+    }
+
     /// Dispose every branch (used by close and by `retain_only`'s losers).
     pub fn dispose_all(&mut self) {
         for h in self.branches.handles() {
@@ -125,7 +144,7 @@ impl ContextState {
         handles.iter().map(|&h| self.branch_produce(h)).collect()
     }
 
-    fn check_unique(handles: impl Iterator<Item = Handle>) -> Result<()> {
+    pub(crate) fn check_unique(handles: impl Iterator<Item = Handle>) -> Result<()> {
         let mut seen: Vec<Handle> = handles.collect();
         seen.sort_unstable();
         if let Some(w) = seen.windows(2).find(|w| w[0] == w[1]) {

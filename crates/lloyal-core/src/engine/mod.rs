@@ -1,0 +1,346 @@
+//! The engine: one scheduler thread per context that owns its decode loop, so independent
+//! callers (threads, asyncio tasks) share one `llama_decode` per step.
+//!
+//! Every decode-bearing operation (`Branch.commit/prefill`, `BranchStore.commit/prefill` and
+//! their `a*` forms) is submitted to the context's queue ([`op`]); each tick takes everything
+//! pending, validates each operation on its own, and packs all of them into
+//! `ceil(rows / n_batch)` decodes ([`plan`], [`tick`]): commit rows first, prefill chunks
+//! after. Each caller gets its own result through a one-shot callback.
+
+pub mod op;
+pub mod plan;
+pub mod tick;
+
+use std::collections::VecDeque;
+use std::panic::{catch_unwind, AssertUnwindSafe};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Condvar, Mutex, MutexGuard, Weak};
+use std::time::{Duration, Instant};
+
+pub use op::{Done, Reply, Waiter, Work};
+
+use crate::context::Context;
+use crate::error::{LloyalError, Result};
+use op::Op;
+use tick::Scheduler;
+
+/// Counters of a context's engine.
+#[derive(Debug, Clone, Copy, Default, PartialEq)]
+pub struct EngineStats {
+    /// Ticks run (each one pass over the queue).
+    pub ticks: u64,
+    /// `llama_decode` calls made by the engine.
+    pub decode_calls: u64,
+    /// Rows (tokens) decoded.
+    pub rows: u64,
+    /// Operations submitted.
+    pub ops_submitted: u64,
+    /// Operations answered with success.
+    pub ops_completed: u64,
+    /// Operations answered with an error (validation, decode, cancellation, close).
+    pub ops_failed: u64,
+    /// Operations whose rows shared a tick with another operation's.
+    pub ops_coalesced: u64,
+    /// The most operations one tick decoded together.
+    pub max_ops_per_tick: u64,
+    /// Operations waiting for the next tick.
+    pub queue_depth: usize,
+    /// Prefills in flight across ticks.
+    pub in_flight: usize,
+    /// Whether the engine is paused.
+    pub paused: bool,
+    /// Seconds a tick waits for as many commits as the previous tick decoded.
+    pub gather: f64,
+}
+
+struct Queue {
+    ops: VecDeque<Op>,
+    next_id: u64,
+    paused: bool,
+    /// `close()` began: no new operations; the engine finishes what it has, then stops.
+    closing: bool,
+    shutdown: bool,
+    started: bool,
+    /// No tick running and no prefill in flight.
+    idle: bool,
+    /// Commits the previous tick decoded (the gather window waits for as many).
+    last_tick_ops: usize,
+    stats: EngineStats,
+}
+
+struct Shared {
+    queue: Mutex<Queue>,
+    cv: Condvar,
+}
+
+impl Shared {
+    fn lock(&self) -> MutexGuard<'_, Queue> {
+        self.queue.lock().unwrap_or_else(|p| p.into_inner())
+    }
+}
+
+/// A submitted operation: cancel it while it waits or runs.
+pub struct Ticket {
+    id: u64,
+    cancelled: Arc<AtomicBool>,
+    shared: Weak<Shared>,
+}
+
+impl Ticket {
+    /// Cancel the operation: removed from the queue (answered with `Interrupted`) if it has
+    /// not started; an in-flight prefill is rolled back at the next tick; a finished one is
+    /// left as it is.
+    pub fn cancel(&self) {
+        self.cancelled.store(true, Ordering::Release);
+        let Some(shared) = self.shared.upgrade() else { return };
+        let removed = {
+            let mut q = shared.lock();
+            let at = q.ops.iter().position(|op| op.id == self.id);
+            let op = at.and_then(|i| q.ops.remove(i));
+            if op.is_some() {
+                q.stats.ops_failed += 1;
+                q.stats.queue_depth = q.ops.len();
+            }
+            op
+        };
+        // Answer outside the lock: the callback may wait for the GIL.
+        if let Some(op) = removed {
+            op.reply.send(Err(LloyalError::Interrupted));
+        }
+    }
+}
+
+/// The engine of one context (its thread starts on the first submission).
+pub struct Engine {
+    shared: Arc<Shared>,
+}
+
+impl Default for Engine {
+    fn default() -> Self {
+        Engine {
+            shared: Arc::new(Shared {
+                queue: Mutex::new(Queue {
+                    ops: VecDeque::new(),
+                    next_id: 0,
+                    paused: false,
+                    closing: false,
+                    shutdown: false,
+                    started: false,
+                    idle: true,
+                    last_tick_ops: 0,
+                    stats: EngineStats { gather: 0.002, ..EngineStats::default() },
+                }),
+                cv: Condvar::new(),
+            }),
+        }
+    }
+}
+
+impl Drop for Engine {
+    fn drop(&mut self) {
+        self.shutdown();
+    }
+}
+
+impl Engine {
+    /// Queue `work` for `ctx`; `done` receives its result on the engine thread.
+    pub(crate) fn submit(&self, ctx: &Arc<Context>, work: Work, done: Done) -> Result<Ticket> {
+        let cancelled = Arc::new(AtomicBool::new(false));
+        let mut q = self.shared.lock();
+        if q.shutdown || q.closing {
+            return Err(LloyalError::ContextClosed);
+        }
+        if !q.started {
+            let (weak, shared) = (Arc::downgrade(ctx), Arc::clone(&self.shared));
+            std::thread::Builder::new()
+                .name("lloyal-engine".into())
+                .spawn(move || engine_loop(weak, shared))
+                .map_err(|e| {
+                    LloyalError::Backend(format!("cannot start the engine thread: {e}; free some threads"))
+                })?;
+            q.started = true;
+        }
+        let id = q.next_id;
+        q.next_id += 1;
+        q.ops.push_back(Op { id, work, reply: Reply::new(done), cancelled: Arc::clone(&cancelled) });
+        q.stats.ops_submitted += 1;
+        q.stats.queue_depth = q.ops.len();
+        self.shared.cv.notify_all();
+        Ok(Ticket { id, cancelled, shared: Arc::downgrade(&self.shared) })
+    }
+
+    /// Current counters.
+    pub fn stats(&self) -> EngineStats {
+        self.shared.lock().stats
+    }
+
+    /// Stop ticking (queued operations wait) until [`Engine::resume`].
+    pub fn pause(&self) {
+        let mut q = self.shared.lock();
+        q.paused = true;
+        q.stats.paused = true;
+    }
+
+    /// Tick again.
+    pub fn resume(&self) {
+        let mut q = self.shared.lock();
+        q.paused = false;
+        q.stats.paused = false;
+        self.shared.cv.notify_all();
+    }
+
+    /// Set the gather window (seconds, `0 <= gather <= 1`).
+    pub fn set_gather(&self, seconds: f64) -> Result<()> {
+        if !(0.0..=1.0).contains(&seconds) {
+            return Err(LloyalError::invalid(format!(
+                "engine_gather must be between 0 and 1 second, got {seconds}"
+            )));
+        }
+        self.shared.lock().stats.gather = seconds;
+        Ok(())
+    }
+
+    /// Refuse new operations and wait until the ones already submitted are answered (a
+    /// paused engine's queue is not waited for: it fails with `ContextClosed`), then stop.
+    pub(crate) fn close(&self) {
+        let mut q = self.shared.lock();
+        q.closing = true;
+        let dry = |q: &Queue| !q.started || q.shutdown || q.paused || (q.idle && q.ops.is_empty());
+        while !dry(&q) {
+            q = self.shared.cv.wait(q).unwrap_or_else(|p| p.into_inner());
+        }
+        q.shutdown = true;
+        self.shared.cv.notify_all();
+    }
+
+    /// Fail everything queued with `ContextClosed` and let the thread end.
+    pub(crate) fn shutdown(&self) {
+        let mut q = self.shared.lock();
+        q.shutdown = true;
+        self.shared.cv.notify_all();
+    }
+}
+
+/// Send replies and count them.
+fn answer(shared: &Shared, replies: Vec<(Reply, Result<()>)>) {
+    if replies.is_empty() {
+        return;
+    }
+    {
+        let mut q = shared.lock();
+        for (_, r) in &replies {
+            if r.is_ok() {
+                q.stats.ops_completed += 1;
+            } else {
+                q.stats.ops_failed += 1;
+            }
+        }
+    }
+    for (reply, result) in replies {
+        reply.send(result);
+    }
+}
+
+fn set_idle(shared: &Shared) {
+    shared.lock().idle = true;
+    shared.cv.notify_all();
+}
+
+fn engine_loop(ctx: Weak<Context>, shared: Arc<Shared>) {
+    let mut sched = Scheduler::default();
+    loop {
+        let ops: Vec<Op> = {
+            let mut q = shared.lock();
+            loop {
+                if q.shutdown {
+                    let ops: Vec<Op> = q.ops.drain(..).collect();
+                    q.stats.queue_depth = 0;
+                    drop(q);
+                    let mut replies = sched.fail_all(&LloyalError::ContextClosed);
+                    replies.extend(ops.into_iter().map(|op| (op.reply, Err(LloyalError::ContextClosed))));
+                    answer(&shared, replies);
+                    return;
+                }
+                if !q.paused && (!q.ops.is_empty() || sched.has_work()) {
+                    break;
+                }
+                q = shared.cv.wait(q).unwrap_or_else(|p| p.into_inner());
+            }
+            // Gather: give the previous tick's callers a moment to come back, so they share
+            // this tick instead of splitting into a one-caller tick and the rest.
+            let gather = Duration::from_secs_f64(q.stats.gather);
+            let deadline = Instant::now() + gather;
+            while q.ops.len() < q.last_tick_ops && !q.shutdown && !q.paused {
+                let now = Instant::now();
+                if now >= deadline {
+                    break;
+                }
+                q = shared.cv.wait_timeout(q, deadline - now).unwrap_or_else(|p| p.into_inner()).0;
+            }
+            if q.shutdown || q.paused {
+                continue;
+            }
+            q.stats.queue_depth = 0;
+            q.idle = false;
+            q.ops.drain(..).collect()
+        };
+        let Some(context) = ctx.upgrade() else {
+            shared.lock().shutdown = true;
+            continue;
+        };
+        let mut pending = Some(ops);
+        let ran = catch_unwind(AssertUnwindSafe(|| {
+            context.with(|s| Ok(sched.tick(s, pending.take().unwrap_or_default())))
+        }));
+        drop(context);
+        let outcome = match ran {
+            Ok(Ok(outcome)) => outcome,
+            Ok(Err(e)) => {
+                // The context was closed: answer everything.
+                let mut replies = sched.fail_all(&e);
+                replies.extend(
+                    pending.take().unwrap_or_default().into_iter().map(|op| (op.reply, Err(e.clone()))),
+                );
+                answer(&shared, replies);
+                set_idle(&shared);
+                continue;
+            }
+            Err(_) => {
+                // A panic (a bug): the dropped replies of the tick answered their callers;
+                // fail the prefills in flight too rather than resume from an unknown state.
+                let err = LloyalError::Backend(
+                    "internal error in lloyal's engine (please report it); the operation failed".into(),
+                );
+                answer(&shared, sched.fail_all(&err));
+                set_idle(&shared);
+                continue;
+            }
+        };
+        {
+            let mut q = shared.lock();
+            let st = &mut q.stats;
+            if outcome.ops > 0 {
+                st.ticks += 1;
+                st.decode_calls += outcome.decodes;
+                st.rows += outcome.rows;
+                if outcome.ops > 1 {
+                    st.ops_coalesced += outcome.ops;
+                }
+                st.max_ops_per_tick = st.max_ops_per_tick.max(outcome.ops);
+            }
+            st.in_flight = sched.in_flight();
+            q.last_tick_ops = outcome.commits as usize;
+            for op in outcome.deferred.into_iter().rev() {
+                q.ops.push_front(op);
+            }
+            q.stats.queue_depth = q.ops.len();
+        }
+        answer(&shared, outcome.replies);
+        let mut q = shared.lock();
+        q.idle = !sched.has_work();
+        if q.idle {
+            // `close()` may be waiting for the engine to run dry.
+            shared.cv.notify_all();
+        }
+    }
+}

@@ -1,0 +1,128 @@
+//! Queued operations and their one-shot replies.
+
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Condvar, Mutex};
+use std::time::Duration;
+
+use crate::error::{LloyalError, Result};
+use crate::tenancy::Handle;
+
+/// The decode-bearing work of one caller.
+#[derive(Debug, Clone, PartialEq)]
+pub enum Work {
+    /// `BranchStore.commit` / `Branch.commit`: accept and decode one token per branch.
+    Commit(Vec<(Handle, i32)>),
+    /// `BranchStore.prefill` / `Branch.prefill`: write each branch's tokens.
+    Prefill(Vec<(Handle, Vec<i32>)>),
+}
+
+impl Work {
+    /// The branches this work touches.
+    pub(crate) fn handles(&self) -> Vec<Handle> {
+        match self {
+            Work::Commit(pairs) => pairs.iter().map(|p| p.0).collect(),
+            Work::Prefill(items) => items.iter().map(|i| i.0).collect(),
+        }
+    }
+}
+
+/// The callback that receives an operation's result (called once, on the engine thread).
+pub type Done = Box<dyn FnOnce(Result<()>) + Send>;
+
+/// An operation's reply: sent exactly once. Dropping an unsent reply (a bug or a panic in
+/// the engine thread) still answers the caller, with an error, so no caller ever hangs.
+pub struct Reply(Option<Done>);
+
+impl Reply {
+    /// Wrap a callback.
+    pub fn new(done: Done) -> Self {
+        Reply(Some(done))
+    }
+
+    /// Deliver the result.
+    pub fn send(mut self, result: Result<()>) {
+        if let Some(done) = self.0.take() {
+            done(result);
+        }
+    }
+}
+
+impl Drop for Reply {
+    fn drop(&mut self) {
+        if let Some(done) = self.0.take() {
+            done(Err(LloyalError::Backend(
+                "internal error in lloyal's engine: an operation was dropped unanswered (please report \
+                 it); the branches it named are unchanged"
+                    .into(),
+            )));
+        }
+    }
+}
+
+/// One queued operation.
+pub struct Op {
+    pub(crate) id: u64,
+    pub(crate) work: Work,
+    pub(crate) reply: Reply,
+    pub(crate) cancelled: Arc<AtomicBool>,
+}
+
+impl Op {
+    pub(crate) fn is_cancelled(&self) -> bool {
+        self.cancelled.load(Ordering::Acquire)
+    }
+}
+
+/// A blocking result slot for synchronous callers.
+#[derive(Clone, Default)]
+pub struct Waiter {
+    slot: Arc<(Mutex<Option<Result<()>>>, Condvar)>,
+}
+
+impl Waiter {
+    /// A waiter and the callback that fills it.
+    pub fn new() -> (Waiter, Done) {
+        let w = Waiter::default();
+        let slot = Arc::clone(&w.slot);
+        let done: Done = Box::new(move |r| {
+            let (m, cv) = &*slot;
+            *m.lock().unwrap_or_else(|p| p.into_inner()) = Some(r);
+            cv.notify_all();
+        });
+        (w, done)
+    }
+
+    /// The result once it arrived within `timeout`, else `None`.
+    pub fn wait_timeout(&self, timeout: Duration) -> Option<Result<()>> {
+        let (m, cv) = &*self.slot;
+        let guard = m.lock().unwrap_or_else(|p| p.into_inner());
+        let (mut guard, _) =
+            cv.wait_timeout_while(guard, timeout, |r| r.is_none()).unwrap_or_else(|p| p.into_inner());
+        guard.take()
+    }
+
+    /// Block until the result arrives.
+    pub fn wait(&self) -> Result<()> {
+        loop {
+            if let Some(r) = self.wait_timeout(Duration::from_secs(3600)) {
+                return r;
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_dropped_reply_answers_with_an_error() {
+        let (w, done) = Waiter::new();
+        drop(Reply::new(done));
+        assert!(matches!(w.wait(), Err(LloyalError::Backend(_))));
+        let (w, done) = Waiter::new();
+        Reply::new(done).send(Ok(()));
+        assert_eq!(w.wait_timeout(Duration::from_millis(1)), Some(Ok(())));
+        assert_eq!(w.wait_timeout(Duration::from_millis(1)), None, "a result is taken once");
+    }
+}

@@ -1,0 +1,140 @@
+//! Glue to the core engine (`lloyal_core::engine`): submit decode-bearing work and wait for
+//! it (sync: GIL released, Ctrl-C cancels) or await it (an asyncio future the engine thread
+//! resolves through `loop.call_soon_threadsafe`; no worker thread per call).
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use lloyal_core::{Context, EngineStats, Waiter, Work};
+use pyo3::prelude::*;
+use pyo3::types::PyCFunction;
+
+use crate::aio;
+use crate::detach::on_main_thread;
+use crate::error::to_py;
+
+/// Counters of a context's engine (``Context.engine_stats()``).
+#[pyclass(name = "EngineStats", module = "lloyal._lloyal", frozen, get_all, eq)]
+#[derive(Clone, PartialEq)]
+pub struct PyEngineStats {
+    /// Ticks run (each one pass over the queue that decoded something).
+    pub ticks: u64,
+    /// ``llama_decode`` calls made by the engine.
+    pub decode_calls: u64,
+    /// Rows (tokens) decoded.
+    pub rows: u64,
+    /// Operations submitted.
+    pub ops_submitted: u64,
+    /// Operations answered with success.
+    pub ops_completed: u64,
+    /// Operations answered with an error (validation, decode, cancellation, close).
+    pub ops_failed: u64,
+    /// Operations whose rows shared a tick with another operation's.
+    pub ops_coalesced: u64,
+    /// The most operations one tick decoded together.
+    pub max_ops_per_tick: u64,
+    /// Operations waiting for the next tick.
+    pub queue_depth: usize,
+    /// Prefills in flight across ticks.
+    pub in_flight: usize,
+    /// Whether the engine is paused (``Context.pause_engine``).
+    pub paused: bool,
+    /// Seconds a tick waits for as many commits as the previous tick decoded.
+    pub gather: f64,
+}
+
+impl From<EngineStats> for PyEngineStats {
+    fn from(s: EngineStats) -> Self {
+        PyEngineStats {
+            ticks: s.ticks,
+            decode_calls: s.decode_calls,
+            rows: s.rows,
+            ops_submitted: s.ops_submitted,
+            ops_completed: s.ops_completed,
+            ops_failed: s.ops_failed,
+            ops_coalesced: s.ops_coalesced,
+            max_ops_per_tick: s.max_ops_per_tick,
+            queue_depth: s.queue_depth,
+            in_flight: s.in_flight,
+            paused: s.paused,
+            gather: s.gather,
+        }
+    }
+}
+
+#[pymethods]
+impl PyEngineStats {
+    fn __repr__(&self) -> String {
+        format!(
+            "EngineStats(ticks={}, decode_calls={}, rows={}, ops_submitted={}, ops_completed={}, \
+             ops_failed={}, ops_coalesced={}, max_ops_per_tick={}, queue_depth={}, in_flight={}, \
+             paused={}, gather={})",
+            self.ticks,
+            self.decode_calls,
+            self.rows,
+            self.ops_submitted,
+            self.ops_completed,
+            self.ops_failed,
+            self.ops_coalesced,
+            self.max_ops_per_tick,
+            self.queue_depth,
+            self.in_flight,
+            if self.paused { "True" } else { "False" },
+            self.gather
+        )
+    }
+}
+
+/// Submit `work` to `ctx`'s engine and block (GIL released) until its tick answers.
+///
+/// On Python's main thread the wait wakes every 50 ms to run signal handlers: Ctrl-C cancels
+/// the operation (removed from the queue, or an in-flight prefill rolled back at the next
+/// tick), waits for the engine to confirm, and raises the handler's `KeyboardInterrupt`.
+pub fn wait(py: Python<'_>, ctx: &Arc<Context>, work: Work) -> PyResult<()> {
+    let (waiter, done) = Waiter::new();
+    let ticket = ctx.submit(work, done).map_err(to_py)?;
+    if !on_main_thread(py) {
+        return py.detach(|| waiter.wait()).map_err(to_py);
+    }
+    loop {
+        if let Some(r) = py.detach(|| waiter.wait_timeout(Duration::from_millis(50))) {
+            return r.map_err(to_py);
+        }
+        if let Err(e) = py.check_signals() {
+            ticket.cancel();
+            // The operation is removed, rolled back or finished before the error surfaces.
+            let _ = py.detach(|| waiter.wait());
+            return Err(e);
+        }
+    }
+}
+
+/// Submit `work` for `lloyal.aio.engine_call`: `fut` (a future of the running `lp`) is
+/// settled from the engine thread. Returns a callable that cancels the operation.
+pub fn submit_async<'py>(
+    py: Python<'py>,
+    ctx: &Arc<Context>,
+    work: Work,
+    lp: Bound<'py, PyAny>,
+    fut: Bound<'py, PyAny>,
+) -> PyResult<Bound<'py, PyAny>> {
+    let (lp, fut) = (lp.unbind(), fut.unbind());
+    let done: lloyal_core::engine::Done = Box::new(move |result| {
+        Python::attach(|py| {
+            let error: Py<PyAny> = match result {
+                Ok(()) => py.None(),
+                Err(e) => to_py(e).into_value(py).into_any(),
+            };
+            if let Ok(settle) = aio::settle(py) {
+                // A closed loop cannot take the result, and then nobody awaits it.
+                let _ = lp.bind(py).call_method1("call_soon_threadsafe", (settle, fut.bind(py), error));
+            }
+        });
+    });
+    let ticket = ctx.submit(work, done).map_err(to_py)?;
+    let cancel = PyCFunction::new_closure(py, None, None, move |_args, _kwargs| -> PyResult<()> {
+        ticket.cancel();
+        Ok(())
+    })?;
+    Ok(cancel.into_any())
+}

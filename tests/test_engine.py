@@ -1,0 +1,364 @@
+"""The engine (docs/engine.md): independent callers' commits and prefills share one
+``llama_decode`` per step, each caller gets only its own result, and cancellation rolls back.
+
+Coalescing is made deterministic with ``pause_engine()``: submit from N callers, wait until
+the queue holds all N, ``resume_engine()``; the engine then runs exactly one tick.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+from collections.abc import Callable, Iterator
+
+import numpy as np
+import pytest
+
+import lloyal
+from lloyal import Branch, BranchStore, SamplingParams
+
+GREEDY = SamplingParams(temperature=0)
+PROMPT = "The three most important inventions of the last century were"
+
+
+def wait_until(cond: Callable[[], bool], timeout: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not cond():
+        assert time.monotonic() < deadline, "timed out waiting for the engine"
+        time.sleep(0.001)
+
+
+@pytest.fixture
+def ctx8(model: lloyal.Model) -> Iterator[lloyal.Context]:
+    c = lloyal.Context(model, n_ctx=1024, n_batch=64, n_seq_max=8)
+    try:
+        yield c
+    finally:
+        c.close()
+
+
+def forks(ctx: lloyal.Context, n: int, prompt: str = PROMPT) -> tuple[Branch, list[Branch]]:
+    root = Branch.create(ctx, 0, GREEDY)
+    root.prefill(ctx.tokenize(prompt))
+    return root, [root.fork() for _ in range(n)]
+
+
+def in_threads(calls: list[Callable[[], object]]) -> tuple[list[threading.Thread], list[BaseException]]:
+    errors: list[BaseException] = []
+
+    def guard(call: Callable[[], object]) -> None:
+        try:
+            call()
+        except BaseException as e:
+            errors.append(e)
+
+    threads = [threading.Thread(target=guard, args=(c,)) for c in calls]
+    for t in threads:
+        t.start()
+    return threads, errors
+
+
+def test_threads_committing_their_own_branch_share_one_decode(ctx8: lloyal.Context) -> None:
+    root, kids = forks(ctx8, 6)
+    tokens = [k.produce().token for k in kids]
+    ctx8.pause_engine()
+    before = ctx8.engine_stats()
+    threads, errors = in_threads([lambda k=k, t=t: k.commit(t) for k, t in zip(kids, tokens, strict=True)])
+    wait_until(lambda: ctx8.engine_stats().queue_depth == 6)
+    ctx8.resume_engine()
+    for t in threads:
+        t.join()
+    after = ctx8.engine_stats()
+    assert errors == []
+    assert after.ticks - before.ticks == 1
+    assert after.decode_calls - before.decode_calls == 1
+    assert after.rows - before.rows == 6
+    assert after.ops_completed - before.ops_completed == 6
+    assert after.max_ops_per_tick == 6
+    assert [k.position for k in kids] == [root.position + 1] * 6
+    assert [k.last_token for k in kids] == tokens
+    assert BranchStore(ctx8).kv_pressure.cells_used == root.position + 6
+
+
+def test_asyncio_tasks_share_one_decode_and_never_block_the_loop(ctx8: lloyal.Context) -> None:
+    root, kids = forks(ctx8, 5)
+
+    async def main() -> int:
+        ctx8.pause_engine()
+        tasks = [asyncio.create_task(k.acommit(k.produce().token)) for k in kids]
+        spins = 0
+        while ctx8.engine_stats().queue_depth < 5:
+            spins += 1
+            await asyncio.sleep(0)
+        ctx8.resume_engine()
+        await asyncio.gather(*tasks)
+        return spins
+
+    before = ctx8.engine_stats()
+    asyncio.run(main())
+    after = ctx8.engine_stats()
+    assert (after.ticks - before.ticks, after.decode_calls - before.decode_calls) == (1, 1)
+    assert [k.position for k in kids] == [root.position + 1] * 5
+
+
+def test_threads_and_asyncio_tasks_mix_in_one_tick(ctx8: lloyal.Context) -> None:
+    root, kids = forks(ctx8, 6)
+    sync_kids, async_kids = kids[:3], kids[3:]
+    ctx8.pause_engine()
+    before = ctx8.engine_stats()
+
+    async def tasks() -> None:
+        await asyncio.gather(*(k.acommit(k.produce().token) for k in async_kids))
+
+    store = BranchStore(ctx8)
+    calls: list[Callable[[], object]] = [lambda k=k: k.commit(k.produce().token) for k in sync_kids[:2]]
+    calls.append(lambda: store.commit([(sync_kids[2], sync_kids[2].produce().token)]))
+    calls.append(lambda: asyncio.run(tasks()))
+    threads, errors = in_threads(calls)
+    wait_until(lambda: ctx8.engine_stats().queue_depth == 6)
+    ctx8.resume_engine()
+    for t in threads:
+        t.join()
+    after = ctx8.engine_stats()
+    assert errors == []
+    assert (after.ticks - before.ticks, after.decode_calls - before.decode_calls) == (1, 1)
+    assert [k.position for k in kids] == [root.position + 1] * 6
+
+
+def test_coalesced_greedy_runs_equal_hand_batched_commits(model: lloyal.Model) -> None:
+    """N tasks, each driving its own branch, produce exactly what one BranchStore.commit
+    loop over the same branches produces: tokens, positions, logits, perplexities."""
+    n, steps = 4, 8
+    options = {"n_ctx": 1024, "n_seq_max": 8}
+    with lloyal.Context(model, **options) as a, lloyal.Context(model, **options) as b:
+        _, kids_a = forks(a, n)
+        _, kids_b = forks(b, n)
+
+        async def drive(k: Branch) -> list[int]:
+            out = []
+            for _ in range(steps):
+                t = k.produce().token
+                await k.acommit(t)
+                out.append(t)
+            return out
+
+        async def main() -> list[list[int]]:
+            return list(await asyncio.gather(*(drive(k) for k in kids_a)))
+
+        got = asyncio.run(main())
+        store = BranchStore(b)
+        want: list[list[int]] = [[] for _ in range(n)]
+        for _ in range(steps):
+            produced = store.produce_all(kids_b)
+            store.commit([(k, p.token) for k, p in zip(kids_b, produced, strict=True)])
+            for w, p in zip(want, produced, strict=True):
+                w.append(p.token)
+        assert got == want
+        for ka, kb in zip(kids_a, kids_b, strict=True):
+            assert ka.position == kb.position
+            assert np.array_equal(ka.logits, kb.logits)
+            assert ka.perplexity == kb.perplexity
+        assert a.engine_stats().max_ops_per_tick > 1  # the tasks did share ticks
+
+
+def test_a_bad_operation_fails_only_its_caller(ctx8: lloyal.Context) -> None:
+    root, kids = forks(ctx8, 5)
+    good_a, good_b, dup, gone, keep = kids
+    gone_token = gone.produce().token
+    gone.prune()
+    logits_dup = dup.logits
+    pos = root.position
+    store = BranchStore(ctx8)
+    tokens = {k: k.produce().token for k in (good_a, good_b, dup)}
+    ctx8.pause_engine()
+    results: dict[str, BaseException | None] = {}
+
+    def record(name: str, call: Callable[[], object]) -> Callable[[], None]:
+        def run() -> None:
+            try:
+                call()
+                results[name] = None
+            except Exception as e:
+                results[name] = e
+
+        return run
+
+    threads, _ = in_threads(
+        [
+            record("a", lambda: good_a.commit(tokens[good_a])),
+            record("dup", lambda: store.commit([(dup, tokens[dup]), (dup, tokens[dup])])),
+            record("gone", lambda: gone.commit(gone_token)),
+            record("b", lambda: store.commit([(good_b, tokens[good_b])])),
+        ]
+    )
+    wait_until(lambda: ctx8.engine_stats().queue_depth == 4)
+    before = ctx8.engine_stats()
+    ctx8.resume_engine()
+    for t in threads:
+        t.join()
+    after = ctx8.engine_stats()
+    assert results["a"] is None and results["b"] is None
+    assert isinstance(results["dup"], ValueError) and "appears twice" in str(results["dup"])
+    assert isinstance(results["gone"], lloyal.BranchDisposedError)
+    assert (after.decode_calls - before.decode_calls, after.rows - before.rows) == (1, 2)
+    assert (after.ops_completed - before.ops_completed, after.ops_failed - before.ops_failed) == (2, 2)
+    assert (good_a.position, good_b.position, dup.position, keep.position) == (pos + 1, pos + 1, pos, pos)
+    assert np.array_equal(dup.logits, logits_dup)
+    assert BranchStore(ctx8).kv_pressure.cells_used == pos + 2
+
+
+def test_kv_full_fails_only_the_operation_that_does_not_fit(model: lloyal.Model) -> None:
+    with lloyal.Context(model, n_ctx=256, n_batch=64, n_seq_max=4) as ctx:
+        root, (a, b) = forks(ctx, 2)
+        store = BranchStore(ctx)
+        used = store.kv_pressure.cells_used
+        free = ctx.n_ctx - used
+        ctx.pause_engine()
+        results: list[object] = []
+        threads, errors = in_threads(
+            [
+                lambda: results.append(a.commit(a.produce().token)),
+                lambda: b.prefill([1000] * free),  # one cell more than the commit leaves
+            ]
+        )
+        wait_until(lambda: ctx.engine_stats().queue_depth == 2)
+        ctx.resume_engine()
+        for t in threads:
+            t.join()
+        assert results == [None]
+        assert len(errors) == 1 and isinstance(errors[0], lloyal.KvCacheFullError)
+        assert (a.position, b.position) == (root.position + 1, root.position)
+        assert store.kv_pressure.cells_used == used + 1
+        assert ctx.kv_seq_pos_max(b.seq_id) == root.position - 1  # nothing of b's prefill left
+        b.prefill([1000] * (free - 1))  # exactly what is left fits
+        assert store.kv_pressure.remaining == 0
+
+
+def test_cancelling_a_queued_task_leaves_the_branch_unchanged(ctx8: lloyal.Context) -> None:
+    root, (k,) = forks(ctx8, 1)
+    pos, logits = k.position, k.logits
+
+    async def main() -> None:
+        ctx8.pause_engine()
+        task = asyncio.create_task(k.acommit(k.produce().token))
+        while ctx8.engine_stats().queue_depth < 1:
+            await asyncio.sleep(0)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        assert ctx8.engine_stats().queue_depth == 0
+        ctx8.resume_engine()
+
+    before = ctx8.engine_stats()
+    asyncio.run(main())
+    after = ctx8.engine_stats()
+    assert after.ops_failed - before.ops_failed == 1
+    assert after.ticks == before.ticks
+    assert (k.position, k.last_token) == (pos, None)
+    assert np.array_equal(k.logits, logits)
+    k.prune()
+    root.prune()
+    assert BranchStore(ctx8).available == 8  # every lease back
+    assert BranchStore(ctx8).kv_pressure.cells_used == 0
+
+
+def test_cancelling_a_prefill_in_flight_rolls_it_back(model: lloyal.Model) -> None:
+    with lloyal.Context(model, n_ctx=2048, n_batch=8, n_seq_max=2) as ctx:
+        b = Branch.create(ctx, 0, GREEDY)
+        b.prefill(ctx.tokenize(PROMPT))
+        pos = b.position
+        long = [1000 + (i * 7) % 3000 for i in range(1200)]  # 150 ticks of 8 tokens
+
+        async def main() -> None:
+            task = asyncio.create_task(b.aprefill(long))
+            while ctx.engine_stats().in_flight == 0 or ctx.kv_seq_pos_max(b.seq_id) < pos + 16:
+                await asyncio.sleep(0.001)
+            task.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await task
+
+        asyncio.run(main())
+        wait_until(lambda: ctx.engine_stats().in_flight == 0)
+        assert b.position == pos
+        assert ctx.kv_seq_pos_max(b.seq_id) == pos - 1  # the chunks written so far are gone
+        assert BranchStore(ctx).kv_pressure.cells_used == pos
+        b.commit(b.produce().token)  # still usable
+        assert b.position == pos + 1
+
+
+def test_decode_rows_run_every_tick_while_a_long_prefill_is_chunked(model: lloyal.Model) -> None:
+    with lloyal.Context(model, n_ctx=512, n_batch=8, n_seq_max=4) as ctx:
+        root, (runner, reader) = forks(ctx, 2)
+        pos = root.position
+        long = [1000 + (i * 7) % 3000 for i in range(120)]
+        ctx.pause_engine()
+        threads, errors = in_threads([lambda: reader.prefill(long)])
+        wait_until(lambda: ctx.engine_stats().queue_depth == 1)
+        ctx.resume_engine()
+        wait_until(lambda: ctx.engine_stats().in_flight == 1)
+        for _ in range(5):
+            runner.commit(runner.produce().token)
+        # Five commits (at most two ticks each) finished while the prefill (>= 17 ticks of
+        # <= 7 tokens beside a commit row) still runs: decode rows are never held back.
+        assert ctx.engine_stats().in_flight == 1
+        for t in threads:
+            t.join()
+        stats = ctx.engine_stats()
+        assert errors == []
+        assert stats.decode_calls == stats.ticks  # every tick fit one n_batch decode
+        assert (runner.position, reader.position) == (pos + 5, pos + 120)
+        assert BranchStore(ctx).kv_pressure.cells_used == pos + 125
+        chunked = reader.logits
+    with lloyal.Context(model, n_ctx=512, n_batch=8, n_seq_max=4) as alone:
+        _, (ref,) = forks(alone, 1)
+        ref.prefill(long)
+        assert np.array_equal(ref.logits, chunked)  # chunk boundaries change nothing
+
+
+def test_store_prefill_keeps_ceil_total_over_n_batch_decodes(model: lloyal.Model) -> None:
+    with lloyal.Context(model, n_ctx=512, n_batch=64, n_seq_max=4) as ctx:
+        bs = [Branch.create(ctx, 0, GREEDY) for _ in range(3)]
+        before = ctx.engine_stats()
+        BranchStore(ctx).prefill([(b, [1000 + i] * 40) for i, b in enumerate(bs)])
+        after = ctx.engine_stats()
+        assert (after.decode_calls - before.decode_calls, after.rows - before.rows) == (2, 120)
+        assert [b.position for b in bs] == [40, 40, 40]
+
+
+def test_close_answers_queued_operations(ctx8: lloyal.Context) -> None:
+    _, (k,) = forks(ctx8, 1)
+    ctx8.pause_engine()
+    threads, errors = in_threads([lambda: k.commit(k.produce().token)])
+    wait_until(lambda: ctx8.engine_stats().queue_depth == 1)
+    ctx8.close()
+    for t in threads:
+        t.join()
+    assert len(errors) == 1 and isinstance(errors[0], lloyal.ContextClosedError)
+    with pytest.raises(lloyal.ContextClosedError):
+        k.commit(1000)
+
+
+def test_engine_gather_is_validated(ctx8: lloyal.Context) -> None:
+    assert ctx8.engine_gather == 0.002
+    ctx8.engine_gather = 0.0
+    assert ctx8.engine_stats().gather == 0.0
+    with pytest.raises(ValueError, match="between 0 and 1"):
+        ctx8.engine_gather = 2.0
+    assert ctx8.engine_gather == 0.0
+
+
+def test_token_iterators_in_threads_match_sequential_greedy(ctx8: lloyal.Context) -> None:
+    _, kids = forks(ctx8, 3)
+    refs = [k.fork() for k in kids]
+    got: dict[int, list[int]] = {}
+
+    def drive(i: int, k: Branch) -> None:
+        got[i] = [t.token for t in k.generate(6)]
+
+    threads, errors = in_threads([lambda i=i, k=k: drive(i, k) for i, k in enumerate(kids)])
+    for t in threads:
+        t.join()
+    assert errors == []
+    want = {i: [t.token for t in r.generate(6)] for i, r in enumerate(refs)}
+    assert got == want
