@@ -249,7 +249,9 @@ def test_multi_turn_prefills_only_the_new_turn(client: openai.OpenAI, name: str,
     assert r2.choices[0].message.content == ref.detokenize(greedy(ref, prompt, 8, set(fc.stop_tokens)))
 
 
-def test_shared_system_prompt_is_reused_across_users(client: openai.OpenAI, name: str, ref: lloyal.Context) -> None:
+def test_shared_system_prompt_is_reused_across_users(
+    client: openai.OpenAI, name: str, ref: lloyal.Context
+) -> None:
     system = {"role": "system", "content": "You are a terse assistant for a bakery. " * 4}
     asks = [[system, {"role": "user", "content": q}] for q in ("Open on Sunday?", "Any rye bread?")]
     shared = ref.tokenize(ref.format_chat(asks[0]).prompt, add_special=False, parse_special=True)

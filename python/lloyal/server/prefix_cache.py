@@ -50,7 +50,7 @@ class PrefixCache:
         return [e for _, e in self._tree.items()]
 
     def lookup(self, tokens: Sequence[int]) -> tuple[CacheEntry | None, int]:
-        """The entry to fork for ``tokens`` and how many of its tokens to reuse, pinned (unpin: ``pins -= 1``).
+        """The entry to fork for ``tokens`` and how many tokens to reuse, pinned (unpin: ``pins -= 1``).
 
         An entry whose whole sequence is a prefix of ``tokens`` is forked whole (its logits come
         along); an entry that shares more tokens but then diverges is forked at the shared length

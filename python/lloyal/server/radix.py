@@ -116,7 +116,7 @@ class RadixTree(Generic[V]):
             return 0, None
         stack = [node]  # breadth-first: the shortest stored key below the divergence point
         while stack:
-            nxt = []
+            nxt: list[_Node[V]] = []
             for n in stack:
                 if n.has_value:
                     return i, n.value
