@@ -167,7 +167,7 @@ impl PyGrammar {
         let g = self.lock();
         match g.source().kind {
             GrammarKind::Gbnf => format!("Grammar(kind='gbnf', root={:?})", g.source().root),
-            kind => format!("Grammar(kind={:?})", kind.name()),
+            kind => format!("Grammar(kind='{}')", kind.name()),
         }
     }
 }

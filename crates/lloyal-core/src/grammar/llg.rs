@@ -40,7 +40,7 @@ fn limits() -> ParserLimits {
 pub(crate) fn factory(model: &Model) -> Result<Arc<ParserFactory>> {
     model
         .llg_factory(|| {
-            let env = llama_cpp_2::llguidance_sampler::llguidance_build_tok_env(model.llama());
+            let env = llama_cpp_2::sampling::LlamaSampler::llguidance_tok_env(model.llama());
             let mut factory = ParserFactory::new_simple(&env).map_err(|e| e.to_string())?;
             factory.quiet();
             *factory.limits_mut() = limits();
