@@ -68,11 +68,15 @@ impl PyGrammar {
     /// A grammar accepting exactly the JSON documents that match ``schema`` (a dict or JSON
     /// text), compiled by llguidance for the model of ``ctx_or_model``: ``$ref``/``$defs``,
     /// ``anyOf``/``oneOf``, ``pattern``, ``format``, numeric bounds, ``minItems``/``maxItems``,
-    /// ``additionalProperties``. Output is compact (no whitespace between tokens) unless the
+    /// ``additionalProperties``. Output is compact (no whitespace outside strings) unless the
     /// schema's ``x-guidance`` entry says otherwise. An invalid or unsupported schema, or one
     /// beyond llguidance's size limits, raises ``GrammarError`` with llguidance's reason.
     #[staticmethod]
-    fn from_json_schema(py: Python<'_>, ctx_or_model: &Bound<'_, PyAny>, schema: &Bound<'_, PyAny>) -> PyResult<Self> {
+    fn from_json_schema(
+        py: Python<'_>,
+        ctx_or_model: &Bound<'_, PyAny>,
+        schema: &Bound<'_, PyAny>,
+    ) -> PyResult<Self> {
         let text = if let Ok(s) = schema.cast::<PyString>() {
             s.to_str()?.to_string()
         } else {
@@ -105,7 +109,12 @@ impl PyGrammar {
     /// (llguidance does not read GBNF); same as ``Context.create_grammar``.
     #[staticmethod]
     #[pyo3(signature = (ctx_or_model, gbnf, root="root"))]
-    fn from_gbnf(py: Python<'_>, ctx_or_model: &Bound<'_, PyAny>, gbnf: String, root: &str) -> PyResult<Self> {
+    fn from_gbnf(
+        py: Python<'_>,
+        ctx_or_model: &Bound<'_, PyAny>,
+        gbnf: String,
+        root: &str,
+    ) -> PyResult<Self> {
         let model = model_of(ctx_or_model)?;
         Ok(PyGrammar::from_core(PyGrammar::parse(py, model, gbnf, root.to_string())?))
     }

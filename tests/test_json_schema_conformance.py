@@ -58,7 +58,7 @@ def test_generated_documents_validate(root: lloyal.Branch, name: str) -> None:
         greedy.set_grammar(grammar)
         hot = [greedy.fork() for _ in range(2)]
         for i, b in enumerate(hot):
-            b.set_sampler_params(temperature=1.0, top_k=0, top_p=1.0, min_p=0.0, seed=17 + i)
+            b.set_sampler_params(temperature=1.0, top_k=40, top_p=1.0, min_p=0.0, seed=17 + i)
         texts = _finish(ctx, [greedy, *hot])
         for text in texts:
             jsonschema.validate(json.loads(text), schema)

@@ -86,10 +86,7 @@ impl LlgEngine {
     /// error (including limits hit by the first mask) is raised here.
     pub(crate) fn compile(model: &Model, kind: GrammarKind, text: &str) -> Result<LlgEngine> {
         if text.trim().is_empty() {
-            return Err(LloyalError::Grammar(format!(
-                "the {} grammar is empty; pass its text",
-                kind.name()
-            )));
+            return Err(LloyalError::Grammar(format!("the {} grammar is empty; pass its text", kind.name())));
         }
         let top = top_level(kind, text)?;
         let factory = factory(model)?;

@@ -85,7 +85,8 @@ impl Grammar {
     /// Parse GBNF `gbnf` starting at rule `root`. Invalid rules → `GrammarError` with
     /// llama.cpp's reason.
     pub fn new(model: Arc<Model>, gbnf: &str, root: &str) -> Result<Grammar> {
-        let source = GrammarSource { kind: GrammarKind::Gbnf, text: gbnf.to_string(), root: root.to_string() };
+        let source =
+            GrammarSource { kind: GrammarKind::Gbnf, text: gbnf.to_string(), root: root.to_string() };
         Grammar::compile(model, source)
     }
 

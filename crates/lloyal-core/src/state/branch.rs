@@ -208,13 +208,10 @@ impl ContextState {
     pub fn branch_save(&mut self, handle: Handle) -> Result<Vec<u8>> {
         let b = self.branch(handle)?;
         let (seq, position) = (b.seq_id, b.position);
-        let grammar = b
-            .grammar
-            .as_ref()
-            .map(|g| {
-                let src = g.source();
-                json!({"kind": src.kind.name(), "text": src.text, "root": src.root, "accepted": g.accepted()})
-            });
+        let grammar = b.grammar.as_ref().map(|g| {
+            let src = g.source();
+            json!({"kind": src.kind.name(), "text": src.text, "root": src.root, "accepted": g.accepted()})
+        });
         let bias = |v: &[(i32, f32)]| {
             Value::Array(
                 v.iter()
