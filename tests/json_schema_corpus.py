@@ -10,6 +10,7 @@ from typing import Any
 
 S = {"type": "string", "maxLength": 6}
 SMALL_INT = {"type": "integer", "minimum": 0, "maximum": 99}
+CLOSED = {"additionalProperties": False}
 
 CORPUS: dict[str, dict[str, Any]] = {
     "boolean": {"type": "boolean"},
@@ -83,8 +84,14 @@ CORPUS: dict[str, dict[str, Any]] = {
         "additionalProperties": False,
     },
     "ref-defs": {
-        "$defs": {"point": {"type": "object", "properties": {"x": SMALL_INT, "y": SMALL_INT},
-                            "required": ["x", "y"], "additionalProperties": False}},
+        "$defs": {
+            "point": {
+                "type": "object",
+                "properties": {"x": SMALL_INT, "y": SMALL_INT},
+                "required": ["x", "y"],
+                "additionalProperties": False,
+            }
+        },
         "type": "object",
         "properties": {"from": {"$ref": "#/$defs/point"}, "to": {"$ref": "#/$defs/point"}},
         "required": ["from", "to"],
@@ -100,8 +107,12 @@ CORPUS: dict[str, dict[str, Any]] = {
     "ref-chained": {
         "$defs": {
             "digit": {"type": "integer", "minimum": 0, "maximum": 9},
-            "pair": {"type": "array", "prefixItems": [{"$ref": "#/$defs/digit"}, {"$ref": "#/$defs/digit"}],
-                     "items": False, "minItems": 2},
+            "pair": {
+                "type": "array",
+                "prefixItems": [{"$ref": "#/$defs/digit"}, {"$ref": "#/$defs/digit"}],
+                "items": False,
+                "minItems": 2,
+            },
         },
         "type": "object",
         "properties": {"p": {"$ref": "#/$defs/pair"}},
@@ -111,8 +122,8 @@ CORPUS: dict[str, dict[str, Any]] = {
     "anyof-scalar": {"anyOf": [{"type": "integer", "minimum": 0, "maximum": 9}, {"type": "boolean"}]},
     "anyof-objects": {
         "anyOf": [
-            {"type": "object", "properties": {"cat": S}, "required": ["cat"], "additionalProperties": False},
-            {"type": "object", "properties": {"dog": SMALL_INT}, "required": ["dog"], "additionalProperties": False},
+            {"type": "object", "properties": {"cat": S}, "required": ["cat"], **CLOSED},
+            {"type": "object", "properties": {"dog": SMALL_INT}, "required": ["dog"], **CLOSED},
         ]
     },
     "oneof-disjoint": {
@@ -156,8 +167,11 @@ CORPUS: dict[str, dict[str, Any]] = {
         "type": "array",
         "items": {
             "type": "object",
-            "properties": {"n": {"type": "string", "maxLength": 5}, "r": {"enum": ["a", "b"]},
-                           "s": {"type": "number", "minimum": 0, "maximum": 10}},
+            "properties": {
+                "n": {"type": "string", "maxLength": 5},
+                "r": {"enum": ["a", "b"]},
+                "s": {"type": "number", "minimum": 0, "maximum": 10},
+            },
             "required": ["n", "r", "s"],
             "additionalProperties": False,
         },

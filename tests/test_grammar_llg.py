@@ -25,6 +25,7 @@ PERSON = {
     "additionalProperties": False,
 }
 GREEDY = lloyal.SamplingParams(temperature=0.0)
+UNSATISFIABLE = {"type": "integer", "minimum": 5, "maximum": 1}
 
 
 @pytest.fixture
@@ -104,7 +105,7 @@ def test_forbidden_accept_raises_and_keeps_state_reset_restarts(ctx: lloyal.Cont
     [
         (lambda c: lloyal.Grammar.from_json_schema(c, "{not json"), "not valid JSON"),
         (lambda c: lloyal.Grammar.from_json_schema(c, {"type": "object", "properties": 5}), "json_schema"),
-        (lambda c: lloyal.Grammar.from_json_schema(c, {"type": "integer", "minimum": 5, "maximum": 1}), "json_schema"),
+        (lambda c: lloyal.Grammar.from_json_schema(c, UNSATISFIABLE), "json_schema"),
         (lambda c: lloyal.Grammar.from_json_schema(c, {"type": object()}), "JSON-serialisable"),
         (lambda c: lloyal.Grammar.from_lark(c, "start: undefined_rule"), "lark"),
         (lambda c: lloyal.Grammar.from_lark(c, ""), "empty"),

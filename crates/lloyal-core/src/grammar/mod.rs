@@ -63,7 +63,7 @@ pub struct GrammarSource {
 
 enum Engine {
     Gbnf(GbnfEngine),
-    Llg(LlgEngine),
+    Llg(Box<LlgEngine>),
 }
 
 /// A grammar's parse state over one model's vocabulary.
@@ -99,7 +99,7 @@ impl Grammar {
                 if source.text.contains('\0') {
                     return Err(LloyalError::Grammar(format!("the {} contains a NUL byte", kind.name())));
                 }
-                Engine::Llg(LlgEngine::compile(&model, kind, &source.text)?)
+                Engine::Llg(Box::new(LlgEngine::compile(&model, kind, &source.text)?))
             }
         };
         Ok(Grammar { engine, model, source: Arc::new(source), accepted: Vec::new() })
@@ -135,7 +135,7 @@ impl Grammar {
     pub fn try_clone(&self) -> Result<Grammar> {
         let engine = match &self.engine {
             Engine::Gbnf(g) => Engine::Gbnf(g.try_clone()?),
-            Engine::Llg(g) => Engine::Llg(g.try_clone()),
+            Engine::Llg(g) => Engine::Llg(Box::new(g.try_clone())),
         };
         Ok(Grammar {
             engine,
