@@ -387,7 +387,7 @@ class Grammar:
     sample); GBNF runs on llama.cpp's grammar engine.
 
     Example:
-        >>> g = lloyal.Grammar.from_json_schema(ctx, {"type": "boolean"})
+        >>> g = Grammar.from_json_schema(ctx, {"type": "boolean"})
         >>> logits = ctx.get_logits().copy()
         >>> g.apply(logits)  # forbidden tokens become -inf
         >>> g.allows(ctx.tokenize("true", add_special=False)[0])
