@@ -1,14 +1,18 @@
 """Every document generated under a JSON schema (tests/json_schema_corpus.py) parses and
 validates with `jsonschema`: greedy, and at temperature 1 on two reseeded forks, all from one
-prefilled root per schema."""
+prefilled root; and Hypothesis-generated schemas either give valid documents or are refused
+with `GrammarError`."""
 
 from __future__ import annotations
 
 import json
 from collections.abc import Iterator
+from typing import Any
 
 import jsonschema
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 from json_schema_corpus import CORPUS
 
 import lloyal
@@ -64,3 +68,52 @@ def test_generated_documents_validate(root: lloyal.Branch, name: str) -> None:
             jsonschema.validate(json.loads(text), schema)
         for b in hot:
             b.prune()
+
+
+def _schemas() -> st.SearchStrategy[dict[str, Any]]:
+    """Small bounded schemas (every document fits the token budget), nested up to 2 levels."""
+    leaves = st.one_of(
+        st.just({"type": "boolean"}),
+        st.just({"type": "null"}),
+        st.integers(-20, 20).map(lambda lo: {"type": "integer", "minimum": lo, "maximum": lo + 9}),
+        st.integers(0, 3).map(lambda k: {"type": "string", "minLength": k, "maxLength": k + 3}),
+        st.lists(st.sampled_from(["a", "b", "c", 1, 2, None]), min_size=1, max_size=3, unique=True).map(
+            lambda v: {"enum": v}
+        ),
+        st.just({"type": "string", "pattern": "^[a-z]{1,3}$"}),
+    )
+
+    def extend(inner: st.SearchStrategy[dict[str, Any]]) -> st.SearchStrategy[dict[str, Any]]:
+        keys = st.sampled_from(["a", "b", "c", "d"])
+        return st.one_of(
+            st.tuples(inner, st.integers(0, 2)).map(
+                lambda t: {"type": "array", "items": t[0], "minItems": min(1, t[1]), "maxItems": t[1]}
+            ),
+            st.dictionaries(keys, inner, min_size=1, max_size=2).flatmap(
+                lambda props: st.sets(st.sampled_from(sorted(props))).map(
+                    lambda req: {
+                        "type": "object",
+                        "properties": props,
+                        "required": sorted(req),
+                        "additionalProperties": False,
+                    }
+                )
+            ),
+            st.lists(inner, min_size=2, max_size=2).map(lambda alts: {"anyOf": alts}),
+        )
+
+    return st.recursive(leaves, extend, max_leaves=4)
+
+
+@settings(max_examples=8, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(schema=_schemas())
+def test_hypothesis_schemas_validate_or_are_refused(root: lloyal.Branch, schema: dict[str, Any]) -> None:
+    ctx = root.context
+    try:
+        grammar = lloyal.Grammar.from_json_schema(ctx, schema)
+    except lloyal.GrammarError:
+        return  # refused with llguidance's reason: allowed
+    with root.fork() as b:
+        b.set_grammar(grammar)
+        (text,) = _finish(ctx, [b])
+    jsonschema.validate(json.loads(text), schema)
