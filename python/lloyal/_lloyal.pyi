@@ -611,7 +611,9 @@ class Branch:
         """
     @property
     def grammar_resamples(self) -> int:
-        """Sampled tokens the grammar rejected so far (each cost a full vocabulary mask)."""
+        """Sampled tokens a GBNF grammar rejected so far (each cost a full vocabulary mask); always 0
+        under llguidance grammars, which mask before sampling.
+        """
     def set_logit_bias(self, bias: Mapping[int, float]) -> None:
         """Set ``{token: bias}`` added to the logits before sampling; inherited by forks; ``-inf`` bans."""
     def steer(self, bias: Mapping[int, float]) -> None:

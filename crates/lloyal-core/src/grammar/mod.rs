@@ -256,3 +256,17 @@ impl Grammar {
         ))
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::GrammarKind;
+
+    #[test]
+    fn kind_names_round_trip_and_unknown_names_are_refused() {
+        for kind in [GrammarKind::Gbnf, GrammarKind::JsonSchema, GrammarKind::Lark, GrammarKind::Regex] {
+            assert_eq!(GrammarKind::parse(kind.name()), Some(kind));
+        }
+        assert_eq!(GrammarKind::JsonSchema.name(), "json_schema");
+        assert_eq!(GrammarKind::parse("json"), None);
+    }
+}
