@@ -1,14 +1,18 @@
 """JSON-schema-constrained generation vs unconstrained on the same branch setup, and vs
 llama-cpp-python's grammar path (LlamaGrammar), in one run.
 
-lloyal samples from the unconstrained distribution first and checks only the chosen token
-against the grammar; the full 262k-token mask is computed only when that token is rejected
-(counted in ``extra_info["grammar_resamples"]``).
+Two lloyal engines: llama.cpp's GBNF engine (``gbnf``: sample unconstrained first, compute the
+full 262k-token mask only when the grammar rejects the draw, counted in
+``extra_info["grammar_resamples"]``) and llguidance (``llguidance``: the mask is applied before
+every draw). ``test_issue_schema`` compares both with unconstrained generation on a cooperative
+and an adversarial prompt; ``test_mask_time`` reports llguidance's mask time per token in µs.
 """
 
 from __future__ import annotations
 
 import json
+import statistics
+import time
 from pathlib import Path
 
 import pytest
@@ -85,3 +89,110 @@ def test_llama_cpp_python(benchmark, model_path: Path, full: bool, constrained: 
     assert text and tokens > 0
     if constrained:
         assert text.lstrip().startswith("[")
+
+
+# The issue's schema: name string, age integer, city enum.
+ISSUE_SCHEMA = {
+    "type": "object",
+    "properties": {
+        "name": {"type": "string"},
+        "age": {"type": "integer"},
+        "city": {"enum": ["Paris", "London", "Tokyo", "New York"]},
+    },
+    "required": ["name", "age", "city"],
+}
+NESTED_SCHEMA = {
+    "type": "object",
+    "properties": {
+        "team": {"type": "string", "maxLength": 20},
+        "members": {
+            "type": "array",
+            "items": {
+                "type": "object",
+                "properties": {
+                    "name": {"type": "string", "maxLength": 16},
+                    "role": {"enum": ["lead", "dev", "ops"]},
+                    "score": {"type": "number", "minimum": 0, "maximum": 10},
+                },
+                "required": ["name", "role", "score"],
+                "additionalProperties": False,
+            },
+            "minItems": 1,
+            "maxItems": 4,
+        },
+    },
+    "required": ["team", "members"],
+    "additionalProperties": False,
+}
+PROMPTS = {"cooperative": "Generate a person as JSON:\n", "adversarial": "Once upon a time"}
+
+
+def _grammar(ctx: lloyal.Context, engine: str) -> lloyal.Grammar | str | None:
+    if engine == "gbnf":
+        return lloyal.json_schema_to_grammar(ISSUE_SCHEMA)
+    if engine == "llguidance":
+        return lloyal.Grammar.from_json_schema(ctx, ISSUE_SCHEMA)
+    return None
+
+
+@pytest.mark.benchmark(group="issue-schema")
+@pytest.mark.parametrize("prompt", sorted(PROMPTS))
+@pytest.mark.parametrize("engine", ["unconstrained", "gbnf", "llguidance"])
+def test_issue_schema(benchmark, model_path: Path, full: bool, engine: str, prompt: str) -> None:
+    """Tokens per second at temperature 0.7 (ratios: against ``unconstrained`` of the same prompt)."""
+    n = 48 if full else 6
+    params = lloyal.SamplingParams(temperature=0.7, seed=5)
+    with lloyal.Context(model_path, n_ctx=512, n_threads=THREADS) as ctx:
+        grammar = _grammar(ctx, engine)  # compiled outside the timing (llguidance: trie built once)
+        tokens = ctx.tokenize(PROMPTS[prompt])
+
+        def run() -> tuple[list[int], int]:
+            with lloyal.Branch.create(ctx, 0, params, grammar=grammar) as b:
+                b.prefill(tokens)
+                return [t.token for t in b.generate(n)], b.grammar_resamples
+
+        out, resamples = benchmark.pedantic(run, rounds=3 if full else 1)
+        text = ctx.detokenize(out)
+    benchmark.extra_info.update(tokens=len(out), grammar_resamples=resamples)
+    assert 0 < len(out) <= n
+    if engine == "llguidance":
+        assert text.startswith('{"name":"') or '{"name":"'.startswith(text), text
+        assert resamples == 0
+    if engine != "unconstrained" and len(out) < n:
+        assert set(json.loads(text)) == {"name", "age", "city"}
+
+
+@pytest.mark.benchmark(group="mask-time")
+@pytest.mark.parametrize("schema", ["issue", "nested"])
+def test_mask_time(benchmark, model_path: Path, full: bool, schema: str) -> None:
+    """llguidance's mask per token (compute + apply to the 262k logits), in µs: a document is
+    generated greedily on the flat path and each ``Grammar.apply`` is timed."""
+    n = 64 if full else 8
+    with lloyal.Context(model_path, n_ctx=512, n_threads=THREADS) as ctx:
+        s = ISSUE_SCHEMA if schema == "issue" else NESTED_SCHEMA
+        lloyal.Grammar.from_json_schema(ctx, s)  # the model's token trie, built once
+
+        def run() -> list[float]:
+            g = lloyal.Grammar.from_json_schema(ctx, s)
+            ctx.kv_cache_clear()
+            prompt = ctx.tokenize("Generate JSON:\n")
+            ctx.decode(prompt, 0)
+            pos, times = len(prompt), []
+            for _ in range(n):
+                logits = ctx.get_logits().copy()
+                t0 = time.perf_counter()
+                g.apply(logits)
+                times.append((time.perf_counter() - t0) * 1e6)
+                tok = int(logits.argmax())
+                if ctx.is_stop_token(tok):
+                    break
+                g.accept(tok)
+                ctx.decode([tok], pos)
+                pos += 1
+            return times
+
+        times = benchmark.pedantic(run, rounds=1)
+    benchmark.extra_info.update(
+        tokens=len(times), mask_us_median=statistics.median(times), mask_us_max=max(times)
+    )
+    assert len(times) > 0

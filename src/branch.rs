@@ -181,7 +181,8 @@ impl PyBranch {
         self.call(py, move |s, h| s.branch_set_grammar(h, grammar))
     }
 
-    /// Sampled tokens the grammar rejected so far (each cost a full vocabulary mask).
+    /// Sampled tokens a GBNF grammar rejected so far (each cost a full vocabulary mask); always 0
+    /// under llguidance grammars, which mask before sampling.
     #[getter]
     fn grammar_resamples(&self, py: Python<'_>) -> PyResult<u64> {
         self.call(py, |s, h| s.branch_grammar_resamples(h))

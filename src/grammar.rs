@@ -1,22 +1,30 @@
-//! `Grammar` handles and `json_schema_to_grammar`.
+//! `Grammar` handles (GBNF, JSON schema, Lark, regex) and `json_schema_to_grammar`.
 
 use std::sync::{Arc, Mutex, MutexGuard};
 
-use lloyal_core::{Grammar, Model};
+use lloyal_core::{Grammar, GrammarKind, GrammarSource, Model};
 use numpy::PyReadwriteArray1;
 use pyo3::prelude::*;
+use pyo3::types::PyString;
 
+use crate::context::PyContext;
 use crate::detach::detached;
 use crate::error::IntoPyResult;
+use crate::model::PyModel;
 
-/// A GBNF grammar's parse state: mask logits with ``apply``, advance with ``accept``.
+/// A grammar's parse state: mask logits with ``apply``, advance with ``accept``.
+///
+/// JSON schema, Lark and regex grammars run on llguidance (the mask is applied before every
+/// sample); GBNF runs on llama.cpp's grammar engine.
 ///
 /// Example:
-///     >>> g = ctx.create_grammar('root ::= "yes" | "no"')
+///     >>> g = Grammar.from_json_schema(ctx, {"type": "boolean"})
 ///     >>> logits = ctx.get_logits().copy()
 ///     >>> g.apply(logits)  # forbidden tokens become -inf
-///     >>> g.allows(ctx.tokenize("yes", add_special=False)[0])
+///     >>> g.allows(ctx.tokenize("true", add_special=False)[0])
 ///     True
+///     >>> g.kind
+///     'json_schema'
 #[pyclass(name = "Grammar", module = "lloyal._lloyal", frozen)]
 pub struct PyGrammar {
     inner: Mutex<Grammar>,
@@ -34,10 +42,83 @@ impl PyGrammar {
     pub(crate) fn lock(&self) -> MutexGuard<'_, Grammar> {
         self.inner.lock().unwrap_or_else(|p| p.into_inner())
     }
+
+    fn compile(py: Python<'_>, target: &Bound<'_, PyAny>, kind: GrammarKind, text: String) -> PyResult<Self> {
+        let model = model_of(target)?;
+        let source = GrammarSource { kind, text, root: String::new() };
+        Ok(PyGrammar::from_core(detached(py, move || Grammar::compile(model, source))?))
+    }
+}
+
+/// The model behind a `Context` or `Model` argument.
+fn model_of(target: &Bound<'_, PyAny>) -> PyResult<Arc<Model>> {
+    if let Ok(ctx) = target.cast::<PyContext>() {
+        let core = &ctx.get().inner;
+        core.check_open().py()?;
+        return Ok(core.model().clone());
+    }
+    if let Ok(model) = target.cast::<PyModel>() {
+        return Ok(model.get().inner.clone());
+    }
+    Err(pyo3::exceptions::PyTypeError::new_err("expected a Context or a Model"))
 }
 
 #[pymethods]
 impl PyGrammar {
+    /// A grammar accepting exactly the JSON documents that match ``schema`` (a dict or JSON
+    /// text), compiled by llguidance for the model of ``ctx_or_model``: ``$ref``/``$defs``,
+    /// ``anyOf``/``oneOf``, ``pattern``, ``format``, numeric bounds, ``minItems``/``maxItems``,
+    /// ``additionalProperties``. Output is compact (no whitespace outside strings) unless the
+    /// schema's ``x-guidance`` entry says otherwise. An invalid or unsupported schema, or one
+    /// beyond llguidance's size limits, raises ``GrammarError`` with llguidance's reason.
+    #[staticmethod]
+    fn from_json_schema(
+        py: Python<'_>,
+        ctx_or_model: &Bound<'_, PyAny>,
+        schema: &Bound<'_, PyAny>,
+    ) -> PyResult<Self> {
+        let text = if let Ok(s) = schema.cast::<PyString>() {
+            s.to_str()?.to_string()
+        } else {
+            let dumped = py.import("json")?.call_method1("dumps", (schema,)).map_err(|e| {
+                crate::error::to_py(lloyal_core::LloyalError::Grammar(format!(
+                    "the JSON schema is not JSON-serialisable: {e}"
+                )))
+            })?;
+            dumped.extract::<String>()?
+        };
+        PyGrammar::compile(py, ctx_or_model, GrammarKind::JsonSchema, text)
+    }
+
+    /// A grammar from a Lark grammar in llguidance's dialect (start rule ``start``; lexer
+    /// regexes in ``/.../``, ``%json {...}`` for embedded schemas), for the model of
+    /// ``ctx_or_model``. Invalid grammars raise ``GrammarError`` with llguidance's reason.
+    #[staticmethod]
+    fn from_lark(py: Python<'_>, ctx_or_model: &Bound<'_, PyAny>, lark: String) -> PyResult<Self> {
+        PyGrammar::compile(py, ctx_or_model, GrammarKind::Lark, lark)
+    }
+
+    /// A grammar whose whole output matches the regular expression ``pattern`` (Rust
+    /// ``regex`` syntax, anchored at both ends), compiled by llguidance.
+    #[staticmethod]
+    fn from_regex(py: Python<'_>, ctx_or_model: &Bound<'_, PyAny>, pattern: String) -> PyResult<Self> {
+        PyGrammar::compile(py, ctx_or_model, GrammarKind::Regex, pattern)
+    }
+
+    /// A grammar from GBNF rules starting at ``root``, run on llama.cpp's grammar engine
+    /// (llguidance does not read GBNF); same as ``Context.create_grammar``.
+    #[staticmethod]
+    #[pyo3(signature = (ctx_or_model, gbnf, root="root"))]
+    fn from_gbnf(
+        py: Python<'_>,
+        ctx_or_model: &Bound<'_, PyAny>,
+        gbnf: String,
+        root: &str,
+    ) -> PyResult<Self> {
+        let model = model_of(ctx_or_model)?;
+        Ok(PyGrammar::from_core(PyGrammar::parse(py, model, gbnf, root.to_string())?))
+    }
+
     /// An independent copy with the same parse state.
     fn clone(&self) -> PyResult<PyGrammar> {
         Ok(PyGrammar::from_core(self.lock().try_clone().py()?))
@@ -60,25 +141,43 @@ impl PyGrammar {
         i32::try_from(token).map(|t| self.lock().allows(t)).unwrap_or(false)
     }
 
-    /// Back to the start rule.
-    fn reset(&self) {
-        self.lock().reset()
+    /// Back to the start.
+    fn reset(&self) -> PyResult<()> {
+        self.lock().reset().py()
     }
 
-    /// The GBNF rules.
+    /// What the grammar was built from: ``"gbnf"``, ``"json_schema"``, ``"lark"`` or ``"regex"``.
     #[getter]
-    fn gbnf(&self) -> String {
-        self.lock().source().gbnf.clone()
+    fn kind(&self) -> &'static str {
+        self.lock().source().kind.name()
     }
 
-    /// The start rule's name.
+    /// The text the grammar was built from (GBNF rules, JSON schema, Lark grammar or regex).
     #[getter]
-    fn root(&self) -> String {
-        self.lock().source().root.clone()
+    fn source(&self) -> String {
+        self.lock().source().text.clone()
+    }
+
+    /// The GBNF rules (``None`` for other kinds; see ``source``).
+    #[getter]
+    fn gbnf(&self) -> Option<String> {
+        let g = self.lock();
+        (g.source().kind == GrammarKind::Gbnf).then(|| g.source().text.clone())
+    }
+
+    /// The GBNF start rule's name (``None`` for other kinds).
+    #[getter]
+    fn root(&self) -> Option<String> {
+        let g = self.lock();
+        (g.source().kind == GrammarKind::Gbnf).then(|| g.source().root.clone())
     }
 
     fn __repr__(&self) -> String {
-        format!("Grammar(root={:?})", self.lock().source().root)
+        let g = self.lock();
+        match g.source().kind {
+            GrammarKind::Gbnf => format!("Grammar(kind='gbnf', root={:?})", g.source().root),
+            kind => format!("Grammar(kind='{}')", kind.name()),
+        }
     }
 }
 

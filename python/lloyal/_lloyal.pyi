@@ -439,16 +439,46 @@ class Context:
 
 @final
 class Grammar:
-    """A GBNF grammar's parse state: mask logits with ``apply``, advance with ``accept``.
+    """A grammar's parse state: mask logits with ``apply``, advance with ``accept``.
+
+    JSON schema, Lark and regex grammars run on llguidance (the mask is applied before every
+    sample); GBNF runs on llama.cpp's grammar engine.
 
     Example:
-        >>> g = ctx.create_grammar('root ::= "yes" | "no"')
+        >>> g = Grammar.from_json_schema(ctx, {"type": "boolean"})
         >>> logits = ctx.get_logits().copy()
         >>> g.apply(logits)  # forbidden tokens become -inf
-        >>> g.allows(ctx.tokenize("yes", add_special=False)[0])
+        >>> g.allows(ctx.tokenize("true", add_special=False)[0])
         True
+        >>> g.kind
+        'json_schema'
     """
 
+    @staticmethod
+    def from_json_schema(ctx_or_model: Context | Model, schema: str | Mapping[str, Any]) -> Grammar:
+        """A grammar accepting exactly the JSON documents that match ``schema`` (a dict or JSON
+        text), compiled by llguidance for the model of ``ctx_or_model``: ``$ref``/``$defs``,
+        ``anyOf``/``oneOf``, ``pattern``, ``format``, numeric bounds, ``minItems``/``maxItems``,
+        ``additionalProperties``. Output is compact (no whitespace outside strings) unless the
+        schema's ``x-guidance`` entry says otherwise. An invalid or unsupported schema, or one
+        beyond llguidance's size limits, raises ``GrammarError`` with llguidance's reason.
+        """
+    @staticmethod
+    def from_lark(ctx_or_model: Context | Model, lark: str) -> Grammar:
+        """A grammar from a Lark grammar in llguidance's dialect (start rule ``start``; lexer
+        regexes in ``/.../``, ``%json {...}`` for embedded schemas), for the model of
+        ``ctx_or_model``. Invalid grammars raise ``GrammarError`` with llguidance's reason.
+        """
+    @staticmethod
+    def from_regex(ctx_or_model: Context | Model, pattern: str) -> Grammar:
+        """A grammar whose whole output matches the regular expression ``pattern`` (Rust
+        ``regex`` syntax, anchored at both ends), compiled by llguidance.
+        """
+    @staticmethod
+    def from_gbnf(ctx_or_model: Context | Model, gbnf: str, root: str = "root") -> Grammar:
+        """A grammar from GBNF rules starting at ``root``, run on llama.cpp's grammar engine
+        (llguidance does not read GBNF); same as ``Context.create_grammar``.
+        """
     def clone(self) -> Grammar:
         """An independent copy with the same parse state."""
     def apply(self, logits: npt.NDArray[np.float32]) -> None:
@@ -458,13 +488,19 @@ class Grammar:
     def allows(self, token: int) -> bool:
         """Whether ``token`` may come next."""
     def reset(self) -> None:
-        """Back to the start rule."""
+        """Back to the start."""
     @property
-    def gbnf(self) -> str:
-        """The GBNF rules."""
+    def kind(self) -> str:
+        """What the grammar was built from: ``"gbnf"``, ``"json_schema"``, ``"lark"`` or ``"regex"``."""
     @property
-    def root(self) -> str:
-        """The start rule's name."""
+    def source(self) -> str:
+        """The text the grammar was built from (GBNF rules, JSON schema, Lark grammar or regex)."""
+    @property
+    def gbnf(self) -> str | None:
+        """The GBNF rules (``None`` for other kinds; see ``source``)."""
+    @property
+    def root(self) -> str | None:
+        """The GBNF start rule's name (``None`` for other kinds)."""
 
 @final
 class PerplexityTracker:
@@ -654,7 +690,9 @@ class Branch:
         """
     @property
     def grammar_resamples(self) -> int:
-        """Sampled tokens the grammar rejected so far (each cost a full vocabulary mask)."""
+        """Sampled tokens a GBNF grammar rejected so far (each cost a full vocabulary mask); always 0
+        under llguidance grammars, which mask before sampling.
+        """
     def set_logit_bias(self, bias: Mapping[int, float]) -> None:
         """Set ``{token: bias}`` added to the logits before sampling; inherited by forks; ``-inf`` bans."""
     def steer(self, bias: Mapping[int, float]) -> None:

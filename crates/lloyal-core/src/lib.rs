@@ -5,7 +5,7 @@
 //! `engine/` (the per-context scheduler thread that coalesces decode-bearing calls),
 //! `branch/` (the branch type, its operations, reseed, verify), `store` (multi-branch commit,
 //! prefill, retain_only), `state/` (saved KV and branch state), `chat/` (templates, render,
-//! output parsing), `sampling`/`sampler` (parameters and llama.cpp chains), `grammar`,
+//! output parsing), `sampling`/`sampler` (parameters and llama.cpp chains), `grammar/` (GBNF, llguidance),
 //! `metrics` (entropy, perplexity), `text` (streaming UTF-8), `tenancy`/`topology` (leases,
 //! handles, parent/child links), `raw` (llama.cpp FFI wrappers), `error`.
 
@@ -16,7 +16,6 @@ pub mod context;
 pub mod embeddings;
 pub mod engine;
 pub mod error;
-pub mod gbnf_check;
 pub mod grammar;
 pub mod metrics;
 pub mod model;
@@ -38,7 +37,7 @@ pub use chat::{ChatOptions, ChatOutput, FormattedChat, ToolCall};
 pub use context::{Context, ContextShape, ContextState, InterruptCheck};
 pub use engine::{EngineStats, Ticket, Waiter, Work};
 pub use error::{LloyalError, Result};
-pub use grammar::{json_schema_to_grammar, Grammar, GrammarSource};
+pub use grammar::{json_schema_to_grammar, Grammar, GrammarKind, GrammarSource};
 pub use metrics::{Base, PerplexityTracker};
 pub use model::{Model, ModelOptions};
 pub use options::{ContextOptions, Pooling};

@@ -2,7 +2,7 @@
 
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
-use std::sync::{Arc, Mutex, Weak};
+use std::sync::{Arc, Mutex, OnceLock, Weak};
 
 use std::ffi::CString;
 
@@ -45,6 +45,8 @@ pub struct Model {
     n_vocab: i32,
     /// Tokens allowed at the start rule of recently used grammars, keyed by (rules, root).
     grammar_starts: Mutex<Vec<GrammarStart>>,
+    /// llguidance's parser factory (token trie over the vocabulary), built on first use.
+    llg_factory: OnceLock<std::result::Result<Arc<llguidance::ParserFactory>, String>>,
 }
 
 /// A grammar's (rules, root) and the tokens its start rule allows.
@@ -99,6 +101,7 @@ impl Model {
             options,
             n_vocab,
             grammar_starts: Mutex::new(Vec::new()),
+            llg_factory: OnceLock::new(),
         })
     }
 
@@ -291,5 +294,14 @@ impl Model {
         }
         cache.push(((gbnf.to_string(), root.to_string()), set.clone()));
         set
+    }
+
+    /// llguidance's parser factory for this model, built by `build` once (later calls, also
+    /// after a failure, return the first outcome).
+    pub(crate) fn llg_factory(
+        &self,
+        build: impl FnOnce() -> std::result::Result<Arc<llguidance::ParserFactory>, String>,
+    ) -> std::result::Result<Arc<llguidance::ParserFactory>, String> {
+        self.llg_factory.get_or_init(build).clone()
     }
 }

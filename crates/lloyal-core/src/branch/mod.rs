@@ -116,7 +116,8 @@ pub struct BranchState {
     pub(crate) steer: Vec<(i32, f32)>,
     /// Grammar parse state (cloned on fork); sampled tokens are checked against it.
     pub(crate) grammar: Option<Grammar>,
-    /// Grammar rejections of the unconstrained sample (each cost one full mask).
+    /// GBNF rejections of the unconstrained sample (each cost one full mask); llguidance
+    /// grammars mask before sampling and never resample.
     pub(crate) grammar_resamples: u64,
 }
 
@@ -226,6 +227,29 @@ impl BranchState {
         }
         let biases = self.biases();
         let mut sampler = self.sampler.try_clone()?;
+        self.logits()?;
+        if let Some(grammar) = self.grammar.as_mut().filter(|g| g.masks_first()) {
+            // llguidance: the mask is cheap, so apply it before drawing (one draw, exact).
+            let mut masked = grammar.masked(&self.logits)?;
+            for &(i, v) in &biases {
+                if v == f32::NEG_INFINITY {
+                    masked[i as usize] = v;
+                }
+            }
+            if masked.iter().all(|&l| l == f32::NEG_INFINITY) {
+                return Err(LloyalError::Grammar(
+                    "the grammar allows no token here (every allowed token is banned); \
+                     change the logit bias or the grammar"
+                        .into(),
+                ));
+            }
+            let token = sampler.sample(&masked, &biases);
+            if !grammar.allows(token) {
+                return Err(grammar.forbidden(token));
+            }
+            self.pending = Some((token, sampler));
+            return Ok(token);
+        }
         let mut token = sampler.sample(self.logits()?, &biases);
         if let Some(grammar) = self.grammar.as_mut() {
             // Sample unconstrained first; only a rejected token pays for the full mask.

@@ -17,7 +17,7 @@ use serde_json::{json, Value};
 use crate::branch::BranchState;
 use crate::context::ContextState;
 use crate::error::{LloyalError, Result};
-use crate::grammar::{Grammar, GrammarSource};
+use crate::grammar::{Grammar, GrammarKind, GrammarSource};
 use crate::metrics::PerplexityTracker;
 use crate::sampler::Sampler;
 use crate::sampling::{Dry, Mirostat, SamplingParams, Xtc};
@@ -208,10 +208,10 @@ impl ContextState {
     pub fn branch_save(&mut self, handle: Handle) -> Result<Vec<u8>> {
         let b = self.branch(handle)?;
         let (seq, position) = (b.seq_id, b.position);
-        let grammar = b
-            .grammar
-            .as_ref()
-            .map(|g| json!({"gbnf": g.source().gbnf, "root": g.source().root, "accepted": g.accepted()}));
+        let grammar = b.grammar.as_ref().map(|g| {
+            let src = g.source();
+            json!({"kind": src.kind.name(), "text": src.text, "root": src.root, "accepted": g.accepted()})
+        });
         let bias = |v: &[(i32, f32)]| {
             Value::Array(
                 v.iter()
@@ -298,7 +298,13 @@ impl ContextState {
             Some(g) => {
                 let text =
                     |k: &str| g.get(k).and_then(Value::as_str).map(str::to_string).ok_or_else(|| bad(k));
-                let source = GrammarSource { gbnf: text("gbnf")?, root: text("root")? };
+                // States saved before llguidance hold GBNF under "gbnf" and no "kind".
+                let kind = match g.get("kind").and_then(Value::as_str) {
+                    None => GrammarKind::Gbnf,
+                    Some(name) => GrammarKind::parse(name).ok_or_else(|| bad("grammar kind"))?,
+                };
+                let text_key = if g.get("text").is_some() { "text" } else { "gbnf" };
+                let source = GrammarSource { kind, text: text(text_key)?, root: text("root")? };
                 let accepted = tokens_of(g, "accepted")?;
                 Some(Grammar::restore(model.clone(), &source, &accepted).map_err(bad)?)
             }

@@ -1,15 +1,15 @@
-//! GBNF grammars (llama.cpp's grammar sampler) and JSON-schema conversion.
+//! GBNF grammars on llama.cpp's grammar engine, and llama.cpp's JSON-schema-to-GBNF converter.
 //!
 //! llama.cpp aborts (not throws) when a grammar accepts an end-of-generation token it does not
 //! allow, and throws across the C ABI on any other forbidden token; so every `accept` here is
-//! preceded by [`Grammar::allows`], and a forbidden token is a `GrammarError` with the grammar
+//! preceded by [`GbnfEngine::allows`], and a forbidden token is a `GrammarError` with the grammar
 //! unchanged.
 
 use std::ffi::CString;
 
-use crate::gbnf_check::check_gbnf;
 use std::ptr::NonNull;
-use std::sync::Arc;
+
+use super::gbnf_check::check_gbnf;
 
 use llama_cpp_sys_2 as sys;
 
@@ -18,41 +18,23 @@ use crate::error::{LloyalError, Result};
 use crate::model::Model;
 use crate::raw::vocab_ptr;
 
-/// The text a grammar was built from (kept for cloning into state files and for messages).
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct GrammarSource {
-    /// GBNF rules.
-    pub gbnf: String,
-    /// Name of the start rule.
-    pub root: String,
-}
-
-/// An owned llama.cpp grammar sampler: parse state over the GBNF rules.
-pub struct Grammar {
+/// An owned llama.cpp grammar sampler: parse state over GBNF rules.
+pub(crate) struct GbnfEngine {
     raw: NonNull<sys::llama_sampler>,
-    model: Arc<Model>,
-    source: Arc<GrammarSource>,
-    /// Tokens accepted since the start rule (replayed to restore a saved state).
-    accepted: Vec<i32>,
+    n_vocab: i32,
     /// Reused candidate buffer for masks.
     candidates: Vec<sys::llama_token_data>,
 }
 
 // SAFETY: a grammar sampler is plain heap state with no thread affinity; it is only used
 // through &mut or under the context lock.
-unsafe impl Send for Grammar {}
+unsafe impl Send for GbnfEngine {}
 
-impl Drop for Grammar {
+impl Drop for GbnfEngine {
     fn drop(&mut self) {
         // SAFETY: the pointer came from llama_rs_sampler_init_grammar / llama_sampler_clone
         // and is freed exactly once.
         unsafe { sys::llama_sampler_free(self.raw.as_ptr()) }
-    }
-}
-
-impl std::fmt::Debug for Grammar {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("Grammar").field("root", &self.source.root).finish()
     }
 }
 
@@ -81,9 +63,9 @@ pub fn json_schema_to_grammar(schema_json: &str) -> Result<String> {
     Ok(gbnf)
 }
 
-impl Grammar {
+impl GbnfEngine {
     /// Parse `gbnf` starting at rule `root`. Invalid rules → `GrammarError` with llama.cpp's reason.
-    pub fn new(model: Arc<Model>, gbnf: &str, root: &str) -> Result<Grammar> {
+    pub(crate) fn new(model: &Model, gbnf: &str, root: &str) -> Result<GbnfEngine> {
         let (c_gbnf, c_root) = match (CString::new(gbnf), CString::new(root)) {
             (Ok(g), Ok(r)) => (g, r),
             _ => return Err(LloyalError::Grammar("the grammar or its root name contains a NUL byte".into())),
@@ -104,49 +86,22 @@ impl Grammar {
             let detail = if detail.is_empty() { "parse error".to_string() } else { detail };
             LloyalError::Grammar(format!("invalid grammar (root rule {root:?}): {detail}"))
         })?;
-        let source = Arc::new(GrammarSource { gbnf: gbnf.to_string(), root: root.to_string() });
-        Ok(Grammar { raw, model, source, accepted: Vec::new(), candidates: Vec::new() })
-    }
-
-    /// Rebuild a saved grammar: parse `source`, then accept `accepted` from the start rule.
-    pub fn restore(model: Arc<Model>, source: &GrammarSource, accepted: &[i32]) -> Result<Grammar> {
-        let mut g = Grammar::new(model, &source.gbnf, &source.root)?;
-        for &t in accepted {
-            g.accept(t)?;
-        }
-        Ok(g)
-    }
-
-    /// Tokens accepted since the start rule (or the last `reset`).
-    pub fn accepted(&self) -> &[i32] {
-        &self.accepted
-    }
-
-    /// The rules this grammar was built from.
-    pub fn source(&self) -> &GrammarSource {
-        &self.source
+        Ok(GbnfEngine { raw, n_vocab: model.n_vocab(), candidates: Vec::new() })
     }
 
     /// An independent copy with the same parse state.
-    pub fn try_clone(&self) -> Result<Grammar> {
+    pub(crate) fn try_clone(&self) -> Result<GbnfEngine> {
         // SAFETY: self.raw is a live grammar sampler; clone returns a new owned sampler.
         let raw = unsafe { sys::llama_sampler_clone(self.raw.as_ptr()) };
         let raw =
             NonNull::new(raw).ok_or_else(|| LloyalError::Grammar("could not clone the grammar".into()))?;
-        Ok(Grammar {
-            raw,
-            model: self.model.clone(),
-            source: self.source.clone(),
-            accepted: self.accepted.clone(),
-            candidates: Vec::new(),
-        })
+        Ok(GbnfEngine { raw, n_vocab: self.n_vocab, candidates: Vec::new() })
     }
 
     /// Back to the start rule.
-    pub fn reset(&mut self) {
+    pub(crate) fn reset(&mut self) {
         // SAFETY: self.raw is a live grammar sampler.
         unsafe { sys::llama_sampler_reset(self.raw.as_ptr()) }
-        self.accepted.clear();
     }
 
     fn apply(&mut self, start: usize) {
@@ -163,8 +118,8 @@ impl Grammar {
 
     /// Whether the grammar accepts `token` next (an end-of-generation token only when the
     /// grammar is complete). Out-of-range tokens are not allowed.
-    pub fn allows(&mut self, token: i32) -> bool {
-        if token < 0 || token >= self.model.n_vocab() {
+    pub(crate) fn allows(&mut self, token: i32) -> bool {
+        if token < 0 || token >= self.n_vocab {
             return false;
         }
         self.candidates.clear();
@@ -174,8 +129,8 @@ impl Grammar {
     }
 
     /// Which of `tokens` the grammar allows next (one pass of the grammar over them).
-    pub fn allowed_among(&mut self, tokens: &[i32]) -> Vec<bool> {
-        let n_vocab = self.model.n_vocab();
+    pub(crate) fn allowed_among(&mut self, tokens: &[i32]) -> Vec<bool> {
+        let n_vocab = self.n_vocab;
         self.candidates.clear();
         self.candidates.extend(tokens.iter().map(|&id| sys::llama_token_data { id, logit: 0.0, p: 0.0 }));
         if self.candidates.is_empty() {
@@ -185,62 +140,28 @@ impl Grammar {
         self.candidates.iter().map(|c| c.logit != f32::NEG_INFINITY && c.id >= 0 && c.id < n_vocab).collect()
     }
 
-    /// The tokens allowed at the start rule, computed once per rules and root and kept by the
-    /// model: every generation under the same grammar starts here, and a full pass over a 262k
-    /// vocabulary costs ~150 ms.
-    pub fn start_allowed(&mut self) -> Arc<Vec<i32>> {
-        let (model, source) = (self.model.clone(), self.source.clone());
-        model.grammar_start(&source.gbnf, &source.root, || {
-            let Ok(mut fresh) = Grammar::new(model.clone(), &source.gbnf, &source.root) else {
-                return Vec::new();
-            };
-            let all: Vec<i32> = (0..model.n_vocab()).collect();
-            let allowed = fresh.allowed_among(&all);
-            all.into_iter().zip(allowed).filter(|(_, ok)| *ok).map(|(t, _)| t).collect()
-        })
-    }
-
-    /// Set every token the grammar forbids to `-inf` in `logits` (length n_vocab).
-    pub fn mask(&mut self, logits: &mut [f32]) -> Result<()> {
-        let n = self.model.n_vocab() as usize;
-        if logits.len() != n {
-            return Err(LloyalError::invalid(format!(
-                "logits must have n_vocab={n} entries, got {}",
-                logits.len()
-            )));
-        }
+    /// Set every token the grammar forbids to `-inf` in `logits` (length n_vocab, checked by
+    /// the caller).
+    pub(crate) fn mask(&mut self, logits: &mut [f32]) {
         // Only tokens still possible need the (expensive) grammar check.
-        let live: Vec<i32> = (0..n as i32).filter(|&t| logits[t as usize] != f32::NEG_INFINITY).collect();
+        let n = logits.len() as i32;
+        let live: Vec<i32> = (0..n).filter(|&t| logits[t as usize] != f32::NEG_INFINITY).collect();
         for (t, ok) in live.iter().zip(self.allowed_among(&live)) {
             if !ok {
                 logits[*t as usize] = f32::NEG_INFINITY;
             }
         }
-        Ok(())
     }
 
-    /// Advance past `token`; a token the grammar forbids → `GrammarError`, state unchanged.
-    pub fn accept(&mut self, token: i32) -> Result<()> {
-        if !self.allows(token) {
-            return Err(self.forbidden(token));
-        }
-        // SAFETY: the token is in range and allowed, so llama.cpp neither aborts (EOG) nor
-        // throws; the wrapper catches any exception anyway and reports a status.
+    /// Advance past `token`, which [`Self::allows`] must have allowed.
+    pub(crate) fn accept(&mut self, token: i32) -> Result<()> {
+        // SAFETY: the token is in range and allowed (checked by the caller), so llama.cpp
+        // neither aborts (EOG) nor throws; the wrapper catches any exception anyway and
+        // reports a status.
         let status = unsafe { sys::llama_rs_sampler_accept(self.raw.as_ptr(), token) };
         if status != sys::LLAMA_RS_STATUS_OK {
             return Err(LloyalError::Grammar(format!("the grammar failed to accept token {token}")));
         }
-        self.accepted.push(token);
         Ok(())
-    }
-
-    /// The error for a forbidden token, naming its text.
-    pub fn forbidden(&self, token: i32) -> LloyalError {
-        let text = self.model.token_bytes(token, true).map(|b| String::from_utf8_lossy(&b).into_owned());
-        LloyalError::Grammar(format!(
-            "token {token} ({:?}) is not allowed by the grammar here; sample with the grammar \
-             applied or check it with Grammar.apply first",
-            text.unwrap_or_default()
-        ))
     }
 }
