@@ -288,7 +288,7 @@ def create_app(cfg: ServerConfig) -> FastAPI:
         messages = [_message_dict(m.model_dump(exclude_none=True)) for m in body.messages]
         fc = ctx.format_chat(messages, add_generation_prompt=True, tools=tools)
         prompt = ctx.tokenize(fc.prompt, add_special=False, parse_special=True)
-        grammar = _response_grammar(body.response_format)
+        grammar = await asyncio.to_thread(_response_grammar, ctx, body.response_format)
         max_tokens = body.max_completion_tokens or body.max_tokens or max(1, ctx.n_ctx - len(prompt))
         k = (body.top_logprobs or 0) if body.logprobs else None
         spec = _spec(ctx, body, prompt, body.n, max_tokens, k, fc.stop_tokens, grammar)
@@ -360,7 +360,7 @@ def _spec(
     max_tokens: int,
     logprobs: int | None,
     stop_tokens: Sequence[int],
-    grammar: str | None,
+    grammar: lloyal.Grammar | None,
 ) -> GenSpec:
     if not prompt:
         raise ApiError("the prompt is empty", param="prompt")
@@ -433,12 +433,13 @@ def _message_dict(m: dict[str, Any]) -> dict[str, Any]:
     return m
 
 
-def _response_grammar(fmt: dict[str, Any] | None) -> str | None:
+def _response_grammar(ctx: lloyal.Context, fmt: dict[str, Any] | None) -> lloyal.Grammar | None:
+    """``response_format`` as an llguidance grammar (the token mask is applied before sampling)."""
     if not fmt or fmt.get("type") in (None, "text"):
         return None
     kind = fmt.get("type")
     if kind == "json_object":
-        return lloyal.json_schema_to_grammar(json.dumps({"type": "object"}))
+        return lloyal.Grammar.from_json_schema(ctx, {"type": "object"})
     if kind == "json_schema":
         spec = fmt.get("json_schema") or {}
         schema = spec.get("schema")
@@ -447,7 +448,7 @@ def _response_grammar(fmt: dict[str, Any] | None) -> str | None:
                 "response_format.json_schema.schema must be a JSON schema object", param="response_format"
             )
         try:
-            return lloyal.json_schema_to_grammar(json.dumps(schema))
+            return lloyal.Grammar.from_json_schema(ctx, schema)
         except lloyal.GrammarError as exc:
             raise ApiError(f"response_format schema: {exc}", param="response_format") from None
     raise ApiError(f"response_format type {kind!r} is not supported (text, json_object, json_schema)")

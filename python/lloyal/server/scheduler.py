@@ -39,7 +39,7 @@ class GenSpec:
     best_of: int = 1
     stop: Sequence[str] = ()
     stop_tokens: Sequence[int] = ()
-    grammar: str | None = None  # GBNF
+    grammar: lloyal.Grammar | str | None = None  # a Grammar, or GBNF text
     logit_bias: dict[int, float] = field(default_factory=dict)
     logprobs: int | None = None  # None: off; k: the sampled token's logprob and k alternatives
     seed: int | None = None
