@@ -18,7 +18,7 @@ pub const MAX_REPETITION: u64 = 100_000;
 /// Check `gbnf` for the inputs llama.cpp cannot parse safely.
 ///
 /// ```
-/// use lloyal_core::gbnf_check::check_gbnf;
+/// use lloyal_core::grammar::gbnf_check::check_gbnf;
 /// assert!(check_gbnf(r#"root ::= "a"{2,3}"#).is_ok());
 /// assert!(check_gbnf(r#"root ::= "a"{3,2}"#).is_err());
 /// ```
