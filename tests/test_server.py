@@ -266,7 +266,10 @@ def test_shared_system_prompt_is_reused_across_users(
 
 SCHEMA = {
     "type": "object",
-    "properties": {"name": {"type": "string", "maxLength": 12}, "age": {"type": "integer", "minimum": 0}},
+    "properties": {
+        "name": {"type": "string", "maxLength": 12},
+        "age": {"type": "integer", "minimum": 0, "maximum": 150},
+    },
     "required": ["name", "age"],
     "additionalProperties": False,
 }
