@@ -89,8 +89,11 @@ def greedy(ctx: lloyal.Context, prompt: list[int], n: int, stop: set[int] = froz
         return out
 
 
+AUTH = {"authorization": f"Bearer {KEY}"}
+
+
 def metric(server: str, key: str) -> float:
-    text = httpx.get(server + "/metrics").text
+    text = httpx.get(server + "/metrics", headers=AUTH).text
     m = re.search(rf"^{re.escape(key)} (\S+)$", text, re.M)
     assert m, f"{key} not in /metrics"
     return float(m.group(1))
@@ -105,9 +108,10 @@ PROMPT = "The capital of France is"
 def test_models_health_tokenize(server: str, client: openai.OpenAI, name: str, ref: lloyal.Context) -> None:
     assert [m.id for m in client.models.list().data] == [name]
     assert httpx.get(server + "/health").json() == {"status": "ok"}
-    toks = httpx.post(server + "/tokenize", json={"content": PROMPT}).json()["tokens"]
+    assert httpx.post(server + "/tokenize", json={"content": PROMPT}).status_code == 401  # all but /health
+    toks = httpx.post(server + "/tokenize", json={"content": PROMPT}, headers=AUTH).json()["tokens"]
     assert toks == ref.tokenize(PROMPT)
-    back = httpx.post(server + "/detokenize", json={"tokens": toks[1:]}).json()["content"]
+    back = httpx.post(server + "/detokenize", json={"tokens": toks[1:]}, headers=AUTH).json()["content"]
     assert back == PROMPT
 
 
@@ -362,7 +366,7 @@ def test_cancelled_stream_frees_its_branches(server: str, client: openai.OpenAI,
 
 
 def test_prefix_cache_metrics(server: str) -> None:
-    text = httpx.get(server + "/metrics").text
+    text = httpx.get(server + "/metrics", headers=AUTH).text
     for key in (
         "lloyal_requests_total",
         "lloyal_generation_tokens_per_second",

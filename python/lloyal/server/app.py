@@ -51,6 +51,7 @@ class ServerConfig:
     api_key: str | None = None
     embeddings: bool = False
     model_name: str | None = None  # the id /v1/models reports (default: the file's stem)
+    max_body_bytes: int = 8 << 20  # larger request bodies get 413
     context_options: dict[str, Any] = field(default_factory=dict)
 
     @property
@@ -106,7 +107,15 @@ def create_app(cfg: ServerConfig) -> FastAPI:
     async def auth_and_count(
         request: Request, call_next: Callable[[Request], Awaitable[Response]]
     ) -> Response:
-        if cfg.api_key and request.url.path.startswith("/v1/"):
+        size = request.headers.get("content-length", "")
+        if size.isdigit() and int(size) > cfg.max_body_bytes:
+            body = error_body(
+                f"request body of {size} bytes exceeds the server's limit of {cfg.max_body_bytes} bytes",
+                "invalid_request_error",
+                code="request_too_large",
+            )
+            return JSONResponse(body, status_code=413)
+        if cfg.api_key and request.url.path != "/health":
             auth = request.headers.get("authorization", "")
             if auth != f"Bearer {cfg.api_key}":
                 body = error_body(
