@@ -351,6 +351,23 @@ def test_concurrent_requests_share_decode_steps(server: str, name: str, ref: llo
     assert steps < 40  # 60 tokens in far fewer decode steps: requests shared steps
 
 
+def test_64_concurrent_requests_queue_and_complete(server: str, name: str, ref: lloyal.Context) -> None:
+    prompts = [f"Item {i}:" for i in range(64)]
+
+    async def main() -> list[Any]:
+        async with openai.AsyncOpenAI(base_url=server + "/v1", api_key=KEY, max_retries=0, timeout=300) as ac:
+            return await asyncio.gather(
+                *(ac.completions.create(model=name, prompt=p, max_tokens=3, temperature=0) for p in prompts)
+            )
+
+    rs = asyncio.run(main())  # 64 requests against --parallel 6: the rest wait their turn
+    for p, r in zip(prompts, rs, strict=True):
+        assert r.usage.prompt_tokens == len(ref.tokenize(p))
+        assert r.usage.completion_tokens == 3 and r.choices[0].finish_reason == "length"
+    assert metric(server, "lloyal_running_sequences") == 0
+    assert metric(server, "lloyal_queue_depth") == 0
+
+
 def test_cancelled_stream_frees_its_branches(server: str, client: openai.OpenAI, name: str) -> None:
     stream = client.completions.create(
         model=name, prompt="Count: 1, 2,", max_tokens=200, temperature=0, stream=True
