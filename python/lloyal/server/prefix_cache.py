@@ -83,10 +83,6 @@ class PrefixCache:
             old.branch.prune()
         self._tree.insert(key, CacheEntry(branch, key))
 
-    def contains(self, branch: lloyal.Branch) -> bool:
-        """Whether ``branch`` is a cache entry."""
-        return any(e.branch is branch for e in self.entries())
-
     def evictable(self) -> list[CacheEntry]:
         """Entries that can go now (unpinned leaves), least recently used first."""
         out = [e for e in self.entries() if e.pins == 0 and e.branch.is_leaf]

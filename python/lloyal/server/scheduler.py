@@ -15,7 +15,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import math
-import time
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
 
@@ -128,7 +127,6 @@ class Scheduler:
         self.steps = 0
         self.tokens_generated = 0
         self.prompt_tokens = 0
-        self.started = time.monotonic()
 
     # -- lifecycle ------------------------------------------------------------------------------
     def start(self) -> None:
@@ -385,15 +383,15 @@ class Scheduler:
                 self._wake.set()
 
     def _logprobs(self, branch: lloyal.Branch, token: int, k: int) -> tuple[float, list[TopLogprob]]:
-        lp = -branch.model_surprisal(token)
         if k <= 0:
-            return lp, []
-        logits = branch.logits
-        top = np.argpartition(logits, -k)[-k:]
+            return -branch.model_surprisal(token), []
+        logits = branch.logits  # one copy; the token's logprob and the top k from the same pass
         m = float(np.max(logits))
         lse = m + math.log(float(np.sum(np.exp(logits - m, dtype=np.float64))))
+        top = np.argpartition(logits, -k)[-k:]
         ranked = sorted(top.tolist(), key=lambda t: -float(logits[t]))
-        return lp, [TopLogprob(t, self.ctx.token_to_text(t), float(logits[t]) - lse) for t in ranked]
+        alts = [TopLogprob(t, self.ctx.token_to_text(t), float(logits[t]) - lse) for t in ranked]
+        return float(logits[token]) - lse, alts
 
 
 def _ppl(branch: lloyal.Branch) -> float:
