@@ -10,20 +10,30 @@ fn aio(py: Python<'_>) -> PyResult<&Bound<'_, PyModule>> {
     Ok(AIO.get_or_try_init(py, || py.import("lloyal.aio").map(Bound::unbind))?.bind(py))
 }
 
+/// `lloyal.aio.<name>(first, *args)`: the coroutine it returns.
+fn call<'py>(
+    py: Python<'py>,
+    name: &str,
+    first: Bound<'py, PyAny>,
+    args: Vec<Bound<'py, PyAny>>,
+) -> PyResult<Bound<'py, PyAny>> {
+    let mut all = vec![first];
+    all.extend(args);
+    aio(py)?.getattr(name)?.call1(PyTuple::new(py, all)?)
+}
+
 /// A coroutine that runs `callable(*args)` in a worker thread.
 pub fn in_thread<'py>(
     py: Python<'py>,
     callable: Bound<'py, PyAny>,
     args: Vec<Bound<'py, PyAny>>,
 ) -> PyResult<Bound<'py, PyAny>> {
-    let mut all = vec![callable];
-    all.extend(args);
-    aio(py)?.getattr("run_in_thread")?.call1(PyTuple::new(py, all)?)
+    call(py, "run_in_thread", callable, args)
 }
 
 /// A coroutine that awaits `next(iterator)` in a worker thread.
 pub fn next_in_thread<'py>(py: Python<'py>, iterator: Bound<'py, PyAny>) -> PyResult<Bound<'py, PyAny>> {
-    aio(py)?.getattr("next_in_thread")?.call1((iterator,))
+    call(py, "next_in_thread", iterator, Vec::new())
 }
 
 /// A coroutine awaiting an engine operation: `submit(loop, future, *args)` queues it.
@@ -32,9 +42,7 @@ pub fn engine_call<'py>(
     submit: Bound<'py, PyAny>,
     args: Vec<Bound<'py, PyAny>>,
 ) -> PyResult<Bound<'py, PyAny>> {
-    let mut all = vec![submit];
-    all.extend(args);
-    aio(py)?.getattr("engine_call")?.call1(PyTuple::new(py, all)?)
+    call(py, "engine_call", submit, args)
 }
 
 /// `lloyal.aio._settle(future, error)`: set a future's result or exception unless done.
