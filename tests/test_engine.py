@@ -216,16 +216,16 @@ def test_kv_full_fails_only_the_operation_that_does_not_fit(model: lloyal.Model)
         free = ctx.n_ctx - used
         ctx.pause_engine()
         results: list[object] = []
-        threads, errors = in_threads(
-            [
-                lambda: results.append(a.commit(a.produce().token)),
-                lambda: b.prefill([1000] * free),  # one cell more than the commit leaves
-            ]
-        )
+        # Admission is FIFO: queue the commit first, so the prefill is the one that does not fit.
+        threads, errors = in_threads([lambda: results.append(a.commit(a.produce().token))])
+        wait_until(lambda: ctx.engine_stats().queue_depth == 1)
+        more, errors2 = in_threads([lambda: b.prefill([1000] * free)])  # one cell more than the commit leaves
+        threads += more
         wait_until(lambda: ctx.engine_stats().queue_depth == 2)
         ctx.resume_engine()
         for t in threads:
             t.join()
+        errors += errors2
         assert results == [None]
         assert len(errors) == 1 and isinstance(errors[0], lloyal.KvCacheFullError)
         assert (a.position, b.position) == (root.position + 1, root.position)
@@ -274,9 +274,12 @@ def test_cancelling_a_prefill_in_flight_rolls_it_back(model: lloyal.Model) -> No
             task = asyncio.create_task(b.aprefill(long))
             while ctx.engine_stats().in_flight == 0 or ctx.kv_seq_pos_max(b.seq_id) < pos + 16:
                 await asyncio.sleep(0.001)
+            ctx.pause_engine()  # hold it mid-prefill, so the cancel surely lands before the last chunk
             task.cancel()
             with pytest.raises(asyncio.CancelledError):
                 await task
+            assert ctx.engine_stats().in_flight == 1
+            ctx.resume_engine()
 
         asyncio.run(main())
         wait_until(lambda: ctx.engine_stats().in_flight == 0)
