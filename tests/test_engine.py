@@ -294,7 +294,7 @@ def test_decode_rows_run_every_tick_while_a_long_prefill_is_chunked(model: lloya
     with lloyal.Context(model, n_ctx=512, n_batch=8, n_seq_max=4) as ctx:
         root, (runner, reader) = forks(ctx, 2)
         pos = root.position
-        long = [1000 + (i * 7) % 3000 for i in range(120)]
+        long = [1000 + (i * 7) % 3000 for i in range(360)]  # >= 52 ticks beside a commit row
         ctx.pause_engine()
         threads, errors = in_threads([lambda: reader.prefill(long)])
         wait_until(lambda: ctx.engine_stats().queue_depth == 1)
@@ -302,7 +302,7 @@ def test_decode_rows_run_every_tick_while_a_long_prefill_is_chunked(model: lloya
         wait_until(lambda: ctx.engine_stats().in_flight == 1)
         for _ in range(5):
             runner.commit(runner.produce().token)
-        # Five commits (at most two ticks each) finished while the prefill (>= 17 ticks of
+        # Five commits (at most two ticks each) finished while the prefill (>= 52 ticks of
         # <= 7 tokens beside a commit row) still runs: decode rows are never held back.
         assert ctx.engine_stats().in_flight == 1
         for t in threads:
@@ -310,8 +310,8 @@ def test_decode_rows_run_every_tick_while_a_long_prefill_is_chunked(model: lloya
         stats = ctx.engine_stats()
         assert errors == []
         assert stats.decode_calls == stats.ticks  # every tick fit one n_batch decode
-        assert (runner.position, reader.position) == (pos + 5, pos + 120)
-        assert BranchStore(ctx).kv_pressure.cells_used == pos + 125
+        assert (runner.position, reader.position) == (pos + 5, pos + 360)
+        assert BranchStore(ctx).kv_pressure.cells_used == pos + 365
         chunked = reader.logits
     with lloyal.Context(model, n_ctx=512, n_batch=8, n_seq_max=4) as alone:
         _, (ref,) = forks(alone, 1)
