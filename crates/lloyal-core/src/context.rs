@@ -2,7 +2,9 @@
 
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::{Arc, Mutex, MutexGuard};
+use std::sync::Arc;
+
+use parking_lot::{Mutex, MutexGuard};
 
 use llama_cpp_sys_2 as sys;
 
@@ -122,17 +124,24 @@ impl Context {
     }
 
     fn guard(&self) -> MutexGuard<'_, Option<ContextState>> {
-        // A panic while holding the lock cannot leave llama.cpp half-updated in a way the
-        // next call could observe more than any failed call could, so keep going.
-        self.state.lock().unwrap_or_else(|p| p.into_inner())
+        // parking_lot's lock is not poisoned by a panic: a panic while holding it cannot leave
+        // llama.cpp half-updated in a way the next call could observe more than any failed
+        // call could, so keep going.
+        self.state.lock()
     }
 
     /// Run `f` on the open context state, holding the context lock.
+    ///
+    /// The lock is released fairly: a thread waiting for it (a reader of `kv_seq_pos_max`
+    /// while the engine runs a long chunked prefill) gets it before this thread can take it
+    /// again, so a busy engine never starves other callers.
     pub fn with<T>(&self, f: impl FnOnce(&mut ContextState) -> Result<T>) -> Result<T> {
         let mut guard = self.guard();
         let state = guard.as_mut().ok_or(LloyalError::ContextClosed)?;
         state.batches_in_call = 0;
-        f(state)
+        let result = f(state);
+        MutexGuard::unlock_fair(guard);
+        result
     }
 
     /// Like [`Context::with`], but `check` runs between the n_batch-sized decodes of a long
@@ -150,6 +159,7 @@ impl Context {
         state.interrupt = Some(check);
         let result = f(state);
         state.interrupt = None;
+        MutexGuard::unlock_fair(guard);
         result
     }
 
