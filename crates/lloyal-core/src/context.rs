@@ -6,8 +6,6 @@ use std::sync::Arc;
 
 use parking_lot::{Mutex, MutexGuard};
 
-use llama_cpp_sys_2 as sys;
-
 use crate::backend::{clear_recent_errors, recent_errors};
 use crate::branch::BranchState;
 use crate::embeddings::Encoded;
@@ -58,17 +56,13 @@ impl Context {
             options.with_model_pooling(model.pooling()).resolve(&model.options(), model.float_weights())?;
         let params = options.to_llama()?;
         clear_recent_errors();
-        let mut raw = RawContext::new(model.clone(), params).ok_or_else(|| {
+        let raw = RawContext::new(model.clone(), params).ok_or_else(|| {
             LloyalError::Backend(format!(
                 "llama.cpp could not create the context ({}); try a smaller n_ctx or other cache types",
                 recent_errors()
             ))
         })?;
-        // SAFETY: valid context pointer held exclusively here.
-        let (n_ctx, n_batch, n_seq_all) = unsafe {
-            let p = raw.as_ptr();
-            (sys::llama_n_ctx(p), sys::llama_n_batch(p), sys::llama_n_seq_max(p))
-        };
+        let (n_ctx, n_batch, n_seq_all) = raw.sizes();
         let parks = options.parks_freed_cells();
         // The hidden parking sequence is the last id; users and leases see the ones before it.
         let n_seq_max = n_seq_all - u32::from(parks);
@@ -219,7 +213,7 @@ impl Context {
 
 /// The mutable state behind the lock: the llama.cpp context and the flat path's snapshot.
 pub struct ContextState {
-    raw: RawContext,
+    pub(crate) raw: RawContext,
     batch: Batch,
     shape: ContextShape,
     /// Logits of the last flat-path decode (empty before any).
@@ -309,9 +303,7 @@ impl ContextState {
     /// Largest position stored for `seq_id` (-1 when empty).
     pub fn seq_pos_max(&mut self, seq_id: i32) -> Result<i32> {
         self.check_seq(seq_id)?;
-        let mem = self.raw.memory();
-        // SAFETY: valid memory handle; seq id range-checked above.
-        Ok(unsafe { sys::llama_memory_seq_pos_max(mem, seq_id) })
+        Ok(self.raw.seq_pos_max(seq_id))
     }
 
     /// Decode `tokens` for `seq_id` starting at `pos`, chunked by n_batch; keeps the last
@@ -372,10 +364,8 @@ impl ContextState {
         if p1 <= p0 {
             return;
         }
-        let mem = self.raw.memory();
-        // SAFETY: valid memory; both ids are below llama's n_seq_max (park is the hidden last
-        // id); unified KV makes a partial-range copy a metadata change.
-        unsafe { sys::llama_memory_seq_cp(mem, seq_id, park, p0, p1) };
+        // Unified KV makes a partial-range copy a metadata change.
+        self.raw.seq_cp(seq_id, park, p0, p1);
         self.parked += (p1 - p0) as usize;
     }
 
@@ -405,14 +395,11 @@ impl ContextState {
         self.batches_in_call += 1;
         clear_recent_errors();
         let n = self.batch.len();
-        let raw_batch = self.batch.raw();
-        // SAFETY: the batch holds n valid rows (tokens and seq ids validated by callers).
-        let mut code = unsafe { sys::llama_decode(self.raw.as_ptr(), raw_batch) };
+        let mut code = self.raw.decode(&self.batch);
         if code == 1 && self.parked > 0 {
             // llama.cpp checks for room before touching the cache, so the retry is clean.
             self.reclaim_parked();
-            // SAFETY: as above; the batch is unchanged.
-            code = unsafe { sys::llama_decode(self.raw.as_ptr(), raw_batch) };
+            code = self.raw.decode(&self.batch);
         }
         match code {
             0 => Ok(()),
@@ -434,20 +421,14 @@ impl ContextState {
 
     /// Copy the logits of batch row `row` (which must have requested logits).
     pub(crate) fn copy_logits_row(&mut self, row: i32) -> Result<Vec<f32>> {
-        // SAFETY: valid context; llama.cpp returns null (not abort) for a row without logits.
-        let ptr = unsafe { sys::llama_get_logits_ith(self.raw.as_ptr(), row) };
-        if ptr.is_null() {
-            return Err(LloyalError::Backend(format!("llama.cpp has no logits for batch row {row}")));
-        }
-        // SAFETY: llama.cpp guarantees n_vocab floats at a non-null logits row.
-        Ok(unsafe { std::slice::from_raw_parts(ptr, self.shape.n_vocab as usize) }.to_vec())
+        let mut out = Vec::new();
+        self.copy_logits_into(row, &mut out)?;
+        Ok(out)
     }
 
     /// Remove cells `[p0, p1)` of a sequence (p1 = -1: to the end). Returns llama.cpp's verdict.
     pub(crate) fn remove_cells(&mut self, seq_id: i32, p0: i32, p1: i32) -> bool {
-        let mem = self.raw.memory();
-        // SAFETY: valid memory; seq id range-checked by every caller.
-        unsafe { sys::llama_memory_seq_rm(mem, seq_id, p0, p1) }
+        self.raw.seq_rm(seq_id, p0, p1)
     }
 
     /// The flat path's last logits.
@@ -530,9 +511,7 @@ impl ContextState {
     /// `kv_cache_clear`: empty every sequence (refused while any branch holds one).
     pub fn kv_clear(&mut self) -> Result<()> {
         self.check_no_leases()?;
-        let mem = self.raw.memory();
-        // SAFETY: valid memory handle.
-        unsafe { sys::llama_memory_clear(mem, true) };
+        self.raw.memory_clear();
         self.forget_parked();
         self.logits.clear();
         Ok(())
@@ -558,9 +537,8 @@ impl ContextState {
         if src == dst {
             return Ok(());
         }
-        let mem = self.raw.memory();
-        // SAFETY: valid memory; both ids range-checked; unified KV makes partial copies legal.
-        unsafe { sys::llama_memory_seq_cp(mem, src, dst, p0, p1) };
+        // Unified KV makes partial copies legal.
+        self.raw.seq_cp(src, dst, p0, p1);
         Ok(())
     }
 
@@ -568,9 +546,7 @@ impl ContextState {
     pub fn kv_keep(&mut self, seq_id: i32) -> Result<()> {
         self.check_flat_seq(seq_id)?;
         self.check_no_leases()?;
-        let mem = self.raw.memory();
-        // SAFETY: valid memory; id range-checked.
-        unsafe { sys::llama_memory_seq_keep(mem, seq_id) };
+        self.raw.seq_keep(seq_id);
         self.forget_parked();
         Ok(())
     }
@@ -587,13 +563,9 @@ impl ContextState {
 
     /// Copy the logits of batch row `row` into `out` (reusing its allocation).
     pub(crate) fn copy_logits_into(&mut self, row: i32, out: &mut Vec<f32>) -> Result<()> {
-        // SAFETY: valid context; llama.cpp returns null (not abort) for a row without logits.
-        let ptr = unsafe { sys::llama_get_logits_ith(self.raw.as_ptr(), row) };
-        if ptr.is_null() {
+        let Some(src) = self.raw.logits_row(row) else {
             return Err(LloyalError::Backend(format!("llama.cpp has no logits for batch row {row}")));
-        }
-        // SAFETY: llama.cpp guarantees n_vocab floats at a non-null logits row.
-        let src = unsafe { std::slice::from_raw_parts(ptr, self.shape.n_vocab as usize) };
+        };
         out.clear();
         out.extend_from_slice(src);
         Ok(())

@@ -12,7 +12,7 @@ use llama_cpp_sys_2 as sys;
 use crate::context::ContextState;
 use crate::error::{LloyalError, Result};
 use crate::model::Model;
-use crate::raw::model_ptr;
+use crate::raw::model_n_embd_out;
 
 /// The vectors of the last `encode()` of one sequence: `rows` x `dim` floats, row-major
 /// (one row when pooled, one per token with pooling "none").
@@ -58,8 +58,7 @@ pub fn normalize_rows(values: &mut [f32], dim: usize) {
 
 /// Width of one embedding vector of `model` (its output embedding size, n_embd for Gemma).
 pub fn embedding_dimension(model: &Model) -> usize {
-    // SAFETY: the model pointer is valid while `model` lives.
-    unsafe { sys::llama_model_n_embd_out(model_ptr(model.llama())) }.max(0) as usize
+    model_n_embd_out(model.llama())
 }
 
 impl ContextState {
@@ -70,8 +69,7 @@ impl ContextState {
 
     /// The context's pooling as llama.cpp resolved it.
     fn pooling(&mut self) -> sys::llama_pooling_type {
-        // SAFETY: valid context pointer.
-        unsafe { sys::llama_pooling_type(self.raw_mut().as_ptr()) }
+        self.raw_mut().pooling_type()
     }
 
     /// Refuse embedding calls on a context created without `embeddings=True` (or with rank
@@ -150,23 +148,17 @@ impl ContextState {
     }
 
     fn pooled_row(&mut self, seq_id: i32, dim: usize) -> Result<Vec<f32>> {
-        // SAFETY: valid context; llama.cpp returns null for a sequence absent from the last decode.
-        let ptr = unsafe { sys::llama_get_embeddings_seq(self.raw_mut().as_ptr(), seq_id) };
-        if ptr.is_null() {
-            return Err(LloyalError::Backend(format!("llama.cpp has no pooled embedding for seq {seq_id}")));
+        match self.raw_mut().embeddings_seq(seq_id, dim) {
+            Some(row) => Ok(row.to_vec()),
+            None => Err(LloyalError::Backend(format!("llama.cpp has no pooled embedding for seq {seq_id}"))),
         }
-        // SAFETY: with mean/cls/last pooling llama.cpp stores n_embd_out floats per sequence.
-        Ok(unsafe { std::slice::from_raw_parts(ptr, dim) }.to_vec())
     }
 
     fn token_row(&mut self, row: i32, dim: usize) -> Result<Vec<f32>> {
-        // SAFETY: valid context; llama.cpp returns null (not abort, release build) for a bad row.
-        let ptr = unsafe { sys::llama_get_embeddings_ith(self.raw_mut().as_ptr(), row) };
-        if ptr.is_null() {
-            return Err(LloyalError::Backend(format!("llama.cpp has no embedding for batch row {row}")));
+        match self.raw_mut().embeddings_row(row, dim) {
+            Some(v) => Ok(v.to_vec()),
+            None => Err(LloyalError::Backend(format!("llama.cpp has no embedding for batch row {row}"))),
         }
-        // SAFETY: a non-null row holds n_embd_out floats.
-        Ok(unsafe { std::slice::from_raw_parts(ptr, dim) }.to_vec())
     }
 
     /// The vectors of the last `encode()` on `seq_id` (L2-normalised per row when asked).

@@ -83,8 +83,7 @@ impl Model {
         let text = path.to_str().ok_or_else(|| fail("the path is not valid UTF-8".into()))?;
         let cpath = CString::new(text).map_err(|_| fail("the path contains a NUL byte".into()))?;
         backend();
-        // SAFETY: returns a plain struct by value.
-        let mut params = unsafe { sys::llama_model_default_params() };
+        let mut params = crate::raw::default_model_params();
         params.n_gpu_layers = i32::try_from(options.n_gpu_layers).unwrap_or(i32::MAX);
         params.load_mode =
             if options.use_mmap { sys::LLAMA_LOAD_MODE_MMAP } else { sys::LLAMA_LOAD_MODE_NONE };
@@ -195,9 +194,7 @@ impl Model {
         let head = self.n_embd().max(0) as u64 / n_head;
         let k = self.meta_u64("attention.key_length").unwrap_or(head) * n_head_kv;
         let v = self.meta_u64("attention.value_length").unwrap_or(head) * n_head_kv;
-        // SAFETY: pure size arithmetic on a valid ggml type id.
-        let (kb, vb) =
-            unsafe { (sys::ggml_row_size(type_k, k as i64), sys::ggml_row_size(type_v, v as i64)) };
+        let (kb, vb) = (crate::raw::row_size(type_k, k as i64), crate::raw::row_size(type_v, v as i64));
         n_layer * (kb as u64 + vb as u64)
     }
 

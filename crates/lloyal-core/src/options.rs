@@ -287,8 +287,7 @@ impl ContextOptions {
     /// one physical batch per logical batch.
     pub fn to_llama(&self) -> Result<sys::llama_context_params> {
         self.validate()?;
-        // SAFETY: returns a plain struct by value.
-        let mut p = unsafe { sys::llama_context_default_params() };
+        let mut p = crate::raw::default_context_params();
         let threads = self.n_threads.unwrap_or_else(default_threads);
         p.n_ctx = self.n_ctx;
         p.n_batch = self.n_batch;

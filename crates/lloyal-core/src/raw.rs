@@ -1,8 +1,13 @@
-//! The only place that holds raw llama.cpp pointers: the context and batch wrappers.
+//! Safe wrappers over the llama.cpp calls on models, contexts, KV memory and batches.
 //!
 //! llama-cpp-2's `LlamaContext`/`LlamaBatch` hide their pointers, and lloyal needs calls they
-//! do not wrap (row logits without panics, per-sequence state I/O, abort callbacks), so the
-//! context and batch are owned here at the sys level; the model stays a llama-cpp-2 value.
+//! do not wrap (row logits without panics, per-sequence state I/O, partial-range sequence
+//! copies), so the context and batch are owned here at the sys level; the model stays a
+//! llama-cpp-2 value. Every `unsafe` block for these calls lives in this file, each range
+//! check (sequence ids, rows, buffer sizes) inside the wrapper that needs it; callers hold no
+//! raw pointers. The other FFI wrapper files are `sampler.rs` (sampler chains),
+//! `grammar/gbnf.rs` (llama.cpp's grammar sampler) and `backend.rs` (the log callback); the
+//! test at the bottom keeps `unsafe` out of every other file.
 
 use std::ptr::NonNull;
 use std::sync::Arc;
@@ -39,6 +44,31 @@ pub fn load_model(path: &std::ffi::CStr, params: sys::llama_model_params) -> Opt
     Some(unsafe { std::mem::transmute::<*mut sys::llama_model, LlamaModel>(ptr) })
 }
 
+/// llama.cpp's default model parameters.
+pub fn default_model_params() -> sys::llama_model_params {
+    // SAFETY: returns a plain struct by value.
+    unsafe { sys::llama_model_default_params() }
+}
+
+/// llama.cpp's default context parameters.
+pub fn default_context_params() -> sys::llama_context_params {
+    // SAFETY: returns a plain struct by value.
+    unsafe { sys::llama_context_default_params() }
+}
+
+/// Bytes of one row of `n` elements of ggml type `ty` (KV cell size arithmetic).
+pub fn row_size(ty: sys::ggml_type, n: i64) -> usize {
+    // SAFETY: pure size arithmetic; ggml returns 0-sized rows for no valid type rather than
+    // reading memory.
+    unsafe { sys::ggml_row_size(ty, n) }
+}
+
+/// Width of one output embedding vector of `model`.
+pub fn model_n_embd_out(model: &LlamaModel) -> usize {
+    // SAFETY: the model pointer is valid while `model` lives.
+    unsafe { sys::llama_model_n_embd_out(model_ptr(model)) }.max(0) as usize
+}
+
 /// The raw vocab of a model.
 pub fn vocab_ptr(model: &LlamaModel) -> *const sys::llama_vocab {
     // SAFETY: model_ptr is valid for the model's lifetime; the vocab lives inside the model.
@@ -49,6 +79,8 @@ pub fn vocab_ptr(model: &LlamaModel) -> *const sys::llama_vocab {
 pub struct RawContext {
     ptr: NonNull<sys::llama_context>,
     model: Arc<Model>,
+    n_seq: i32,
+    n_vocab: usize,
 }
 
 // SAFETY: a llama_context has no thread affinity; lloyal only touches it through &mut under
@@ -60,12 +92,11 @@ impl RawContext {
     pub fn new(model: Arc<Model>, params: sys::llama_context_params) -> Option<Self> {
         // SAFETY: the model pointer is valid while `model` (kept in self) lives.
         let ptr = unsafe { sys::llama_init_from_model(model_ptr(model.llama()), params) };
-        NonNull::new(ptr).map(|ptr| RawContext { ptr, model })
-    }
-
-    /// The pointer, for FFI calls made while `&mut self` is held.
-    pub fn as_ptr(&mut self) -> *mut sys::llama_context {
-        self.ptr.as_ptr()
+        let ptr = NonNull::new(ptr)?;
+        // SAFETY: valid context pointer.
+        let n_seq = unsafe { sys::llama_n_seq_max(ptr.as_ptr()) } as i32;
+        let n_vocab = model.n_vocab() as usize;
+        Some(RawContext { ptr, model, n_seq, n_vocab })
     }
 
     /// The model this context runs.
@@ -73,10 +104,139 @@ impl RawContext {
         &self.model
     }
 
-    /// The context's memory (KV cache) handle.
-    pub fn memory(&mut self) -> sys::llama_memory_t {
+    /// `(n_ctx, n_batch, n_seq_max)` as llama.cpp settled them.
+    pub fn sizes(&self) -> (u32, u32, u32) {
+        let p = self.ptr.as_ptr();
+        // SAFETY: valid context pointer; read-only getters.
+        unsafe { (sys::llama_n_ctx(p), sys::llama_n_batch(p), sys::llama_n_seq_max(p)) }
+    }
+
+    /// The context's pooling as llama.cpp resolved it.
+    pub fn pooling_type(&self) -> sys::llama_pooling_type {
+        // SAFETY: valid context pointer; read-only getter.
+        unsafe { sys::llama_pooling_type(self.ptr.as_ptr()) }
+    }
+
+    /// A caller bug, not user input (callers validate ids with typed errors first): llama.cpp
+    /// aborts the process on an out-of-range sequence id, so refuse it here.
+    fn check_seq(&self, seq_id: i32) {
+        assert!((0..self.n_seq).contains(&seq_id), "seq id {seq_id} outside 0..{}", self.n_seq);
+    }
+
+    fn memory(&mut self) -> sys::llama_memory_t {
         // SAFETY: valid context pointer.
         unsafe { sys::llama_get_memory(self.ptr.as_ptr()) }
+    }
+
+    /// Smallest position stored for `seq_id` (-1 when empty).
+    pub fn seq_pos_min(&mut self, seq_id: i32) -> i32 {
+        self.check_seq(seq_id);
+        let mem = self.memory();
+        // SAFETY: valid memory handle; seq id checked above.
+        unsafe { sys::llama_memory_seq_pos_min(mem, seq_id) }
+    }
+
+    /// Largest position stored for `seq_id` (-1 when empty).
+    pub fn seq_pos_max(&mut self, seq_id: i32) -> i32 {
+        self.check_seq(seq_id);
+        let mem = self.memory();
+        // SAFETY: valid memory handle; seq id checked above.
+        unsafe { sys::llama_memory_seq_pos_max(mem, seq_id) }
+    }
+
+    /// Add `dst` to the cells of `src` in positions `[p0, p1)` (-1: unbounded). With unified
+    /// KV this shares the cells (no tensor copy), partial ranges included.
+    pub fn seq_cp(&mut self, src: i32, dst: i32, p0: i32, p1: i32) {
+        self.check_seq(src);
+        self.check_seq(dst);
+        let mem = self.memory();
+        // SAFETY: valid memory; both ids checked above.
+        unsafe { sys::llama_memory_seq_cp(mem, src, dst, p0, p1) }
+    }
+
+    /// Remove `seq_id` from its cells in `[p0, p1)` (-1: unbounded). llama.cpp's verdict.
+    pub fn seq_rm(&mut self, seq_id: i32, p0: i32, p1: i32) -> bool {
+        self.check_seq(seq_id);
+        let mem = self.memory();
+        // SAFETY: valid memory; id checked above.
+        unsafe { sys::llama_memory_seq_rm(mem, seq_id, p0, p1) }
+    }
+
+    /// Drop every sequence but `seq_id`.
+    pub fn seq_keep(&mut self, seq_id: i32) {
+        self.check_seq(seq_id);
+        let mem = self.memory();
+        // SAFETY: valid memory; id checked above.
+        unsafe { sys::llama_memory_seq_keep(mem, seq_id) }
+    }
+
+    /// Empty the KV cache (data included).
+    pub fn memory_clear(&mut self) {
+        let mem = self.memory();
+        // SAFETY: valid memory handle.
+        unsafe { sys::llama_memory_clear(mem, true) }
+    }
+
+    /// `llama_decode` on `batch`: llama.cpp's return code (0 ok, 1 no room, 2 aborted,
+    /// other: error). llama.cpp validates token and sequence ids itself.
+    pub fn decode(&mut self, batch: &Batch) -> i32 {
+        // SAFETY: valid context; the batch's arrays hold `n_tokens` initialised rows (Batch
+        // only grows through `push`, which checks its capacity).
+        unsafe { sys::llama_decode(self.ptr.as_ptr(), batch.raw()) }
+    }
+
+    /// The logits of batch row `row` of the last decode; `None` when that row asked for none.
+    pub fn logits_row(&mut self, row: i32) -> Option<&[f32]> {
+        // SAFETY: valid context; llama.cpp returns null (not abort) for a row without logits.
+        let ptr = unsafe { sys::llama_get_logits_ith(self.ptr.as_ptr(), row) };
+        // SAFETY: llama.cpp guarantees n_vocab floats at a non-null logits row, valid until
+        // the next decode (which needs `&mut self`, so the borrow ends first).
+        (!ptr.is_null()).then(|| unsafe { std::slice::from_raw_parts(ptr, self.n_vocab) })
+    }
+
+    /// The pooled embedding of `seq_id` from the last decode (`dim` floats); `None` when the
+    /// sequence was not in it.
+    pub fn embeddings_seq(&mut self, seq_id: i32, dim: usize) -> Option<&[f32]> {
+        self.check_seq(seq_id);
+        assert!(dim <= model_n_embd_out(self.model.llama()), "embedding width {dim} too large");
+        // SAFETY: valid context; llama.cpp returns null for a sequence absent from the last decode.
+        let ptr = unsafe { sys::llama_get_embeddings_seq(self.ptr.as_ptr(), seq_id) };
+        // SAFETY: with pooling llama.cpp stores n_embd_out >= dim floats per sequence.
+        (!ptr.is_null()).then(|| unsafe { std::slice::from_raw_parts(ptr, dim) })
+    }
+
+    /// The embedding of batch row `row` of the last decode (`dim` floats); `None` for a row
+    /// without one.
+    pub fn embeddings_row(&mut self, row: i32, dim: usize) -> Option<&[f32]> {
+        assert!(dim <= model_n_embd_out(self.model.llama()), "embedding width {dim} too large");
+        // SAFETY: valid context; llama.cpp returns null (not abort, release build) for a bad row.
+        let ptr = unsafe { sys::llama_get_embeddings_ith(self.ptr.as_ptr(), row) };
+        // SAFETY: a non-null row holds n_embd_out >= dim floats.
+        (!ptr.is_null()).then(|| unsafe { std::slice::from_raw_parts(ptr, dim) })
+    }
+
+    /// llama.cpp's serialised state of `seq_id` (its KV cells); `Err((written, size))` when
+    /// llama.cpp wrote fewer bytes than it asked for.
+    pub fn state_seq_get(&mut self, seq_id: i32) -> std::result::Result<Vec<u8>, (usize, usize)> {
+        self.check_seq(seq_id);
+        let ctx = self.ptr.as_ptr();
+        // SAFETY: valid context; id checked above.
+        let size = unsafe { sys::llama_state_seq_get_size(ctx, seq_id) };
+        let mut payload = vec![0u8; size];
+        // SAFETY: `payload` has exactly `size` writable bytes, the size llama.cpp asked for.
+        let written = unsafe { sys::llama_state_seq_get_data(ctx, payload.as_mut_ptr(), size, seq_id) };
+        if written == size {
+            Ok(payload)
+        } else {
+            Err((written, size))
+        }
+    }
+
+    /// Load a serialised sequence state into `seq_id`; bytes read (0: refused).
+    pub fn state_seq_set(&mut self, seq_id: i32, payload: &[u8]) -> usize {
+        self.check_seq(seq_id);
+        // SAFETY: valid context; `payload` is readable for its length; id checked above.
+        unsafe { sys::llama_state_seq_set_data(self.ptr.as_ptr(), payload.as_ptr(), payload.len(), seq_id) }
     }
 }
 
@@ -142,7 +302,7 @@ impl Batch {
     }
 
     /// The raw batch for `llama_decode`.
-    pub fn raw(&self) -> sys::llama_batch {
+    fn raw(&self) -> sys::llama_batch {
         self.raw
     }
 }
@@ -151,5 +311,52 @@ impl Drop for Batch {
     fn drop(&mut self) {
         // SAFETY: allocated by llama_batch_init and freed once.
         unsafe { sys::llama_batch_free(self.raw) }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::path::Path;
+
+    /// The files allowed to hold `unsafe`: the FFI wrappers.
+    const FFI_WRAPPERS: [&str; 4] = ["raw.rs", "sampler.rs", "grammar/gbnf.rs", "backend.rs"];
+
+    fn rust_files(dir: &Path, out: &mut Vec<std::path::PathBuf>) {
+        for entry in std::fs::read_dir(dir).unwrap() {
+            let path = entry.unwrap().path();
+            if path.is_dir() {
+                rust_files(&path, out);
+            } else if path.extension().is_some_and(|e| e == "rs") {
+                out.push(path);
+            }
+        }
+    }
+
+    #[test]
+    fn unsafe_lives_only_in_the_ffi_wrappers() {
+        // The core's sources, and the PyO3 glue's (`src/` at the repository root).
+        let core = Path::new(env!("CARGO_MANIFEST_DIR")).join("src");
+        let glue = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../src");
+        let mut files = Vec::new();
+        rust_files(&core, &mut files);
+        let n_core = files.len();
+        rust_files(&glue, &mut files);
+        assert!(files.len() > n_core, "the glue sources were not found at {}", glue.display());
+        let mut offenders = Vec::new();
+        for (i, path) in files.iter().enumerate() {
+            let root = if i < n_core { &core } else { &glue };
+            let rel = path.strip_prefix(root).unwrap().to_string_lossy().replace('\\', "/");
+            if i < n_core && FFI_WRAPPERS.contains(&rel.as_str()) {
+                continue;
+            }
+            let text = std::fs::read_to_string(path).unwrap();
+            for (n, line) in text.lines().enumerate() {
+                let code = line.split("//").next().unwrap_or("");
+                if code.contains("unsafe ") || code.contains("unsafe{") {
+                    offenders.push(format!("{rel}:{}", n + 1));
+                }
+            }
+        }
+        assert!(offenders.is_empty(), "unsafe outside the FFI wrappers: {offenders:?}");
     }
 }

@@ -23,10 +23,9 @@ impl ContextState {
     /// Take a lease whose sequence is empty: an id holding flat-path cells (`ctx.decode` on
     /// a sequence no branch holds) is skipped rather than wiped.
     pub(crate) fn acquire_lease(&mut self) -> Result<i32> {
-        let mem = self.raw_mut().memory();
-        // SAFETY: valid memory; every free id is below n_seq_max.
-        let holds_cells = |s: i32| unsafe { llama_cpp_sys_2::llama_memory_seq_pos_max(mem, s) } >= 0;
-        if let Some(seq) = self.leases.acquire_where(|s| !holds_cells(s)) {
+        let raw = &mut self.raw;
+        let mut empty = |s: i32| raw.seq_pos_max(s) < 0;
+        if let Some(seq) = self.leases.acquire_where(&mut empty) {
             return Ok(seq);
         }
         if self.leases.available() == 0 {
@@ -105,15 +104,9 @@ impl ContextState {
     /// (one copy of its KV) so its next tokens do not land in freed cells ahead of its own.
     pub fn retain_only(&mut self, winner: Handle) -> Result<()> {
         let seq = self.branch(winner)?.seq_id;
-        let mem = self.raw_mut().memory();
-        // SAFETY: valid memory; seq is a lease id.
-        let (p_min, p_max) = unsafe {
-            llama_cpp_sys_2::llama_memory_seq_keep(mem, seq);
-            (
-                llama_cpp_sys_2::llama_memory_seq_pos_min(mem, seq),
-                llama_cpp_sys_2::llama_memory_seq_pos_max(mem, seq),
-            )
-        };
+        let raw = self.raw_mut();
+        raw.seq_keep(seq);
+        let (p_min, p_max) = (raw.seq_pos_min(seq), raw.seq_pos_max(seq));
         self.forget_parked();
         for h in self.branches.handles() {
             if h != winner {

@@ -105,9 +105,8 @@ impl ContextState {
             }
         };
         let parent_seq = self.branch(parent)?.seq_id;
-        let mem = self.raw_mut().memory();
-        // SAFETY: valid memory; both seq ids are leases (< n_seq_max); unified KV shares cells.
-        unsafe { llama_cpp_sys_2::llama_memory_seq_cp(mem, parent_seq, seq, -1, at.unwrap_or(-1)) };
+        // Unified KV shares the cells: no tensor copy.
+        self.raw_mut().seq_cp(parent_seq, seq, -1, at.unwrap_or(-1));
         let handle = self.branches.insert(child);
         self.topology.add(handle, Some(parent));
         Ok(handle)

@@ -88,8 +88,7 @@ impl ContextState {
     }
 
     fn copy_seq(&mut self, src: i32, dst: i32) {
-        let mem = self.raw_mut().memory();
-        // SAFETY: valid memory; both ids are leases below n_seq_max; unified KV shares cells.
-        unsafe { llama_cpp_sys_2::llama_memory_seq_cp(mem, src, dst, -1, -1) };
+        // Unified KV shares the cells: no tensor copy.
+        self.raw_mut().seq_cp(src, dst, -1, -1);
     }
 }

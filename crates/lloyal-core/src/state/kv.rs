@@ -2,8 +2,6 @@
 //! verified envelope of [`crate::state::envelope`]. A failed load leaves the target sequence
 //! empty and every other sequence untouched.
 
-use llama_cpp_sys_2 as sys;
-
 use crate::backend::{clear_recent_errors, recent_errors};
 use crate::context::ContextState;
 use crate::error::{LloyalError, Result};
@@ -23,25 +21,14 @@ pub fn fingerprint(model: &Model) -> Fingerprint {
 
 impl ContextState {
     fn seq_pos_min(&mut self, seq_id: i32) -> i32 {
-        let mem = self.raw_mut().memory();
-        // SAFETY: valid memory handle; callers range-check the seq id.
-        unsafe { sys::llama_memory_seq_pos_min(mem, seq_id) }
+        self.raw_mut().seq_pos_min(seq_id)
     }
 
     /// llama.cpp's serialised state of `seq_id` (its KV cells, both caches), unwrapped.
     fn seq_state_bytes(&mut self, seq_id: i32) -> Result<Vec<u8>> {
-        let ctx = self.raw_mut().as_ptr();
-        // SAFETY: valid context; callers pass a range-checked seq id.
-        let size = unsafe { sys::llama_state_seq_get_size(ctx, seq_id) };
-        let mut payload = vec![0u8; size];
-        // SAFETY: `payload` has exactly `size` writable bytes, the size llama.cpp asked for.
-        let written = unsafe { sys::llama_state_seq_get_data(ctx, payload.as_mut_ptr(), size, seq_id) };
-        if written != size {
-            return Err(LloyalError::Backend(format!(
-                "llama.cpp wrote {written} of {size} bytes of seq {seq_id}'s state"
-            )));
-        }
-        Ok(payload)
+        self.raw_mut().state_seq_get(seq_id).map_err(|(written, size)| {
+            LloyalError::Backend(format!("llama.cpp wrote {written} of {size} bytes of seq {seq_id}'s state"))
+        })
     }
 
     /// `kv_cache_save(seq_id)`: the sequence's KV cells as a verified byte string.
@@ -74,10 +61,8 @@ impl ContextState {
         // Loading needs one contiguous run of free cells: give back the parked ones first.
         self.reclaim_parked();
         clear_recent_errors();
-        let ctx = self.raw_mut().as_ptr();
-        // SAFETY: valid context; `payload` is readable for its length; the cache is empty, so the
-        // cells the state needs are free.
-        let read = unsafe { sys::llama_state_seq_set_data(ctx, payload.as_ptr(), payload.len(), seq_id) };
+        // The cache is empty, so the cells the state needs are free.
+        let read = self.raw_mut().state_seq_set(seq_id, &payload);
         if read == 0 {
             return Err(LloyalError::Backend(format!(
                 "retain_only could not rewrite the winner's KV cells ({})",
@@ -112,11 +97,7 @@ impl ContextState {
         // Loading needs one contiguous run of free cells: give back the parked ones first.
         self.reclaim_parked();
         clear_recent_errors();
-        let ctx = self.raw_mut().as_ptr();
-        // SAFETY: valid context; `payload` is a readable buffer of its length; seq id range-checked.
-        let read = unsafe {
-            sys::llama_state_seq_set_data(ctx, state.payload.as_ptr(), state.payload.len(), seq_id)
-        };
+        let read = self.raw_mut().state_seq_set(seq_id, &state.payload);
         if read == 0 {
             return Err(LloyalError::State(format!(
                 "cannot load KV state: llama.cpp rejected it ({}); the context may have a different \
