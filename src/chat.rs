@@ -5,6 +5,8 @@ use pyo3::exceptions::{PyTypeError, PyValueError};
 use pyo3::prelude::*;
 use pyo3::types::{PyDict, PyList, PyTuple};
 
+use crate::detach::without_gil;
+
 /// `json.dumps(value)` (NaN/inf refused), with `what` named in the error.
 fn dumps(py: Python<'_>, value: &Bound<'_, PyAny>, what: &str) -> PyResult<String> {
     let kwargs = PyDict::new(py);
@@ -87,7 +89,7 @@ pub fn parse_chat_output_native(
     text: &str,
 ) -> (String, Option<String>, Vec<(String, String)>) {
     let text = text.to_owned();
-    let out = py.detach(move || parse_chat_output(&text));
+    let out = without_gil(py, move || parse_chat_output(&text));
     let calls = out.tool_calls.into_iter().map(|c| (c.name, c.arguments.to_string())).collect();
     (out.content, out.reasoning_content, calls)
 }

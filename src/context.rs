@@ -3,13 +3,13 @@
 use std::path::PathBuf;
 use std::sync::Arc;
 
-use lloyal_core::{Base, Context, ContextOptions, ModelOptions, Pooling};
+use lloyal_core::{write_atomic, Base, Context, ContextOptions, ModelOptions, Pooling};
 use numpy::{PyArray1, PyReadonlyArray1};
 use pyo3::prelude::*;
 use pyo3::types::{PyBytes, PyDict, PyType};
 
 use crate::convert::{clamp_i32, narrow, readonly_f32};
-use crate::detach::{detached, detached_io, run};
+use crate::detach::{detached, detached_io, run, without_gil};
 use crate::embeddings::{extract_texts, to_array};
 use crate::engine::PyEngineStats;
 use crate::error::IntoPyResult;
@@ -17,7 +17,6 @@ use crate::grammar::PyGrammar;
 use crate::metrics::PyPerplexityTracker;
 use crate::model::PyModel;
 use crate::sampling::extract_params;
-use crate::state::write_atomic;
 use crate::text::PyTextStream;
 
 /// A llama.cpp context: KV cache, sequences and the flat decode path.
@@ -97,9 +96,7 @@ impl PyContext {
             Ok(m) => m.clone().unbind(),
             Err(_) => {
                 let path: PathBuf = model.extract()?;
-                // A context that asks for llama.cpp's fastest kernels gets repacked weights.
-                let repack = batch_invariant == Some(false);
-                let inner = PyModel::load(py, path, ModelOptions { repack, ..Default::default() })?;
+                let inner = PyModel::load(py, path, ModelOptions::for_context(batch_invariant))?;
                 Py::new(py, PyModel { inner })?
             }
         };
@@ -230,7 +227,7 @@ impl PyContext {
     /// Free the context (waits for a running call; idempotent).
     fn close(&self, py: Python<'_>) {
         let inner = self.inner.clone();
-        py.detach(move || inner.close());
+        without_gil(py, move || inner.close());
     }
 
     fn __enter__(slf: Py<Self>) -> Py<Self> {

@@ -90,6 +90,16 @@ where
     py.detach(|| guarded(f)).map_err(to_py)
 }
 
+/// Release the GIL for `f`, which returns no core `Result` (closing a context, waiting for
+/// the engine, parsing model output).
+pub fn without_gil<T, F>(py: Python<'_>, f: F) -> T
+where
+    T: Send,
+    F: FnOnce() -> T + Send,
+{
+    py.detach(f)
+}
+
 /// Like [`detached`] for file I/O: an `std::io::Error` becomes the matching `OSError` subclass.
 pub fn detached_io<T, F>(py: Python<'_>, f: F) -> PyResult<T>
 where

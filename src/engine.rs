@@ -10,7 +10,7 @@ use pyo3::prelude::*;
 use pyo3::types::PyCFunction;
 
 use crate::aio;
-use crate::detach::on_main_thread;
+use crate::detach::{on_main_thread, without_gil};
 use crate::error::to_py;
 
 /// Counters of a context's engine (``Context.engine_stats()``).
@@ -94,16 +94,16 @@ pub fn wait(py: Python<'_>, ctx: &Arc<Context>, work: Work) -> PyResult<()> {
     let (waiter, done) = Waiter::new();
     let ticket = ctx.submit(work, done).map_err(to_py)?;
     if !on_main_thread(py) {
-        return py.detach(|| waiter.wait()).map_err(to_py);
+        return without_gil(py, || waiter.wait()).map_err(to_py);
     }
     loop {
-        if let Some(r) = py.detach(|| waiter.wait_timeout(Duration::from_millis(50))) {
+        if let Some(r) = without_gil(py, || waiter.wait_timeout(Duration::from_millis(50))) {
             return r.map_err(to_py);
         }
         if let Err(e) = py.check_signals() {
             ticket.cancel();
             // The operation is removed, rolled back or finished before the error surfaces.
-            let _ = py.detach(|| waiter.wait());
+            let _ = without_gil(py, || waiter.wait());
             return Err(e);
         }
     }

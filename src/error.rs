@@ -6,29 +6,66 @@ use pyo3::prelude::*;
 use pyo3::sync::PyOnceLock;
 use pyo3::types::PyType;
 
-static ERRORS_MODULE: PyOnceLock<Py<PyModule>> = PyOnceLock::new();
-
-fn class<'py>(py: Python<'py>, name: &str) -> PyResult<Bound<'py, PyType>> {
-    let module = ERRORS_MODULE.get_or_try_init(py, || py.import("lloyal.errors").map(Bound::unbind))?;
-    Ok(module.bind(py).getattr(name)?.cast_into::<PyType>()?)
+/// The exception classes of `lloyal.errors`, resolved once (at the first error) into typed
+/// fields, so raising one is a field read, not a lookup by name.
+struct Classes {
+    base: Py<PyType>,
+    model_load: Py<PyType>,
+    context_closed: Py<PyType>,
+    decode: Py<PyType>,
+    kv_cache_full: Py<PyType>,
+    branch_disposed: Py<PyType>,
+    lease_exhausted: Py<PyType>,
+    topology: Py<PyType>,
+    seq_leased: Py<PyType>,
+    invalid_token: Py<PyType>,
+    grammar: Py<PyType>,
+    state: Py<PyType>,
+    chat_template: Py<PyType>,
 }
 
-/// The `lloyal.errors` class name for a core error (None: a builtin exception).
-fn class_name(err: &LloyalError) -> Option<&'static str> {
+static CLASSES: PyOnceLock<Classes> = PyOnceLock::new();
+
+fn classes(py: Python<'_>) -> PyResult<&Classes> {
+    CLASSES.get_or_try_init(py, || {
+        let module = py.import("lloyal.errors")?;
+        let get = |name: &str| -> PyResult<Py<PyType>> {
+            Ok(module.getattr(name)?.cast_into::<PyType>()?.unbind())
+        };
+        Ok(Classes {
+            base: get("LloyalError")?,
+            model_load: get("ModelLoadError")?,
+            context_closed: get("ContextClosedError")?,
+            decode: get("DecodeError")?,
+            kv_cache_full: get("KvCacheFullError")?,
+            branch_disposed: get("BranchDisposedError")?,
+            lease_exhausted: get("LeaseExhaustedError")?,
+            topology: get("TopologyError")?,
+            seq_leased: get("SeqLeasedError")?,
+            invalid_token: get("InvalidTokenError")?,
+            grammar: get("GrammarError")?,
+            state: get("StateError")?,
+            chat_template: get("ChatTemplateError")?,
+        })
+    })
+}
+
+/// The `lloyal.errors` class for a core error (None: a builtin exception).
+fn class_of<'c>(c: &'c Classes, err: &LloyalError) -> Option<&'c Py<PyType>> {
     Some(match err {
-        LloyalError::ModelLoad { .. } => "ModelLoadError",
-        LloyalError::ContextClosed => "ContextClosedError",
-        LloyalError::Decode { .. } => "DecodeError",
-        LloyalError::KvCacheFull { .. } => "KvCacheFullError",
-        LloyalError::BranchDisposed { .. } => "BranchDisposedError",
-        LloyalError::LeaseExhausted { .. } | LloyalError::LeasesHoldFlatCells { .. } => "LeaseExhaustedError",
-        LloyalError::Topology(_) => "TopologyError",
-        LloyalError::SeqLeased { .. } => "SeqLeasedError",
-        LloyalError::InvalidToken { .. } => "InvalidTokenError",
-        LloyalError::Grammar(_) => "GrammarError",
-        LloyalError::State(_) => "StateError",
-        LloyalError::ChatTemplate(_) => "ChatTemplateError",
-        LloyalError::NoLogits | LloyalError::Backend(_) => "LloyalError",
+        LloyalError::ModelLoad { .. } => &c.model_load,
+        LloyalError::ContextClosed => &c.context_closed,
+        LloyalError::Decode { .. } => &c.decode,
+        LloyalError::KvCacheFull { .. } => &c.kv_cache_full,
+        LloyalError::BranchDisposed { .. } => &c.branch_disposed,
+        LloyalError::LeaseExhausted { .. } | LloyalError::LeasesHoldFlatCells { .. } => &c.lease_exhausted,
+        LloyalError::Topology(_) => &c.topology,
+        LloyalError::SeqLeased { .. } => &c.seq_leased,
+        LloyalError::InvalidToken { .. } => &c.invalid_token,
+        LloyalError::Grammar(_) => &c.grammar,
+        LloyalError::State(_) => &c.state,
+        LloyalError::ChatTemplate(_) => &c.chat_template,
+        LloyalError::NoLogits | LloyalError::Backend(_) => &c.base,
         LloyalError::InvalidArgument(_) | LloyalError::Interrupted => return None,
     })
 }
@@ -36,11 +73,14 @@ fn class_name(err: &LloyalError) -> Option<&'static str> {
 /// Convert a core error into the matching Python exception.
 pub fn to_py(err: LloyalError) -> PyErr {
     let message = err.to_string();
-    match (&err, class_name(&err)) {
-        (LloyalError::Interrupted, _) => PyKeyboardInterrupt::new_err(message),
-        (_, None) => PyValueError::new_err(message),
-        (_, Some(name)) => Python::attach(|py| match class(py, name) {
-            Ok(cls) => PyErr::from_type(cls, message),
+    match err {
+        LloyalError::Interrupted => PyKeyboardInterrupt::new_err(message),
+        LloyalError::InvalidArgument(_) => PyValueError::new_err(message),
+        _ => Python::attach(|py| match classes(py) {
+            Ok(c) => match class_of(c, &err) {
+                Some(cls) => PyErr::from_type(cls.bind(py).clone(), message),
+                None => PyValueError::new_err(message),
+            },
             Err(import_err) => import_err,
         }),
     }

@@ -127,7 +127,7 @@ impl PyGrammar {
     /// Set every forbidden token to ``-inf`` in ``logits`` (float32, length n_vocab), in place.
     fn apply(&self, py: Python<'_>, mut logits: PyReadwriteArray1<'_, f32>) -> PyResult<()> {
         let slice = logits.as_slice_mut()?;
-        py.detach(|| self.lock().mask(slice)).py()
+        detached(py, || self.lock().mask(slice))
     }
 
     /// Advance past ``token``; a forbidden token raises ``GrammarError`` (state unchanged).

@@ -14,7 +14,6 @@ mod grammar;
 mod metrics;
 mod model;
 mod sampling;
-mod state;
 mod store;
 mod text;
 

@@ -100,31 +100,33 @@ fn get<'py, T: FromPyObjectOwned<'py>>(obj: &Bound<'py, PyAny>, name: &str, defa
 
 fn mirostat(v: &Bound<'_, PyAny>) -> PyResult<Mirostat> {
     check_keys(v, "mirostat", MIROSTAT_FIELDS)?;
+    let d = Mirostat::default();
     Ok(Mirostat {
-        version: get(v, "version", 2u8)?,
-        tau: get(v, "tau", 5.0f32)?,
-        eta: get(v, "eta", 0.1f32)?,
+        version: get(v, "version", d.version)?,
+        tau: get(v, "tau", d.tau)?,
+        eta: get(v, "eta", d.eta)?,
     })
 }
 
 fn dry(v: &Bound<'_, PyAny>) -> PyResult<Dry> {
     check_keys(v, "dry", DRY_FIELDS)?;
-    let default_breakers: Vec<String> = ["\n", ":", "\"", "*"].iter().map(|s| s.to_string()).collect();
+    let d = Dry::default();
     Ok(Dry {
-        multiplier: get(v, "multiplier", 0.8f32)?,
-        base: get(v, "base", 1.75f32)?,
-        allowed_length: get(v, "allowed_length", 2i32)?,
-        penalty_last_n: get(v, "penalty_last_n", -1i32)?,
-        sequence_breakers: get(v, "sequence_breakers", default_breakers)?,
+        multiplier: get(v, "multiplier", d.multiplier)?,
+        base: get(v, "base", d.base)?,
+        allowed_length: get(v, "allowed_length", d.allowed_length)?,
+        penalty_last_n: get(v, "penalty_last_n", d.penalty_last_n)?,
+        sequence_breakers: get(v, "sequence_breakers", d.sequence_breakers)?,
     })
 }
 
 fn xtc(v: &Bound<'_, PyAny>) -> PyResult<Xtc> {
     check_keys(v, "xtc", XTC_FIELDS)?;
+    let d = Xtc::default();
     Ok(Xtc {
-        probability: get(v, "probability", 0.5f32)?,
-        threshold: get(v, "threshold", 0.1f32)?,
-        min_keep: get(v, "min_keep", 1usize)?,
+        probability: get(v, "probability", d.probability)?,
+        threshold: get(v, "threshold", d.threshold)?,
+        min_keep: get(v, "min_keep", d.min_keep)?,
     })
 }
 

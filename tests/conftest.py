@@ -15,7 +15,11 @@ from pathlib import Path
 
 import pytest
 
-import lloyal
+# Check the KV ledger against llama.cpp after every context call (crates/lloyal-core/src/
+# ledger.rs); set before lloyal loads, read once.
+os.environ.setdefault("LLOYAL_CHECK_LEDGER", "1")
+
+import lloyal  # noqa: E402
 
 
 def _other_model() -> str | None:

@@ -12,13 +12,14 @@ use crate::embeddings::Encoded;
 use crate::engine::{Done, Engine, EngineStats, Ticket, Work};
 use crate::error::{LloyalError, Result};
 use crate::grammar::Grammar;
+use crate::ledger::Ledger;
 use crate::metrics::{entropy, surprisal, Base};
 use crate::model::Model;
 use crate::options::ContextOptions;
 use crate::raw::{Batch, RawContext};
 use crate::sampler::Sampler;
 use crate::sampling::SamplingParams;
-use crate::tenancy::{Leases, Slots};
+use crate::tenancy::Slots;
 use crate::topology::Topology;
 
 /// Sizes fixed at creation (readable without the lock).
@@ -82,8 +83,7 @@ impl Context {
             sampler: None,
             branches: Slots::default(),
             topology: Topology::default(),
-            leases: Leases::new(n_seq_max),
-            cells_used: 0,
+            ledger: Ledger::new(n_seq_max),
             park_seq: parks.then_some(n_seq_max as i32),
             parked: 0,
             kv_cell_bytes: model.kv_bytes_per_cell(params.type_k, params.type_v),
@@ -134,6 +134,7 @@ impl Context {
         let state = guard.as_mut().ok_or(LloyalError::ContextClosed)?;
         state.batches_in_call = 0;
         let result = f(state);
+        check_ledger(state);
         MutexGuard::unlock_fair(guard);
         result
     }
@@ -153,6 +154,7 @@ impl Context {
         state.interrupt = Some(check);
         let result = f(state);
         state.interrupt = None;
+        check_ledger(state);
         MutexGuard::unlock_fair(guard);
         result
     }
@@ -224,15 +226,13 @@ pub struct ContextState {
     pub(crate) branches: Slots<BranchState>,
     /// Parent/children links between branches.
     pub(crate) topology: Topology,
-    /// Which sequence ids live branches hold.
-    pub(crate) leases: Leases,
-    /// KV cells held by branches (exact: prefill +n, commit +N, fork +0, prune -own cells).
-    /// Parked cells are not counted: they are free to any decode that needs them.
-    pub(crate) cells_used: usize,
+    /// Which sequence ids live branches hold and how many KV cells they hold (written only
+    /// by `ledger.rs`).
+    pub(crate) ledger: Ledger,
     /// The hidden sequence id holding the cells of pruned branches until a decode needs the
     /// room (`None` for embeddings contexts and `n_seq_max = 256`, which free at once).
     park_seq: Option<i32>,
-    /// Cells only `park_seq` holds (exact, like `cells_used`).
+    /// Cells only `park_seq` holds (exact, like the ledger's cell count).
     pub(crate) parked: usize,
     /// K+V bytes per cell (for `memory_size`).
     kv_cell_bytes: u64,
@@ -569,6 +569,16 @@ impl ContextState {
         out.clear();
         out.extend_from_slice(src);
         Ok(())
+    }
+}
+
+/// The ledger check after a context call (see [`crate::ledger`]): a mismatch is a bug in
+/// lloyal, reported loudly rather than left to corrupt later calls.
+fn check_ledger(state: &mut ContextState) {
+    if crate::ledger::checking() {
+        if let Err(e) = state.check_ledger() {
+            panic!("KV ledger out of step with llama.cpp after a context call: {e}");
+        }
     }
 }
 

@@ -34,6 +34,15 @@ impl Default for ModelOptions {
     }
 }
 
+impl ModelOptions {
+    /// The weights a context loading its own model should use: a context that asks for
+    /// llama.cpp's fastest kernels (`batch_invariant=False`) gets repacked weights; the
+    /// batch-invariant default (`None`/`true`) needs them unrepacked.
+    pub fn for_context(batch_invariant: Option<bool>) -> Self {
+        ModelOptions { repack: batch_invariant == Some(false), ..Default::default() }
+    }
+}
+
 type RegistryKey = (PathBuf, ModelOptions);
 static REGISTRY: Mutex<Option<HashMap<RegistryKey, Weak<Model>>>> = Mutex::new(None);
 

@@ -29,6 +29,34 @@ pub struct Xtc {
     pub min_keep: usize,
 }
 
+impl Default for Mirostat {
+    /// Version 2, target surprise `tau` 5.0, learning rate `eta` 0.1 (llama.cpp's defaults).
+    fn default() -> Self {
+        Mirostat { version: 2, tau: 5.0, eta: 0.1 }
+    }
+}
+
+impl Default for Dry {
+    /// llama.cpp's recommended DRY settings: multiplier 0.8, base 1.75, allowed length 2,
+    /// the whole context, breakers newline, colon, quote and asterisk.
+    fn default() -> Self {
+        Dry {
+            multiplier: 0.8,
+            base: 1.75,
+            allowed_length: 2,
+            penalty_last_n: -1,
+            sequence_breakers: ["\n", ":", "\"", "*"].iter().map(|s| s.to_string()).collect(),
+        }
+    }
+}
+
+impl Default for Xtc {
+    /// Probability 0.5, threshold 0.1, keep at least one candidate.
+    fn default() -> Self {
+        Xtc { probability: 0.5, threshold: 0.1, min_keep: 1 }
+    }
+}
+
 /// The full sampler configuration of docs/api.md ("Sampling"). `temperature <= 0` means greedy.
 #[derive(Debug, Clone, PartialEq)]
 pub struct SamplingParams {

@@ -16,33 +16,9 @@ pub struct KvPressure {
 }
 
 impl ContextState {
-    pub(crate) fn lease_exhausted(&self) -> LloyalError {
-        LloyalError::LeaseExhausted { n_seq_max: self.leases.n_seq_max(), live: self.leases.live() }
-    }
-
-    /// Take a lease whose sequence is empty: an id holding flat-path cells (`ctx.decode` on
-    /// a sequence no branch holds) is skipped rather than wiped.
-    pub(crate) fn acquire_lease(&mut self) -> Result<i32> {
-        let raw = &mut self.raw;
-        let mut empty = |s: i32| raw.seq_pos_max(s) < 0;
-        if let Some(seq) = self.leases.acquire_where(&mut empty) {
-            return Ok(seq);
-        }
-        if self.leases.available() == 0 {
-            return Err(self.lease_exhausted());
-        }
-        let mut flat = self.leases.free_ids().to_vec();
-        flat.sort_unstable();
-        Err(LloyalError::LeasesHoldFlatCells {
-            n_seq_max: self.leases.n_seq_max(),
-            live: self.leases.live(),
-            flat,
-        })
-    }
-
     /// Free leases.
     pub fn available(&self) -> u32 {
-        self.leases.available()
+        self.ledger.leases().available()
     }
 
     /// Cells held by branches and what is left of `n_ctx`.
@@ -50,18 +26,18 @@ impl ContextState {
         let n_ctx = self.shape().n_ctx;
         KvPressure {
             n_ctx,
-            cells_used: self.cells_used,
-            remaining: (n_ctx as usize).saturating_sub(self.cells_used),
+            cells_used: self.ledger.cells_used(),
+            remaining: (n_ctx as usize).saturating_sub(self.ledger.cells_used()),
         }
     }
 
     pub(crate) fn check_room(&self, needed: usize) -> Result<()> {
-        let free = (self.shape().n_ctx as usize).saturating_sub(self.cells_used);
+        let free = (self.shape().n_ctx as usize).saturating_sub(self.ledger.cells_used());
         if needed > free {
             return Err(LloyalError::KvCacheFull {
                 needed,
                 n_ctx: self.shape().n_ctx,
-                detail: format!("branches hold {} cells, {free} free", self.cells_used),
+                detail: format!("branches hold {} cells, {free} free", self.ledger.cells_used()),
             });
         }
         Ok(())
@@ -72,14 +48,14 @@ impl ContextState {
         if reserved == 0 {
             return self.check_room(needed);
         }
-        let free = (self.shape().n_ctx as usize).saturating_sub(self.cells_used + reserved);
+        let free = (self.shape().n_ctx as usize).saturating_sub(self.ledger.cells_used() + reserved);
         if needed > free {
             return Err(LloyalError::KvCacheFull {
                 needed,
                 n_ctx: self.shape().n_ctx,
                 detail: format!(
                     "branches hold {} cells and operations in progress {reserved} more, {free} free",
-                    self.cells_used
+                    self.ledger.cells_used()
                 ),
             });
         }
@@ -94,8 +70,7 @@ impl ContextState {
             }
         }
         self.topology = Default::default();
-        self.leases.rebuild(&[]);
-        self.cells_used = 0;
+        self.reset_ledger(&[], 0);
         self.reclaim_parked();
     }
 
@@ -114,10 +89,9 @@ impl ContextState {
             }
         }
         self.topology.retain_only(winner);
-        self.leases.rebuild(&[seq]);
+        self.reset_ledger(&[seq], if p_max >= 0 { (p_max - p_min + 1) as usize } else { 0 });
         let b = self.branch_mut(winner)?;
         b.fork_head = if p_max >= 0 { p_min } else { b.position };
-        self.cells_used = if p_max >= 0 { (p_max - p_min + 1) as usize } else { 0 };
         if p_max >= 0 && self.batch_invariant {
             if let Err(e) = self.compact_seq(seq) {
                 // Cannot happen short of a llama.cpp fault (the cache is empty when the cells
@@ -196,7 +170,7 @@ impl ContextState {
             b.position += 1;
             b.publish_logits();
         }
-        self.cells_used += pairs.len();
+        self.grow_cells(pairs.len());
         Ok(())
     }
 
@@ -258,7 +232,7 @@ impl ContextState {
             b.position += tokens.len() as i32;
             b.publish_logits();
         }
-        self.cells_used += total;
+        self.grow_cells(total);
         Ok(())
     }
 }

@@ -60,14 +60,14 @@ impl ContextState {
     }
 
     /// `Branch.create`: take a lease (an empty sequence; ids holding flat-path cells are
-    /// skipped, see [`ContextState::acquire_lease`]) and start a root at `position`.
+    /// skipped, see [`ContextState::take_lease`]) and start a root at `position`.
     pub fn branch_create(&mut self, position: i32, params: SamplingParams) -> Result<Handle> {
         if position < 0 {
             return Err(LloyalError::invalid(format!("position must be >= 0, got {position}")));
         }
         let model = self.model();
         let sampler = Sampler::new(&model, params)?;
-        let seq = self.acquire_lease()?;
+        let seq = self.take_lease()?;
         let handle = self.branches.insert(BranchState::new(seq, position, sampler));
         self.topology.add(handle, None);
         Ok(handle)
@@ -92,7 +92,7 @@ impl ContextState {
             Some(a) if a < position => Some(a),
             _ => None,
         };
-        let seq = self.acquire_lease()?;
+        let seq = self.take_lease()?;
         let made = self.branch(parent).and_then(|p| match at {
             Some(a) => p.fork_at(seq, a),
             None => p.fork(seq, clone_logits),
@@ -100,7 +100,7 @@ impl ContextState {
         let child = match made {
             Ok(c) => c,
             Err(e) => {
-                self.leases.release(seq);
+                self.return_lease(seq);
                 return Err(e);
             }
         };
@@ -117,8 +117,8 @@ impl ContextState {
             // Its own cells [fork_head, position) are held by no other sequence: park them.
             self.park_cells(b.seq_id, b.fork_head, b.position);
             self.remove_cells(b.seq_id, -1, -1);
-            self.cells_used = self.cells_used.saturating_sub((b.position - b.fork_head).max(0) as usize);
-            self.leases.release(b.seq_id);
+            self.free_cells((b.position - b.fork_head).max(0) as usize);
+            self.return_lease(b.seq_id);
             self.topology.remove(handle);
         }
     }

@@ -43,15 +43,19 @@ impl ContextState {
         }
         let own = (position - fork_head).max(0) as usize;
         let n_ctx = self.shape().n_ctx as usize;
-        if self.cells_used - own + tokens.len() > n_ctx {
+        if self.ledger.cells_used() - own + tokens.len() > n_ctx {
             return Err(LloyalError::KvCacheFull {
                 needed: tokens.len(),
                 n_ctx: self.shape().n_ctx,
-                detail: format!("branches would hold {} cells", self.cells_used - own + tokens.len()),
+                detail: format!(
+                    "branches would hold {} cells",
+                    self.ledger.cells_used() - own + tokens.len()
+                ),
             });
         }
         // Parking keeps the old cells occupied while the new ones are written.
-        let parking = if self.cells_used + tokens.len() <= n_ctx { self.acquire_lease().ok() } else { None };
+        let parking =
+            if self.ledger.cells_used() + tokens.len() <= n_ctx { self.take_lease().ok() } else { None };
         if let Some(p) = parking {
             self.copy_seq(seq, p);
         }
@@ -62,7 +66,7 @@ impl ContextState {
             b.position = 0;
             b.fork_head = 0;
         }
-        self.cells_used -= own;
+        self.free_cells(own);
         let result = self.prefill(&[(handle, tokens.clone())]);
         if let Err(e) = result {
             self.remove_cells(seq, -1, -1);
@@ -72,17 +76,17 @@ impl ContextState {
                 b.fork_head = fork_head;
                 b.logits = old_logits;
                 self.copy_seq(p, seq);
-                self.cells_used += own;
+                self.grow_cells(own);
             }
             if let Some(p) = parking {
                 self.remove_cells(p, -1, -1);
-                self.leases.release(p);
+                self.return_lease(p);
             }
             return Err(e);
         }
         if let Some(p) = parking {
             self.remove_cells(p, -1, -1);
-            self.leases.release(p);
+            self.return_lease(p);
         }
         Ok(tokens.len() as i32)
     }

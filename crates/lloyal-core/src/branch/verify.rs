@@ -58,12 +58,13 @@ impl ContextState {
         // Walking the drafts and committing the bonus can still fail (a grammar that allows
         // no token, Ctrl-C before the bonus decode): then restore the branch exactly.
         let saved = self.branch(handle)?.snapshot()?;
-        let cells_before = self.cells_used;
+        let cells_before = self.ledger.cells_used();
         match self.verify_walk(handle, drafts, rows, seq, pos) {
             Ok(v) => Ok(v),
             Err(e) => {
                 self.remove_cells(seq, pos, -1);
-                self.cells_used = cells_before;
+                // The walk may have counted accepted drafts before failing.
+                self.free_cells(self.ledger.cells_used() - cells_before);
                 *self.branch_mut(handle)? = saved;
                 Err(e)
             }
@@ -95,7 +96,7 @@ impl ContextState {
             b.publish_logits();
             accepted += 1;
         };
-        self.cells_used += accepted;
+        self.grow_cells(accepted);
         self.remove_cells(seq, pos + accepted as i32, -1);
         self.commit(&[(handle, bonus)])?;
         Ok(Verified { accepted, bonus })

@@ -98,6 +98,14 @@ impl Scheduler {
 
     /// Run one tick over the queued `ops` (FIFO) and the prefills in flight.
     pub fn tick(&mut self, s: &mut ContextState, ops: Vec<Op>) -> TickOutcome {
+        let out = self.run_tick(s, ops);
+        // Tell the ledger which branches have prefill cells written ahead of their position.
+        let written = self.flights.iter().flat_map(|f| f.items.iter().map(|i| (i.handle, i.done)));
+        s.note_in_flight(written.collect());
+        out
+    }
+
+    fn run_tick(&mut self, s: &mut ContextState, ops: Vec<Op>) -> TickOutcome {
         let mut out = TickOutcome::default();
         self.drop_stale_flights(s, &mut out);
 
@@ -374,7 +382,7 @@ fn finish_commit(s: &mut ContextState, rows: &[CommitRow]) -> Result<()> {
         b.position += 1;
         b.publish_logits();
     }
-    s.cells_used += rows.len();
+    s.grow_cells(rows.len());
     Ok(())
 }
 
@@ -388,6 +396,6 @@ fn finish_prefill(s: &mut ContextState, f: &Flight) -> Result<()> {
         b.position += item.tokens.len() as i32;
         b.publish_logits();
     }
-    s.cells_used += f.cells;
+    s.grow_cells(f.cells);
     Ok(())
 }

@@ -336,11 +336,11 @@ impl ContextState {
     pub fn branch_load(&mut self, data: &[u8]) -> Result<Handle> {
         let p = self.parse_branch_state(data)?;
         self.check_room(p.cells)?;
-        let seq = self.acquire_lease()?;
+        let seq = self.take_lease()?;
         self.remove_cells(seq, -1, -1);
         if let Err(e) = self.kv_load_unchecked(seq, &p.kv) {
             self.remove_cells(seq, -1, -1);
-            self.leases.release(seq);
+            self.return_lease(seq);
             return Err(e);
         }
         let mut b = BranchState::new(seq, p.position, p.sampler);
@@ -353,7 +353,7 @@ impl ContextState {
         b.logits = Arc::new(p.logits);
         let handle = self.branches.insert(b);
         self.topology.add(handle, None);
-        self.cells_used += p.cells;
+        self.grow_cells(p.cells);
         Ok(handle)
     }
 }

@@ -1,4 +1,4 @@
-//! KV state files: atomic write and plain read (the format and the load live in lloyal-core).
+//! State files: an atomic write, so a crash never leaves a half-written state under a path.
 
 use std::io::Write;
 use std::path::{Path, PathBuf};
