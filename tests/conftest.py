@@ -19,7 +19,7 @@ import pytest
 # ledger.rs); set before lloyal loads, read once.
 os.environ.setdefault("LLOYAL_CHECK_LEDGER", "1")
 
-import lloyal  # noqa: E402
+import lloyal
 
 
 def _other_model() -> str | None:
