@@ -1,4 +1,5 @@
-//! A llama.cpp context behind one lock: the flat decode path, sampling, logits and raw KV ops.
+//! A llama.cpp context behind one lock (released fairly): the flat decode path, sampling,
+//! logits and raw KV ops; branch accounting lives in `ledger.rs`, llama.cpp calls in `raw.rs`.
 
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicBool, Ordering};

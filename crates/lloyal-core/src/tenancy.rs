@@ -1,4 +1,5 @@
-//! KV tenancy: leases (the scarce seq ids) and slots (generation-checked branch handles).
+//! KV tenancy data structures: the lease table (the scarce seq ids) and slots (generation-checked
+//! branch handles). A context changes its lease table only through `ledger.rs`.
 
 /// A branch handle: slot index in the low 32 bits, slot generation in the high 32 bits,
 /// so a handle to a freed slot never reaches the slot's next tenant.
