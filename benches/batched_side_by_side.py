@@ -1,0 +1,185 @@
+"""lloyal against llama.cpp's own ``llama-batched-bench``, paired round by round.
+
+    python benches/batched_side_by_side.py [--rounds 7] [--pp 512] [--tg 64] [--batch 1,8]
+                                           [--bin target/peers/bin/llama-batched-bench]
+
+What is measured (decode only, no sampling, as ``llama-batched-bench -pps`` does): a prompt of
+``--pp`` tokens prefilled once (S_PP, tokens/s), then ``B`` sequences sharing it each decode
+``--tg`` tokens in lockstep, one ``llama_decode`` of ``B`` rows per step (S_TG, aggregate
+tokens/s). lloyal does the same with ``Branch.prefill``, ``fork`` and ``BranchStore.commit``,
+in its default batch-invariant mode and with ``batch_invariant=False`` (llama.cpp's fastest
+kernels, repacked weights).
+
+Every measurement runs in its own process with a clean environment (no ``GGML_*`` variables:
+lloyal's process-wide ``GGML_CPU_TILED_MM=0`` never reaches the peer), each after its own
+warm-up. Each round runs the peer and both lloyal modes back to back in a shuffled order; the
+printed figure for a measure is the median of the per-round ratios lloyal / llama.cpp with
+their range, so a noisy machine moves both sides of a ratio together.
+
+The peer is built by ``make bench-peers-cpp`` from the llama.cpp inside llama-cpp-python's
+source distribution; its version is printed next to lloyal's.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+DEFAULT_BIN = ROOT / "target" / "peers" / "bin" / "llama-batched-bench"
+MODES = {"lloyal": None, "lloyal-fast": False}
+
+
+def lloyal_worker(mode: str, pp: int, tg: int, batch: int, threads: int, model: str) -> dict[str, float]:
+    import lloyal
+
+    n_ctx = pp + batch * tg + 16
+    ctx = lloyal.Context(
+        model,
+        n_ctx=n_ctx,
+        n_batch=512,
+        n_seq_max=max(batch, 1),
+        n_threads=threads,
+        batch_invariant=MODES[mode],
+    )
+    store = lloyal.BranchStore(ctx)
+    prompt = [1000 + (i * 7) % 3000 for i in range(pp)]
+
+    def once() -> tuple[float, float]:
+        root = lloyal.Branch.create(ctx, 0, lloyal.SamplingParams(temperature=0.0))
+        t0 = time.perf_counter()
+        root.prefill(prompt)
+        t_pp = time.perf_counter() - t0
+        branches = [root] + [root.fork() for _ in range(batch - 1)]
+        t0 = time.perf_counter()
+        for step in range(tg):
+            store.commit([(b, 2000 + (step * 13 + i) % 3000) for i, b in enumerate(branches)])
+        t_tg = time.perf_counter() - t0
+        root.prune_subtree()
+        return t_pp, t_tg
+
+    once()  # warm-up, as llama-batched-bench does
+    t_pp, t_tg = once()
+    return {"s_pp": pp / t_pp, "s_tg": batch * tg / t_tg}
+
+
+def peer_worker(binary: str, pp: int, tg: int, batch: int, threads: int, model: str) -> dict[str, float]:
+    cmd = [
+        binary,
+        "-m",
+        model,
+        "-c",
+        str(pp + batch * tg + 16),
+        "-b",
+        "512",
+        "-ub",
+        "512",
+        "-npp",
+        str(pp),
+        "-ntg",
+        str(tg),
+        "-npl",
+        str(batch),
+        "-pps",
+        "-t",
+        str(threads),
+    ]
+    out = subprocess.run(cmd, env=clean_env(), capture_output=True, text=True, check=True).stdout
+    for line in out.splitlines():
+        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        if len(cells) == 10 and cells[0] == str(pp) and cells[2] == str(batch):
+            return {"s_pp": float(cells[5]), "s_tg": float(cells[7])}
+    raise RuntimeError(f"no result row in llama-batched-bench output:\n{out}")
+
+
+def clean_env() -> dict[str, str]:
+    keep = ("PATH", "HOME", "LANG", "PYTHONPATH", "VIRTUAL_ENV")
+    return {k: v for k, v in os.environ.items() if k in keep}
+
+
+def peer_version(binary: str) -> str:
+    out = subprocess.run([binary, "--version"], env=clean_env(), capture_output=True, text=True)
+    text = (out.stdout + out.stderr).strip().splitlines()
+    return text[0] if text else "unknown"
+
+
+def run_worker(kind: str, a: argparse.Namespace, batch: int, model: str) -> dict[str, float]:
+    if kind == "llama.cpp":
+        return peer_worker(str(a.bin), a.pp, a.tg, batch, a.threads, model)
+    cmd = [
+        sys.executable,
+        __file__,
+        "--worker",
+        kind,
+        "--pp",
+        str(a.pp),
+        "--tg",
+        str(a.tg),
+        "--batch",
+        str(batch),
+        "--threads",
+        str(a.threads),
+        "--model",
+        model,
+    ]
+    out = subprocess.run(cmd, env=clean_env(), capture_output=True, text=True, check=True).stdout
+    return dict(json.loads(out.strip().splitlines()[-1]))
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--rounds", type=int, default=7)
+    ap.add_argument("--pp", type=int, default=512)
+    ap.add_argument("--tg", type=int, default=64)
+    ap.add_argument("--batch", default="1,8")
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--bin", type=Path, default=Path(os.environ.get("LLAMA_BATCHED_BENCH", DEFAULT_BIN)))
+    ap.add_argument("--worker", choices=sorted(MODES))
+    ap.add_argument("--model", default=None)
+    a = ap.parse_args()
+    if a.worker:
+        print(json.dumps(lloyal_worker(a.worker, a.pp, a.tg, int(a.batch), a.threads, a.model)))
+        return
+    import lloyal
+
+    if not a.bin.exists():
+        sys.exit(f"{a.bin} not found: build it with `make bench-peers-cpp` (or pass --bin)")
+    model = a.model or str(lloyal.default_model_path())
+    batches = [int(b) for b in a.batch.split(",")]
+    kinds = ["llama.cpp", *MODES]
+    got: dict[tuple[str, int], list[dict[str, float]]] = {(k, b): [] for k in kinds for b in batches}
+    rng = random.Random(0)
+    for r in range(a.rounds):
+        for b in batches:
+            order = kinds[:]
+            rng.shuffle(order)
+            for k in order:
+                got[(k, b)].append(run_worker(k, a, b, model))
+        print(f"round {r + 1}/{a.rounds} done", file=sys.stderr)
+    print(f"peer: llama-batched-bench {peer_version(str(a.bin))}; lloyal {lloyal.__version__}")
+    print(f"pp={a.pp} tg={a.tg} threads={a.threads} rounds={a.rounds}; median of per-round ratios (range)")
+    print("| measure | llama.cpp t/s | lloyal t/s | lloyal ÷ llama.cpp | fast t/s | fast ÷ llama.cpp |")
+    print("|---|---|---|---|---|---|")
+    for b in batches:
+        for key, label in (("s_pp", f"prefill {a.pp} (B={b})"), ("s_tg", f"decode B={b}")):
+            if key == "s_pp" and b != batches[0]:
+                continue
+            peer = [x[key] for x in got[("llama.cpp", b)]]
+            cells = [f"{statistics.median(peer):.1f}"]
+            for k in MODES:
+                mine = [x[key] for x in got[(k, b)]]
+                ratios = [m / p for m, p in zip(mine, peer, strict=True)]
+                cells.append(f"{statistics.median(mine):.1f}")
+                cells.append(f"{statistics.median(ratios):.2f} ({min(ratios):.2f}–{max(ratios):.2f})")
+            print(f"| {label} | " + " | ".join(cells) + " |")
+
+
+if __name__ == "__main__":
+    main()
