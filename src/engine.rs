@@ -37,6 +37,8 @@ pub struct PyEngineStats {
     pub queue_depth: usize,
     /// Prefills in flight across ticks.
     pub in_flight: usize,
+    /// Generation requests running (``Branch.generate`` iterators).
+    pub generating: usize,
     /// Whether the engine is paused (``Context.pause_engine``).
     pub paused: bool,
     /// Seconds a tick waits for as many commits as the previous tick decoded.
@@ -56,6 +58,7 @@ impl From<EngineStats> for PyEngineStats {
             max_ops_per_tick: s.max_ops_per_tick,
             queue_depth: s.queue_depth,
             in_flight: s.in_flight,
+            generating: s.generating,
             paused: s.paused,
             gather: s.gather,
         }
@@ -68,7 +71,7 @@ impl PyEngineStats {
         format!(
             "EngineStats(ticks={}, decode_calls={}, rows={}, ops_submitted={}, ops_completed={}, \
              ops_failed={}, ops_coalesced={}, max_ops_per_tick={}, queue_depth={}, in_flight={}, \
-             paused={}, gather={})",
+             generating={}, paused={}, gather={})",
             self.ticks,
             self.decode_calls,
             self.rows,
@@ -79,6 +82,7 @@ impl PyEngineStats {
             self.max_ops_per_tick,
             self.queue_depth,
             self.in_flight,
+            self.generating,
             if self.paused { "True" } else { "False" },
             self.gather
         )

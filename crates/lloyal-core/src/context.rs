@@ -11,6 +11,7 @@ use llama_cpp_sys_2 as sys;
 use crate::backend::{clear_recent_errors, recent_errors};
 use crate::branch::BranchState;
 use crate::embeddings::Encoded;
+use crate::engine::gen::GenSpec;
 use crate::engine::{Done, Engine, EngineStats, Ticket, Work};
 use crate::error::{LloyalError, Result};
 use crate::grammar::Grammar;
@@ -169,6 +170,24 @@ impl Context {
     pub fn submit(self: &Arc<Self>, work: Work, done: Done) -> Result<Ticket> {
         self.check_open()?;
         self.engine.submit(self, work, done)
+    }
+
+    /// Queue a generation request ([`crate::engine::gen`]); its tokens, end or error arrive
+    /// on `spec.stream`. Returns a ticket that cancels it (freed at the next tick).
+    pub fn generate(self: &Arc<Self>, spec: GenSpec) -> Result<Ticket> {
+        spec.validate(self.model())?;
+        let stream = Arc::clone(&spec.stream);
+        let done: Done = Box::new(move |r| {
+            if let Err(e) = r {
+                stream.fail(e);
+            }
+        });
+        self.submit(Work::Generate(Box::new(spec)), done)
+    }
+
+    /// Wake the engine: a generation stream asked for its next token.
+    pub fn notify_engine(&self) {
+        self.engine.notify();
     }
 
     /// The engine's counters.

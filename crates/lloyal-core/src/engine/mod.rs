@@ -7,6 +7,7 @@
 //! `ceil(rows / n_batch)` decodes ([`plan`], [`tick`]): commit rows first, prefill chunks
 //! after. Each caller gets its own result through a one-shot callback.
 
+pub mod gen;
 pub mod op;
 pub mod plan;
 pub mod tick;
@@ -47,6 +48,8 @@ pub struct EngineStats {
     pub queue_depth: usize,
     /// Prefills in flight across ticks.
     pub in_flight: usize,
+    /// Generation requests running (`Branch.generate`).
+    pub generating: usize,
     /// Whether the engine is paused.
     pub paused: bool,
     /// Seconds a tick waits for as many commits as the previous tick decoded.
@@ -101,6 +104,8 @@ impl Ticket {
                 q.stats.ops_failed += 1;
                 q.stats.queue_depth = q.ops.len();
             }
+            // A running generation request is dropped at the next tick: wake the engine.
+            shared.cv.notify_all();
             op
         };
         // Answer outside the lock: the callback may wait for the GIL.
@@ -167,6 +172,12 @@ impl Engine {
         q.stats.queue_depth = q.ops.len();
         self.shared.cv.notify_all();
         Ok(Ticket { id, cancelled, shared: Arc::downgrade(&self.shared) })
+    }
+
+    /// Wake the engine thread (a generation stream asked for a token).
+    pub(crate) fn notify(&self) {
+        let _q = self.shared.lock();
+        self.shared.cv.notify_all();
     }
 
     /// Current counters.
@@ -270,7 +281,7 @@ fn engine_loop(ctx: Weak<Context>, shared: Arc<Shared>) {
             // this tick instead of splitting into a one-caller tick and the rest.
             let gather = Duration::from_secs_f64(q.stats.gather);
             let deadline = Instant::now() + gather;
-            while q.ops.len() < q.last_tick_ops && !q.shutdown && !q.paused {
+            while q.ops.len() + sched.ready() < q.last_tick_ops && !q.shutdown && !q.paused {
                 let now = Instant::now();
                 if now >= deadline {
                     break;
@@ -329,11 +340,15 @@ fn engine_loop(ctx: Weak<Context>, shared: Arc<Shared>) {
                 st.max_ops_per_tick = st.max_ops_per_tick.max(outcome.ops);
             }
             st.in_flight = sched.in_flight();
+            st.generating = sched.generating();
             q.last_tick_ops = outcome.commits as usize;
             for op in outcome.deferred.into_iter().rev() {
                 q.ops.push_front(op);
             }
             q.stats.queue_depth = q.ops.len();
+        }
+        for (stream, event) in outcome.events {
+            stream.deliver(event);
         }
         answer(&shared, outcome.replies);
         let mut q = shared.lock();

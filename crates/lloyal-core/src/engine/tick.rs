@@ -5,12 +5,15 @@
 //! same all-or-nothing rollback as a direct call.
 
 use std::collections::HashSet;
+use std::sync::Arc;
 
+use super::gen::{logprobs, Event, Finish, GenItem, GenSpec, GenStream, StopMatcher};
 use super::op::{Op, Reply, Work};
 use super::plan::plan_tick;
 use crate::context::ContextState;
 use crate::error::{LloyalError, Result};
 use crate::tenancy::Handle;
+use crate::text::Utf8Stream;
 
 /// One row of a packed batch.
 #[derive(Debug, Clone, Copy)]
@@ -47,9 +50,26 @@ struct Flight {
     cells: usize,
 }
 
+/// A generation request running on its branch.
+struct Gen {
+    op: Op,
+    spec: GenSpec,
+    generated: usize,
+    utf8: Utf8Stream,
+    stops: StopMatcher,
+}
+
+/// A generation request's token this tick, with its logprobs when asked.
+struct GenRow {
+    row: CommitRow,
+    logprobs: Option<(f64, Vec<(i32, f64)>)>,
+}
+
 /// A part of a tick: one operation's rows.
 enum Part {
     Commit(Op, Vec<CommitRow>),
+    /// Index into the running generation requests.
+    Gen(usize, GenRow),
     /// Index into the in-flight prefills, with the tokens taken per item this tick.
     Prefill(usize, Vec<usize>),
 }
@@ -66,6 +86,8 @@ pub(crate) struct TickOutcome {
     pub replies: Vec<(Reply, Result<()>)>,
     /// Operations that name a branch an earlier operation is still writing: next tick.
     pub deferred: Vec<Op>,
+    /// Tokens and ends for generation streams, delivered after the tick.
+    pub events: Vec<(Arc<GenStream>, Event)>,
 }
 
 impl TickOutcome {
@@ -74,16 +96,29 @@ impl TickOutcome {
     }
 }
 
-/// The scheduler's state between ticks: prefills in flight.
+/// The scheduler's state between ticks: prefills in flight, generation requests running.
 #[derive(Default)]
 pub(crate) struct Scheduler {
     flights: Vec<Flight>,
+    gens: Vec<Gen>,
 }
 
 impl Scheduler {
-    /// Whether a prefill is still in flight (the engine ticks again without new operations).
+    /// Whether a prefill is in flight, a generation request wants a token or was cancelled
+    /// (the engine ticks again without new operations).
     pub fn has_work(&self) -> bool {
         !self.flights.is_empty()
+            || self.gens.iter().any(|g| g.op.is_cancelled() || g.spec.stream.is_wanted())
+    }
+
+    /// Generation requests that want a token now.
+    pub fn ready(&self) -> usize {
+        self.gens.iter().filter(|g| g.spec.stream.is_wanted()).count()
+    }
+
+    /// Generation requests running.
+    pub fn generating(&self) -> usize {
+        self.gens.len()
     }
 
     /// Prefills in flight.
@@ -93,13 +128,16 @@ impl Scheduler {
 
     /// Answer every in-flight operation with `err` (the context is gone; nothing to roll back).
     pub fn fail_all(&mut self, err: &LloyalError) -> Vec<(Reply, Result<()>)> {
-        self.flights.drain(..).map(|f| (f.op.reply, Err(err.clone()))).collect()
+        let mut replies: Vec<_> = self.flights.drain(..).map(|f| (f.op.reply, Err(err.clone()))).collect();
+        replies.extend(self.gens.drain(..).map(|g| (g.op.reply, Err(err.clone()))));
+        replies
     }
 
     /// Run one tick over the queued `ops` (FIFO) and the prefills in flight.
     pub fn tick(&mut self, s: &mut ContextState, ops: Vec<Op>) -> TickOutcome {
         let mut out = TickOutcome::default();
         self.drop_stale_flights(s, &mut out);
+        self.drop_stale_gens(s, &mut out);
 
         let mut busy: HashSet<Handle> =
             self.flights.iter().flat_map(|f| f.items.iter().map(|i| i.handle)).collect();
@@ -135,16 +173,45 @@ impl Scheduler {
                         self.flights.push(Flight { op, items, cells });
                     }
                 },
+                Work::Generate(spec) => {
+                    let spec = (**spec).clone();
+                    match self.admit_gen(s, &spec) {
+                        Err(e) => out.reply(op, Err(e)),
+                        Ok(()) => {
+                            let stops = StopMatcher::new(spec.stop.clone());
+                            self.gens.push(Gen { op, spec, generated: 0, utf8: Utf8Stream::new(), stops });
+                        }
+                    }
+                }
+            }
+        }
+
+        // Generation requests that want a token, oldest first: sample, check stops, admit.
+        let mut ended: Vec<(usize, Result<Finish>)> = Vec::new();
+        let mut gen_parts: Vec<Part> = Vec::new();
+        for (gi, g) in self.gens.iter_mut().enumerate() {
+            if busy.contains(&g.spec.handle) || !g.spec.stream.take_wanted() {
+                continue;
+            }
+            match step_gen(s, g, reserved) {
+                Ok(Step::Row(row)) => {
+                    reserved += 1;
+                    busy.insert(g.spec.handle);
+                    gen_parts.push(Part::Gen(gi, row));
+                }
+                Ok(Step::End(finish)) => ended.push((gi, Ok(finish))),
+                Err(e) => ended.push((gi, Err(e))),
             }
         }
 
         // Plan: every commit row, then prefill tokens (FIFO) up to the budget.
-        let decode_rows: usize = commits.iter().map(|c| c.1.len()).sum();
-        out.commits = commits.len() as u64;
+        let decode_rows: usize = commits.iter().map(|c| c.1.len()).sum::<usize>() + gen_parts.len();
+        out.commits = (commits.len() + gen_parts.len()) as u64;
         let lefts: Vec<usize> =
             self.flights.iter().flat_map(|f| f.items.iter().map(|i| i.tokens.len() - i.done)).collect();
         let plan = plan_tick(decode_rows, &lefts, s.shape().n_batch as usize);
         let mut parts: Vec<Part> = commits.into_iter().map(|(op, rows)| Part::Commit(op, rows)).collect();
+        parts.extend(gen_parts);
         let mut takes = plan.prefill_take.iter().copied();
         for (fi, f) in self.flights.iter().enumerate() {
             let take: Vec<usize> = f.items.iter().map(|_| takes.next().unwrap_or(0)).collect();
@@ -153,6 +220,7 @@ impl Scheduler {
             }
         }
         if parts.is_empty() {
+            self.end_gens(ended, &mut out);
             return out;
         }
         let rows_of: Vec<Vec<Row>> = parts.iter().map(|p| self.rows(p)).collect();
@@ -194,6 +262,20 @@ impl Scheduler {
                     out.reply(op, r);
                 }
                 (Part::Commit(op, _), Err(e)) => out.reply(op, Err(e)),
+                (Part::Gen(gi, row), Ok(())) => {
+                    let g = &mut self.gens[gi];
+                    match finish_commit(s, std::slice::from_ref(&row.row)) {
+                        Ok(()) => {
+                            let (item, end) = gen_item(s, g, row);
+                            out.events.push((Arc::clone(&g.spec.stream), Event::Item(item)));
+                            if let Some(finish) = end {
+                                ended.push((gi, Ok(finish)));
+                            }
+                        }
+                        Err(e) => ended.push((gi, Err(e))),
+                    }
+                }
+                (Part::Gen(gi, _), Err(e)) => ended.push((gi, Err(e))),
                 (Part::Prefill(fi, take), Ok(())) => {
                     let f = &mut self.flights[fi];
                     for (item, t) in f.items.iter_mut().zip(take) {
@@ -223,7 +305,51 @@ impl Scheduler {
                 }
             }
         }
+        self.end_gens(ended, &mut out);
         out
+    }
+
+    /// Validate a new generation request: its branch is live and has logits to sample from,
+    /// and no other request is generating on it.
+    fn admit_gen(&self, s: &mut ContextState, spec: &GenSpec) -> Result<()> {
+        s.branch(spec.handle)?.logits()?;
+        if self.gens.iter().any(|g| g.spec.handle == spec.handle) {
+            return Err(LloyalError::invalid(format!(
+                "branch {} is already generating (another iterator of it is open); finish or \
+                 close that iterator first",
+                spec.handle
+            )));
+        }
+        Ok(())
+    }
+
+    /// Remove ended generation requests (highest index first) and answer them.
+    fn end_gens(&mut self, mut ended: Vec<(usize, Result<Finish>)>, out: &mut TickOutcome) {
+        ended.sort_by_key(|e| std::cmp::Reverse(e.0));
+        for (gi, result) in ended {
+            let g = self.gens.remove(gi);
+            out.events.push((Arc::clone(&g.spec.stream), Event::End(result.clone())));
+            out.reply(g.op, result.map(|_| ()));
+        }
+    }
+
+    /// End generation requests that were cancelled or whose branch was disposed meanwhile
+    /// (the branch stays at its last committed token).
+    fn drop_stale_gens(&mut self, s: &mut ContextState, out: &mut TickOutcome) {
+        let mut keep = Vec::with_capacity(self.gens.len());
+        for g in self.gens.drain(..) {
+            let err = if g.op.is_cancelled() {
+                LloyalError::Interrupted
+            } else if !s.is_live(g.spec.handle) {
+                LloyalError::BranchDisposed { handle: g.spec.handle }
+            } else {
+                keep.push(g);
+                continue;
+            };
+            out.events.push((Arc::clone(&g.spec.stream), Event::End(Err(err.clone()))));
+            out.reply(g.op, Err(err));
+        }
+        self.gens = keep;
     }
 
     /// Fail in-flight prefills that were cancelled or whose branch was disposed meanwhile.
@@ -247,6 +373,10 @@ impl Scheduler {
 
     fn rows(&self, part: &Part) -> Vec<Row> {
         match part {
+            Part::Gen(_, g) => {
+                let r = &g.row;
+                vec![Row { token: r.token, pos: r.pos, seq: r.seq, handle: r.handle, logits: true }]
+            }
             Part::Commit(_, rows) => rows
                 .iter()
                 .map(|r| Row { token: r.token, pos: r.pos, seq: r.seq, handle: r.handle, logits: true })
@@ -268,6 +398,70 @@ impl Scheduler {
             }
         }
     }
+}
+
+/// What a generation request does this tick.
+enum Step {
+    Row(GenRow),
+    End(Finish),
+}
+
+/// Sample a generation request's next token; end it on a stop, else admit its commit row.
+fn step_gen(s: &mut ContextState, g: &Gen, reserved: usize) -> Result<Step> {
+    let h = g.spec.handle;
+    if g.spec.max_tokens.is_some_and(|m| g.generated >= m) {
+        return Ok(Step::End(Finish::Length));
+    }
+    let token = s.branch_produce(h)?;
+    if s.model().is_eog(token) {
+        return Ok(Step::End(Finish::Eog));
+    }
+    if g.spec.stop_tokens.contains(&token) {
+        return Ok(Step::End(Finish::Stop));
+    }
+    let mut rows = admit_commit(s, &[(h, token)], reserved)?;
+    let row = rows.pop().ok_or_else(|| LloyalError::Backend("a commit admitted no row".into()))?;
+    let logprobs = if g.spec.logprobs || g.spec.top_logprobs > 0 {
+        Some(logprobs(s.branch(h)?.logits()?, token, g.spec.top_logprobs))
+    } else {
+        None
+    };
+    Ok(Step::Row(GenRow { row, logprobs }))
+}
+
+/// The item for a committed generation token, and the request's end if it ends with it.
+/// Peeks at the next token (a cached `produce`, reused by the next step) so text held back
+/// for a stop string is released with the last token.
+fn gen_item(s: &mut ContextState, g: &mut Gen, row: GenRow) -> (GenItem, Option<Finish>) {
+    let token = row.row.token;
+    g.generated += 1;
+    let bytes = s.model().token_bytes(token, false).unwrap_or_default();
+    let piece = g.utf8.push(&bytes);
+    let (mut text, matched) = g.stops.push(&piece);
+    let end = if matched {
+        Some(Finish::Stop)
+    } else if g.spec.max_tokens.is_some_and(|m| g.generated >= m) {
+        Some(Finish::Length)
+    } else {
+        None
+    };
+    let last = end.is_some()
+        || s.branch_produce(g.spec.handle).is_ok_and(|t| s.model().is_eog(t) || g.spec.stop_tokens.contains(&t));
+    let mut end = end;
+    if last && !matched {
+        let (tail, matched) = g.stops.push(&g.utf8.flush());
+        text.push_str(&tail);
+        if matched {
+            end = Some(Finish::Stop);
+        } else {
+            text.push_str(&g.stops.flush());
+        }
+    }
+    let (logprob, top_logprobs) = match row.logprobs {
+        Some((lp, top)) => (g.spec.logprobs.then_some(lp), (g.spec.top_logprobs > 0).then_some(top)),
+        None => (None, None),
+    };
+    (GenItem { token, text, logprob, top_logprobs }, end)
 }
 
 /// Validate a commit against the current state; its rows, or the error for its caller.
