@@ -71,8 +71,10 @@ pub type Wake = Box<dyn FnOnce() + Send>;
 struct StreamState {
     items: VecDeque<GenItem>,
     end: Option<std::result::Result<Finish, LloyalError>>,
-    /// The consumer asked for one more token.
+    /// The consumer asked for one more token and the engine has not taken the request yet.
     wanted: bool,
+    /// The consumer's request is unanswered (taken or not): asking again adds nothing.
+    asked: bool,
     wake: Option<Wake>,
 }
 
@@ -98,7 +100,10 @@ impl GenStream {
         if let Some(end) = &st.end {
             return Next::End(end.clone());
         }
-        st.wanted = true;
+        if !st.asked {
+            st.asked = true;
+            st.wanted = true;
+        }
         if wake.is_some() {
             st.wake = wake;
         }
@@ -139,7 +144,10 @@ impl GenStream {
         let wake = {
             let mut st = self.lock();
             match event {
-                Event::Item(item) => st.items.push_back(item),
+                Event::Item(item) => {
+                    st.items.push_back(item);
+                    st.asked = false;
+                }
                 Event::End(end) => {
                     if st.end.is_none() {
                         st.end = Some(end);
@@ -321,6 +329,8 @@ mod tests {
         let s = GenStream::default();
         assert_eq!(s.poll(None), Next::Pending);
         assert!(s.take_wanted() && !s.take_wanted());
+        assert_eq!(s.poll(None), Next::Pending);
+        assert!(!s.take_wanted(), "asking again before the answer adds no token");
         let item = GenItem { token: 5, text: "a".into(), logprob: None, top_logprobs: None };
         s.deliver(Event::Item(item.clone()));
         s.deliver(Event::End(Ok(Finish::Length)));

@@ -1,0 +1,303 @@
+"""Generation requests run by the engine (docs/engine.md, "Generation requests"):
+``Branch.generate`` samples and commits in Rust, applies stop strings, stop tokens,
+``max_tokens`` and logprobs, coalesces concurrent generators into one decode per tick, and
+frees a closed or abandoned request at the next tick."""
+
+from __future__ import annotations
+
+import asyncio
+import gc
+import threading
+import time
+from collections.abc import Callable, Iterator
+
+import numpy as np
+import pytest
+
+import lloyal
+from lloyal import Branch, BranchStore, SamplingParams
+
+GREEDY = SamplingParams(temperature=0)
+PROMPT = "The three most important inventions of the last century were"
+
+
+def wait_until(cond: Callable[[], bool], timeout: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not cond():
+        assert time.monotonic() < deadline, "timed out waiting for the engine"
+        time.sleep(0.001)
+
+
+@pytest.fixture
+def ctx9(model: lloyal.Model) -> Iterator[lloyal.Context]:
+    c = lloyal.Context(model, n_ctx=1024, n_batch=64, n_seq_max=10)
+    try:
+        yield c
+    finally:
+        c.close()
+
+
+@pytest.fixture
+def root(ctx9: lloyal.Context) -> Branch:
+    r = Branch.create(ctx9, 0, GREEDY)
+    r.prefill(ctx9.tokenize(PROMPT))
+    return r
+
+
+def hand_loop(branch: Branch, n: int) -> list[int]:
+    """Greedy reference: produce/commit by hand, stopping before a stop token."""
+    out: list[int] = []
+    for _ in range(n):
+        p = branch.produce()
+        if p.is_stop:
+            break
+        branch.commit(p.token)
+        out.append(p.token)
+    return out
+
+
+def log_softmax(logits: np.ndarray) -> np.ndarray:
+    x = logits.astype(np.float64)
+    m = x.max()
+    return x - (m + np.log(np.exp(x - m).sum()))
+
+
+def test_greedy_generation_equals_a_hand_loop(ctx9: lloyal.Context, root: Branch) -> None:
+    twin = root.fork()
+    pos = root.position
+    cells = BranchStore(ctx9).kv_pressure.cells_used
+    it = root.generate(12)
+    assert it.finish_reason is None
+    toks = list(it)
+    assert [t.token for t in toks] == hand_loop(twin, 12)
+    assert it.finish_reason == "length"
+    assert root.position == pos + 12
+    assert ctx9.kv_seq_pos_max(root.seq_id) == pos + 11
+    assert BranchStore(ctx9).kv_pressure.cells_used == cells + 12 + 12  # root + twin
+    assert "".join(t.text for t in toks) == ctx9.detokenize([t.token for t in toks])
+    assert all(t.logprob is None and t.top_logprobs is None for t in toks)
+    assert ctx9.engine_stats().generating == 0
+
+
+def test_stop_string_across_token_boundaries_is_not_yielded(ctx9: lloyal.Context, root: Branch) -> None:
+    ref_branch = root.fork()
+    ref = hand_loop(ref_branch, 16)
+    pieces = [ctx9.token_to_text(t) for t in ref]
+    # a stop string made of the last 2 characters of piece 4 and the first 2 of piece 5
+    k = next(i for i in range(3, 12) if len(pieces[i]) >= 2 and len(pieces[i + 1]) >= 2)
+    stop = pieces[k][-2:] + pieces[k + 1][:2]
+    full = "".join(pieces)
+    cut = full.index(stop)
+    pos = root.position
+    it = root.generate(16, stop=[stop, "never-appears-zz"])
+    toks = list(it)
+    text = "".join(t.text for t in toks)
+    assert text == full[:cut]
+    assert stop not in text
+    # every token up to the one completing the stop string is committed and yielded
+    n = next(i + 1 for i in range(len(ref)) if len("".join(pieces[: i + 1])) >= cut + len(stop))
+    assert [t.token for t in toks] == ref[:n]
+    assert it.finish_reason == "stop"
+    assert root.position == pos + n
+
+
+def test_stop_tokens_and_max_tokens(ctx9: lloyal.Context, root: Branch) -> None:
+    ref = hand_loop(root.fork(), 8)
+    pos = root.position
+    k = next(i for i in range(2, 8) if ref[i] not in ref[:i])
+    it = root.generate(8, stop_tokens=[ref[k]])
+    assert [t.token for t in it] == ref[:k]
+    assert it.finish_reason == "stop"
+    assert root.position == pos + k  # the stop token is not committed
+    it = root.generate(0)
+    assert list(it) == [] and it.finish_reason == "length"
+    it = root.generate(2)
+    assert [t.token for t in it] == ref[k : k + 2] and it.finish_reason == "length"
+    assert root.position == pos + k + 2
+
+
+def test_eog_ends_with_finish_reason_eog(ctx9: lloyal.Context, root: Branch) -> None:
+    pos = root.position
+    it = root.generate(5)
+    first = next(it)
+    root.steer({ctx9.eog_token: 1000.0})  # sampling inputs change between tokens
+    assert list(it) == []
+    assert it.finish_reason == "eog"
+    assert root.position == pos + 1 and root.last_token == first.token
+
+
+def test_logprobs_equal_log_softmax_of_branch_logits(ctx9: lloyal.Context, root: Branch) -> None:
+    twin = root.fork()
+    toks = list(root.generate(6, logprobs=True, top_logprobs=3))
+    for t in toks:
+        want = log_softmax(twin.logits)
+        assert t.logprob is not None and t.top_logprobs is not None
+        assert t.logprob == pytest.approx(want[t.token], abs=1e-9)
+        best = np.argsort(-want, kind="stable")[:3]
+        assert [p[0] for p in t.top_logprobs] == [int(i) for i in best]
+        assert [p[1] for p in t.top_logprobs] == pytest.approx([want[i] for i in best], abs=1e-9)
+        assert t.top_logprobs[0][0] == t.token  # greedy
+        twin.commit(t.token)
+    only = list(root.generate(2, top_logprobs=2))
+    assert all(t.logprob is None and t.top_logprobs is not None and len(t.top_logprobs) == 2 for t in only)
+
+
+def test_invalid_arguments_raise_specific_errors(ctx9: lloyal.Context, root: Branch) -> None:
+    with pytest.raises(lloyal.InvalidTokenError):
+        root.generate(3, stop_tokens=[ctx9.n_vocab])
+    with pytest.raises(ValueError, match="top_logprobs"):
+        next(root.generate(3, top_logprobs=21))
+    with pytest.raises(ValueError, match="stop string is empty"):
+        next(root.generate(3, stop=[""]))
+    a = root.generate(3)
+    next(a)
+    with pytest.raises(ValueError, match="already generating"):
+        next(root.generate(3))
+    a.close()
+
+
+def test_eight_generators_in_threads_share_one_decode_per_tick(ctx9: lloyal.Context, root: Branch) -> None:
+    kids = [root.fork() for _ in range(8)]
+    twin = root.fork()
+    want = hand_loop(twin, 6)
+    twin.prune()
+    ctx9.engine_gather = 0.05  # a loaded machine: give every thread time to ask again
+    results: dict[int, list[int]] = {}
+    errors: list[BaseException] = []
+
+    def run(i: int, b: Branch) -> None:
+        try:
+            results[i] = [t.token for t in b.generate(6)]
+        except BaseException as e:
+            errors.append(e)
+
+    ctx9.pause_engine()
+    before = ctx9.engine_stats()
+    threads = [threading.Thread(target=run, args=(i, b)) for i, b in enumerate(kids)]
+    for t in threads:
+        t.start()
+    wait_until(lambda: ctx9.engine_stats().queue_depth == 8)
+    ctx9.resume_engine()
+    for t in threads:
+        t.join()
+    after = ctx9.engine_stats()
+    assert errors == []
+    assert results == {i: want for i in range(8)}
+    assert after.rows - before.rows == 48
+    assert after.decode_calls - before.decode_calls == after.ticks - before.ticks  # one decode per tick
+    assert after.max_ops_per_tick == 8
+    assert after.ticks - before.ticks < 48  # coalesced: far fewer ticks than tokens
+    assert after.ops_completed - before.ops_completed == 8
+    assert after.generating == 0
+
+
+def test_eight_asyncio_tasks_share_one_decode_per_tick(ctx9: lloyal.Context, root: Branch) -> None:
+    kids = [root.fork() for _ in range(8)]
+    twin = root.fork()
+    want = hand_loop(twin, 6)
+    twin.prune()
+
+    async def one(b: Branch) -> list[int]:
+        return [t.token async for t in b.generate(6)]
+
+    async def main() -> list[list[int]]:
+        ctx9.pause_engine()
+        tasks = [asyncio.create_task(one(b)) for b in kids]
+        while ctx9.engine_stats().queue_depth < 8:
+            await asyncio.sleep(0.001)
+        ctx9.resume_engine()
+        return await asyncio.gather(*tasks)
+
+    before = ctx9.engine_stats()
+    got = asyncio.run(main())
+    after = ctx9.engine_stats()
+    assert got == [want] * 8
+    assert after.rows - before.rows == 48
+    assert after.max_ops_per_tick == 8
+    assert after.decode_calls - before.decode_calls == after.ticks - before.ticks
+    # one asyncio loop asks for all 8 next tokens before the engine's next tick: lockstep
+    assert after.ticks - before.ticks == 6
+
+
+def test_break_frees_the_request_at_the_next_tick(ctx9: lloyal.Context, root: Branch) -> None:
+    pos = root.position
+    cells = BranchStore(ctx9).kv_pressure.cells_used
+    got = []
+    for tok in root.generate(50):
+        got.append(tok.token)
+        if len(got) == 3:
+            break
+    gc.collect()
+    wait_until(lambda: ctx9.engine_stats().generating == 0)
+    assert root.position == pos + 3  # one token per next(): nothing ran ahead
+    assert BranchStore(ctx9).kv_pressure.cells_used == cells + 3
+    assert ctx9.kv_seq_pos_max(root.seq_id) == pos + 2
+    assert BranchStore(ctx9).available == 10 - 1
+    it = root.generate(2)
+    assert len(list(it)) == 2 and it.finish_reason == "length"
+    # close() is idempotent and ends iteration; the finish reason stays None
+    it = root.generate(5)
+    next(it)
+    it.close()
+    it.close()
+    assert list(it) == [] and it.finish_reason is None
+    wait_until(lambda: ctx9.engine_stats().generating == 0)
+    assert root.position == pos + 6
+
+
+def test_cancelling_the_asyncio_task_frees_the_request(ctx9: lloyal.Context, root: Branch) -> None:
+    pos = root.position
+    seen: list[int] = []
+
+    async def consume() -> None:
+        async for t in root:
+            seen.append(t.token)
+            if len(seen) == 2:
+                await asyncio.sleep(3600)
+
+    async def main() -> None:
+        task = asyncio.create_task(consume())
+        while len(seen) < 2:
+            await asyncio.sleep(0.001)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+
+    asyncio.run(main())
+    gc.collect()
+    wait_until(lambda: ctx9.engine_stats().generating == 0)
+    assert root.position == pos + 2
+
+
+def test_cancelling_a_task_waiting_for_a_token_frees_the_request(ctx9: lloyal.Context, root: Branch) -> None:
+    pos = root.position
+
+    async def main() -> None:
+        it = root.generate(20)
+        ctx9.pause_engine()
+        task = asyncio.create_task(it.__anext__())
+        while ctx9.engine_stats().queue_depth < 1:
+            await asyncio.sleep(0.001)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        ctx9.resume_engine()
+        wait_until(lambda: ctx9.engine_stats().ops_failed >= 1 and ctx9.engine_stats().queue_depth == 0)
+        assert [t async for t in it] == []
+
+    asyncio.run(main())
+    assert root.position == pos
+    assert ctx9.engine_stats().generating == 0
+
+
+def test_grammar_constrained_generation(ctx9: lloyal.Context) -> None:
+    yes_no = 'root ::= "yes" | "no"'
+    with Branch.create(ctx9, 0, GREEDY, grammar=yes_no) as b:
+        b.prefill(ctx9.tokenize("Is the sky blue? Answer:"))
+        twin = b.fork()
+        it = b.generate(10)
+        out = [t.token for t in it]
+        assert ctx9.detokenize(out) in ("yes", "no")
+        assert out == hand_loop(twin, 10)
+        assert it.finish_reason == "eog"  # the completed grammar allows only EOG
+        assert b.produce().is_stop
