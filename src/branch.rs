@@ -445,7 +445,8 @@ impl PyBranch {
         let stop_tokens = stop_tokens.unwrap_or_default();
         let stop_tokens: Vec<i32> =
             stop_tokens.iter().map(|&t| model.check_token(t)).collect::<lloyal_core::Result<_>>().py()?;
-        let args = GenArgs { max_tokens, stop: stop.unwrap_or_default(), stop_tokens, logprobs, top_logprobs };
+        let args =
+            GenArgs { max_tokens, stop: stop.unwrap_or_default(), stop_tokens, logprobs, top_logprobs };
         Ok(PyTokenIter::new(self.wrap(py, self.handle), args))
     }
 
@@ -722,7 +723,12 @@ impl PyTokenIter {
 
     /// The next token now, or None after arranging for ``future`` (of the running ``loop``)
     /// to be settled when one arrives; raises ``StopAsyncIteration`` at the end.
-    fn _poll(&self, py: Python<'_>, lp: Bound<'_, PyAny>, fut: Bound<'_, PyAny>) -> PyResult<Option<PyToken>> {
+    fn _poll(
+        &self,
+        py: Python<'_>,
+        lp: Bound<'_, PyAny>,
+        fut: Bound<'_, PyAny>,
+    ) -> PyResult<Option<PyToken>> {
         let Some(stream) = self.stream()? else {
             return Err(pyo3::exceptions::PyStopAsyncIteration::new_err(()));
         };
@@ -731,7 +737,8 @@ impl PyTokenIter {
             Python::attach(|py| {
                 if let Ok(settle) = aio::settle(py) {
                     // A closed loop cannot take the wake-up, and then nobody awaits it.
-                    let _ = lp.bind(py).call_method1("call_soon_threadsafe", (settle, fut.bind(py), py.None()));
+                    let _ =
+                        lp.bind(py).call_method1("call_soon_threadsafe", (settle, fut.bind(py), py.None()));
                 }
             });
         });

@@ -554,16 +554,41 @@ class Token:
         """Token id."""
     @property
     def text(self) -> str:
-        """The text it completes (UTF-8 safe: may be empty mid-character)."""
+        """The text it completes (UTF-8 safe: may be empty mid-character or while it may begin
+        a stop string; a matched stop string is never included).
+        """
+    @property
+    def logprob(self) -> float | None:
+        """``log_softmax(logits)[token]`` of the logits it was sampled from (``Branch.logits``),
+        when ``generate(logprobs=True)``; else None.
+        """
+    @property
+    def top_logprobs(self) -> list[tuple[int, float]] | None:
+        """The ``top_logprobs`` most likely ``(token, logprob)`` pairs, best first, when asked;
+        else None.
+        """
 
 @final
 class TokenIterator:
-    """Iterator behind ``for tok in branch``, ``branch.generate()`` and ``async for``."""
+    """Iterator behind ``for tok in branch``, ``branch.generate()`` and ``async for``: a
+    generation request the engine runs in Rust (sampling, stops, logprobs), one token each
+    time the iterator is asked for one.
+    """
 
     def __iter__(self) -> TokenIterator: ...
     def __next__(self) -> Token: ...
     def __aiter__(self) -> TokenIterator: ...
     def __anext__(self) -> Awaitable[Token]: ...
+    def close(self) -> None:
+        """Stop generating: the request is freed at the engine's next tick and the branch stays
+        at the last token yielded. Idempotent; ``break`` and dropping the iterator do the same.
+        """
+    @property
+    def finish_reason(self) -> str | None:
+        """Why generation ended: ``"stop"`` (a stop token or stop string), ``"length"``
+        (``max_tokens``) or ``"eog"`` (the model's end-of-generation token); None while
+        running or after ``close()``.
+        """
 
 @final
 class Branch:
@@ -708,9 +733,32 @@ class Branch:
         """Entropy of the next-token distribution in ``"nats"`` or ``"bits"``."""
     def model_surprisal(self, token: int, base: str = "nats") -> float:
         """Surprisal of ``token`` under the current logits."""
-    def generate(self, max_tokens: int | None = None) -> TokenIterator:
-        """Generate until a stop token (not yielded) or ``max_tokens``, committing each token
-        before yielding it.
+    def generate(
+        self,
+        max_tokens: int | None = None,
+        *,
+        stop: list[str] | None = None,
+        stop_tokens: list[int] | None = None,
+        logprobs: bool = False,
+        top_logprobs: int = 0,
+    ) -> TokenIterator:
+        """Generate until a stop (not yielded) or ``max_tokens``, committing each token before
+        yielding it. The engine samples and commits in Rust, batched with every other
+        generation and commit on the context; one token per ``next()``.
+
+        Args:
+            max_tokens: Most tokens to yield (None: until a stop).
+            stop: Strings that end generation; matched on the detokenized text across token
+                boundaries and never yielded (text that may begin one is held back).
+            stop_tokens: Token ids that end generation (not committed), besides the model's
+                end-of-generation tokens.
+            logprobs: Give each Token its ``logprob``.
+            top_logprobs: Give each Token its ``top_logprobs`` most likely tokens (0 to 20).
+
+        Raises:
+            InvalidTokenError: A stop token is out of the vocabulary.
+            ValueError: An empty stop string, or ``top_logprobs`` out of range (at the first
+                ``next()``), or another iterator of this branch is still generating.
         """
     def __iter__(self) -> TokenIterator: ...
     def __aiter__(self) -> TokenIterator: ...
@@ -806,6 +854,9 @@ class EngineStats:
     @property
     def in_flight(self) -> int:
         """Prefills in flight across ticks."""
+    @property
+    def generating(self) -> int:
+        """Generation requests running (``Branch.generate`` iterators)."""
     @property
     def paused(self) -> bool:
         """Whether the engine is paused (``Context.pause_engine``)."""

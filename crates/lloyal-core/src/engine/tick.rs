@@ -107,8 +107,7 @@ impl Scheduler {
     /// Whether a prefill is in flight, a generation request wants a token or was cancelled
     /// (the engine ticks again without new operations).
     pub fn has_work(&self) -> bool {
-        !self.flights.is_empty()
-            || self.gens.iter().any(|g| g.op.is_cancelled() || g.spec.stream.is_wanted())
+        !self.flights.is_empty() || self.gens.iter().any(|g| g.op.is_cancelled() || g.spec.stream.is_wanted())
     }
 
     /// Generation requests that want a token now.
@@ -446,7 +445,8 @@ fn gen_item(s: &mut ContextState, g: &mut Gen, row: GenRow) -> (GenItem, Option<
         None
     };
     let last = end.is_some()
-        || s.branch_produce(g.spec.handle).is_ok_and(|t| s.model().is_eog(t) || g.spec.stop_tokens.contains(&t));
+        || s.branch_produce(g.spec.handle)
+            .is_ok_and(|t| s.model().is_eog(t) || g.spec.stop_tokens.contains(&t));
     let mut end = end;
     if last && !matched {
         let (tail, matched) = g.stops.push(&g.utf8.flush());
