@@ -426,12 +426,18 @@ impl PyBranch {
     ///         end-of-generation tokens.
     ///     logprobs: Give each Token its ``logprob``.
     ///     top_logprobs: Give each Token its ``top_logprobs`` most likely tokens (0 to 20).
+    ///     timeout: Seconds the request may wait (FIFO) for room in the KV cache for its
+    ///         ``max_tokens`` before failing; None waits as long as it takes.
     ///
     /// Raises:
     ///     InvalidTokenError: A stop token is out of the vocabulary.
-    ///     ValueError: An empty stop string, or ``top_logprobs`` out of range (at the first
-    ///         ``next()``), or another iterator of this branch is still generating.
-    #[pyo3(signature = (max_tokens=None, *, stop=None, stop_tokens=None, logprobs=false, top_logprobs=0))]
+    ///     KvCacheFullError: At the first ``next()``: ``max_tokens`` can never fit next to the
+    ///         branch's cells, or no room came within ``timeout``.
+    ///     ValueError: An empty stop string, ``top_logprobs`` out of range or another iterator
+    ///         of this branch still generating (at the first ``next()``), or a negative
+    ///         ``timeout``.
+    #[pyo3(signature = (max_tokens=None, *, stop=None, stop_tokens=None, logprobs=false, top_logprobs=0, timeout=None))]
+    #[allow(clippy::too_many_arguments)]
     fn generate(
         &self,
         py: Python<'_>,
@@ -440,13 +446,22 @@ impl PyBranch {
         stop_tokens: Option<Vec<i64>>,
         logprobs: bool,
         top_logprobs: usize,
+        timeout: Option<f64>,
     ) -> PyResult<PyTokenIter> {
         let model = self.core().model();
         let stop_tokens = stop_tokens.unwrap_or_default();
         let stop_tokens: Vec<i32> =
             stop_tokens.iter().map(|&t| model.check_token(t)).collect::<lloyal_core::Result<_>>().py()?;
+        let timeout = match timeout {
+            Some(t) if !(t >= 0.0 && t.is_finite()) => {
+                return Err(pyo3::exceptions::PyValueError::new_err(format!(
+                    "timeout must be a finite number of seconds >= 0 or None, got {t}"
+                )))
+            }
+            t => t.map(Duration::from_secs_f64),
+        };
         let args =
-            GenArgs { max_tokens, stop: stop.unwrap_or_default(), stop_tokens, logprobs, top_logprobs };
+            GenArgs { max_tokens, stop: stop.unwrap_or_default(), stop_tokens, logprobs, top_logprobs, timeout };
         Ok(PyTokenIter::new(self.wrap(py, self.handle), args))
     }
 
@@ -585,6 +600,7 @@ struct GenArgs {
     stop_tokens: Vec<i32>,
     logprobs: bool,
     top_logprobs: usize,
+    timeout: Option<Duration>,
 }
 
 #[derive(Default)]
@@ -627,6 +643,7 @@ impl PyTokenIter {
             stop: a.stop.clone(),
             logprobs: a.logprobs,
             top_logprobs: a.top_logprobs,
+            timeout: a.timeout,
             stream: Arc::clone(&stream),
         };
         let ticket = self.branch.core().generate(spec).py();

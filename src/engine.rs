@@ -39,6 +39,8 @@ pub struct PyEngineStats {
     pub in_flight: usize,
     /// Generation requests running (``Branch.generate`` iterators).
     pub generating: usize,
+    /// Generation requests waiting (FIFO) for room in the cache.
+    pub waiting: usize,
     /// Whether the engine is paused (``Context.pause_engine``).
     pub paused: bool,
     /// Seconds a tick waits for as many commits as the previous tick decoded.
@@ -59,6 +61,7 @@ impl From<EngineStats> for PyEngineStats {
             queue_depth: s.queue_depth,
             in_flight: s.in_flight,
             generating: s.generating,
+            waiting: s.waiting,
             paused: s.paused,
             gather: s.gather,
         }
@@ -71,7 +74,7 @@ impl PyEngineStats {
         format!(
             "EngineStats(ticks={}, decode_calls={}, rows={}, ops_submitted={}, ops_completed={}, \
              ops_failed={}, ops_coalesced={}, max_ops_per_tick={}, queue_depth={}, in_flight={}, \
-             generating={}, paused={}, gather={})",
+             generating={}, waiting={}, paused={}, gather={})",
             self.ticks,
             self.decode_calls,
             self.rows,
@@ -83,6 +86,7 @@ impl PyEngineStats {
             self.queue_depth,
             self.in_flight,
             self.generating,
+            self.waiting,
             if self.paused { "True" } else { "False" },
             self.gather
         )

@@ -301,3 +301,101 @@ def test_grammar_constrained_generation(ctx9: lloyal.Context) -> None:
         assert out == hand_loop(twin, 10)
         assert it.finish_reason == "eog"  # the completed grammar allows only EOG
         assert b.produce().is_stop
+
+
+# --------------------------------------------------------------------------- backpressure
+
+
+@pytest.fixture
+def small(model: lloyal.Model) -> Iterator[lloyal.Context]:
+    c = lloyal.Context(model, n_ctx=256, n_batch=64, n_seq_max=4)
+    try:
+        yield c
+    finally:
+        c.close()
+
+
+def next_in_thread(it: lloyal.TokenIterator, out: list[object]) -> threading.Thread:
+    def run() -> None:
+        try:
+            out.extend(it)
+        except BaseException as e:
+            out.append(e)
+
+    t = threading.Thread(target=run)
+    t.start()
+    return t
+
+
+def test_a_request_without_room_waits_fifo_until_room_frees(small: lloyal.Context) -> None:
+    root = Branch.create(small, 0, GREEDY)
+    root.prefill(small.tokenize(PROMPT))
+    a, b, c = root.fork(), root.fork(), root.fork()
+    n_ctx = BranchStore(small).kv_pressure.n_ctx
+    free = n_ctx - BranchStore(small).kv_pressure.cells_used
+    ita = a.generate(free - 20)  # reserves all but 20 cells
+    next(ita)
+    got_b: list[object] = []
+    got_c: list[object] = []
+    tb = next_in_thread(b.generate(30), got_b)  # 30 > 20: waits
+    wait_until(lambda: small.engine_stats().waiting == 1)
+    tc = next_in_thread(c.generate(5), got_c)  # 5 would fit, but may not overtake b
+    wait_until(lambda: small.engine_stats().waiting == 2)
+    time.sleep(0.05)
+    assert (b.position, c.position, got_b, got_c) == (root.position, root.position, [], [])
+    assert small.engine_stats().generating == 1
+    ita.close()  # a's unused reservation is released at the next tick
+    tb.join()
+    tc.join()
+    assert all(isinstance(t, lloyal.Token) for t in got_b + got_c), (got_b, got_c)
+    assert (len(got_b), len(got_c)) == (30, 5)
+    assert (b.position, c.position, a.position) == (root.position + 30, root.position + 5, root.position + 1)
+    assert small.engine_stats().waiting == 0
+
+
+def test_a_waiting_request_times_out_and_one_that_never_fits_fails_at_once(small: lloyal.Context) -> None:
+    root = Branch.create(small, 0, GREEDY)
+    root.prefill(small.tokenize(PROMPT))
+    a, b = root.fork(), root.fork()
+    p = BranchStore(small).kv_pressure
+    ita = a.generate(p.remaining - 10)
+    next(ita)
+    t0 = time.monotonic()
+    with pytest.raises(lloyal.KvCacheFullError, match="waited"):
+        next(b.generate(20, timeout=0.05))
+    assert time.monotonic() - t0 >= 0.05
+    assert b.position == root.position
+    assert small.engine_stats().waiting == 0
+    with pytest.raises(lloyal.KvCacheFullError, match="can never fit"):
+        next(b.generate(p.n_ctx - root.position + 1))
+    with pytest.raises(ValueError, match="timeout"):
+        b.generate(3, timeout=-1.0)
+    # the running request was not disturbed
+    assert len(list(ita)) == p.remaining - 11 and ita.finish_reason in ("length", "eog")
+
+
+def test_running_requests_that_outgrow_the_cache_fail_youngest_first(small: lloyal.Context) -> None:
+    root = Branch.create(small, 0, GREEDY)
+    n_ctx = BranchStore(small).kv_pressure.n_ctx
+    filler = (small.tokenize(PROMPT, add_special=False) * n_ctx)[: n_ctx - 1]
+    root.prefill(filler)
+    assert BranchStore(small).kv_pressure.remaining == 1
+    old, young = root.fork(), root.fork()
+    got_old: list[object] = []
+    got_young: list[object] = []
+    small.pause_engine()
+    it_old = old.generate()  # unbounded: takes one cell per step
+    t_old = threading.Thread(target=lambda: got_old.append(next(it_old)))
+    t_old.start()
+    wait_until(lambda: small.engine_stats().queue_depth == 1)
+    t_young = next_in_thread(young.generate(), got_young)
+    wait_until(lambda: small.engine_stats().queue_depth == 2)
+    small.resume_engine()
+    t_old.join()
+    t_young.join()
+    assert isinstance(got_old[0], lloyal.Token)
+    assert len(got_young) == 1 and isinstance(got_young[0], lloyal.KvCacheFullError)
+    assert (old.position, young.position) == (n_ctx, n_ctx - 1)
+    with pytest.raises(lloyal.KvCacheFullError):
+        next(it_old)  # now the cache is full for the old one too
+    assert old.position == n_ctx

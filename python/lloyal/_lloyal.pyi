@@ -741,6 +741,7 @@ class Branch:
         stop_tokens: list[int] | None = None,
         logprobs: bool = False,
         top_logprobs: int = 0,
+        timeout: float | None = None,
     ) -> TokenIterator:
         """Generate until a stop (not yielded) or ``max_tokens``, committing each token before
         yielding it. The engine samples and commits in Rust, batched with every other
@@ -754,11 +755,16 @@ class Branch:
                 end-of-generation tokens.
             logprobs: Give each Token its ``logprob``.
             top_logprobs: Give each Token its ``top_logprobs`` most likely tokens (0 to 20).
+            timeout: Seconds the request may wait (FIFO) for room in the KV cache for its
+                ``max_tokens`` before failing; None waits as long as it takes.
 
         Raises:
             InvalidTokenError: A stop token is out of the vocabulary.
-            ValueError: An empty stop string, or ``top_logprobs`` out of range (at the first
-                ``next()``), or another iterator of this branch is still generating.
+            KvCacheFullError: At the first ``next()``: ``max_tokens`` can never fit next to the
+                branch's cells, or no room came within ``timeout``.
+            ValueError: An empty stop string, ``top_logprobs`` out of range or another iterator
+                of this branch still generating (at the first ``next()``), or a negative
+                ``timeout``.
         """
     def __iter__(self) -> TokenIterator: ...
     def __aiter__(self) -> TokenIterator: ...
@@ -857,6 +863,9 @@ class EngineStats:
     @property
     def generating(self) -> int:
         """Generation requests running (``Branch.generate`` iterators)."""
+    @property
+    def waiting(self) -> int:
+        """Generation requests waiting (FIFO) for room in the cache."""
     @property
     def paused(self) -> bool:
         """Whether the engine is paused (``Context.pause_engine``)."""

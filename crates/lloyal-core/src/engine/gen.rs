@@ -185,6 +185,8 @@ pub struct GenSpec {
     pub logprobs: bool,
     /// How many top logprobs each item carries (0: none).
     pub top_logprobs: usize,
+    /// How long the request may wait in the queue for room in the cache (`None`: no limit).
+    pub timeout: Option<Duration>,
     /// Where the tokens go.
     pub stream: Arc<GenStream>,
 }
@@ -198,6 +200,7 @@ impl std::fmt::Debug for GenSpec {
             .field("stop", &self.stop)
             .field("logprobs", &self.logprobs)
             .field("top_logprobs", &self.top_logprobs)
+            .field("timeout", &self.timeout)
             .finish()
     }
 }
@@ -209,6 +212,11 @@ impl PartialEq for GenSpec {
 }
 
 impl GenSpec {
+    /// Cells the request reserves when admitted: `max_tokens`, or one per step when unbounded.
+    pub fn cells(&self) -> usize {
+        self.max_tokens.unwrap_or(1).max(1)
+    }
+
     /// Check the arguments a caller can get wrong (before queuing).
     pub fn validate(&self, model: &crate::model::Model) -> Result<()> {
         model.check_tokens(&self.stop_tokens)?;

@@ -25,6 +25,9 @@ use crate::error::{LloyalError, Result};
 use op::Op;
 use tick::Scheduler;
 
+/// How often the engine looks for room while generation requests wait for it.
+const WAIT_POLL: Duration = Duration::from_millis(5);
+
 /// Counters of a context's engine.
 #[derive(Debug, Clone, Copy, Default, PartialEq)]
 pub struct EngineStats {
@@ -50,6 +53,8 @@ pub struct EngineStats {
     pub in_flight: usize,
     /// Generation requests running (`Branch.generate`).
     pub generating: usize,
+    /// Generation requests waiting (FIFO) for room in the cache.
+    pub waiting: usize,
     /// Whether the engine is paused.
     pub paused: bool,
     /// Seconds a tick waits for as many commits as the previous tick decoded.
@@ -275,6 +280,15 @@ fn engine_loop(ctx: Weak<Context>, shared: Arc<Shared>) {
                 if !q.paused && (!q.ops.is_empty() || sched.has_work()) {
                     break;
                 }
+                if !q.paused && sched.waiting() > 0 {
+                    // Generation requests wait for room that a prune (not an engine call) may
+                    // free: look again every few milliseconds.
+                    q = shared.cv.wait_timeout(q, WAIT_POLL).unwrap_or_else(|p| p.into_inner()).0;
+                    if !q.paused && !q.shutdown {
+                        break;
+                    }
+                    continue;
+                }
                 q = shared.cv.wait(q).unwrap_or_else(|p| p.into_inner());
             }
             // Gather: give the previous tick's callers a moment to come back, so they share
@@ -341,6 +355,7 @@ fn engine_loop(ctx: Weak<Context>, shared: Arc<Shared>) {
             }
             st.in_flight = sched.in_flight();
             st.generating = sched.generating();
+            st.waiting = sched.waiting();
             q.last_tick_ops = outcome.commits as usize;
             for op in outcome.deferred.into_iter().rev() {
                 q.ops.push_front(op);

@@ -4,8 +4,9 @@
 //! retried operation by operation, so one bad operation fails only its own caller, with the
 //! same all-or-nothing rollback as a direct call.
 
-use std::collections::HashSet;
+use std::collections::{HashSet, VecDeque};
 use std::sync::Arc;
+use std::time::Instant;
 
 use super::gen::{logprobs, Event, Finish, GenItem, GenSpec, GenStream, StopMatcher};
 use super::op::{Op, Reply, Work};
@@ -59,6 +60,20 @@ struct Gen {
     stops: StopMatcher,
 }
 
+impl Gen {
+    /// Cells still reserved for this request's future tokens (0 when unbounded).
+    fn reserved(&self) -> usize {
+        self.spec.max_tokens.map_or(0, |m| m.saturating_sub(self.generated))
+    }
+}
+
+/// A generation request waiting for room in the cache (FIFO).
+struct Waiting {
+    op: Op,
+    spec: GenSpec,
+    since: Instant,
+}
+
 /// A generation request's token this tick, with its logprobs when asked.
 struct GenRow {
     row: CommitRow,
@@ -101,6 +116,7 @@ impl TickOutcome {
 pub(crate) struct Scheduler {
     flights: Vec<Flight>,
     gens: Vec<Gen>,
+    waiting: VecDeque<Waiting>,
 }
 
 impl Scheduler {
@@ -120,6 +136,11 @@ impl Scheduler {
         self.gens.len()
     }
 
+    /// Generation requests waiting for room in the cache.
+    pub fn waiting(&self) -> usize {
+        self.waiting.len()
+    }
+
     /// Prefills in flight.
     pub fn in_flight(&self) -> usize {
         self.flights.len()
@@ -129,6 +150,7 @@ impl Scheduler {
     pub fn fail_all(&mut self, err: &LloyalError) -> Vec<(Reply, Result<()>)> {
         let mut replies: Vec<_> = self.flights.drain(..).map(|f| (f.op.reply, Err(err.clone()))).collect();
         replies.extend(self.gens.drain(..).map(|g| (g.op.reply, Err(err.clone()))));
+        replies.extend(self.waiting.drain(..).map(|w| (w.op.reply, Err(err.clone()))));
         replies
     }
 
@@ -140,7 +162,9 @@ impl Scheduler {
 
         let mut busy: HashSet<Handle> =
             self.flights.iter().flat_map(|f| f.items.iter().map(|i| i.handle)).collect();
-        let mut reserved: usize = self.flights.iter().map(|f| f.cells).sum();
+        let mut reserved: usize = self.flights.iter().map(|f| f.cells).sum::<usize>()
+            + self.gens.iter().map(Gen::reserved).sum::<usize>();
+        self.admit_waiting(s, &mut reserved, &mut out);
         let mut commits: Vec<(Op, Vec<CommitRow>)> = Vec::new();
         for op in ops {
             if op.is_cancelled() {
@@ -177,8 +201,8 @@ impl Scheduler {
                     match self.admit_gen(s, &spec) {
                         Err(e) => out.reply(op, Err(e)),
                         Ok(()) => {
-                            let stops = StopMatcher::new(spec.stop.clone());
-                            self.gens.push(Gen { op, spec, generated: 0, utf8: Utf8Stream::new(), stops });
+                            self.waiting.push_back(Waiting { op, spec, since: Instant::now() });
+                            self.admit_waiting(s, &mut reserved, &mut out);
                         }
                     }
                 }
@@ -192,9 +216,11 @@ impl Scheduler {
             if busy.contains(&g.spec.handle) || !g.spec.stream.take_wanted() {
                 continue;
             }
-            match step_gen(s, g, reserved) {
+            // A bounded request's row takes one of the cells it reserved.
+            let own = g.reserved();
+            match step_gen(s, g, reserved - own) {
                 Ok(Step::Row(row)) => {
-                    reserved += 1;
+                    reserved += usize::from(own == 0);
                     busy.insert(g.spec.handle);
                     gen_parts.push(Part::Gen(gi, row));
                 }
@@ -308,11 +334,76 @@ impl Scheduler {
         out
     }
 
+    /// Start waiting generation requests, oldest first, while the cache has room for the
+    /// head's reservation (FIFO: a later request never overtakes an earlier one); fail those
+    /// whose timeout passed or whose branch went away.
+    fn admit_waiting(&mut self, s: &mut ContextState, reserved: &mut usize, out: &mut TickOutcome) {
+        let n_ctx = s.shape().n_ctx as usize;
+        let mut keep = VecDeque::with_capacity(self.waiting.len());
+        let mut blocked = false;
+        for w in self.waiting.drain(..) {
+            let need = w.spec.cells();
+            let err = if w.op.is_cancelled() {
+                Some(LloyalError::Interrupted)
+            } else if !s.is_live(w.spec.handle) {
+                Some(LloyalError::BranchDisposed { handle: w.spec.handle })
+            } else {
+                None
+            };
+            if let Some(err) = err {
+                out.events.push((Arc::clone(&w.spec.stream), Event::End(Err(err.clone()))));
+                out.reply(w.op, Err(err));
+                continue;
+            }
+            let free = n_ctx.saturating_sub(s.cells_used + *reserved);
+            if !blocked && need <= free {
+                *reserved += w.spec.max_tokens.map_or(0, |m| m);
+                let stops = StopMatcher::new(w.spec.stop.clone());
+                self.gens.push(Gen { op: w.op, spec: w.spec, generated: 0, utf8: Utf8Stream::new(), stops });
+                continue;
+            }
+            blocked = true;
+            if w.spec.timeout.is_some_and(|t| w.since.elapsed() >= t) {
+                let err = LloyalError::KvCacheFull {
+                    needed: need,
+                    n_ctx: n_ctx as u32,
+                    detail: format!(
+                        "the generation request waited {:.3} s (its timeout) for room: branches hold {} \
+                         cells and running requests reserve {} more, {free} free",
+                        w.since.elapsed().as_secs_f64(),
+                        s.cells_used,
+                        *reserved
+                    ),
+                };
+                out.events.push((Arc::clone(&w.spec.stream), Event::End(Err(err.clone()))));
+                out.reply(w.op, Err(err));
+                continue;
+            }
+            keep.push_back(w);
+        }
+        self.waiting = keep;
+    }
+
     /// Validate a new generation request: its branch is live and has logits to sample from,
-    /// and no other request is generating on it.
+    /// no other request is generating on it, and its reservation could ever fit the cache.
     fn admit_gen(&self, s: &mut ContextState, spec: &GenSpec) -> Result<()> {
         s.branch(spec.handle)?.logits()?;
-        if self.gens.iter().any(|g| g.spec.handle == spec.handle) {
+        let n_ctx = s.shape().n_ctx as usize;
+        let could = n_ctx.saturating_sub(s.branch(spec.handle)?.position.max(0) as usize);
+        if spec.cells() > could {
+            return Err(LloyalError::KvCacheFull {
+                needed: spec.cells(),
+                n_ctx: n_ctx as u32,
+                detail: format!(
+                    "max_tokens={} can never fit: the branch already holds positions up to {} of \
+                     n_ctx={n_ctx}; lower max_tokens",
+                    spec.cells(),
+                    s.branch(spec.handle)?.position
+                ),
+            });
+        }
+        let generating = self.gens.iter().map(|g| g.spec.handle).chain(self.waiting.iter().map(|w| w.spec.handle));
+        if generating.into_iter().any(|h| h == spec.handle) {
             return Err(LloyalError::invalid(format!(
                 "branch {} is already generating (another iterator of it is open); finish or \
                  close that iterator first",
