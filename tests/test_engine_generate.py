@@ -399,3 +399,63 @@ def test_running_requests_that_outgrow_the_cache_fail_youngest_first(small: lloy
     with pytest.raises(lloyal.KvCacheFullError):
         next(it_old)  # now the cache is full for the old one too
     assert old.position == n_ctx
+
+
+# --------------------------------------------------------------------------- faults stay local
+
+
+def test_a_packed_decode_llama_cpp_rejects_is_isolated_to_its_culprit(model: lloyal.Model) -> None:
+    """Flat-path cells (``ctx.decode`` on an unleased sequence) fill llama.cpp's cache behind
+    the branches' accounting, so a 30-token prefill passes validation but the packed batch it
+    shares with a commit and a generation step has no slot: llama.cpp rejects the whole batch.
+    The engine retries each operation alone: the commit and the generation step proceed with
+    the results they would have had alone, the prefill fails and changes nothing."""
+    with lloyal.Context(model, n_ctx=256, n_batch=64, n_seq_max=5) as small:
+        isolate(small)
+
+
+def isolate(small: lloyal.Context) -> None:
+    root = Branch.create(small, 0, GREEDY)
+    root.prefill(small.tokenize(PROMPT))
+    a, g, bad = root.fork(), root.fork(), root.fork()
+    n_ctx = BranchStore(small).kv_pressure.n_ctx
+    filler = small.tokenize(" hello world", add_special=False) * n_ctx
+    flat = n_ctx - root.position - 10  # leaves 10 free cells in llama.cpp's cache
+    small.decode(filler[:flat], 0, 4)
+    assert BranchStore(small).kv_pressure.remaining == n_ctx - root.position  # not counted
+    token = a.produce().token
+    want = hand_loop(root, 1)  # root: the reference for the generation step
+    logits_a = root.logits.copy()  # root committed `want` alone: a commits the same token
+    assert want == [token]
+    results: dict[str, object] = {}
+
+    def run(name: str, call: Callable[[], object]) -> None:
+        try:
+            results[name] = call()
+        except BaseException as e:
+            results[name] = e
+
+    small.pause_engine()
+    before = small.engine_stats()
+    threads = [
+        threading.Thread(target=run, args=("commit", lambda: a.commit(token))),
+        threading.Thread(target=run, args=("gen", lambda: next(g.generate(3)))),
+        threading.Thread(target=run, args=("prefill", lambda: bad.prefill(filler[:30]))),
+    ]
+    for t in threads:
+        t.start()
+    wait_until(lambda: small.engine_stats().queue_depth == 3)
+    small.resume_engine()
+    for t in threads:
+        t.join()
+    after = small.engine_stats()
+    assert isinstance(results["prefill"], lloyal.KvCacheFullError), results
+    assert results["commit"] is None
+    assert isinstance(results["gen"], lloyal.Token) and results["gen"].token == token
+    # one packed decode rejected, then each operation alone
+    assert after.decode_calls - before.decode_calls == 4
+    assert after.ops_failed - before.ops_failed == 1
+    assert (a.position, g.position, bad.position) == (root.position,) * 2 + (root.position - 1,)
+    assert small.kv_seq_pos_max(bad.seq_id) == root.position - 2  # the prefill's rows were removed
+    np.testing.assert_array_equal(a.logits, logits_a)
+    np.testing.assert_array_equal(g.logits, logits_a)
