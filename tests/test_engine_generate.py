@@ -459,3 +459,42 @@ def isolate(small: lloyal.Context) -> None:
     assert small.kv_seq_pos_max(bad.seq_id) == root.position - 2  # the prefill's rows were removed
     np.testing.assert_array_equal(a.logits, logits_a)
     np.testing.assert_array_equal(g.logits, logits_a)
+
+
+# --------------------------------------------------------------------------- determinism
+
+TARGET = "Write one sentence about the sea:"
+
+
+async def generate_from(ctx: lloyal.Context, prompt: str, n: int) -> list[tuple[int, float | None]]:
+    b = Branch.create(ctx, 0, GREEDY)
+    await b.aprefill(ctx.tokenize(prompt))
+    return [(t.token, t.logprob) async for t in b.generate(n, logprobs=True)]
+
+
+def test_greedy_generation_is_the_same_alone_crowded_and_chunked(model: lloyal.Model) -> None:
+    n = 12
+    with lloyal.Context(model, n_ctx=2048, n_batch=64, n_seq_max=2) as c:
+        alone = asyncio.run(generate_from(c, TARGET, n))
+    with lloyal.Context(model, n_ctx=2048, n_batch=5, n_seq_max=2) as c:
+        chunked = asyncio.run(generate_from(c, TARGET, n))  # prefill over 2 ticks of 5 tokens
+    assert chunked == alone
+
+    async def crowded(c: lloyal.Context) -> list[tuple[int, float | None]]:
+        others = [
+            asyncio.create_task(generate_from(c, f"Story {i}: " + "once upon a time " * (i % 4), 40))
+            for i in range(15)
+        ]
+        while c.engine_stats().generating < 8:  # the target's prefill shares ticks with streams
+            await asyncio.sleep(0.001)
+        target = await generate_from(c, TARGET, n)
+        await asyncio.gather(*others)
+        return target
+
+    with lloyal.Context(model, n_ctx=2048, n_batch=16, n_seq_max=16) as c:
+        before = c.engine_stats()
+        got = asyncio.run(crowded(c))
+        after = c.engine_stats()
+    assert got == alone  # token ids and logprobs, bit for bit
+    assert after.max_ops_per_tick >= 8
+    assert after.rows - before.rows > after.decode_calls - before.decode_calls  # really batched
