@@ -460,8 +460,14 @@ impl PyBranch {
             }
             t => t.map(Duration::from_secs_f64),
         };
-        let args =
-            GenArgs { max_tokens, stop: stop.unwrap_or_default(), stop_tokens, logprobs, top_logprobs, timeout };
+        let args = GenArgs {
+            max_tokens,
+            stop: stop.unwrap_or_default(),
+            stop_tokens,
+            logprobs,
+            top_logprobs,
+            timeout,
+        };
         Ok(PyTokenIter::new(self.wrap(py, self.handle), args))
     }
 

@@ -402,7 +402,8 @@ impl Scheduler {
                 ),
             });
         }
-        let generating = self.gens.iter().map(|g| g.spec.handle).chain(self.waiting.iter().map(|w| w.spec.handle));
+        let generating =
+            self.gens.iter().map(|g| g.spec.handle).chain(self.waiting.iter().map(|w| w.spec.handle));
         if generating.into_iter().any(|h| h == spec.handle) {
             return Err(LloyalError::invalid(format!(
                 "branch {} is already generating (another iterator of it is open); finish or \
