@@ -41,6 +41,13 @@ pub struct PyEngineStats {
     pub generating: usize,
     /// Generation requests waiting (FIFO) for room in the cache.
     pub waiting: usize,
+    /// Seconds spent in ticks that decoded something (validation, packing, decode, sampling,
+    /// publishing and waking callers).
+    pub tick_seconds: f64,
+    /// Seconds of those spent in ``llama_decode``.
+    pub decode_seconds: f64,
+    /// Seconds of those spent sampling generation requests.
+    pub sample_seconds: f64,
     /// Whether the engine is paused (``Context.pause_engine``).
     pub paused: bool,
     /// Seconds a tick waits for as many commits as the previous tick decoded.
@@ -62,6 +69,9 @@ impl From<EngineStats> for PyEngineStats {
             in_flight: s.in_flight,
             generating: s.generating,
             waiting: s.waiting,
+            tick_seconds: s.tick_seconds,
+            decode_seconds: s.decode_seconds,
+            sample_seconds: s.sample_seconds,
             paused: s.paused,
             gather: s.gather,
         }

@@ -867,6 +867,17 @@ class EngineStats:
     def waiting(self) -> int:
         """Generation requests waiting (FIFO) for room in the cache."""
     @property
+    def tick_seconds(self) -> float:
+        """Seconds spent in ticks that decoded something (validation, packing, decode, sampling,
+        publishing and waking callers).
+        """
+    @property
+    def decode_seconds(self) -> float:
+        """Seconds of those spent in ``llama_decode``."""
+    @property
+    def sample_seconds(self) -> float:
+        """Seconds of those spent sampling generation requests."""
+    @property
     def paused(self) -> bool:
         """Whether the engine is paused (``Context.pause_engine``)."""
     @property

@@ -55,6 +55,13 @@ pub struct EngineStats {
     pub generating: usize,
     /// Generation requests waiting (FIFO) for room in the cache.
     pub waiting: usize,
+    /// Seconds spent in ticks that decoded something (validation, packing, decode, sampling,
+    /// publishing and waking callers).
+    pub tick_seconds: f64,
+    /// Seconds of those spent in `llama_decode`.
+    pub decode_seconds: f64,
+    /// Seconds of those spent sampling generation requests.
+    pub sample_seconds: f64,
     /// Whether the engine is paused.
     pub paused: bool,
     /// Seconds a tick waits for as many commits as the previous tick decoded.
@@ -309,6 +316,7 @@ fn engine_loop(ctx: Weak<Context>, shared: Arc<Shared>) {
             q.idle = false;
             q.ops.drain(..).collect()
         };
+        let started = Instant::now();
         let Some(context) = ctx.upgrade() else {
             shared.lock().shutdown = true;
             continue;
@@ -352,6 +360,8 @@ fn engine_loop(ctx: Weak<Context>, shared: Arc<Shared>) {
                     st.ops_coalesced += outcome.ops;
                 }
                 st.max_ops_per_tick = st.max_ops_per_tick.max(outcome.ops);
+                st.decode_seconds += outcome.decode_secs;
+                st.sample_seconds += outcome.sample_secs;
             }
             st.in_flight = sched.in_flight();
             st.generating = sched.generating();
@@ -365,8 +375,12 @@ fn engine_loop(ctx: Weak<Context>, shared: Arc<Shared>) {
         for (stream, event) in outcome.events {
             stream.deliver(event);
         }
+        let decoded = outcome.ops > 0;
         answer(&shared, outcome.replies);
         let mut q = shared.lock();
+        if decoded {
+            q.stats.tick_seconds += started.elapsed().as_secs_f64();
+        }
         q.idle = !sched.has_work();
         if q.idle {
             // `close()` may be waiting for the engine to run dry.

@@ -93,6 +93,10 @@ enum Part {
 #[derive(Default)]
 pub(crate) struct TickOutcome {
     pub decodes: u64,
+    /// Seconds spent in `llama_decode`.
+    pub decode_secs: f64,
+    /// Seconds spent sampling generation requests (produce, logprobs, stop checks).
+    pub sample_secs: f64,
     pub rows: u64,
     /// Operations that decoded rows this tick.
     pub ops: u64,
@@ -218,7 +222,10 @@ impl Scheduler {
             }
             // A bounded request's row takes one of the cells it reserved.
             let own = g.reserved();
-            match step_gen(s, g, reserved - own) {
+            let t0 = Instant::now();
+            let step = step_gen(s, g, reserved - own);
+            out.sample_secs += t0.elapsed().as_secs_f64();
+            match step {
                 Ok(Step::Row(row)) => {
                     reserved += usize::from(own == 0);
                     busy.insert(g.spec.handle);
@@ -253,7 +260,7 @@ impl Scheduler {
         out.rows = all.len() as u64;
         out.ops = parts.len() as u64;
 
-        let (result, decodes) = execute(s, &all);
+        let (result, decodes) = execute(s, &all, &mut out.decode_secs);
         out.decodes += decodes;
         let mut outcomes: Vec<Result<()>> = Vec::with_capacity(parts.len());
         match result {
@@ -267,7 +274,7 @@ impl Scheduler {
                 } else {
                     // Isolate the culprit: each operation alone.
                     for rows in &rows_of {
-                        let (r, d) = execute(s, rows);
+                        let (r, d) = execute(s, rows, &mut out.decode_secs);
                         out.decodes += d;
                         if r.is_err() {
                             rollback_rows(s, rows);
@@ -291,7 +298,9 @@ impl Scheduler {
                     let g = &mut self.gens[gi];
                     match finish_commit(s, std::slice::from_ref(&row.row)) {
                         Ok(()) => {
+                            let t0 = Instant::now();
                             let (item, end) = gen_item(s, g, row);
+                            out.sample_secs += t0.elapsed().as_secs_f64();
                             out.events.push((Arc::clone(&g.spec.stream), Event::Item(item)));
                             if let Some(finish) = end {
                                 ended.push((gi, Ok(finish)));
@@ -606,7 +615,7 @@ fn admit_prefill(
 
 /// Decode `rows` in n_batch chunks, copying each logits row into its branch's `next_logits`.
 /// Returns the result and the number of `llama_decode` calls made.
-fn execute(s: &mut ContextState, rows: &[Row]) -> (Result<()>, u64) {
+fn execute(s: &mut ContextState, rows: &[Row], secs: &mut f64) -> (Result<()>, u64) {
     let n_batch = s.shape().n_batch as usize;
     let mut decodes = 0;
     for chunk in rows.chunks(n_batch.max(1)) {
@@ -615,7 +624,10 @@ fn execute(s: &mut ContextState, rows: &[Row]) -> (Result<()>, u64) {
             s.batch_mut().push(r.token, r.pos, r.seq, r.logits);
         }
         decodes += 1;
-        let result = s.run_batch().and_then(|()| {
+        let t0 = Instant::now();
+        let ran = s.run_batch();
+        *secs += t0.elapsed().as_secs_f64();
+        let result = ran.and_then(|()| {
             for (i, r) in chunk.iter().enumerate().filter(|(_, r)| r.logits) {
                 let mut next = std::mem::take(&mut s.branch_mut(r.handle)?.next_logits);
                 let copied = s.copy_logits_into(i as i32, &mut next);
