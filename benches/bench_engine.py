@@ -153,6 +153,7 @@ def test_newcomer_latency(benchmark: Any, model_path: Path, full: bool) -> None:
     streams, steps, newcomer = newcomer_sizes(full)
     n_batch = int(os.environ.get("LLOYAL_BENCH_NBATCH", "512"))
     with lloyal.Context(model_path, n_ctx=4096, n_batch=n_batch, n_seq_max=streams + 2) as ctx:
+        ctx.engine_prefill_chunk = int(os.environ.get("LLOYAL_BENCH_CHUNK", "0"))
         base = newcomer_round(ctx, streams, steps, 0)
         got = benchmark.pedantic(lambda: newcomer_round(ctx, streams, steps, newcomer), rounds=1)
         assert got["ttft_ms"] > 0 and base["ttft_ms"] == 0
@@ -225,9 +226,13 @@ def newcomer_main(args: list[int]) -> None:
     n_batch = int(os.environ.get("LLOYAL_BENCH_NBATCH", "512"))
     path = lloyal.default_model_path()
     with lloyal.Context(path, n_ctx=4096, n_batch=n_batch, n_seq_max=streams + 2) as ctx:
+        ctx.engine_prefill_chunk = int(os.environ.get("LLOYAL_BENCH_CHUNK", "0"))
         base = newcomer_round(ctx, streams, steps, 0)
         got = newcomer_round(ctx, streams, steps, newcomer)
-        head = f"newcomer {newcomer} tokens, {streams} streams x {steps}, n_batch {n_batch}"
+        head = (
+            f"newcomer {newcomer} tokens, {streams} streams x {steps}, n_batch {n_batch}, "
+            f"prefill chunk {ctx.engine_prefill_chunk or 'batch'}"
+        )
         print(f"{head}: {fmt_newcomer(base, got)}")
 
 

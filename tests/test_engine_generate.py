@@ -498,3 +498,21 @@ def test_greedy_generation_is_the_same_alone_crowded_and_chunked(model: lloyal.M
     assert got == alone  # token ids and logprobs, bit for bit
     assert after.max_ops_per_tick >= 8
     assert after.rows - before.rows > after.decode_calls - before.decode_calls  # really batched
+
+
+def test_engine_prefill_chunk_caps_the_prompt_tokens_of_a_tick(ctx9: lloyal.Context) -> None:
+    assert ctx9.engine_prefill_chunk == 0
+    tokens = (ctx9.tokenize(PROMPT, add_special=False) * 8)[:40]
+    ref = Branch.create(ctx9, 0, GREEDY)
+    ref.prefill(tokens)
+    ctx9.engine_prefill_chunk = 8
+    b = Branch.create(ctx9, 0, GREEDY)
+    before = ctx9.engine_stats()
+    b.prefill(tokens)
+    after = ctx9.engine_stats()
+    assert (after.ticks - before.ticks, after.decode_calls - before.decode_calls) == (5, 5)
+    assert after.rows - before.rows == 40
+    np.testing.assert_array_equal(b.logits, ref.logits)  # chunking changes nothing
+    with pytest.raises(ValueError, match="engine_prefill_chunk"):
+        ctx9.engine_prefill_chunk = -1
+    assert ctx9.engine_prefill_chunk == 8

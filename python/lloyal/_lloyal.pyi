@@ -295,6 +295,18 @@ class Context:
         """Seconds (0 to 1, default 0.002) a tick waits for as many commits as the previous tick
         decoded, so callers that come back at slightly different times share one decode.
         """
+    @property
+    def engine_prefill_chunk(self) -> int:
+        """Most prompt tokens one engine tick prefills (0, the default: fill the tick's
+        ``n_batch``). A small value bounds how long running streams wait for a newcomer's
+        prompt per step, at the cost of more ticks for the prompt.
+        """
+    @engine_prefill_chunk.setter
+    def engine_prefill_chunk(self, tokens: int) -> None:
+        """Most prompt tokens one engine tick prefills (0, the default: fill the tick's
+        ``n_batch``). A small value bounds how long running streams wait for a newcomer's
+        prompt per step, at the cost of more ticks for the prompt.
+        """
     def close(self) -> None:
         """Free the context (waits for a running call; idempotent)."""
     def __enter__(self) -> Context: ...

@@ -205,6 +205,16 @@ impl Context {
         self.engine.resume();
     }
 
+    /// Cap the prefill tokens of one engine tick (0: fill the tick's batch).
+    pub fn set_engine_prefill_chunk(&self, tokens: usize) {
+        self.engine.set_prefill_chunk(tokens);
+    }
+
+    /// The engine's prefill cap per tick (0: none).
+    pub fn engine_prefill_chunk(&self) -> usize {
+        self.engine.prefill_chunk()
+    }
+
     /// Set the engine's gather window in seconds (0 to 1).
     pub fn set_engine_gather(&self, seconds: f64) -> Result<()> {
         self.engine.set_gather(seconds)

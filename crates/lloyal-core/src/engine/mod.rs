@@ -80,6 +80,8 @@ struct Queue {
     idle: bool,
     /// Commits the previous tick decoded (the gather window waits for as many).
     last_tick_ops: usize,
+    /// Most prefill tokens per tick (0: fill the tick's batch).
+    prefill_chunk: usize,
     stats: EngineStats,
 }
 
@@ -145,6 +147,7 @@ impl Default for Engine {
                     started: false,
                     idle: true,
                     last_tick_ops: 0,
+                    prefill_chunk: 0,
                     stats: EngineStats { gather: 0.002, ..EngineStats::default() },
                 }),
                 cv: Condvar::new(),
@@ -223,6 +226,16 @@ impl Engine {
         Ok(())
     }
 
+    /// Cap the prefill tokens of one tick (0: fill the tick's batch, the default).
+    pub fn set_prefill_chunk(&self, tokens: usize) {
+        self.shared.lock().prefill_chunk = tokens;
+    }
+
+    /// The prefill cap of one tick (0: none).
+    pub fn prefill_chunk(&self) -> usize {
+        self.shared.lock().prefill_chunk
+    }
+
     /// Refuse new operations and wait until the ones already submitted are answered (a
     /// paused engine's queue is not waited for: it fails with `ContextClosed`), then stop.
     pub(crate) fn close(&self) {
@@ -272,7 +285,7 @@ fn set_idle(shared: &Shared) {
 fn engine_loop(ctx: Weak<Context>, shared: Arc<Shared>) {
     let mut sched = Scheduler::default();
     loop {
-        let ops: Vec<Op> = {
+        let (ops, max_prefill): (Vec<Op>, usize) = {
             let mut q = shared.lock();
             loop {
                 if q.shutdown {
@@ -314,7 +327,7 @@ fn engine_loop(ctx: Weak<Context>, shared: Arc<Shared>) {
             }
             q.stats.queue_depth = 0;
             q.idle = false;
-            q.ops.drain(..).collect()
+            (q.ops.drain(..).collect(), q.prefill_chunk)
         };
         let started = Instant::now();
         let Some(context) = ctx.upgrade() else {
@@ -323,7 +336,7 @@ fn engine_loop(ctx: Weak<Context>, shared: Arc<Shared>) {
         };
         let mut pending = Some(ops);
         let ran = catch_unwind(AssertUnwindSafe(|| {
-            context.with(|s| Ok(sched.tick(s, pending.take().unwrap_or_default())))
+            context.with(|s| Ok(sched.tick(s, pending.take().unwrap_or_default(), max_prefill)))
         }));
         drop(context);
         let outcome = match ran {

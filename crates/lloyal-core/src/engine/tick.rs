@@ -159,7 +159,7 @@ impl Scheduler {
     }
 
     /// Run one tick over the queued `ops` (FIFO) and the prefills in flight.
-    pub fn tick(&mut self, s: &mut ContextState, ops: Vec<Op>) -> TickOutcome {
+    pub fn tick(&mut self, s: &mut ContextState, ops: Vec<Op>, max_prefill: usize) -> TickOutcome {
         let mut out = TickOutcome::default();
         self.drop_stale_flights(s, &mut out);
         self.drop_stale_gens(s, &mut out);
@@ -241,7 +241,7 @@ impl Scheduler {
         out.commits = (commits.len() + gen_parts.len()) as u64;
         let lefts: Vec<usize> =
             self.flights.iter().flat_map(|f| f.items.iter().map(|i| i.tokens.len() - i.done)).collect();
-        let plan = plan_tick(decode_rows, &lefts, s.shape().n_batch as usize);
+        let plan = plan_tick(decode_rows, &lefts, s.shape().n_batch as usize, max_prefill);
         let mut parts: Vec<Part> = commits.into_iter().map(|(op, rows)| Part::Commit(op, rows)).collect();
         parts.extend(gen_parts);
         let mut takes = plan.prefill_take.iter().copied();
