@@ -420,6 +420,8 @@ impl PyBranch {
     ///
     /// Args:
     ///     max_tokens: Most tokens to yield (None: until a stop).
+    ///     prompt: Tokens the engine prefills first, as part of the request (chunked with
+    ///         the other requests' steps); None: the branch's prompt is already written.
     ///     stop: Strings that end generation; matched on the detokenized text across token
     ///         boundaries and never yielded (text that may begin one is held back).
     ///     stop_tokens: Token ids that end generation (not committed), besides the model's
@@ -430,18 +432,19 @@ impl PyBranch {
     ///         ``max_tokens`` before failing; None waits as long as it takes.
     ///
     /// Raises:
-    ///     InvalidTokenError: A stop token is out of the vocabulary.
+    ///     InvalidTokenError: A stop or prompt token is out of the vocabulary.
     ///     KvCacheFullError: At the first ``next()``: ``max_tokens`` can never fit next to the
     ///         branch's cells, or no room came within ``timeout``.
     ///     ValueError: An empty stop string, ``top_logprobs`` out of range or another iterator
     ///         of this branch still generating (at the first ``next()``), or a negative
     ///         ``timeout``.
-    #[pyo3(signature = (max_tokens=None, *, stop=None, stop_tokens=None, logprobs=false, top_logprobs=0, timeout=None))]
+    #[pyo3(signature = (max_tokens=None, *, prompt=None, stop=None, stop_tokens=None, logprobs=false, top_logprobs=0, timeout=None))]
     #[allow(clippy::too_many_arguments)]
     fn generate(
         &self,
         py: Python<'_>,
         max_tokens: Option<usize>,
+        prompt: Option<Vec<i64>>,
         stop: Option<Vec<String>>,
         stop_tokens: Option<Vec<i64>>,
         logprobs: bool,
@@ -449,6 +452,7 @@ impl PyBranch {
         timeout: Option<f64>,
     ) -> PyResult<PyTokenIter> {
         let model = self.core().model();
+        let prompt = to_i32(model, &prompt.unwrap_or_default())?;
         let stop_tokens = stop_tokens.unwrap_or_default();
         let stop_tokens: Vec<i32> =
             stop_tokens.iter().map(|&t| model.check_token(t)).collect::<lloyal_core::Result<_>>().py()?;
@@ -462,6 +466,7 @@ impl PyBranch {
         };
         let args = GenArgs {
             max_tokens,
+            prompt,
             stop: stop.unwrap_or_default(),
             stop_tokens,
             logprobs,
@@ -602,6 +607,7 @@ pub struct PyTokenIter {
 #[derive(Clone, Default)]
 struct GenArgs {
     max_tokens: Option<usize>,
+    prompt: Vec<i32>,
     stop: Vec<String>,
     stop_tokens: Vec<i32>,
     logprobs: bool,
@@ -635,7 +641,7 @@ impl PyTokenIter {
         if let Some(s) = &st.stream {
             return Ok(Some(Arc::clone(s)));
         }
-        if self.args.max_tokens == Some(0) {
+        if self.args.max_tokens == Some(0) && self.args.prompt.is_empty() {
             st.done = true;
             st.finish = Some(Finish::Length.as_str());
             return Ok(None);
@@ -644,6 +650,7 @@ impl PyTokenIter {
         let stream = Arc::new(GenStream::default());
         let spec = GenSpec {
             handle: self.branch.handle,
+            prompt: a.prompt.clone(),
             max_tokens: a.max_tokens,
             stop_tokens: a.stop_tokens.clone(),
             stop: a.stop.clone(),

@@ -516,3 +516,33 @@ def test_engine_prefill_chunk_caps_the_prompt_tokens_of_a_tick(ctx9: lloyal.Cont
     with pytest.raises(ValueError, match="engine_prefill_chunk"):
         ctx9.engine_prefill_chunk = -1
     assert ctx9.engine_prefill_chunk == 8
+
+
+def test_a_request_with_a_prompt_prefills_it_through_the_engine(ctx9: lloyal.Context) -> None:
+    tokens = ctx9.tokenize(PROMPT)
+    ref = Branch.create(ctx9, 0, GREEDY)
+    ref.prefill(tokens)
+    want = hand_loop(ref, 6)
+    ctx9.engine_prefill_chunk = 4
+    b = Branch.create(ctx9, 0, GREEDY)
+    before = ctx9.engine_stats()
+    it = b.generate(6, prompt=tokens)
+    assert [t.token for t in it] == want
+    time.sleep(0.05)
+    after = ctx9.engine_stats()
+    chunks = -(-len(tokens) // 4)
+    assert after.decode_calls - before.decode_calls == chunks + 6
+    assert after.rows - before.rows == len(tokens) + 6
+    assert it.finish_reason == "length" and b.position == len(tokens) + 6
+    c = Branch.create(ctx9, 0, GREEDY)
+    it = c.generate(0, prompt=tokens)
+    assert list(it) == [] and it.finish_reason == "length"
+    assert c.position == len(tokens)  # the prompt is written even for max_tokens=0
+    d = Branch.create(ctx9, 0, GREEDY)
+    with pytest.raises(lloyal.InvalidTokenError):
+        d.generate(3, prompt=[ctx9.n_vocab])
+    with pytest.raises(lloyal.KvCacheFullError, match="can never fit"):
+        next(d.generate(1020, prompt=tokens))
+    with pytest.raises(lloyal.LloyalError, match="no logits available"):
+        next(d.generate(3))  # no prompt and nothing prefilled: nothing to sample from
+    assert d.position == 0

@@ -749,6 +749,7 @@ class Branch:
         self,
         max_tokens: int | None = None,
         *,
+        prompt: list[int] | None = None,
         stop: list[str] | None = None,
         stop_tokens: list[int] | None = None,
         logprobs: bool = False,
@@ -761,6 +762,8 @@ class Branch:
 
         Args:
             max_tokens: Most tokens to yield (None: until a stop).
+            prompt: Tokens the engine prefills first, as part of the request (chunked with
+                the other requests' steps); None: the branch's prompt is already written.
             stop: Strings that end generation; matched on the detokenized text across token
                 boundaries and never yielded (text that may begin one is held back).
             stop_tokens: Token ids that end generation (not committed), besides the model's
@@ -771,7 +774,7 @@ class Branch:
                 ``max_tokens`` before failing; None waits as long as it takes.
 
         Raises:
-            InvalidTokenError: A stop token is out of the vocabulary.
+            InvalidTokenError: A stop or prompt token is out of the vocabulary.
             KvCacheFullError: At the first ``next()``: ``max_tokens`` can never fit next to the
                 branch's cells, or no room came within ``timeout``.
             ValueError: An empty stop string, ``top_logprobs`` out of range or another iterator

@@ -173,8 +173,11 @@ pub(crate) enum Event {
 /// What a generation request asks for.
 #[derive(Clone)]
 pub struct GenSpec {
-    /// The branch to generate on (its prompt already written, logits present).
+    /// The branch to generate on.
     pub handle: Handle,
+    /// Tokens the engine prefills on the branch first (chunked like any prefill); empty: the
+    /// branch's prompt is already written and it has logits.
+    pub prompt: Vec<i32>,
     /// Most tokens to generate (`None`: until a stop).
     pub max_tokens: Option<usize>,
     /// Token ids that end generation (not committed, not yielded), besides the model's EOG.
@@ -195,6 +198,7 @@ impl std::fmt::Debug for GenSpec {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("GenSpec")
             .field("handle", &self.handle)
+            .field("prompt", &self.prompt.len())
             .field("max_tokens", &self.max_tokens)
             .field("stop_tokens", &self.stop_tokens)
             .field("stop", &self.stop)
@@ -220,6 +224,7 @@ impl GenSpec {
     /// Check the arguments a caller can get wrong (before queuing).
     pub fn validate(&self, model: &crate::model::Model) -> Result<()> {
         model.check_tokens(&self.stop_tokens)?;
+        model.check_tokens(&self.prompt)?;
         if self.stop.iter().any(String::is_empty) {
             return Err(LloyalError::invalid("a stop string is empty; give non-empty strings"));
         }

@@ -121,6 +121,8 @@ pub(crate) struct Scheduler {
     flights: Vec<Flight>,
     gens: Vec<Gen>,
     waiting: VecDeque<Waiting>,
+    /// A request just finished its prompt and waits: tick again at once to start it.
+    fresh_waiting: bool,
 }
 
 impl Scheduler {
@@ -161,6 +163,7 @@ impl Scheduler {
     /// Run one tick over the queued `ops` (FIFO) and the prefills in flight.
     pub fn tick(&mut self, s: &mut ContextState, ops: Vec<Op>, max_prefill: usize) -> TickOutcome {
         let mut out = TickOutcome::default();
+        self.fresh_waiting = false;
         self.drop_stale_flights(s, &mut out);
         self.drop_stale_gens(s, &mut out);
 
@@ -200,6 +203,21 @@ impl Scheduler {
                         self.flights.push(Flight { op, items, cells });
                     }
                 },
+                Work::Generate(spec) if !spec.prompt.is_empty() => {
+                    // Prefill the request's prompt first (a flight); it queues for its tokens
+                    // when the prompt is written.
+                    let admitted = self
+                        .admit_gen(s, spec)
+                        .and_then(|()| admit_prefill(s, &[(spec.handle, spec.prompt.clone())], reserved));
+                    match admitted {
+                        Err(e) => out.reply(op, Err(e)),
+                        Ok((items, cells)) => {
+                            reserved += cells;
+                            busy.extend(handles);
+                            self.flights.push(Flight { op, items, cells });
+                        }
+                    }
+                }
                 Work::Generate(spec) => {
                     let spec = (**spec).clone();
                     match self.admit_gen(s, &spec) {
@@ -331,7 +349,14 @@ impl Scheduler {
             match result {
                 Ok(()) => {
                     let r = finish_prefill(s, &f);
-                    out.reply(f.op, r);
+                    match (&f.op.work, r) {
+                        (Work::Generate(spec), Ok(())) => {
+                            let spec = GenSpec { prompt: Vec::new(), ..(**spec).clone() };
+                            self.waiting.push_back(Waiting { op: f.op, spec, since: Instant::now() });
+                            self.fresh_waiting = true;
+                        }
+                        (_, r) => out.reply(f.op, r),
+                    }
                 }
                 Err(e) => {
                     rollback_flight(s, &f);
@@ -396,18 +421,20 @@ impl Scheduler {
     /// Validate a new generation request: its branch is live and has logits to sample from,
     /// no other request is generating on it, and its reservation could ever fit the cache.
     fn admit_gen(&self, s: &mut ContextState, spec: &GenSpec) -> Result<()> {
-        s.branch(spec.handle)?.logits()?;
+        if spec.prompt.is_empty() {
+            s.branch(spec.handle)?.logits()?;
+        }
         let n_ctx = s.shape().n_ctx as usize;
-        let could = n_ctx.saturating_sub(s.branch(spec.handle)?.position.max(0) as usize);
+        let held = s.branch(spec.handle)?.position.max(0) as usize + spec.prompt.len();
+        let could = n_ctx.saturating_sub(held);
         if spec.cells() > could {
             return Err(LloyalError::KvCacheFull {
                 needed: spec.cells(),
                 n_ctx: n_ctx as u32,
                 detail: format!(
-                    "max_tokens={} can never fit: the branch already holds positions up to {} of \
-                     n_ctx={n_ctx}; lower max_tokens",
-                    spec.cells(),
-                    s.branch(spec.handle)?.position
+                    "max_tokens={} can never fit: the branch holds {held} positions (its prompt \
+                     included) of n_ctx={n_ctx}; lower max_tokens or shorten the prompt",
+                    spec.cells()
                 ),
             });
         }
