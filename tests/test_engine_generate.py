@@ -113,6 +113,8 @@ def test_stop_tokens_and_max_tokens(ctx9: lloyal.Context, root: Branch) -> None:
     assert list(it) == [] and it.finish_reason == "length"
     it = root.generate(2)
     assert [t.token for t in it] == ref[k : k + 2] and it.finish_reason == "length"
+    it.close()  # closing after the end changes nothing
+    assert it.finish_reason == "length" and list(it) == []
     assert root.position == pos + k + 2
 
 
