@@ -31,9 +31,9 @@ pub fn in_thread<'py>(
     call(py, "run_in_thread", callable, args)
 }
 
-/// A coroutine that awaits `next(iterator)` in a worker thread.
-pub fn next_in_thread<'py>(py: Python<'py>, iterator: Bound<'py, PyAny>) -> PyResult<Bound<'py, PyAny>> {
-    call(py, "next_in_thread", iterator, Vec::new())
+/// A coroutine awaiting the next token of a generation stream (`TokenIterator._poll`).
+pub fn stream_next<'py>(py: Python<'py>, iterator: Bound<'py, PyAny>) -> PyResult<Bound<'py, PyAny>> {
+    call(py, "stream_next", iterator, Vec::new())
 }
 
 /// A coroutine awaiting an engine operation: `submit(loop, future, *args)` queues it.

@@ -2,8 +2,10 @@
 
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
+use std::time::Duration;
 
-use lloyal_core::{Base, Context, ContextState, Handle, Utf8Stream, Work};
+use lloyal_core::engine::gen::{Finish, GenItem, GenSpec, GenStream, Next, Wake};
+use lloyal_core::{Base, Context, ContextState, Handle, Ticket, Work};
 use numpy::{PyArray1, PyReadonlyArray1};
 use pyo3::prelude::*;
 use pyo3::types::{PyBytes, PyDict, PyTuple, PyType};
@@ -11,7 +13,7 @@ use pyo3::types::{PyBytes, PyDict, PyTuple, PyType};
 use crate::aio;
 use crate::context::{to_i32, PyContext};
 use crate::convert::{clamp_i32, narrow};
-use crate::detach::run;
+use crate::detach::{on_main_thread, run};
 use crate::engine;
 use crate::error::IntoPyResult;
 use crate::grammar::PyGrammar;
@@ -42,14 +44,24 @@ impl PyProduced {
 pub struct PyToken {
     /// Token id.
     pub token: i32,
-    /// The text it completes (UTF-8 safe: may be empty mid-character).
+    /// The text it completes (UTF-8 safe: may be empty mid-character or while it may begin
+    /// a stop string; a matched stop string is never included).
     pub text: String,
+    /// ``log_softmax(logits)[token]`` of the logits it was sampled from (``Branch.logits``),
+    /// when ``generate(logprobs=True)``; else None.
+    pub logprob: Option<f64>,
+    /// The ``top_logprobs`` most likely ``(token, logprob)`` pairs, best first, when asked;
+    /// else None.
+    pub top_logprobs: Option<Vec<(i32, f64)>>,
 }
 
 #[pymethods]
 impl PyToken {
     fn __repr__(&self) -> String {
-        format!("Token(token={}, text={:?})", self.token, self.text)
+        match self.logprob {
+            Some(lp) => format!("Token(token={}, text={:?}, logprob={lp:.4})", self.token, self.text),
+            None => format!("Token(token={}, text={:?})", self.token, self.text),
+        }
     }
 }
 
@@ -402,19 +414,74 @@ impl PyBranch {
         self.call(py, move |s, h| s.branch_surprisal(h, token, base))
     }
 
-    /// Generate until a stop token (not yielded) or ``max_tokens``, committing each token
-    /// before yielding it.
-    #[pyo3(signature = (max_tokens=None))]
-    fn generate(&self, py: Python<'_>, max_tokens: Option<usize>) -> PyTokenIter {
-        PyTokenIter::new(self.wrap(py, self.handle), max_tokens)
+    /// Generate until a stop (not yielded) or ``max_tokens``, committing each token before
+    /// yielding it. The engine samples and commits in Rust, batched with every other
+    /// generation and commit on the context; one token per ``next()``.
+    ///
+    /// Args:
+    ///     max_tokens: Most tokens to yield (None: until a stop).
+    ///     prompt: Tokens the engine prefills first, as part of the request (chunked with
+    ///         the other requests' steps); None: the branch's prompt is already written.
+    ///     stop: Strings that end generation; matched on the detokenized text across token
+    ///         boundaries and never yielded (text that may begin one is held back).
+    ///     stop_tokens: Token ids that end generation (not committed), besides the model's
+    ///         end-of-generation tokens.
+    ///     logprobs: Give each Token its ``logprob``.
+    ///     top_logprobs: Give each Token its ``top_logprobs`` most likely tokens (0 to 20).
+    ///     timeout: Seconds the request may wait (FIFO) for room in the KV cache for its
+    ///         ``max_tokens`` before failing; None waits as long as it takes.
+    ///
+    /// Raises:
+    ///     InvalidTokenError: A stop or prompt token is out of the vocabulary.
+    ///     KvCacheFullError: At the first ``next()``: ``max_tokens`` can never fit next to the
+    ///         branch's cells, or no room came within ``timeout``.
+    ///     ValueError: An empty stop string, ``top_logprobs`` out of range or another iterator
+    ///         of this branch still generating (at the first ``next()``), or a negative
+    ///         ``timeout``.
+    #[pyo3(signature = (max_tokens=None, *, prompt=None, stop=None, stop_tokens=None, logprobs=false, top_logprobs=0, timeout=None))]
+    #[allow(clippy::too_many_arguments)]
+    fn generate(
+        &self,
+        py: Python<'_>,
+        max_tokens: Option<usize>,
+        prompt: Option<Vec<i64>>,
+        stop: Option<Vec<String>>,
+        stop_tokens: Option<Vec<i64>>,
+        logprobs: bool,
+        top_logprobs: usize,
+        timeout: Option<f64>,
+    ) -> PyResult<PyTokenIter> {
+        let model = self.core().model();
+        let prompt = to_i32(model, &prompt.unwrap_or_default())?;
+        let stop_tokens = stop_tokens.unwrap_or_default();
+        let stop_tokens: Vec<i32> =
+            stop_tokens.iter().map(|&t| model.check_token(t)).collect::<lloyal_core::Result<_>>().py()?;
+        let timeout = match timeout {
+            Some(t) if !(t >= 0.0 && t.is_finite()) => {
+                return Err(pyo3::exceptions::PyValueError::new_err(format!(
+                    "timeout must be a finite number of seconds >= 0 or None, got {t}"
+                )))
+            }
+            t => t.map(Duration::from_secs_f64),
+        };
+        let args = GenArgs {
+            max_tokens,
+            prompt,
+            stop: stop.unwrap_or_default(),
+            stop_tokens,
+            logprobs,
+            top_logprobs,
+            timeout,
+        };
+        Ok(PyTokenIter::new(self.wrap(py, self.handle), args))
     }
 
     fn __iter__(&self, py: Python<'_>) -> PyTokenIter {
-        PyTokenIter::new(self.wrap(py, self.handle), None)
+        PyTokenIter::new(self.wrap(py, self.handle), GenArgs::default())
     }
 
     fn __aiter__(&self, py: Python<'_>) -> PyTokenIter {
-        PyTokenIter::new(self.wrap(py, self.handle), None)
+        PyTokenIter::new(self.wrap(py, self.handle), GenArgs::default())
     }
 
     /// Next position to write.
@@ -526,17 +593,118 @@ impl PyBranch {
     }
 }
 
-/// Iterator behind ``for tok in branch``, ``branch.generate()`` and ``async for``.
+/// Iterator behind ``for tok in branch``, ``branch.generate()`` and ``async for``: a
+/// generation request the engine runs in Rust (sampling, stops, logprobs), one token each
+/// time the iterator is asked for one.
 #[pyclass(name = "TokenIterator", module = "lloyal._lloyal", frozen)]
 pub struct PyTokenIter {
     branch: PyBranch,
-    state: Mutex<(Option<usize>, Utf8Stream, bool)>,
+    args: GenArgs,
+    state: Mutex<IterState>,
+}
+
+/// What `generate()` was called with.
+#[derive(Clone, Default)]
+struct GenArgs {
+    max_tokens: Option<usize>,
+    prompt: Vec<i32>,
+    stop: Vec<String>,
+    stop_tokens: Vec<i32>,
+    logprobs: bool,
+    top_logprobs: usize,
+    timeout: Option<Duration>,
+}
+
+#[derive(Default)]
+struct IterState {
+    stream: Option<Arc<GenStream>>,
+    ticket: Option<Ticket>,
+    finish: Option<&'static str>,
+    done: bool,
 }
 
 impl PyTokenIter {
-    fn new(branch: PyBranch, max_tokens: Option<usize>) -> Self {
-        PyTokenIter { branch, state: Mutex::new((max_tokens, Utf8Stream::new(), false)) }
+    fn new(branch: PyBranch, args: GenArgs) -> Self {
+        PyTokenIter { branch, args, state: Mutex::new(IterState::default()) }
     }
+
+    fn lock(&self) -> std::sync::MutexGuard<'_, IterState> {
+        self.state.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// The request's stream (queued on first use), or `None` once the iterator is done.
+    fn stream(&self) -> PyResult<Option<Arc<GenStream>>> {
+        let mut st = self.lock();
+        if st.done {
+            return Ok(None);
+        }
+        if let Some(s) = &st.stream {
+            return Ok(Some(Arc::clone(s)));
+        }
+        if self.args.max_tokens == Some(0) && self.args.prompt.is_empty() {
+            st.done = true;
+            st.finish = Some(Finish::Length.as_str());
+            return Ok(None);
+        }
+        let a = &self.args;
+        let stream = Arc::new(GenStream::default());
+        let spec = GenSpec {
+            handle: self.branch.handle,
+            prompt: a.prompt.clone(),
+            max_tokens: a.max_tokens,
+            stop_tokens: a.stop_tokens.clone(),
+            stop: a.stop.clone(),
+            logprobs: a.logprobs,
+            top_logprobs: a.top_logprobs,
+            timeout: a.timeout,
+            stream: Arc::clone(&stream),
+        };
+        let ticket = self.branch.core().generate(spec).py();
+        let ticket = match ticket {
+            Ok(t) => t,
+            Err(e) => {
+                st.done = true;
+                return Err(e);
+            }
+        };
+        st.ticket = Some(ticket);
+        st.stream = Some(Arc::clone(&stream));
+        Ok(Some(stream))
+    }
+
+    /// Record the end: `None` (stop iterating) or the request's error.
+    fn end(&self, end: std::result::Result<Finish, lloyal_core::LloyalError>) -> PyResult<Option<PyToken>> {
+        let mut st = self.lock();
+        st.done = true;
+        st.ticket = None;
+        match end {
+            Ok(f) => {
+                st.finish = Some(f.as_str());
+                Ok(None)
+            }
+            // Closed by the caller.
+            Err(lloyal_core::LloyalError::Interrupted) => Ok(None),
+            Err(e) => Err(e).py(),
+        }
+    }
+
+    fn cancel(&self) {
+        let mut st = self.lock();
+        st.done = true;
+        if let Some(t) = st.ticket.take() {
+            t.cancel();
+        }
+    }
+}
+
+impl Drop for PyTokenIter {
+    fn drop(&mut self) {
+        self.cancel();
+    }
+}
+
+fn py_token(item: GenItem) -> PyToken {
+    PyToken { token: item.token, text: item.text, logprob: item.logprob, top_logprobs: item.top_logprobs }
 }
 
 #[pymethods]
@@ -546,27 +714,33 @@ impl PyTokenIter {
     }
 
     fn __next__(&self, py: Python<'_>) -> PyResult<Option<PyToken>> {
-        let mut st = self.state.lock().unwrap_or_else(|p| p.into_inner());
-        if st.2 || st.0 == Some(0) {
-            st.2 = true;
-            return Ok(None);
+        let Some(stream) = self.stream()? else { return Ok(None) };
+        let main = on_main_thread(py);
+        loop {
+            match stream.poll(None) {
+                Next::Item(item) => return Ok(Some(py_token(item))),
+                Next::End(end) => return self.end(end),
+                Next::Pending => {}
+            }
+            self.branch.core().notify_engine();
+            if !main {
+                py.detach(|| stream.wait_timeout(Duration::from_secs(3600)));
+                continue;
+            }
+            // On the main thread, wake every 50 ms for signal handlers: Ctrl-C frees the
+            // request (the branch stays at its last committed token) and raises.
+            py.detach(|| stream.wait_timeout(Duration::from_millis(50)));
+            if let Err(e) = py.check_signals() {
+                self.cancel();
+                self.branch.core().notify_engine();
+                py.detach(|| {
+                    while !stream.ended() {
+                        stream.wait_timeout(Duration::from_secs(1));
+                    }
+                });
+                return Err(e);
+            }
         }
-        let next = self.branch.call(py, |s, h| {
-            let t = s.branch_produce(h)?;
-            Ok((!s.model().is_eog(t)).then_some(t))
-        });
-        let Some(token) = next? else {
-            st.2 = true;
-            return Ok(None);
-        };
-        // The commit goes through the engine, so iterators in other threads share its decode.
-        engine::wait(py, self.branch.core(), Work::Commit(vec![(self.branch.handle, token)]))?;
-        if let Some(n) = st.0.as_mut() {
-            *n -= 1;
-        }
-        let bytes = self.branch.core().model().token_bytes(token, false).py()?;
-        let text = st.1.push(&bytes);
-        Ok(Some(PyToken { token, text }))
     }
 
     fn __aiter__(slf: Py<Self>) -> Py<Self> {
@@ -574,6 +748,55 @@ impl PyTokenIter {
     }
 
     fn __anext__<'py>(slf: &Bound<'py, Self>) -> PyResult<Bound<'py, PyAny>> {
-        aio::next_in_thread(slf.py(), slf.clone().into_any())
+        aio::stream_next(slf.py(), slf.clone().into_any())
+    }
+
+    /// The next token now, or None after arranging for ``future`` (of the running ``loop``)
+    /// to be settled when one arrives; raises ``StopAsyncIteration`` at the end.
+    fn _poll(
+        &self,
+        py: Python<'_>,
+        lp: Bound<'_, PyAny>,
+        fut: Bound<'_, PyAny>,
+    ) -> PyResult<Option<PyToken>> {
+        let Some(stream) = self.stream()? else {
+            return Err(pyo3::exceptions::PyStopAsyncIteration::new_err(()));
+        };
+        let (lp, fut) = (lp.unbind(), fut.unbind());
+        let wake: Wake = Box::new(move || {
+            Python::attach(|py| {
+                if let Ok(settle) = aio::settle(py) {
+                    // A closed loop cannot take the wake-up, and then nobody awaits it.
+                    let _ =
+                        lp.bind(py).call_method1("call_soon_threadsafe", (settle, fut.bind(py), py.None()));
+                }
+            });
+        });
+        match stream.poll(Some(wake)) {
+            Next::Item(item) => Ok(Some(py_token(item))),
+            Next::End(end) => match self.end(end)? {
+                Some(t) => Ok(Some(t)),
+                None => Err(pyo3::exceptions::PyStopAsyncIteration::new_err(())),
+            },
+            Next::Pending => {
+                let _ = py;
+                self.branch.core().notify_engine();
+                Ok(None)
+            }
+        }
+    }
+
+    /// Stop generating: the request is freed at the engine's next tick and the branch stays
+    /// at the last token yielded. Idempotent; ``break`` and dropping the iterator do the same.
+    fn close(&self) {
+        self.cancel();
+    }
+
+    /// Why generation ended: ``"stop"`` (a stop token or stop string), ``"length"``
+    /// (``max_tokens``) or ``"eog"`` (the model's end-of-generation token); None while
+    /// running or after ``close()``.
+    #[getter]
+    fn finish_reason(&self) -> Option<&'static str> {
+        self.lock().finish
     }
 }

@@ -224,6 +224,25 @@ impl PyContext {
         self.inner.set_engine_gather(seconds).py()
     }
 
+    /// Most prompt tokens one engine tick prefills (0, the default: fill the tick's
+    /// ``n_batch``). A small value bounds how long running streams wait for a newcomer's
+    /// prompt per step, at the cost of more ticks for the prompt.
+    #[getter]
+    fn engine_prefill_chunk(&self) -> usize {
+        self.inner.engine_prefill_chunk()
+    }
+
+    #[setter]
+    fn set_engine_prefill_chunk(&self, tokens: i64) -> PyResult<()> {
+        let tokens = usize::try_from(tokens).map_err(|_| {
+            pyo3::exceptions::PyValueError::new_err(format!(
+                "engine_prefill_chunk must be >= 0 (0: fill the batch), got {tokens}"
+            ))
+        })?;
+        self.inner.set_engine_prefill_chunk(tokens);
+        Ok(())
+    }
+
     /// Free the context (waits for a running call; idempotent).
     fn close(&self, py: Python<'_>) {
         let inner = self.inner.clone();

@@ -37,6 +37,17 @@ pub struct PyEngineStats {
     pub queue_depth: usize,
     /// Prefills in flight across ticks.
     pub in_flight: usize,
+    /// Generation requests running (``Branch.generate`` iterators).
+    pub generating: usize,
+    /// Generation requests waiting (FIFO) for room in the cache.
+    pub waiting: usize,
+    /// Seconds spent in ticks that decoded something (validation, packing, decode, sampling,
+    /// publishing and waking callers).
+    pub tick_seconds: f64,
+    /// Seconds of those spent in ``llama_decode``.
+    pub decode_seconds: f64,
+    /// Seconds of those spent sampling generation requests.
+    pub sample_seconds: f64,
     /// Whether the engine is paused (``Context.pause_engine``).
     pub paused: bool,
     /// Seconds a tick waits for as many commits as the previous tick decoded.
@@ -56,6 +67,11 @@ impl From<EngineStats> for PyEngineStats {
             max_ops_per_tick: s.max_ops_per_tick,
             queue_depth: s.queue_depth,
             in_flight: s.in_flight,
+            generating: s.generating,
+            waiting: s.waiting,
+            tick_seconds: s.tick_seconds,
+            decode_seconds: s.decode_seconds,
+            sample_seconds: s.sample_seconds,
             paused: s.paused,
             gather: s.gather,
         }
@@ -68,7 +84,7 @@ impl PyEngineStats {
         format!(
             "EngineStats(ticks={}, decode_calls={}, rows={}, ops_submitted={}, ops_completed={}, \
              ops_failed={}, ops_coalesced={}, max_ops_per_tick={}, queue_depth={}, in_flight={}, \
-             paused={}, gather={})",
+             generating={}, waiting={}, paused={}, gather={})",
             self.ticks,
             self.decode_calls,
             self.rows,
@@ -79,6 +95,8 @@ impl PyEngineStats {
             self.max_ops_per_tick,
             self.queue_depth,
             self.in_flight,
+            self.generating,
+            self.waiting,
             if self.paused { "True" } else { "False" },
             self.gather
         )

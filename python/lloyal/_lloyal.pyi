@@ -295,6 +295,18 @@ class Context:
         """Seconds (0 to 1, default 0.002) a tick waits for as many commits as the previous tick
         decoded, so callers that come back at slightly different times share one decode.
         """
+    @property
+    def engine_prefill_chunk(self) -> int:
+        """Most prompt tokens one engine tick prefills (0, the default: fill the tick's
+        ``n_batch``). A small value bounds how long running streams wait for a newcomer's
+        prompt per step, at the cost of more ticks for the prompt.
+        """
+    @engine_prefill_chunk.setter
+    def engine_prefill_chunk(self, tokens: int) -> None:
+        """Most prompt tokens one engine tick prefills (0, the default: fill the tick's
+        ``n_batch``). A small value bounds how long running streams wait for a newcomer's
+        prompt per step, at the cost of more ticks for the prompt.
+        """
     def close(self) -> None:
         """Free the context (waits for a running call; idempotent)."""
     def __enter__(self) -> Context: ...
@@ -554,16 +566,41 @@ class Token:
         """Token id."""
     @property
     def text(self) -> str:
-        """The text it completes (UTF-8 safe: may be empty mid-character)."""
+        """The text it completes (UTF-8 safe: may be empty mid-character or while it may begin
+        a stop string; a matched stop string is never included).
+        """
+    @property
+    def logprob(self) -> float | None:
+        """``log_softmax(logits)[token]`` of the logits it was sampled from (``Branch.logits``),
+        when ``generate(logprobs=True)``; else None.
+        """
+    @property
+    def top_logprobs(self) -> list[tuple[int, float]] | None:
+        """The ``top_logprobs`` most likely ``(token, logprob)`` pairs, best first, when asked;
+        else None.
+        """
 
 @final
 class TokenIterator:
-    """Iterator behind ``for tok in branch``, ``branch.generate()`` and ``async for``."""
+    """Iterator behind ``for tok in branch``, ``branch.generate()`` and ``async for``: a
+    generation request the engine runs in Rust (sampling, stops, logprobs), one token each
+    time the iterator is asked for one.
+    """
 
     def __iter__(self) -> TokenIterator: ...
     def __next__(self) -> Token: ...
     def __aiter__(self) -> TokenIterator: ...
     def __anext__(self) -> Awaitable[Token]: ...
+    def close(self) -> None:
+        """Stop generating: the request is freed at the engine's next tick and the branch stays
+        at the last token yielded. Idempotent; ``break`` and dropping the iterator do the same.
+        """
+    @property
+    def finish_reason(self) -> str | None:
+        """Why generation ended: ``"stop"`` (a stop token or stop string), ``"length"``
+        (``max_tokens``) or ``"eog"`` (the model's end-of-generation token); None while
+        running or after ``close()``.
+        """
 
 @final
 class Branch:
@@ -708,9 +745,41 @@ class Branch:
         """Entropy of the next-token distribution in ``"nats"`` or ``"bits"``."""
     def model_surprisal(self, token: int, base: str = "nats") -> float:
         """Surprisal of ``token`` under the current logits."""
-    def generate(self, max_tokens: int | None = None) -> TokenIterator:
-        """Generate until a stop token (not yielded) or ``max_tokens``, committing each token
-        before yielding it.
+    def generate(
+        self,
+        max_tokens: int | None = None,
+        *,
+        prompt: list[int] | None = None,
+        stop: list[str] | None = None,
+        stop_tokens: list[int] | None = None,
+        logprobs: bool = False,
+        top_logprobs: int = 0,
+        timeout: float | None = None,
+    ) -> TokenIterator:
+        """Generate until a stop (not yielded) or ``max_tokens``, committing each token before
+        yielding it. The engine samples and commits in Rust, batched with every other
+        generation and commit on the context; one token per ``next()``.
+
+        Args:
+            max_tokens: Most tokens to yield (None: until a stop).
+            prompt: Tokens the engine prefills first, as part of the request (chunked with
+                the other requests' steps); None: the branch's prompt is already written.
+            stop: Strings that end generation; matched on the detokenized text across token
+                boundaries and never yielded (text that may begin one is held back).
+            stop_tokens: Token ids that end generation (not committed), besides the model's
+                end-of-generation tokens.
+            logprobs: Give each Token its ``logprob``.
+            top_logprobs: Give each Token its ``top_logprobs`` most likely tokens (0 to 20).
+            timeout: Seconds the request may wait (FIFO) for room in the KV cache for its
+                ``max_tokens`` before failing; None waits as long as it takes.
+
+        Raises:
+            InvalidTokenError: A stop or prompt token is out of the vocabulary.
+            KvCacheFullError: At the first ``next()``: ``max_tokens`` can never fit next to the
+                branch's cells, or no room came within ``timeout``.
+            ValueError: An empty stop string, ``top_logprobs`` out of range or another iterator
+                of this branch still generating (at the first ``next()``), or a negative
+                ``timeout``.
         """
     def __iter__(self) -> TokenIterator: ...
     def __aiter__(self) -> TokenIterator: ...
@@ -806,6 +875,23 @@ class EngineStats:
     @property
     def in_flight(self) -> int:
         """Prefills in flight across ticks."""
+    @property
+    def generating(self) -> int:
+        """Generation requests running (``Branch.generate`` iterators)."""
+    @property
+    def waiting(self) -> int:
+        """Generation requests waiting (FIFO) for room in the cache."""
+    @property
+    def tick_seconds(self) -> float:
+        """Seconds spent in ticks that decoded something (validation, packing, decode, sampling,
+        publishing and waking callers).
+        """
+    @property
+    def decode_seconds(self) -> float:
+        """Seconds of those spent in ``llama_decode``."""
+    @property
+    def sample_seconds(self) -> float:
+        """Seconds of those spent sampling generation requests."""
     @property
     def paused(self) -> bool:
         """Whether the engine is paused (``Context.pause_engine``)."""

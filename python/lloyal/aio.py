@@ -18,7 +18,7 @@ from typing import Any, TypeVar
 
 T = TypeVar("T")
 
-__all__ = ["engine_call", "next_in_thread", "run_in_thread"]
+__all__ = ["engine_call", "next_in_thread", "run_in_thread", "stream_next"]
 
 _DONE = object()
 
@@ -53,6 +53,27 @@ async def engine_call(submit: Callable[..., Callable[[], None]], *args: Any) -> 
     except asyncio.CancelledError:
         cancel()
         raise
+
+
+async def stream_next(iterator: Any) -> Any:
+    """Await the next token of a ``TokenIterator`` (``async for tok in branch`` uses it).
+
+    ``iterator._poll(loop, future)`` returns a token that is ready, raises
+    ``StopAsyncIteration`` at the end, or returns None after arranging for the engine thread
+    to settle ``future`` when the next token arrives. Cancelling the awaiting task closes the
+    iterator: the engine frees the request at its next tick.
+    """
+    loop = asyncio.get_running_loop()
+    while True:
+        future: asyncio.Future[None] = loop.create_future()
+        item = iterator._poll(loop, future)
+        if item is not None:
+            return item
+        try:
+            await future
+        except asyncio.CancelledError:
+            iterator.close()
+            raise
 
 
 def _settle(future: asyncio.Future[None], error: BaseException | None) -> None:

@@ -10,6 +10,7 @@ use parking_lot::{Mutex, MutexGuard};
 use crate::backend::{clear_recent_errors, recent_errors};
 use crate::branch::BranchState;
 use crate::embeddings::Encoded;
+use crate::engine::gen::GenSpec;
 use crate::engine::{Done, Engine, EngineStats, Ticket, Work};
 use crate::error::{LloyalError, Result};
 use crate::grammar::Grammar;
@@ -168,6 +169,24 @@ impl Context {
         self.engine.submit(self, work, done)
     }
 
+    /// Queue a generation request ([`crate::engine::gen`]); its tokens, end or error arrive
+    /// on `spec.stream`. Returns a ticket that cancels it (freed at the next tick).
+    pub fn generate(self: &Arc<Self>, spec: GenSpec) -> Result<Ticket> {
+        spec.validate(self.model())?;
+        let stream = Arc::clone(&spec.stream);
+        let done: Done = Box::new(move |r| {
+            if let Err(e) = r {
+                stream.fail(e);
+            }
+        });
+        self.submit(Work::Generate(Box::new(spec)), done)
+    }
+
+    /// Wake the engine: a generation stream asked for its next token.
+    pub fn notify_engine(&self) {
+        self.engine.notify();
+    }
+
     /// The engine's counters.
     pub fn engine_stats(&self) -> EngineStats {
         self.engine.stats()
@@ -181,6 +200,16 @@ impl Context {
     /// Let the engine tick again.
     pub fn resume_engine(&self) {
         self.engine.resume();
+    }
+
+    /// Cap the prefill tokens of one engine tick (0: fill the tick's batch).
+    pub fn set_engine_prefill_chunk(&self, tokens: usize) {
+        self.engine.set_prefill_chunk(tokens);
+    }
+
+    /// The engine's prefill cap per tick (0: none).
+    pub fn engine_prefill_chunk(&self) -> usize {
+        self.engine.prefill_chunk()
     }
 
     /// Set the engine's gather window in seconds (0 to 1).

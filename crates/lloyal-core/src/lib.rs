@@ -36,6 +36,7 @@ pub use branch::BranchInfo;
 pub use chat::ChatFamily;
 pub use chat::{ChatOptions, ChatOutput, FormattedChat, ToolCall};
 pub use context::{Context, ContextShape, ContextState, InterruptCheck};
+pub use engine::gen::{Finish, GenItem, GenSpec, GenStream};
 pub use engine::{EngineStats, Ticket, Waiter, Work};
 pub use error::{LloyalError, Result};
 pub use grammar::{json_schema_to_grammar, Grammar, GrammarKind, GrammarSource};

@@ -7,6 +7,7 @@
 //! `ceil(rows / n_batch)` decodes ([`plan`], [`tick`]): commit rows first, prefill chunks
 //! after. Each caller gets its own result through a one-shot callback.
 
+pub mod gen;
 pub mod op;
 pub mod plan;
 pub mod tick;
@@ -23,6 +24,9 @@ use crate::context::Context;
 use crate::error::{LloyalError, Result};
 use op::Op;
 use tick::Scheduler;
+
+/// How often the engine looks for room while generation requests wait for it.
+const WAIT_POLL: Duration = Duration::from_millis(5);
 
 /// Counters of a context's engine.
 #[derive(Debug, Clone, Copy, Default, PartialEq)]
@@ -47,6 +51,17 @@ pub struct EngineStats {
     pub queue_depth: usize,
     /// Prefills in flight across ticks.
     pub in_flight: usize,
+    /// Generation requests running (`Branch.generate`).
+    pub generating: usize,
+    /// Generation requests waiting (FIFO) for room in the cache.
+    pub waiting: usize,
+    /// Seconds spent in ticks that decoded something (validation, packing, decode, sampling,
+    /// publishing and waking callers).
+    pub tick_seconds: f64,
+    /// Seconds of those spent in `llama_decode`.
+    pub decode_seconds: f64,
+    /// Seconds of those spent sampling generation requests.
+    pub sample_seconds: f64,
     /// Whether the engine is paused.
     pub paused: bool,
     /// Seconds a tick waits for as many commits as the previous tick decoded.
@@ -65,6 +80,8 @@ struct Queue {
     idle: bool,
     /// Commits the previous tick decoded (the gather window waits for as many).
     last_tick_ops: usize,
+    /// Most prefill tokens per tick (0: fill the tick's batch).
+    prefill_chunk: usize,
     stats: EngineStats,
 }
 
@@ -101,6 +118,8 @@ impl Ticket {
                 q.stats.ops_failed += 1;
                 q.stats.queue_depth = q.ops.len();
             }
+            // A running generation request is dropped at the next tick: wake the engine.
+            shared.cv.notify_all();
             op
         };
         // Answer outside the lock: the callback may wait for the GIL.
@@ -128,6 +147,7 @@ impl Default for Engine {
                     started: false,
                     idle: true,
                     last_tick_ops: 0,
+                    prefill_chunk: 0,
                     stats: EngineStats { gather: 0.002, ..EngineStats::default() },
                 }),
                 cv: Condvar::new(),
@@ -169,6 +189,12 @@ impl Engine {
         Ok(Ticket { id, cancelled, shared: Arc::downgrade(&self.shared) })
     }
 
+    /// Wake the engine thread (a generation stream asked for a token).
+    pub(crate) fn notify(&self) {
+        let _q = self.shared.lock();
+        self.shared.cv.notify_all();
+    }
+
     /// Current counters.
     pub fn stats(&self) -> EngineStats {
         self.shared.lock().stats
@@ -198,6 +224,16 @@ impl Engine {
         }
         self.shared.lock().stats.gather = seconds;
         Ok(())
+    }
+
+    /// Cap the prefill tokens of one tick (0: fill the tick's batch, the default).
+    pub fn set_prefill_chunk(&self, tokens: usize) {
+        self.shared.lock().prefill_chunk = tokens;
+    }
+
+    /// The prefill cap of one tick (0: none).
+    pub fn prefill_chunk(&self) -> usize {
+        self.shared.lock().prefill_chunk
     }
 
     /// Refuse new operations and wait until the ones already submitted are answered (a
@@ -249,7 +285,7 @@ fn set_idle(shared: &Shared) {
 fn engine_loop(ctx: Weak<Context>, shared: Arc<Shared>) {
     let mut sched = Scheduler::default();
     loop {
-        let ops: Vec<Op> = {
+        let (ops, max_prefill): (Vec<Op>, usize) = {
             let mut q = shared.lock();
             loop {
                 if q.shutdown {
@@ -264,13 +300,22 @@ fn engine_loop(ctx: Weak<Context>, shared: Arc<Shared>) {
                 if !q.paused && (!q.ops.is_empty() || sched.has_work()) {
                     break;
                 }
+                if !q.paused && sched.waiting() > 0 {
+                    // Generation requests wait for room that a prune (not an engine call) may
+                    // free: look again every few milliseconds.
+                    q = shared.cv.wait_timeout(q, WAIT_POLL).unwrap_or_else(|p| p.into_inner()).0;
+                    if !q.paused && !q.shutdown {
+                        break;
+                    }
+                    continue;
+                }
                 q = shared.cv.wait(q).unwrap_or_else(|p| p.into_inner());
             }
             // Gather: give the previous tick's callers a moment to come back, so they share
             // this tick instead of splitting into a one-caller tick and the rest.
             let gather = Duration::from_secs_f64(q.stats.gather);
             let deadline = Instant::now() + gather;
-            while q.ops.len() < q.last_tick_ops && !q.shutdown && !q.paused {
+            while q.ops.len() + sched.ready() < q.last_tick_ops && !q.shutdown && !q.paused {
                 let now = Instant::now();
                 if now >= deadline {
                     break;
@@ -282,15 +327,16 @@ fn engine_loop(ctx: Weak<Context>, shared: Arc<Shared>) {
             }
             q.stats.queue_depth = 0;
             q.idle = false;
-            q.ops.drain(..).collect()
+            (q.ops.drain(..).collect(), q.prefill_chunk)
         };
+        let started = Instant::now();
         let Some(context) = ctx.upgrade() else {
             shared.lock().shutdown = true;
             continue;
         };
         let mut pending = Some(ops);
         let ran = catch_unwind(AssertUnwindSafe(|| {
-            context.with(|s| Ok(sched.tick(s, pending.take().unwrap_or_default())))
+            context.with(|s| Ok(sched.tick(s, pending.take().unwrap_or_default(), max_prefill)))
         }));
         drop(context);
         let outcome = match ran {
@@ -327,16 +373,27 @@ fn engine_loop(ctx: Weak<Context>, shared: Arc<Shared>) {
                     st.ops_coalesced += outcome.ops;
                 }
                 st.max_ops_per_tick = st.max_ops_per_tick.max(outcome.ops);
+                st.decode_seconds += outcome.decode_secs;
+                st.sample_seconds += outcome.sample_secs;
             }
             st.in_flight = sched.in_flight();
+            st.generating = sched.generating();
+            st.waiting = sched.waiting();
             q.last_tick_ops = outcome.commits as usize;
             for op in outcome.deferred.into_iter().rev() {
                 q.ops.push_front(op);
             }
             q.stats.queue_depth = q.ops.len();
         }
+        for (stream, event) in outcome.events {
+            stream.deliver(event);
+        }
+        let decoded = outcome.ops > 0;
         answer(&shared, outcome.replies);
         let mut q = shared.lock();
+        if decoded {
+            q.stats.tick_seconds += started.elapsed().as_secs_f64();
+        }
         q.idle = !sched.has_work();
         if q.idle {
             // `close()` may be waiting for the engine to run dry.

@@ -14,6 +14,8 @@ pub enum Work {
     Commit(Vec<(Handle, i32)>),
     /// `BranchStore.prefill` / `Branch.prefill`: write each branch's tokens.
     Prefill(Vec<(Handle, Vec<i32>)>),
+    /// `Branch.generate`: a generation request ([`super::gen`]), answered when it ends.
+    Generate(Box<super::gen::GenSpec>),
 }
 
 impl Work {
@@ -22,6 +24,7 @@ impl Work {
         match self {
             Work::Commit(pairs) => pairs.iter().map(|p| p.0).collect(),
             Work::Prefill(items) => items.iter().map(|i| i.0).collect(),
+            Work::Generate(spec) => vec![spec.handle],
         }
     }
 }

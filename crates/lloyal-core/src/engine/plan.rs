@@ -25,12 +25,16 @@ impl TickPlan {
 }
 
 /// Plan one tick for `decode_rows` commit rows and prefill runs with `prefill_left[i]` tokens
-/// still to write.
-pub fn plan_tick(decode_rows: usize, prefill_left: &[usize], n_batch: usize) -> TickPlan {
+/// still to write; `max_prefill > 0` caps the prefill tokens of one tick (a latency knob:
+/// running streams then wait for at most that many prefill rows per step).
+pub fn plan_tick(decode_rows: usize, prefill_left: &[usize], n_batch: usize, max_prefill: usize) -> TickPlan {
     let n_batch = n_batch.max(1);
     let pending = prefill_left.iter().any(|&l| l > 0);
     let budget = (decode_rows + usize::from(pending)).div_ceil(n_batch).max(1) * n_batch;
     let mut room = budget - decode_rows;
+    if max_prefill > 0 {
+        room = room.min(max_prefill);
+    }
     let prefill_take: Vec<usize> = prefill_left
         .iter()
         .map(|&left| {
@@ -49,7 +53,7 @@ mod tests {
 
     #[test]
     fn decode_rows_first_then_prefill_fills_the_budget() {
-        let p = plan_tick(8, &[1000, 50], 512);
+        let p = plan_tick(8, &[1000, 50], 512, 0);
         assert_eq!(p.prefill_take, vec![504, 0]);
         assert_eq!(p.n_decodes, 1);
         assert_eq!(p.rows(8), 512);
@@ -57,22 +61,31 @@ mod tests {
 
     #[test]
     fn prefill_alone_takes_one_chunk_per_tick() {
-        let p = plan_tick(0, &[100, 300, 700], 256);
+        let p = plan_tick(0, &[100, 300, 700], 256, 0);
         assert_eq!(p.prefill_take, vec![100, 156, 0]);
         assert_eq!(p.n_decodes, 1);
-        assert_eq!(plan_tick(0, &[], 256), TickPlan { prefill_take: vec![], n_decodes: 0 });
+        assert_eq!(plan_tick(0, &[], 256, 0), TickPlan { prefill_take: vec![], n_decodes: 0 });
+    }
+
+    #[test]
+    fn max_prefill_caps_the_prefill_rows_of_a_tick() {
+        let p = plan_tick(8, &[1000, 50], 512, 24);
+        assert_eq!((p.prefill_take, p.n_decodes), (vec![24, 0], 1));
+        let p = plan_tick(0, &[10, 300], 64, 24);
+        assert_eq!(p.prefill_take, vec![10, 14]);
+        assert_eq!(plan_tick(3, &[100], 8, 24).prefill_take, vec![5], "never more than the batch");
     }
 
     #[test]
     fn decode_rows_are_never_cut() {
         // More committing branches than n_batch: every row still runs this tick.
-        let p = plan_tick(20, &[30], 8);
+        let p = plan_tick(20, &[30], 8, 0);
         assert_eq!(p.prefill_take, vec![4]);
         assert_eq!(p.n_decodes, 3);
         // Decode rows filling whole batches still leave a prefill one more chunk.
-        let p = plan_tick(16, &[5], 8);
+        let p = plan_tick(16, &[5], 8, 0);
         assert_eq!((p.prefill_take.clone(), p.n_decodes), (vec![5], 3));
-        assert_eq!(plan_tick(16, &[], 8).n_decodes, 2);
+        assert_eq!(plan_tick(16, &[], 8, 0).n_decodes, 2);
     }
 
     #[test]
@@ -81,7 +94,7 @@ mod tests {
             let mut left = prompt;
             let mut ticks = 0;
             while left > 0 {
-                let p = plan_tick(decode, &[left], n_batch);
+                let p = plan_tick(decode, &[left], n_batch, 0);
                 assert!(p.rows(decode) <= (decode / n_batch + 1) * n_batch);
                 assert!(p.prefill_take[0] > 0, "progress every tick");
                 left -= p.prefill_take[0];

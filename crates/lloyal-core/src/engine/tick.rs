@@ -4,13 +4,17 @@
 //! retried operation by operation, so one bad operation fails only its own caller, with the
 //! same all-or-nothing rollback as a direct call.
 
-use std::collections::HashSet;
+use std::collections::{HashSet, VecDeque};
+use std::sync::Arc;
+use std::time::Instant;
 
+use super::gen::{logprobs, Event, Finish, GenItem, GenSpec, GenStream, StopMatcher};
 use super::op::{Op, Reply, Work};
 use super::plan::plan_tick;
 use crate::context::ContextState;
 use crate::error::{LloyalError, Result};
 use crate::tenancy::Handle;
+use crate::text::Utf8Stream;
 
 /// One row of a packed batch.
 #[derive(Debug, Clone, Copy)]
@@ -47,9 +51,40 @@ struct Flight {
     cells: usize,
 }
 
+/// A generation request running on its branch.
+struct Gen {
+    op: Op,
+    spec: GenSpec,
+    generated: usize,
+    utf8: Utf8Stream,
+    stops: StopMatcher,
+}
+
+impl Gen {
+    /// Cells still reserved for this request's future tokens (0 when unbounded).
+    fn reserved(&self) -> usize {
+        self.spec.max_tokens.map_or(0, |m| m.saturating_sub(self.generated))
+    }
+}
+
+/// A generation request waiting for room in the cache (FIFO).
+struct Waiting {
+    op: Op,
+    spec: GenSpec,
+    since: Instant,
+}
+
+/// A generation request's token this tick, with its logprobs when asked.
+struct GenRow {
+    row: CommitRow,
+    logprobs: Option<(f64, Vec<(i32, f64)>)>,
+}
+
 /// A part of a tick: one operation's rows.
 enum Part {
     Commit(Op, Vec<CommitRow>),
+    /// Index into the running generation requests.
+    Gen(usize, GenRow),
     /// Index into the in-flight prefills, with the tokens taken per item this tick.
     Prefill(usize, Vec<usize>),
 }
@@ -58,6 +93,10 @@ enum Part {
 #[derive(Default)]
 pub(crate) struct TickOutcome {
     pub decodes: u64,
+    /// Seconds spent in `llama_decode`.
+    pub decode_secs: f64,
+    /// Seconds spent sampling generation requests (produce, logprobs, stop checks).
+    pub sample_secs: f64,
     pub rows: u64,
     /// Operations that decoded rows this tick.
     pub ops: u64,
@@ -66,6 +105,8 @@ pub(crate) struct TickOutcome {
     pub replies: Vec<(Reply, Result<()>)>,
     /// Operations that name a branch an earlier operation is still writing: next tick.
     pub deferred: Vec<Op>,
+    /// Tokens and ends for generation streams, delivered after the tick.
+    pub events: Vec<(Arc<GenStream>, Event)>,
 }
 
 impl TickOutcome {
@@ -74,16 +115,36 @@ impl TickOutcome {
     }
 }
 
-/// The scheduler's state between ticks: prefills in flight.
+/// The scheduler's state between ticks: prefills in flight, generation requests running.
 #[derive(Default)]
 pub(crate) struct Scheduler {
     flights: Vec<Flight>,
+    gens: Vec<Gen>,
+    waiting: VecDeque<Waiting>,
+    /// A request just finished its prompt and waits: tick again at once to start it.
+    fresh_waiting: bool,
 }
 
 impl Scheduler {
-    /// Whether a prefill is still in flight (the engine ticks again without new operations).
+    /// Whether a prefill is in flight, a generation request wants a token or was cancelled
+    /// (the engine ticks again without new operations).
     pub fn has_work(&self) -> bool {
-        !self.flights.is_empty()
+        !self.flights.is_empty() || self.gens.iter().any(|g| g.op.is_cancelled() || g.spec.stream.is_wanted())
+    }
+
+    /// Generation requests that want a token now.
+    pub fn ready(&self) -> usize {
+        self.gens.iter().filter(|g| g.spec.stream.is_wanted()).count()
+    }
+
+    /// Generation requests running.
+    pub fn generating(&self) -> usize {
+        self.gens.len()
+    }
+
+    /// Generation requests waiting for room in the cache.
+    pub fn waiting(&self) -> usize {
+        self.waiting.len()
     }
 
     /// Prefills in flight.
@@ -93,25 +154,32 @@ impl Scheduler {
 
     /// Answer every in-flight operation with `err` (the context is gone; nothing to roll back).
     pub fn fail_all(&mut self, err: &LloyalError) -> Vec<(Reply, Result<()>)> {
-        self.flights.drain(..).map(|f| (f.op.reply, Err(err.clone()))).collect()
+        let mut replies: Vec<_> = self.flights.drain(..).map(|f| (f.op.reply, Err(err.clone()))).collect();
+        replies.extend(self.gens.drain(..).map(|g| (g.op.reply, Err(err.clone()))));
+        replies.extend(self.waiting.drain(..).map(|w| (w.op.reply, Err(err.clone()))));
+        replies
     }
 
     /// Run one tick over the queued `ops` (FIFO) and the prefills in flight.
-    pub fn tick(&mut self, s: &mut ContextState, ops: Vec<Op>) -> TickOutcome {
-        let out = self.run_tick(s, ops);
+    pub fn tick(&mut self, s: &mut ContextState, ops: Vec<Op>, max_prefill: usize) -> TickOutcome {
+        let out = self.run_tick(s, ops, max_prefill);
         // Tell the ledger which branches have prefill cells written ahead of their position.
         let written = self.flights.iter().flat_map(|f| f.items.iter().map(|i| (i.handle, i.done)));
         s.note_in_flight(written.collect());
         out
     }
 
-    fn run_tick(&mut self, s: &mut ContextState, ops: Vec<Op>) -> TickOutcome {
+    fn run_tick(&mut self, s: &mut ContextState, ops: Vec<Op>, max_prefill: usize) -> TickOutcome {
         let mut out = TickOutcome::default();
+        self.fresh_waiting = false;
         self.drop_stale_flights(s, &mut out);
+        self.drop_stale_gens(s, &mut out);
 
         let mut busy: HashSet<Handle> =
             self.flights.iter().flat_map(|f| f.items.iter().map(|i| i.handle)).collect();
-        let mut reserved: usize = self.flights.iter().map(|f| f.cells).sum();
+        let mut reserved: usize = self.flights.iter().map(|f| f.cells).sum::<usize>()
+            + self.gens.iter().map(Gen::reserved).sum::<usize>();
+        self.admit_waiting(s, &mut reserved, &mut out);
         let mut commits: Vec<(Op, Vec<CommitRow>)> = Vec::new();
         for op in ops {
             if op.is_cancelled() {
@@ -143,16 +211,65 @@ impl Scheduler {
                         self.flights.push(Flight { op, items, cells });
                     }
                 },
+                Work::Generate(spec) if !spec.prompt.is_empty() => {
+                    // Prefill the request's prompt first (a flight); it queues for its tokens
+                    // when the prompt is written.
+                    let admitted = self
+                        .admit_gen(s, spec)
+                        .and_then(|()| admit_prefill(s, &[(spec.handle, spec.prompt.clone())], reserved));
+                    match admitted {
+                        Err(e) => out.reply(op, Err(e)),
+                        Ok((items, cells)) => {
+                            reserved += cells;
+                            busy.extend(handles);
+                            self.flights.push(Flight { op, items, cells });
+                        }
+                    }
+                }
+                Work::Generate(spec) => {
+                    let spec = (**spec).clone();
+                    match self.admit_gen(s, &spec) {
+                        Err(e) => out.reply(op, Err(e)),
+                        Ok(()) => {
+                            self.waiting.push_back(Waiting { op, spec, since: Instant::now() });
+                            self.admit_waiting(s, &mut reserved, &mut out);
+                        }
+                    }
+                }
+            }
+        }
+
+        // Generation requests that want a token, oldest first: sample, check stops, admit.
+        let mut ended: Vec<(usize, Result<Finish>)> = Vec::new();
+        let mut gen_parts: Vec<Part> = Vec::new();
+        for (gi, g) in self.gens.iter_mut().enumerate() {
+            if busy.contains(&g.spec.handle) || !g.spec.stream.take_wanted() {
+                continue;
+            }
+            // A bounded request's row takes one of the cells it reserved.
+            let own = g.reserved();
+            let t0 = Instant::now();
+            let step = step_gen(s, g, reserved - own);
+            out.sample_secs += t0.elapsed().as_secs_f64();
+            match step {
+                Ok(Step::Row(row)) => {
+                    reserved += usize::from(own == 0);
+                    busy.insert(g.spec.handle);
+                    gen_parts.push(Part::Gen(gi, row));
+                }
+                Ok(Step::End(finish)) => ended.push((gi, Ok(finish))),
+                Err(e) => ended.push((gi, Err(e))),
             }
         }
 
         // Plan: every commit row, then prefill tokens (FIFO) up to the budget.
-        let decode_rows: usize = commits.iter().map(|c| c.1.len()).sum();
-        out.commits = commits.len() as u64;
+        let decode_rows: usize = commits.iter().map(|c| c.1.len()).sum::<usize>() + gen_parts.len();
+        out.commits = (commits.len() + gen_parts.len()) as u64;
         let lefts: Vec<usize> =
             self.flights.iter().flat_map(|f| f.items.iter().map(|i| i.tokens.len() - i.done)).collect();
-        let plan = plan_tick(decode_rows, &lefts, s.shape().n_batch as usize);
+        let plan = plan_tick(decode_rows, &lefts, s.shape().n_batch as usize, max_prefill);
         let mut parts: Vec<Part> = commits.into_iter().map(|(op, rows)| Part::Commit(op, rows)).collect();
+        parts.extend(gen_parts);
         let mut takes = plan.prefill_take.iter().copied();
         for (fi, f) in self.flights.iter().enumerate() {
             let take: Vec<usize> = f.items.iter().map(|_| takes.next().unwrap_or(0)).collect();
@@ -161,6 +278,7 @@ impl Scheduler {
             }
         }
         if parts.is_empty() {
+            self.end_gens(ended, &mut out);
             return out;
         }
         let rows_of: Vec<Vec<Row>> = parts.iter().map(|p| self.rows(p)).collect();
@@ -168,7 +286,7 @@ impl Scheduler {
         out.rows = all.len() as u64;
         out.ops = parts.len() as u64;
 
-        let (result, decodes) = execute(s, &all);
+        let (result, decodes) = execute(s, &all, &mut out.decode_secs);
         out.decodes += decodes;
         let mut outcomes: Vec<Result<()>> = Vec::with_capacity(parts.len());
         match result {
@@ -182,7 +300,7 @@ impl Scheduler {
                 } else {
                     // Isolate the culprit: each operation alone.
                     for rows in &rows_of {
-                        let (r, d) = execute(s, rows);
+                        let (r, d) = execute(s, rows, &mut out.decode_secs);
                         out.decodes += d;
                         if r.is_err() {
                             rollback_rows(s, rows);
@@ -202,6 +320,22 @@ impl Scheduler {
                     out.reply(op, r);
                 }
                 (Part::Commit(op, _), Err(e)) => out.reply(op, Err(e)),
+                (Part::Gen(gi, row), Ok(())) => {
+                    let g = &mut self.gens[gi];
+                    match finish_commit(s, std::slice::from_ref(&row.row)) {
+                        Ok(()) => {
+                            let t0 = Instant::now();
+                            let (item, end) = gen_item(s, g, row);
+                            out.sample_secs += t0.elapsed().as_secs_f64();
+                            out.events.push((Arc::clone(&g.spec.stream), Event::Item(item)));
+                            if let Some(finish) = end {
+                                ended.push((gi, Ok(finish)));
+                            }
+                        }
+                        Err(e) => ended.push((gi, Err(e))),
+                    }
+                }
+                (Part::Gen(gi, _), Err(e)) => ended.push((gi, Err(e))),
                 (Part::Prefill(fi, take), Ok(())) => {
                     let f = &mut self.flights[fi];
                     for (item, t) in f.items.iter_mut().zip(take) {
@@ -223,7 +357,14 @@ impl Scheduler {
             match result {
                 Ok(()) => {
                     let r = finish_prefill(s, &f);
-                    out.reply(f.op, r);
+                    match (&f.op.work, r) {
+                        (Work::Generate(spec), Ok(())) => {
+                            let spec = GenSpec { prompt: Vec::new(), ..(**spec).clone() };
+                            self.waiting.push_back(Waiting { op: f.op, spec, since: Instant::now() });
+                            self.fresh_waiting = true;
+                        }
+                        (_, r) => out.reply(f.op, r),
+                    }
                 }
                 Err(e) => {
                     rollback_flight(s, &f);
@@ -231,7 +372,119 @@ impl Scheduler {
                 }
             }
         }
+        self.end_gens(ended, &mut out);
         out
+    }
+
+    /// Start waiting generation requests, oldest first, while the cache has room for the
+    /// head's reservation (FIFO: a later request never overtakes an earlier one); fail those
+    /// whose timeout passed or whose branch went away.
+    fn admit_waiting(&mut self, s: &mut ContextState, reserved: &mut usize, out: &mut TickOutcome) {
+        let n_ctx = s.shape().n_ctx as usize;
+        let mut keep = VecDeque::with_capacity(self.waiting.len());
+        let mut blocked = false;
+        for w in self.waiting.drain(..) {
+            let need = w.spec.cells();
+            let err = if w.op.is_cancelled() {
+                Some(LloyalError::Interrupted)
+            } else if !s.is_live(w.spec.handle) {
+                Some(LloyalError::BranchDisposed { handle: w.spec.handle })
+            } else {
+                None
+            };
+            if let Some(err) = err {
+                out.events.push((Arc::clone(&w.spec.stream), Event::End(Err(err.clone()))));
+                out.reply(w.op, Err(err));
+                continue;
+            }
+            let free = n_ctx.saturating_sub(s.ledger.cells_used() + *reserved);
+            if !blocked && need <= free {
+                *reserved += w.spec.max_tokens.map_or(0, |m| m);
+                let stops = StopMatcher::new(w.spec.stop.clone());
+                self.gens.push(Gen { op: w.op, spec: w.spec, generated: 0, utf8: Utf8Stream::new(), stops });
+                continue;
+            }
+            blocked = true;
+            if w.spec.timeout.is_some_and(|t| w.since.elapsed() >= t) {
+                let err = LloyalError::KvCacheFull {
+                    needed: need,
+                    n_ctx: n_ctx as u32,
+                    detail: format!(
+                        "the generation request waited {:.3} s (its timeout) for room: branches hold {} \
+                         cells and running requests reserve {} more, {free} free",
+                        w.since.elapsed().as_secs_f64(),
+                        s.ledger.cells_used(),
+                        *reserved
+                    ),
+                };
+                out.events.push((Arc::clone(&w.spec.stream), Event::End(Err(err.clone()))));
+                out.reply(w.op, Err(err));
+                continue;
+            }
+            keep.push_back(w);
+        }
+        self.waiting = keep;
+    }
+
+    /// Validate a new generation request: its branch is live and has logits to sample from,
+    /// no other request is generating on it, and its reservation could ever fit the cache.
+    fn admit_gen(&self, s: &mut ContextState, spec: &GenSpec) -> Result<()> {
+        if spec.prompt.is_empty() {
+            s.branch(spec.handle)?.logits()?;
+        }
+        let n_ctx = s.shape().n_ctx as usize;
+        let held = s.branch(spec.handle)?.position.max(0) as usize + spec.prompt.len();
+        let could = n_ctx.saturating_sub(held);
+        if spec.cells() > could {
+            return Err(LloyalError::KvCacheFull {
+                needed: spec.cells(),
+                n_ctx: n_ctx as u32,
+                detail: format!(
+                    "max_tokens={} can never fit: the branch holds {held} positions (its prompt \
+                     included) of n_ctx={n_ctx}; lower max_tokens or shorten the prompt",
+                    spec.cells()
+                ),
+            });
+        }
+        let generating =
+            self.gens.iter().map(|g| g.spec.handle).chain(self.waiting.iter().map(|w| w.spec.handle));
+        if generating.into_iter().any(|h| h == spec.handle) {
+            return Err(LloyalError::invalid(format!(
+                "branch {} is already generating (another iterator of it is open); finish or \
+                 close that iterator first",
+                spec.handle
+            )));
+        }
+        Ok(())
+    }
+
+    /// Remove ended generation requests (highest index first) and answer them.
+    fn end_gens(&mut self, mut ended: Vec<(usize, Result<Finish>)>, out: &mut TickOutcome) {
+        ended.sort_by_key(|e| std::cmp::Reverse(e.0));
+        for (gi, result) in ended {
+            let g = self.gens.remove(gi);
+            out.events.push((Arc::clone(&g.spec.stream), Event::End(result.clone())));
+            out.reply(g.op, result.map(|_| ()));
+        }
+    }
+
+    /// End generation requests that were cancelled or whose branch was disposed meanwhile
+    /// (the branch stays at its last committed token).
+    fn drop_stale_gens(&mut self, s: &mut ContextState, out: &mut TickOutcome) {
+        let mut keep = Vec::with_capacity(self.gens.len());
+        for g in self.gens.drain(..) {
+            let err = if g.op.is_cancelled() {
+                LloyalError::Interrupted
+            } else if !s.is_live(g.spec.handle) {
+                LloyalError::BranchDisposed { handle: g.spec.handle }
+            } else {
+                keep.push(g);
+                continue;
+            };
+            out.events.push((Arc::clone(&g.spec.stream), Event::End(Err(err.clone()))));
+            out.reply(g.op, Err(err));
+        }
+        self.gens = keep;
     }
 
     /// Fail in-flight prefills that were cancelled or whose branch was disposed meanwhile.
@@ -255,6 +508,10 @@ impl Scheduler {
 
     fn rows(&self, part: &Part) -> Vec<Row> {
         match part {
+            Part::Gen(_, g) => {
+                let r = &g.row;
+                vec![Row { token: r.token, pos: r.pos, seq: r.seq, handle: r.handle, logits: true }]
+            }
             Part::Commit(_, rows) => rows
                 .iter()
                 .map(|r| Row { token: r.token, pos: r.pos, seq: r.seq, handle: r.handle, logits: true })
@@ -276,6 +533,71 @@ impl Scheduler {
             }
         }
     }
+}
+
+/// What a generation request does this tick.
+enum Step {
+    Row(GenRow),
+    End(Finish),
+}
+
+/// Sample a generation request's next token; end it on a stop, else admit its commit row.
+fn step_gen(s: &mut ContextState, g: &Gen, reserved: usize) -> Result<Step> {
+    let h = g.spec.handle;
+    if g.spec.max_tokens.is_some_and(|m| g.generated >= m) {
+        return Ok(Step::End(Finish::Length));
+    }
+    let token = s.branch_produce(h)?;
+    if s.model().is_eog(token) {
+        return Ok(Step::End(Finish::Eog));
+    }
+    if g.spec.stop_tokens.contains(&token) {
+        return Ok(Step::End(Finish::Stop));
+    }
+    let mut rows = admit_commit(s, &[(h, token)], reserved)?;
+    let row = rows.pop().ok_or_else(|| LloyalError::Backend("a commit admitted no row".into()))?;
+    let logprobs = if g.spec.logprobs || g.spec.top_logprobs > 0 {
+        Some(logprobs(s.branch(h)?.logits()?, token, g.spec.top_logprobs))
+    } else {
+        None
+    };
+    Ok(Step::Row(GenRow { row, logprobs }))
+}
+
+/// The item for a committed generation token, and the request's end if it ends with it.
+/// Peeks at the next token (a cached `produce`, reused by the next step) so text held back
+/// for a stop string is released with the last token.
+fn gen_item(s: &mut ContextState, g: &mut Gen, row: GenRow) -> (GenItem, Option<Finish>) {
+    let token = row.row.token;
+    g.generated += 1;
+    let bytes = s.model().token_bytes(token, false).unwrap_or_default();
+    let piece = g.utf8.push(&bytes);
+    let (mut text, matched) = g.stops.push(&piece);
+    let end = if matched {
+        Some(Finish::Stop)
+    } else if g.spec.max_tokens.is_some_and(|m| g.generated >= m) {
+        Some(Finish::Length)
+    } else {
+        None
+    };
+    let last = end.is_some()
+        || s.branch_produce(g.spec.handle)
+            .is_ok_and(|t| s.model().is_eog(t) || g.spec.stop_tokens.contains(&t));
+    let mut end = end;
+    if last && !matched {
+        let (tail, matched) = g.stops.push(&g.utf8.flush());
+        text.push_str(&tail);
+        if matched {
+            end = Some(Finish::Stop);
+        } else {
+            text.push_str(&g.stops.flush());
+        }
+    }
+    let (logprob, top_logprobs) = match row.logprobs {
+        Some((lp, top)) => (g.spec.logprobs.then_some(lp), (g.spec.top_logprobs > 0).then_some(top)),
+        None => (None, None),
+    };
+    (GenItem { token, text, logprob, top_logprobs }, end)
 }
 
 /// Validate a commit against the current state; its rows, or the error for its caller.
@@ -328,7 +650,7 @@ fn admit_prefill(
 
 /// Decode `rows` in n_batch chunks, copying each logits row into its branch's `next_logits`.
 /// Returns the result and the number of `llama_decode` calls made.
-fn execute(s: &mut ContextState, rows: &[Row]) -> (Result<()>, u64) {
+fn execute(s: &mut ContextState, rows: &[Row], secs: &mut f64) -> (Result<()>, u64) {
     let n_batch = s.shape().n_batch as usize;
     let mut decodes = 0;
     for chunk in rows.chunks(n_batch.max(1)) {
@@ -337,7 +659,10 @@ fn execute(s: &mut ContextState, rows: &[Row]) -> (Result<()>, u64) {
             s.batch_mut().push(r.token, r.pos, r.seq, r.logits);
         }
         decodes += 1;
-        let result = s.run_batch().and_then(|()| {
+        let t0 = Instant::now();
+        let ran = s.run_batch();
+        *secs += t0.elapsed().as_secs_f64();
+        let result = ran.and_then(|()| {
             for (i, r) in chunk.iter().enumerate().filter(|(_, r)| r.logits) {
                 let mut next = std::mem::take(&mut s.branch_mut(r.handle)?.next_logits);
                 let copied = s.copy_logits_into(i as i32, &mut next);

@@ -1,0 +1,356 @@
+//! Generation requests: the engine runs produce→commit for a branch each tick its consumer
+//! asks for a token, and streams the committed tokens (with stop strings, stop tokens,
+//! `max_tokens` and logprobs applied in Rust) to a [`GenStream`].
+//!
+//! A request is demand-driven: the consumer asks for the next token ([`GenStream::poll`]),
+//! the next tick samples it (all asking requests in one pass), commits it in the tick's
+//! packed decode, and pushes it. So a consumer that stops asking (breaks out of its loop)
+//! leaves the branch exactly at the last token it received.
+
+use std::collections::VecDeque;
+use std::sync::{Arc, Condvar, Mutex, MutexGuard};
+use std::time::Duration;
+
+use crate::error::{LloyalError, Result};
+use crate::tenancy::Handle;
+
+/// The most top logprobs a request may ask for per token.
+pub const MAX_TOP_LOGPROBS: usize = 20;
+
+/// Why a generation request ended.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Finish {
+    /// A stop token or a stop string.
+    Stop,
+    /// `max_tokens` tokens were generated.
+    Length,
+    /// The model produced an end-of-generation token.
+    Eog,
+}
+
+impl Finish {
+    /// `"stop"`, `"length"` or `"eog"`.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Finish::Stop => "stop",
+            Finish::Length => "length",
+            Finish::Eog => "eog",
+        }
+    }
+}
+
+/// One generated (committed) token.
+#[derive(Debug, Clone, PartialEq)]
+pub struct GenItem {
+    /// Token id.
+    pub token: i32,
+    /// Text released with this token (UTF-8 safe; text that may begin a stop string is held
+    /// back until it cannot, and a matched stop string is never released).
+    pub text: String,
+    /// `log_softmax(logits)[token]` of the logits it was sampled from, when asked.
+    pub logprob: Option<f64>,
+    /// The `k` most likely tokens and their logprobs, best first, when asked.
+    pub top_logprobs: Option<Vec<(i32, f64)>>,
+}
+
+/// What a consumer gets from [`GenStream::poll`].
+#[derive(Debug, Clone, PartialEq)]
+pub enum Next {
+    /// A token.
+    Item(GenItem),
+    /// The request ended (repeats on every later poll).
+    End(std::result::Result<Finish, LloyalError>),
+    /// Nothing yet: the next token was asked for; wait and poll again.
+    Pending,
+}
+
+/// A waker called (once) on the engine thread when an item or the end arrives.
+pub type Wake = Box<dyn FnOnce() + Send>;
+
+#[derive(Default)]
+struct StreamState {
+    items: VecDeque<GenItem>,
+    end: Option<std::result::Result<Finish, LloyalError>>,
+    /// The consumer asked for one more token and the engine has not taken the request yet.
+    wanted: bool,
+    /// The consumer's request is unanswered (taken or not): asking again adds nothing.
+    asked: bool,
+    wake: Option<Wake>,
+}
+
+/// The channel between a generation request in the engine and its consumer.
+#[derive(Default)]
+pub struct GenStream {
+    state: Mutex<StreamState>,
+    cv: Condvar,
+}
+
+impl GenStream {
+    fn lock(&self) -> MutexGuard<'_, StreamState> {
+        self.state.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// The next item, the end, or `Pending` after asking the engine for one more token
+    /// (`wake`, if given, replaces any earlier waker). The caller then notifies the engine.
+    pub fn poll(&self, wake: Option<Wake>) -> Next {
+        let mut st = self.lock();
+        if let Some(item) = st.items.pop_front() {
+            return Next::Item(item);
+        }
+        if let Some(end) = &st.end {
+            return Next::End(end.clone());
+        }
+        if !st.asked {
+            st.asked = true;
+            st.wanted = true;
+        }
+        if wake.is_some() {
+            st.wake = wake;
+        }
+        Next::Pending
+    }
+
+    /// Block until an item or the end is available (or `timeout` passes).
+    pub fn wait_timeout(&self, timeout: Duration) {
+        let st = self.lock();
+        let _ = self
+            .cv
+            .wait_timeout_while(st, timeout, |s| s.items.is_empty() && s.end.is_none())
+            .unwrap_or_else(|p| p.into_inner());
+    }
+
+    /// Whether the request ended.
+    pub fn ended(&self) -> bool {
+        self.lock().end.is_some()
+    }
+
+    /// Take the consumer's request for a token (engine side).
+    pub(crate) fn take_wanted(&self) -> bool {
+        std::mem::take(&mut self.lock().wanted)
+    }
+
+    /// Whether the consumer asked for a token (engine side, no change).
+    pub(crate) fn is_wanted(&self) -> bool {
+        self.lock().wanted
+    }
+
+    /// End the stream with `err` unless it already ended.
+    pub(crate) fn fail(&self, err: LloyalError) {
+        self.deliver(Event::End(Err(err)));
+    }
+
+    /// Deliver an event (engine side, outside the context lock: the waker may take the GIL).
+    pub(crate) fn deliver(&self, event: Event) {
+        let wake = {
+            let mut st = self.lock();
+            match event {
+                Event::Item(item) => {
+                    st.items.push_back(item);
+                    st.asked = false;
+                }
+                Event::End(end) => {
+                    if st.end.is_none() {
+                        st.end = Some(end);
+                    }
+                }
+            }
+            st.wake.take()
+        };
+        self.cv.notify_all();
+        if let Some(wake) = wake {
+            wake();
+        }
+    }
+}
+
+/// An event for a stream, collected during a tick and delivered after it.
+#[derive(Debug)]
+pub(crate) enum Event {
+    Item(GenItem),
+    End(std::result::Result<Finish, LloyalError>),
+}
+
+/// What a generation request asks for.
+#[derive(Clone)]
+pub struct GenSpec {
+    /// The branch to generate on.
+    pub handle: Handle,
+    /// Tokens the engine prefills on the branch first (chunked like any prefill); empty: the
+    /// branch's prompt is already written and it has logits.
+    pub prompt: Vec<i32>,
+    /// Most tokens to generate (`None`: until a stop).
+    pub max_tokens: Option<usize>,
+    /// Token ids that end generation (not committed, not yielded), besides the model's EOG.
+    pub stop_tokens: Vec<i32>,
+    /// Strings that end generation when they appear in the text (not released).
+    pub stop: Vec<String>,
+    /// Whether each item carries its logprob.
+    pub logprobs: bool,
+    /// How many top logprobs each item carries (0: none).
+    pub top_logprobs: usize,
+    /// How long the request may wait in the queue for room in the cache (`None`: no limit).
+    pub timeout: Option<Duration>,
+    /// Where the tokens go.
+    pub stream: Arc<GenStream>,
+}
+
+impl std::fmt::Debug for GenSpec {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("GenSpec")
+            .field("handle", &self.handle)
+            .field("prompt", &self.prompt.len())
+            .field("max_tokens", &self.max_tokens)
+            .field("stop_tokens", &self.stop_tokens)
+            .field("stop", &self.stop)
+            .field("logprobs", &self.logprobs)
+            .field("top_logprobs", &self.top_logprobs)
+            .field("timeout", &self.timeout)
+            .finish()
+    }
+}
+
+impl PartialEq for GenSpec {
+    fn eq(&self, other: &Self) -> bool {
+        Arc::ptr_eq(&self.stream, &other.stream)
+    }
+}
+
+impl GenSpec {
+    /// Cells the request reserves when admitted: `max_tokens`, or one per step when unbounded.
+    pub fn cells(&self) -> usize {
+        self.max_tokens.unwrap_or(1).max(1)
+    }
+
+    /// Check the arguments a caller can get wrong (before queuing).
+    pub fn validate(&self, model: &crate::model::Model) -> Result<()> {
+        model.check_tokens(&self.stop_tokens)?;
+        model.check_tokens(&self.prompt)?;
+        if self.stop.iter().any(String::is_empty) {
+            return Err(LloyalError::invalid("a stop string is empty; give non-empty strings"));
+        }
+        if self.top_logprobs > MAX_TOP_LOGPROBS {
+            return Err(LloyalError::invalid(format!(
+                "top_logprobs must be between 0 and {MAX_TOP_LOGPROBS}, got {}",
+                self.top_logprobs
+            )));
+        }
+        Ok(())
+    }
+}
+
+/// Stop-string matching over streamed text: releases text that cannot begin a stop string,
+/// holds back a tail that might, and reports a match (whose text is never released).
+#[derive(Debug, Default, Clone)]
+pub struct StopMatcher {
+    stops: Vec<String>,
+    held: String,
+}
+
+impl StopMatcher {
+    /// A matcher for `stops` (non-empty strings).
+    pub fn new(stops: Vec<String>) -> Self {
+        StopMatcher { stops, held: String::new() }
+    }
+
+    /// Add `text`; returns the text now safe to release and whether a stop string matched
+    /// (then the returned text is everything before the match, and the rest is dropped).
+    pub fn push(&mut self, text: &str) -> (String, bool) {
+        self.held.push_str(text);
+        if self.stops.is_empty() {
+            return (std::mem::take(&mut self.held), false);
+        }
+        let first = self.stops.iter().filter_map(|s| self.held.find(s.as_str())).min();
+        if let Some(at) = first {
+            let out = self.held[..at].to_string();
+            self.held.clear();
+            return (out, true);
+        }
+        // Keep the longest suffix that is a proper prefix of some stop string.
+        let keep = self
+            .held
+            .char_indices()
+            .map(|(i, _)| i)
+            .find(|&i| self.stops.iter().any(|s| s.starts_with(&self.held[i..])))
+            .unwrap_or(self.held.len());
+        let out = self.held[..keep].to_string();
+        self.held.drain(..keep);
+        (out, false)
+    }
+
+    /// Release whatever is held (the request ended for another reason).
+    pub fn flush(&mut self) -> String {
+        std::mem::take(&mut self.held)
+    }
+}
+
+/// `log_softmax(logits)[token]` and, if `k > 0`, the `k` best `(token, logprob)` pairs.
+pub fn logprobs(logits: &[f32], token: i32, k: usize) -> (f64, Vec<(i32, f64)>) {
+    let max = logits.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+    let max = f64::from(max);
+    let sum: f64 = logits.iter().map(|&l| (f64::from(l) - max).exp()).sum();
+    let lse = max + sum.ln();
+    let lp = |l: f32| f64::from(l) - lse;
+    let mut top: Vec<(i32, f32)> = Vec::with_capacity(k + 1);
+    if k > 0 {
+        for (i, &l) in logits.iter().enumerate() {
+            if top.len() < k || l > top[top.len() - 1].1 {
+                let at = top.partition_point(|&(_, x)| x >= l);
+                top.insert(at, (i as i32, l));
+                top.truncate(k);
+            }
+        }
+    }
+    let own = logits.get(token as usize).copied().unwrap_or(f32::NEG_INFINITY);
+    (lp(own), top.into_iter().map(|(t, l)| (t, lp(l))).collect())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn stop_strings_match_across_pushes_and_are_not_released() {
+        let mut m = StopMatcher::new(vec!["\n\n".into(), "END".into()]);
+        assert_eq!(m.push("Hello"), ("Hello".into(), false));
+        assert_eq!(m.push(" wor\n"), (" wor".into(), false));
+        assert_eq!(m.push("x E"), ("\nx ".into(), false));
+        assert_eq!(m.push("N"), ("".into(), false));
+        assert_eq!(m.push("Dtail"), ("".into(), true));
+        let mut m = StopMatcher::new(vec!["ab".into()]);
+        assert_eq!(m.push("xa"), ("x".into(), false));
+        assert_eq!(m.flush(), "a");
+        let mut m = StopMatcher::new(vec!["bc".into(), "abcd".into()]);
+        assert_eq!(m.push("zab"), ("z".into(), false));
+        assert_eq!(m.push("c"), ("a".into(), true), "the earliest match wins");
+        let mut m = StopMatcher::new(Vec::new());
+        assert_eq!(m.push("any"), ("any".into(), false));
+    }
+
+    #[test]
+    fn logprobs_are_a_log_softmax_with_sorted_top_k() {
+        let logits = [1.0f32, 3.0, 2.0, f32::NEG_INFINITY];
+        let (lp, top) = logprobs(&logits, 2, 3);
+        let z: f64 = logits.iter().map(|&l| f64::from(l).exp()).sum();
+        assert!((lp - (2.0 - z.ln())).abs() < 1e-12);
+        assert_eq!(top.iter().map(|t| t.0).collect::<Vec<_>>(), vec![1, 2, 0]);
+        assert!((top[0].1 - (3.0 - z.ln())).abs() < 1e-12);
+        assert_eq!(logprobs(&logits, 3, 0), (f64::NEG_INFINITY, vec![]));
+    }
+
+    #[test]
+    fn a_stream_asks_then_delivers_then_ends() {
+        let s = GenStream::default();
+        assert_eq!(s.poll(None), Next::Pending);
+        assert!(s.take_wanted() && !s.take_wanted());
+        assert_eq!(s.poll(None), Next::Pending);
+        assert!(!s.take_wanted(), "asking again before the answer adds no token");
+        let item = GenItem { token: 5, text: "a".into(), logprob: None, top_logprobs: None };
+        s.deliver(Event::Item(item.clone()));
+        s.deliver(Event::End(Ok(Finish::Length)));
+        s.deliver(Event::End(Ok(Finish::Eog)));
+        assert_eq!(s.poll(None), Next::Item(item));
+        assert_eq!(s.poll(None), Next::End(Ok(Finish::Length)));
+        assert_eq!(s.poll(None), Next::End(Ok(Finish::Length)), "the first end stays");
+        assert!(!s.is_wanted());
+    }
+}

@@ -1,0 +1,550 @@
+"""Generation requests run by the engine (docs/engine.md, "Generation requests"):
+``Branch.generate`` samples and commits in Rust, applies stop strings, stop tokens,
+``max_tokens`` and logprobs, coalesces concurrent generators into one decode per tick, and
+frees a closed or abandoned request at the next tick."""
+
+from __future__ import annotations
+
+import asyncio
+import gc
+import threading
+import time
+from collections.abc import Callable, Iterator
+
+import numpy as np
+import pytest
+
+import lloyal
+from lloyal import Branch, BranchStore, SamplingParams
+
+GREEDY = SamplingParams(temperature=0)
+PROMPT = "The three most important inventions of the last century were"
+
+
+def wait_until(cond: Callable[[], bool], timeout: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not cond():
+        assert time.monotonic() < deadline, "timed out waiting for the engine"
+        time.sleep(0.001)
+
+
+@pytest.fixture
+def ctx9(model: lloyal.Model) -> Iterator[lloyal.Context]:
+    c = lloyal.Context(model, n_ctx=1024, n_batch=64, n_seq_max=10)
+    try:
+        yield c
+    finally:
+        c.close()
+
+
+@pytest.fixture
+def root(ctx9: lloyal.Context) -> Branch:
+    r = Branch.create(ctx9, 0, GREEDY)
+    r.prefill(ctx9.tokenize(PROMPT))
+    return r
+
+
+def hand_loop(branch: Branch, n: int) -> list[int]:
+    """Greedy reference: produce/commit by hand, stopping before a stop token."""
+    out: list[int] = []
+    for _ in range(n):
+        p = branch.produce()
+        if p.is_stop:
+            break
+        branch.commit(p.token)
+        out.append(p.token)
+    return out
+
+
+def log_softmax(logits: np.ndarray) -> np.ndarray:
+    x = logits.astype(np.float64)
+    m = x.max()
+    return x - (m + np.log(np.exp(x - m).sum()))
+
+
+def test_greedy_generation_equals_a_hand_loop(ctx9: lloyal.Context, root: Branch) -> None:
+    twin = root.fork()
+    pos = root.position
+    cells = BranchStore(ctx9).kv_pressure.cells_used
+    it = root.generate(12)
+    assert it.finish_reason is None
+    toks = list(it)
+    assert [t.token for t in toks] == hand_loop(twin, 12)
+    assert it.finish_reason == "length"
+    assert root.position == pos + 12
+    assert ctx9.kv_seq_pos_max(root.seq_id) == pos + 11
+    assert BranchStore(ctx9).kv_pressure.cells_used == cells + 12 + 12  # root + twin
+    assert "".join(t.text for t in toks) == ctx9.detokenize([t.token for t in toks])
+    assert all(t.logprob is None and t.top_logprobs is None for t in toks)
+    assert ctx9.engine_stats().generating == 0
+
+
+def test_stop_string_across_token_boundaries_is_not_yielded(ctx9: lloyal.Context, root: Branch) -> None:
+    ref_branch = root.fork()
+    ref = hand_loop(ref_branch, 16)
+    pieces = [ctx9.token_to_text(t) for t in ref]
+    # a stop string made of the last 2 characters of piece 4 and the first 2 of piece 5
+    k = next(i for i in range(3, 12) if len(pieces[i]) >= 2 and len(pieces[i + 1]) >= 2)
+    stop = pieces[k][-2:] + pieces[k + 1][:2]
+    full = "".join(pieces)
+    cut = full.index(stop)
+    pos = root.position
+    it = root.generate(16, stop=[stop, "never-appears-zz"])
+    toks = list(it)
+    text = "".join(t.text for t in toks)
+    assert text == full[:cut]
+    assert stop not in text
+    # every token up to the one completing the stop string is committed and yielded
+    n = next(i + 1 for i in range(len(ref)) if len("".join(pieces[: i + 1])) >= cut + len(stop))
+    assert [t.token for t in toks] == ref[:n]
+    assert it.finish_reason == "stop"
+    assert root.position == pos + n
+
+
+def test_stop_tokens_and_max_tokens(ctx9: lloyal.Context, root: Branch) -> None:
+    ref = hand_loop(root.fork(), 8)
+    pos = root.position
+    k = next(i for i in range(2, 8) if ref[i] not in ref[:i])
+    it = root.generate(8, stop_tokens=[ref[k]])
+    assert [t.token for t in it] == ref[:k]
+    assert it.finish_reason == "stop"
+    assert root.position == pos + k  # the stop token is not committed
+    it = root.generate(0)
+    assert list(it) == [] and it.finish_reason == "length"
+    it = root.generate(2)
+    assert [t.token for t in it] == ref[k : k + 2] and it.finish_reason == "length"
+    it.close()  # closing after the end changes nothing
+    assert it.finish_reason == "length" and list(it) == []
+    assert root.position == pos + k + 2
+
+
+def test_eog_ends_with_finish_reason_eog(ctx9: lloyal.Context, root: Branch) -> None:
+    pos = root.position
+    it = root.generate(5)
+    first = next(it)
+    root.steer({ctx9.eog_token: 1000.0})  # sampling inputs change between tokens
+    assert list(it) == []
+    assert it.finish_reason == "eog"
+    assert root.position == pos + 1 and root.last_token == first.token
+
+
+def test_logprobs_equal_log_softmax_of_branch_logits(ctx9: lloyal.Context, root: Branch) -> None:
+    twin = root.fork()
+    toks = list(root.generate(6, logprobs=True, top_logprobs=3))
+    for t in toks:
+        want = log_softmax(twin.logits)
+        assert t.logprob is not None and t.top_logprobs is not None
+        assert t.logprob == pytest.approx(want[t.token], abs=1e-9)
+        best = np.argsort(-want, kind="stable")[:3]
+        assert [p[0] for p in t.top_logprobs] == [int(i) for i in best]
+        assert [p[1] for p in t.top_logprobs] == pytest.approx([want[i] for i in best], abs=1e-9)
+        assert t.top_logprobs[0][0] == t.token  # greedy
+        twin.commit(t.token)
+    only = list(root.generate(2, top_logprobs=2))
+    assert all(t.logprob is None and t.top_logprobs is not None and len(t.top_logprobs) == 2 for t in only)
+
+
+def test_invalid_arguments_raise_specific_errors(ctx9: lloyal.Context, root: Branch) -> None:
+    with pytest.raises(lloyal.InvalidTokenError):
+        root.generate(3, stop_tokens=[ctx9.n_vocab])
+    with pytest.raises(ValueError, match="top_logprobs"):
+        next(root.generate(3, top_logprobs=21))
+    with pytest.raises(ValueError, match="stop string is empty"):
+        next(root.generate(3, stop=[""]))
+    a = root.generate(3)
+    next(a)
+    with pytest.raises(ValueError, match="already generating"):
+        next(root.generate(3))
+    a.close()
+
+
+def test_eight_generators_in_threads_share_one_decode_per_tick(ctx9: lloyal.Context, root: Branch) -> None:
+    kids = [root.fork() for _ in range(8)]
+    twin = root.fork()
+    want = hand_loop(twin, 6)
+    twin.prune()
+    ctx9.engine_gather = 0.05  # a loaded machine: give every thread time to ask again
+    results: dict[int, list[int]] = {}
+    errors: list[BaseException] = []
+
+    def run(i: int, b: Branch) -> None:
+        try:
+            results[i] = [t.token for t in b.generate(6)]
+        except BaseException as e:
+            errors.append(e)
+
+    ctx9.pause_engine()
+    before = ctx9.engine_stats()
+    threads = [threading.Thread(target=run, args=(i, b)) for i, b in enumerate(kids)]
+    for t in threads:
+        t.start()
+    wait_until(lambda: ctx9.engine_stats().queue_depth == 8)
+    ctx9.resume_engine()
+    for t in threads:
+        t.join()
+    after = ctx9.engine_stats()
+    assert errors == []
+    assert results == {i: want for i in range(8)}
+    assert after.rows - before.rows == 48
+    assert after.decode_calls - before.decode_calls == after.ticks - before.ticks  # one decode per tick
+    assert after.max_ops_per_tick == 8
+    assert after.ticks - before.ticks < 48  # coalesced: far fewer ticks than tokens
+    assert after.ops_completed - before.ops_completed == 8
+    assert after.generating == 0
+
+
+def test_eight_asyncio_tasks_share_one_decode_per_tick(ctx9: lloyal.Context, root: Branch) -> None:
+    kids = [root.fork() for _ in range(8)]
+    twin = root.fork()
+    want = hand_loop(twin, 6)
+    twin.prune()
+
+    async def one(b: Branch) -> list[int]:
+        return [t.token async for t in b.generate(6)]
+
+    async def main() -> list[list[int]]:
+        ctx9.pause_engine()
+        tasks = [asyncio.create_task(one(b)) for b in kids]
+        while ctx9.engine_stats().queue_depth < 8:
+            await asyncio.sleep(0.001)
+        ctx9.resume_engine()
+        return await asyncio.gather(*tasks)
+
+    before = ctx9.engine_stats()
+    got = asyncio.run(main())
+    after = ctx9.engine_stats()
+    assert got == [want] * 8
+    assert after.rows - before.rows == 48
+    assert after.max_ops_per_tick == 8
+    assert after.decode_calls - before.decode_calls == after.ticks - before.ticks
+    # one asyncio loop asks for all 8 next tokens before the engine's next tick: lockstep
+    assert after.ticks - before.ticks == 6
+
+
+def test_break_frees_the_request_at_the_next_tick(ctx9: lloyal.Context, root: Branch) -> None:
+    pos = root.position
+    cells = BranchStore(ctx9).kv_pressure.cells_used
+    got = []
+    for tok in root.generate(50):
+        got.append(tok.token)
+        if len(got) == 3:
+            break
+    gc.collect()
+    wait_until(lambda: ctx9.engine_stats().generating == 0)
+    assert root.position == pos + 3  # one token per next(): nothing ran ahead
+    assert BranchStore(ctx9).kv_pressure.cells_used == cells + 3
+    assert ctx9.kv_seq_pos_max(root.seq_id) == pos + 2
+    assert BranchStore(ctx9).available == 10 - 1
+    it = root.generate(2)
+    assert len(list(it)) == 2 and it.finish_reason == "length"
+    # close() is idempotent and ends iteration; the finish reason stays None
+    it = root.generate(5)
+    next(it)
+    it.close()
+    it.close()
+    assert list(it) == [] and it.finish_reason is None
+    wait_until(lambda: ctx9.engine_stats().generating == 0)
+    assert root.position == pos + 6
+
+
+def test_cancelling_the_asyncio_task_frees_the_request(ctx9: lloyal.Context, root: Branch) -> None:
+    pos = root.position
+    seen: list[int] = []
+
+    async def consume() -> None:
+        async for t in root:
+            seen.append(t.token)
+            if len(seen) == 2:
+                await asyncio.sleep(3600)
+
+    async def main() -> None:
+        task = asyncio.create_task(consume())
+        while len(seen) < 2:
+            await asyncio.sleep(0.001)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+
+    asyncio.run(main())
+    gc.collect()
+    wait_until(lambda: ctx9.engine_stats().generating == 0)
+    assert root.position == pos + 2
+
+
+def test_cancelling_a_task_waiting_for_a_token_frees_the_request(ctx9: lloyal.Context, root: Branch) -> None:
+    pos = root.position
+
+    async def main() -> None:
+        it = root.generate(20)
+        ctx9.pause_engine()
+        task = asyncio.create_task(it.__anext__())
+        while ctx9.engine_stats().queue_depth < 1:
+            await asyncio.sleep(0.001)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        ctx9.resume_engine()
+        wait_until(lambda: ctx9.engine_stats().ops_failed >= 1 and ctx9.engine_stats().queue_depth == 0)
+        assert [t async for t in it] == []
+
+    asyncio.run(main())
+    assert root.position == pos
+    assert ctx9.engine_stats().generating == 0
+
+
+def test_grammar_constrained_generation(ctx9: lloyal.Context) -> None:
+    yes_no = 'root ::= "yes" | "no"'
+    with Branch.create(ctx9, 0, GREEDY, grammar=yes_no) as b:
+        b.prefill(ctx9.tokenize("Is the sky blue? Answer:"))
+        twin = b.fork()
+        it = b.generate(10)
+        out = [t.token for t in it]
+        assert ctx9.detokenize(out) in ("yes", "no")
+        assert out == hand_loop(twin, 10)
+        assert it.finish_reason == "eog"  # the completed grammar allows only EOG
+        assert b.produce().is_stop
+
+
+# --------------------------------------------------------------------------- backpressure
+
+
+@pytest.fixture
+def small(model: lloyal.Model) -> Iterator[lloyal.Context]:
+    c = lloyal.Context(model, n_ctx=256, n_batch=64, n_seq_max=4)
+    try:
+        yield c
+    finally:
+        c.close()
+
+
+def next_in_thread(it: lloyal.TokenIterator, out: list[object]) -> threading.Thread:
+    def run() -> None:
+        try:
+            out.extend(it)
+        except BaseException as e:
+            out.append(e)
+
+    t = threading.Thread(target=run)
+    t.start()
+    return t
+
+
+def test_a_request_without_room_waits_fifo_until_room_frees(small: lloyal.Context) -> None:
+    root = Branch.create(small, 0, GREEDY)
+    root.prefill(small.tokenize(PROMPT))
+    a, b, c = root.fork(), root.fork(), root.fork()
+    n_ctx = BranchStore(small).kv_pressure.n_ctx
+    free = n_ctx - BranchStore(small).kv_pressure.cells_used
+    ita = a.generate(free - 20)  # reserves all but 20 cells
+    next(ita)
+    got_b: list[object] = []
+    got_c: list[object] = []
+    tb = next_in_thread(b.generate(30), got_b)  # 30 > 20: waits
+    wait_until(lambda: small.engine_stats().waiting == 1)
+    tc = next_in_thread(c.generate(5), got_c)  # 5 would fit, but may not overtake b
+    wait_until(lambda: small.engine_stats().waiting == 2)
+    time.sleep(0.05)
+    assert (b.position, c.position, got_b, got_c) == (root.position, root.position, [], [])
+    assert small.engine_stats().generating == 1
+    ita.close()  # a's unused reservation is released at the next tick
+    tb.join()
+    tc.join()
+    assert all(isinstance(t, lloyal.Token) for t in got_b + got_c), (got_b, got_c)
+    assert (len(got_b), len(got_c)) == (30, 5)
+    assert (b.position, c.position, a.position) == (root.position + 30, root.position + 5, root.position + 1)
+    assert small.engine_stats().waiting == 0
+
+
+def test_a_waiting_request_times_out_and_one_that_never_fits_fails_at_once(small: lloyal.Context) -> None:
+    root = Branch.create(small, 0, GREEDY)
+    root.prefill(small.tokenize(PROMPT))
+    a, b = root.fork(), root.fork()
+    p = BranchStore(small).kv_pressure
+    ita = a.generate(p.remaining - 10)
+    next(ita)
+    t0 = time.monotonic()
+    with pytest.raises(lloyal.KvCacheFullError, match="waited"):
+        next(b.generate(20, timeout=0.05))
+    assert time.monotonic() - t0 >= 0.05
+    assert b.position == root.position
+    assert small.engine_stats().waiting == 0
+    with pytest.raises(lloyal.KvCacheFullError, match="can never fit"):
+        next(b.generate(p.n_ctx - root.position + 1))
+    with pytest.raises(ValueError, match="timeout"):
+        b.generate(3, timeout=-1.0)
+    # the running request was not disturbed
+    assert len(list(ita)) == p.remaining - 11 and ita.finish_reason in ("length", "eog")
+
+
+def test_running_requests_that_outgrow_the_cache_fail_youngest_first(small: lloyal.Context) -> None:
+    root = Branch.create(small, 0, GREEDY)
+    n_ctx = BranchStore(small).kv_pressure.n_ctx
+    filler = (small.tokenize(PROMPT, add_special=False) * n_ctx)[: n_ctx - 1]
+    root.prefill(filler)
+    assert BranchStore(small).kv_pressure.remaining == 1
+    old, young = root.fork(), root.fork()
+    got_old: list[object] = []
+    got_young: list[object] = []
+    small.pause_engine()
+    it_old = old.generate()  # unbounded: takes one cell per step
+    t_old = threading.Thread(target=lambda: got_old.append(next(it_old)))
+    t_old.start()
+    wait_until(lambda: small.engine_stats().queue_depth == 1)
+    t_young = next_in_thread(young.generate(), got_young)
+    wait_until(lambda: small.engine_stats().queue_depth == 2)
+    small.resume_engine()
+    t_old.join()
+    t_young.join()
+    assert isinstance(got_old[0], lloyal.Token)
+    assert len(got_young) == 1 and isinstance(got_young[0], lloyal.KvCacheFullError)
+    assert (old.position, young.position) == (n_ctx, n_ctx - 1)
+    with pytest.raises(lloyal.KvCacheFullError):
+        next(it_old)  # now the cache is full for the old one too
+    assert old.position == n_ctx
+
+
+# --------------------------------------------------------------------------- faults stay local
+
+
+def test_a_packed_decode_llama_cpp_rejects_is_isolated_to_its_culprit(model: lloyal.Model) -> None:
+    """Flat-path cells (``ctx.decode`` on an unleased sequence) fill llama.cpp's cache behind
+    the branches' accounting, so a 30-token prefill passes validation but the packed batch it
+    shares with a commit and a generation step has no slot: llama.cpp rejects the whole batch.
+    The engine retries each operation alone: the commit and the generation step proceed with
+    the results they would have had alone, the prefill fails and changes nothing."""
+    with lloyal.Context(model, n_ctx=256, n_batch=64, n_seq_max=5) as small:
+        isolate(small)
+
+
+def isolate(small: lloyal.Context) -> None:
+    root = Branch.create(small, 0, GREEDY)
+    root.prefill(small.tokenize(PROMPT))
+    a, g, bad = root.fork(), root.fork(), root.fork()
+    n_ctx = BranchStore(small).kv_pressure.n_ctx
+    filler = small.tokenize(" hello world", add_special=False) * n_ctx
+    flat = n_ctx - root.position - 10  # leaves 10 free cells in llama.cpp's cache
+    small.decode(filler[:flat], 0, 4)
+    assert BranchStore(small).kv_pressure.remaining == n_ctx - root.position  # not counted
+    token = a.produce().token
+    want = hand_loop(root, 1)  # root: the reference for the generation step
+    logits_a = root.logits.copy()  # root committed `want` alone: a commits the same token
+    assert want == [token]
+    results: dict[str, object] = {}
+
+    def run(name: str, call: Callable[[], object]) -> None:
+        try:
+            results[name] = call()
+        except BaseException as e:
+            results[name] = e
+
+    small.pause_engine()
+    before = small.engine_stats()
+    threads = [
+        threading.Thread(target=run, args=("commit", lambda: a.commit(token))),
+        threading.Thread(target=run, args=("gen", lambda: next(g.generate(3)))),
+        threading.Thread(target=run, args=("prefill", lambda: bad.prefill(filler[:30]))),
+    ]
+    for t in threads:
+        t.start()
+    wait_until(lambda: small.engine_stats().queue_depth == 3)
+    small.resume_engine()
+    for t in threads:
+        t.join()
+    after = small.engine_stats()
+    assert isinstance(results["prefill"], lloyal.KvCacheFullError), results
+    assert results["commit"] is None
+    assert isinstance(results["gen"], lloyal.Token) and results["gen"].token == token
+    # one packed decode rejected, then each operation alone
+    assert after.decode_calls - before.decode_calls == 4
+    assert after.ops_failed - before.ops_failed == 1
+    assert (a.position, g.position, bad.position) == (root.position,) * 2 + (root.position - 1,)
+    assert small.kv_seq_pos_max(bad.seq_id) == root.position - 2  # the prefill's rows were removed
+    np.testing.assert_array_equal(a.logits, logits_a)
+    np.testing.assert_array_equal(g.logits, logits_a)
+
+
+# --------------------------------------------------------------------------- determinism
+
+TARGET = "Write one sentence about the sea:"
+
+
+async def generate_from(ctx: lloyal.Context, prompt: str, n: int) -> list[tuple[int, float | None]]:
+    b = Branch.create(ctx, 0, GREEDY)
+    await b.aprefill(ctx.tokenize(prompt))
+    return [(t.token, t.logprob) async for t in b.generate(n, logprobs=True)]
+
+
+def test_greedy_generation_is_the_same_alone_crowded_and_chunked(model: lloyal.Model) -> None:
+    n = 12
+    with lloyal.Context(model, n_ctx=2048, n_batch=64, n_seq_max=2) as c:
+        alone = asyncio.run(generate_from(c, TARGET, n))
+    with lloyal.Context(model, n_ctx=2048, n_batch=5, n_seq_max=2) as c:
+        chunked = asyncio.run(generate_from(c, TARGET, n))  # prefill over 2 ticks of 5 tokens
+    assert chunked == alone
+
+    async def crowded(c: lloyal.Context) -> list[tuple[int, float | None]]:
+        others = [
+            asyncio.create_task(generate_from(c, f"Story {i}: " + "once upon a time " * (i % 4), 40))
+            for i in range(15)
+        ]
+        while c.engine_stats().generating < 8:  # the target's prefill shares ticks with streams
+            await asyncio.sleep(0.001)
+        target = await generate_from(c, TARGET, n)
+        await asyncio.gather(*others)
+        return target
+
+    with lloyal.Context(model, n_ctx=2048, n_batch=16, n_seq_max=16) as c:
+        before = c.engine_stats()
+        got = asyncio.run(crowded(c))
+        after = c.engine_stats()
+    assert got == alone  # token ids and logprobs, bit for bit
+    assert after.max_ops_per_tick >= 8
+    assert after.rows - before.rows > after.decode_calls - before.decode_calls  # really batched
+
+
+def test_engine_prefill_chunk_caps_the_prompt_tokens_of_a_tick(ctx9: lloyal.Context) -> None:
+    assert ctx9.engine_prefill_chunk == 0
+    tokens = (ctx9.tokenize(PROMPT, add_special=False) * 8)[:40]
+    ref = Branch.create(ctx9, 0, GREEDY)
+    ref.prefill(tokens)
+    ctx9.engine_prefill_chunk = 8
+    b = Branch.create(ctx9, 0, GREEDY)
+    before = ctx9.engine_stats()
+    b.prefill(tokens)
+    after = ctx9.engine_stats()
+    assert (after.ticks - before.ticks, after.decode_calls - before.decode_calls) == (5, 5)
+    assert after.rows - before.rows == 40
+    np.testing.assert_array_equal(b.logits, ref.logits)  # chunking changes nothing
+    with pytest.raises(ValueError, match="engine_prefill_chunk"):
+        ctx9.engine_prefill_chunk = -1
+    assert ctx9.engine_prefill_chunk == 8
+
+
+def test_a_request_with_a_prompt_prefills_it_through_the_engine(ctx9: lloyal.Context) -> None:
+    tokens = ctx9.tokenize(PROMPT)
+    ref = Branch.create(ctx9, 0, GREEDY)
+    ref.prefill(tokens)
+    want = hand_loop(ref, 6)
+    ctx9.engine_prefill_chunk = 4
+    b = Branch.create(ctx9, 0, GREEDY)
+    before = ctx9.engine_stats()
+    it = b.generate(6, prompt=tokens)
+    assert [t.token for t in it] == want
+    time.sleep(0.05)
+    after = ctx9.engine_stats()
+    chunks = -(-len(tokens) // 4)
+    assert after.decode_calls - before.decode_calls == chunks + 6
+    assert after.rows - before.rows == len(tokens) + 6
+    assert it.finish_reason == "length" and b.position == len(tokens) + 6
+    c = Branch.create(ctx9, 0, GREEDY)
+    it = c.generate(0, prompt=tokens)
+    assert list(it) == [] and it.finish_reason == "length"
+    assert c.position == len(tokens)  # the prompt is written even for max_tokens=0
+    d = Branch.create(ctx9, 0, GREEDY)
+    with pytest.raises(lloyal.InvalidTokenError):
+        d.generate(3, prompt=[ctx9.n_vocab])
+    with pytest.raises(lloyal.KvCacheFullError, match="can never fit"):
+        next(d.generate(1020, prompt=tokens))
+    with pytest.raises(lloyal.LloyalError, match="no logits available"):
+        next(d.generate(3))  # no prompt and nothing prefilled: nothing to sample from
+    assert d.position == 0
