@@ -5,7 +5,10 @@ streaming, a killed replica), and batch generation on Ray Data — on one local 
 from __future__ import annotations
 
 import json
+import os
+import signal
 import socket
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -240,3 +243,47 @@ def test_generate_reads_jsonl_and_refuses_bad_arguments(cluster: None, model_pat
         generate([{"prompt": "x"}], model_path, n=3, best_of=2)
     with pytest.raises(ValueError, match=".parquet"):
         generate("prompts.csv", model_path)
+
+
+def _our_processes(title: str) -> set[int]:
+    """Pids of this cluster's processes whose title starts with ``title`` (descendants of our raylet)."""
+    node = ray._private.worker._global_node
+    raylet = {p.process.pid for p in node.all_processes["raylet"]}
+    found = set()
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            if not (entry / "cmdline").read_bytes().startswith(title.encode()):
+                continue
+            pid = int(entry.name)
+            while pid > 1 and pid not in raylet:
+                stat = (Path("/proc") / str(pid) / "stat").read_text()
+                pid = int(stat.rsplit(")", 1)[1].split()[1])
+            if pid in raylet:
+                found.add(int(entry.name))
+        except (OSError, ValueError):
+            continue
+    return found
+
+
+def test_generate_survives_a_killed_actor(cluster: None, model_path: str) -> None:
+    from lloyal.ray import generate
+
+    title = "ray::MapWorker(MapBatches(RowGenerator))"
+    before = _our_processes(title)
+    rows = [{"id": i, "prompt": f"Story {i}:"} for i in range(8)]
+    ds = generate(rows, model_path, max_tokens=16, n_ctx=512, n_threads=1, batch_size=4, rows_at_once=4)
+    result: list[Any] = []
+    worker = threading.Thread(target=lambda: result.extend(ds.take_all()))
+    worker.start()
+    t0 = time.monotonic()
+    while not (_our_processes(title) - before) and time.monotonic() - t0 < 60:
+        time.sleep(0.05)
+    (victim,) = _our_processes(title) - before
+    time.sleep(1.0)  # the actor has loaded the model and taken a batch
+    os.kill(victim, signal.SIGKILL)
+    worker.join(timeout=120)
+    assert not worker.is_alive()
+    assert sorted(r["id"] for r in result) == list(range(8))
+    assert all(r["error"] is None and 1 <= r["completion_tokens"][0] <= 16 for r in result)

@@ -6,9 +6,9 @@ inside it), so the engine decodes every running candidate of every row in one
 ``llama_decode`` per step. A row waits for leases and KV cells rather than failing; a row that
 can never fit (prompt plus ``best_of * max_tokens`` beyond ``n_ctx``) or carries an invalid
 grammar gets its message in the ``error`` column and empty outputs, and the job goes on. An
-actor that dies is recreated by Ray Data and its batch retried (Ray Data's defaults for actor
-pools: unlimited actor restarts and task retries); a row never raises, so a retry cannot loop
-on bad input.
+actor that dies is recreated by Ray and its batch retried on the new actor (``max_restarts``
+and ``max_task_retries``, unlimited by default); a row never raises, so a retry cannot loop on
+bad input.
 """
 
 from __future__ import annotations
@@ -181,6 +181,8 @@ def generate(
     rows_at_once: int = 4,
     num_cpus: float = 1,
     num_gpus: float = 0,
+    max_restarts: int = -1,
+    max_task_retries: int = -1,
     **context_options: Any,
 ) -> ray.data.Dataset:
     """Add ``n`` completions per prompt to ``dataset`` (lazily: a ``ray.data.Dataset``).
@@ -200,7 +202,10 @@ def generate(
         concurrency: Actors in the pool (each holds a model and an engine).
         batch_size: Rows per batch handed to an actor.
         rows_at_once: Rows of a batch running at once in an actor (sets the leases it needs).
-        num_cpus, num_gpus: Resources per actor.
+        num_cpus, num_gpus: Resources per actor (``num_gpus=1`` puts each engine on a GPU).
+        max_restarts, max_task_retries: Ray actor options: how often a dead actor is recreated
+            and its batch retried on the new one (``-1``: without limit; ``0``: a dead actor
+            fails the job).
         **context_options: Passed to each actor's :class:`lloyal.Context` (``n_ctx`` default 4096).
 
     Returns:
@@ -239,5 +244,7 @@ def generate(
         concurrency=concurrency,
         num_cpus=num_cpus,
         num_gpus=num_gpus,
+        max_restarts=max_restarts,
+        max_task_retries=max_task_retries,
         batch_format="numpy",
     )

@@ -18,6 +18,7 @@ by name with the stable handle API.
 # through Serve's class-based ingress, which needs real annotation objects.
 import asyncio
 import json
+import os
 import time
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -35,7 +36,7 @@ from lloyal.server.protocol import error_body
 from .asgi import Lifespan, call
 from .routing import HashRing, prefix_key
 
-__all__ = ["LloyalReplica", "LloyalRouter", "serve_app"]
+__all__ = ["LloyalReplica", "LloyalRouter", "app_from_config", "run_on_ray", "serve_app"]
 
 ACCEPT_TIMEOUT_S = 10.0  # a replica that does not take a request this fast is treated as down
 DOWN_FOR_S = 15.0  # how long a replica that failed is skipped
@@ -152,6 +153,7 @@ def serve_app(
     parallel: int = 8,
     n_threads: int | None = None,
     api_key: str | None = None,
+    embeddings: bool = False,
     model_name: str | None = None,
     overload: int | None = None,
     **context_options: Any,
@@ -163,29 +165,59 @@ def serve_app(
         replicas: Number of engines (each its own single-replica deployment).
         ray_actor_options: Resources per engine, e.g. ``{"num_cpus": 8}`` or ``{"num_gpus": 1}``
             (default ``{"num_cpus": 1}``).
-        n_ctx, parallel, n_threads, api_key, model_name: As ``lloyal serve``'s flags.
+        n_ctx, parallel, n_threads, api_key, embeddings, model_name: As ``lloyal serve``'s flags.
         overload: In-flight requests at which a replica stops getting its own prefixes and the
             next replica on the ring takes them (default ``2 * parallel``).
         **context_options: Passed to each engine's :class:`lloyal.Context`.
 
     Returns:
-        The application: ``ray.serve.run(app)`` serves it on Serve's HTTP proxy.
+        The application: ``ray.serve.run(app, route_prefix="/")`` serves it on Serve's HTTP proxy.
     """
-    if replicas < 1:
-        raise ValueError(f"replicas must be >= 1, got {replicas}")
     cfg = ServerConfig(
         model=Path(model),
         n_ctx=n_ctx,
         parallel=parallel,
         n_threads=n_threads,
         api_key=api_key,
+        embeddings=embeddings,
         model_name=model_name,
         context_options=dict(context_options),
     )
+    return app_from_config(cfg, replicas, ray_actor_options=ray_actor_options, overload=overload)
+
+
+def app_from_config(
+    cfg: ServerConfig,
+    replicas: int,
+    *,
+    ray_actor_options: dict[str, Any] | None = None,
+    overload: int | None = None,
+) -> serve.Application:
+    """:func:`serve_app` from a ``lloyal serve`` :class:`~lloyal.server.ServerConfig`."""
+    if replicas < 1:
+        raise ValueError(f"replicas must be >= 1, got {replicas}")
     names = [f"lloyal-{i}" for i in range(replicas)]
     opts = dict(ray_actor_options or {"num_cpus": 1})
     engines = [
         LloyalReplica.options(name=n, num_replicas=1, ray_actor_options=opts).bind(cfg, n) for n in names
     ]
     router = LloyalRouter.options(ray_actor_options={"num_cpus": 0})
-    return router.bind(names, overload or 2 * parallel, *engines)
+    return router.bind(names, overload or 2 * cfg.parallel, *engines)
+
+
+def run_on_ray(cfg: ServerConfig, replicas: int, host: str, port: int, num_cpus: float = 1.0) -> None:
+    """``lloyal serve --ray``: join the cluster named by ``RAY_ADDRESS`` (else start a local one),
+    serve :func:`app_from_config` on ``host:port`` and block until Ctrl-C."""
+    ray.init(address=os.environ.get("RAY_ADDRESS"))
+    serve.start(http_options={"host": host, "port": port})
+    serve.run(
+        app_from_config(cfg, replicas, ray_actor_options={"num_cpus": num_cpus}), name="lloyal", route_prefix="/"
+    )
+    print(f"lloyal on Ray Serve: {replicas} replicas of {cfg.name} at http://{host}:{port}/v1", flush=True)
+    try:
+        while True:
+            time.sleep(3600)
+    except KeyboardInterrupt:
+        pass
+    finally:
+        serve.shutdown()
