@@ -225,6 +225,13 @@ def generate(
         params = lloyal.SamplingParams(temperature=0.0)
     else:
         params = lloyal.SamplingParams(temperature=0.8, top_k=40, top_p=0.95)
+    # -1/-1 is what Ray Data's actor pool sets when given neither (and passing Ray remote args
+    # to map_batches is deprecated in Ray 2.60), so only a non-default value is passed on.
+    retries: dict[str, int] = {}
+    if max_restarts != -1:
+        retries["max_restarts"] = max_restarts
+    if max_task_retries != -1:
+        retries["max_task_retries"] = max_task_retries
     return _dataset(dataset).map_batches(
         RowGenerator,
         fn_constructor_kwargs={
@@ -244,7 +251,6 @@ def generate(
         concurrency=concurrency,
         num_cpus=num_cpus,
         num_gpus=num_gpus,
-        max_restarts=max_restarts,
-        max_task_retries=max_task_retries,
         batch_format="numpy",
+        **retries,
     )
