@@ -162,7 +162,8 @@ def test_requests_succeed_while_a_killed_replica_is_replaced(client: Any) -> Non
     prefix = f"SERVE_REPLICA::lloyal#{owner}#"
 
     def replicas() -> set[str]:
-        return {a["name"] for a in ray.util.list_named_actors(all_namespaces=True) if a["name"].startswith(prefix)}
+        actors = ray.util.list_named_actors(all_namespaces=True)
+        return {a["name"] for a in actors if a["name"].startswith(prefix)}
 
     (victim,) = replicas()
     ray.kill(ray.get_actor(victim, namespace="serve"), no_restart=True)
@@ -232,7 +233,9 @@ def test_generate_bad_rows_get_an_error_and_greedy_equals_one_process(cluster: N
             assert by_prompt[p]["completions"][0].lstrip().startswith("{")
 
 
-def test_generate_reads_jsonl_and_refuses_bad_arguments(cluster: None, model_path: str, tmp_path: Path) -> None:
+def test_generate_reads_jsonl_and_refuses_bad_arguments(
+    cluster: None, model_path: str, tmp_path: Path
+) -> None:
     from lloyal.ray import generate
 
     path = tmp_path / "prompts.jsonl"
@@ -242,7 +245,7 @@ def test_generate_reads_jsonl_and_refuses_bad_arguments(cluster: None, model_pat
     assert all(r["error"] is None and r["completion_tokens"][0] >= 1 for r in out)
     with pytest.raises(ValueError, match="n <= best_of"):
         generate([{"prompt": "x"}], model_path, n=3, best_of=2)
-    with pytest.raises(ValueError, match=".parquet"):
+    with pytest.raises(ValueError, match=r"\.parquet"):
         generate("prompts.csv", model_path)
 
 

@@ -106,7 +106,9 @@ async def call(
             if message["type"] == "http.response.start":
                 yield {
                     "status": int(message["status"]),
-                    "headers": [(k.decode("latin-1"), v.decode("latin-1")) for k, v in message.get("headers", [])],
+                    "headers": [
+                        (k.decode("latin-1"), v.decode("latin-1")) for k, v in message.get("headers", [])
+                    ],
                 }
             elif message["type"] == "http.response.body":
                 chunk = message.get("body", b"")

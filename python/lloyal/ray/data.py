@@ -25,7 +25,7 @@ import ray.data
 
 import lloyal
 
-__all__ = ["generate", "RowGenerator"]
+__all__ = ["RowGenerator", "generate"]
 
 OUTPUT_COLUMNS = ("completions", "completion_tokens", "perplexities", "error")
 
@@ -161,7 +161,8 @@ def _dataset(source: Any) -> ray.data.Dataset:
         raise ValueError(f"{path}: give a .parquet file or directory, or a .jsonl file")
     if isinstance(source, Sequence):
         return ray.data.from_items(list(source))
-    raise TypeError(f"dataset must be a ray.data.Dataset, a list of dicts or a path, not {type(source).__name__}")
+    kind = type(source).__name__
+    raise TypeError(f"dataset must be a ray.data.Dataset, a list of dicts or a path, not {kind}")
 
 
 def generate(
@@ -227,7 +228,7 @@ def generate(
         params = lloyal.SamplingParams(temperature=0.8, top_k=40, top_p=0.95)
     # -1/-1 is what Ray Data's actor pool sets when given neither (and passing Ray remote args
     # to map_batches is deprecated in Ray 2.60), so only a non-default value is passed on.
-    retries: dict[str, int] = {}
+    retries: dict[str, Any] = {}
     if max_restarts != -1:
         retries["max_restarts"] = max_restarts
     if max_task_retries != -1:

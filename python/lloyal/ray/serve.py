@@ -22,7 +22,7 @@ import os
 import time
 from collections.abc import AsyncIterator
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import ray
 from fastapi import FastAPI, Request
@@ -78,7 +78,7 @@ router_app = FastAPI(title="lloyal router")
 class LloyalRouter:
     """HTTP ingress: prefix-affinity routing over the engine replicas, with fail-over."""
 
-    def __init__(self, names: list[str], overload: int, *replicas: DeploymentHandle) -> None:
+    def __init__(self, names: list[str], overload: int, *replicas: DeploymentHandle[Any]) -> None:
         self.handles = dict(zip(names, replicas, strict=True))
         self.ring = HashRing(names)
         self.overload = overload
@@ -107,8 +107,10 @@ class LloyalRouter:
             if name in tried:
                 break
             tried.add(name)
-            stream = self.handles[name].options(stream=True).handle.remote(
-                request.method, path, query, headers, body
+            stream: Any = (
+                self.handles[name]
+                .options(stream=True)
+                .handle.remote(request.method, path, query, headers, body)
             )
             try:
                 await asyncio.wait_for(stream.__anext__(), timeout=ACCEPT_TIMEOUT_S)
@@ -199,10 +201,11 @@ def app_from_config(
     names = [f"lloyal-{i}" for i in range(replicas)]
     opts = dict(ray_actor_options or {"num_cpus": 1})
     engines = [
-        LloyalReplica.options(name=n, num_replicas=1, ray_actor_options=opts).bind(cfg, n) for n in names
+        cast(Any, LloyalReplica).options(name=n, num_replicas=1, ray_actor_options=opts).bind(cfg, n)
+        for n in names
     ]
-    router = LloyalRouter.options(ray_actor_options={"num_cpus": 0})
-    return router.bind(names, overload or 2 * cfg.parallel, *engines)
+    router = cast(Any, LloyalRouter).options(ray_actor_options={"num_cpus": 0})
+    return cast(serve.Application, router.bind(names, overload or 2 * cfg.parallel, *engines))
 
 
 def run_on_ray(cfg: ServerConfig, replicas: int, host: str, port: int, num_cpus: float = 1.0) -> None:
@@ -210,9 +213,8 @@ def run_on_ray(cfg: ServerConfig, replicas: int, host: str, port: int, num_cpus:
     serve :func:`app_from_config` on ``host:port`` and block until Ctrl-C."""
     ray.init(address=os.environ.get("RAY_ADDRESS"))
     serve.start(http_options={"host": host, "port": port})
-    serve.run(
-        app_from_config(cfg, replicas, ray_actor_options={"num_cpus": num_cpus}), name="lloyal", route_prefix="/"
-    )
+    app = app_from_config(cfg, replicas, ray_actor_options={"num_cpus": num_cpus})
+    serve.run(app, name="lloyal", route_prefix="/")
     print(f"lloyal on Ray Serve: {replicas} replicas of {cfg.name} at http://{host}:{port}/v1", flush=True)
     try:
         while True:
@@ -220,4 +222,4 @@ def run_on_ray(cfg: ServerConfig, replicas: int, host: str, port: int, num_cpus:
     except KeyboardInterrupt:
         pass
     finally:
-        serve.shutdown()
+        serve.shutdown()  # type: ignore[no-untyped-call]
