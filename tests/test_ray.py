@@ -291,3 +291,10 @@ def test_generate_survives_a_killed_actor(cluster: None, model_path: str) -> Non
     assert not worker.is_alive()
     assert sorted(r["id"] for r in result) == list(range(8))
     assert all(r["error"] is None and 1 <= r["completion_tokens"][0] <= 16 for r in result)
+
+
+def test_cli_serve_ray_refuses_zero_replicas(capsys: pytest.CaptureFixture[str]) -> None:
+    from lloyal.cli import main
+
+    assert main(["serve", "--ray", "--replicas", "0"]) == 1
+    assert capsys.readouterr().err == "lloyal: error: --replicas must be >= 1\n"
