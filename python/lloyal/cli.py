@@ -343,6 +343,15 @@ def serve(args: argparse.Namespace) -> int:
         embeddings=args.embeddings,
         model_name=args.served_model_name,
     )
+    if args.ray:
+        try:
+            from lloyal.ray.serve import run_on_ray
+        except ImportError as exc:
+            raise ValueError(f"{exc}: --ray needs the extra: pip install 'lloyal[ray]'") from None
+        if args.replicas < 1:
+            raise ValueError("--replicas must be >= 1")
+        run_on_ray(cfg, replicas=args.replicas, host=args.host, port=args.port, num_cpus=args.replica_cpus)
+        return 0
     run_server(cfg, host=args.host, port=args.port)
     return 0
 
@@ -390,6 +399,9 @@ def _parser() -> argparse.ArgumentParser:
     sv.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1/*")
     sv.add_argument("--embeddings", action="store_true", help="also serve /v1/embeddings")
     sv.add_argument("--served-model-name", default=None, help="the model id clients use (default: file stem)")
+    sv.add_argument("--ray", action="store_true", help="serve on Ray Serve (docs/scale-out.md)")
+    sv.add_argument("--replicas", type=int, default=2, help="with --ray: engines (default 2)")
+    sv.add_argument("--replica-cpus", type=float, default=1.0, help="with --ray: CPUs per engine")
     bn = command("bench", "batched throughput table (llama-batched-bench style)")
     bn.add_argument("-b", "--batches", default="1,2,4,8,16", help="comma-separated batch sizes")
     bn.add_argument("--pp", type=int, default=128, help="prompt tokens")
