@@ -417,8 +417,9 @@ def test_errors_are_openai_shaped(server: str, client: openai.OpenAI, name: str)
     with pytest.raises(openai.BadRequestError, match="maximum context length") as e:
         client.completions.create(model=name, prompt="x", max_tokens=N_CTX + 1)
     assert e.value.code == "context_length_exceeded"
-    with pytest.raises(openai.BadRequestError, match="temperature"):
+    with pytest.raises(openai.UnprocessableEntityError, match="temperature") as v:
         client.completions.create(model=name, prompt="x", max_tokens=1, temperature=5)
+    assert v.value.code == "invalid_schema" and v.value.param == "temperature"
     with pytest.raises(openai.BadRequestError, match="outside the vocabulary"):
         client.completions.create(model=name, prompt=[10**9], max_tokens=1)
     with pytest.raises(openai.BadRequestError, match="best_of"):
@@ -438,8 +439,22 @@ def test_errors_are_openai_shaped(server: str, client: openai.OpenAI, name: str)
         bad.models.list()
     raw = httpx.post(
         server + "/v1/completions", json={"model": name}, headers={"authorization": f"Bearer {KEY}"}
-    )
-    assert raw.status_code == 400 and raw.json()["error"]["type"] == "invalid_request_error"
+    )  # schema-invalid (no prompt): 422 in OpenAI's shape, not FastAPI's {"detail": [...]}
+    assert raw.status_code == 422
+    assert raw.json() == {
+        "error": {
+            "message": "prompt: Field required",
+            "type": "invalid_request_error",
+            "param": "prompt",
+            "code": "invalid_schema",
+        }
+    }
+    raw = httpx.post(
+        server + "/v1/completions",
+        content=b'{"model": "x", "prompt": ',
+        headers={"authorization": f"Bearer {KEY}", "content-type": "application/json"},
+    )  # malformed JSON: 400
+    assert raw.status_code == 400 and raw.json()["error"]["code"] == "json_invalid"
     # the server still answers, and nothing leaked
     assert client.completions.create(model=name, prompt=PROMPT, max_tokens=2, temperature=0).choices
     assert metric(server, "lloyal_running_sequences") == 0
