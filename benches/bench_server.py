@@ -360,6 +360,8 @@ def bench(size: Size, only: set[str] | None = None) -> list[Result]:
                 continue
             with running(spec) as url:
                 served = _served_model(url)
+                warm = run_load(spec.name, url, "warm-up", ["Hello there"], 1, 4, served)
+                asyncio.run(warm)  # graph allocation, first-touch of the weights: not measured
                 for load, prompts in (("shared-prefix", shared), ("distinct", distinct)):
                     for c in size.concurrencies:
                         count = max(size.requests_per_level, c)
