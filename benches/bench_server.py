@@ -46,6 +46,7 @@ ROOT = Path(__file__).resolve().parent.parent
 THREADS = int(os.environ.get("LLOYAL_BENCH_THREADS", str(os.cpu_count() or 2)))
 LLAMA_SERVER = Path(os.environ.get("LLAMA_SERVER", ROOT / "target/peers/build/bin/llama-server"))
 SLOTS = 16  # the highest concurrency: llama-server -np, lloyal --parallel
+LOGS = ROOT / "target" / "bench-server"  # each server's output
 
 
 @dataclass
@@ -141,7 +142,8 @@ def running(spec: ServerSpec) -> Iterator[str]:
     """Start ``spec`` on a free loopback port; yield its base URL once it serves the model."""
     port = _free_port()
     cmd = [c.replace("{port}", str(port)) for c in spec.cmd]
-    log = open(ROOT / "benches" / "results" / f"server-{spec.name.split()[0]}.log", "wb")  # noqa: SIM115
+    LOGS.mkdir(parents=True, exist_ok=True)
+    log = open(LOGS / f"{spec.name.split()[0]}.log", "wb")  # noqa: SIM115
     p = subprocess.Popen(cmd, env=_clean_env(), stdout=log, stderr=subprocess.STDOUT, cwd=ROOT)
     url = f"http://127.0.0.1:{port}"
     try:
