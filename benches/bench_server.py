@@ -313,7 +313,7 @@ async def run_n(
                 client, url, _body(prompt, max_tokens, n=n) | {"model": model}
             )
             assert idx == set(range(n)), f"{server} answered choices {sorted(idx)} for n={n}"
-            res.ttft_s, res.tokens, res.note = [ttft], tokens, "one request, n=8"
+            res.ttft_s, res.tokens, res.note = [ttft], tokens, f"one request, n={n}"
         else:
             outs = await asyncio.gather(
                 *(
