@@ -26,6 +26,7 @@ openai = pytest.importorskip("openai", reason="the server extra: pip install 'll
 pytest.importorskip("uvicorn")
 
 N_CTX = 1024
+GRACE = 300  # seconds: long enough for the stream in flight on a loaded 2-core machine
 
 
 def _free_port() -> int:
@@ -40,7 +41,7 @@ def proc(
 ) -> Iterator[tuple[str, subprocess.Popen[bytes]]]:
     port = _free_port()
     cmd = [sys.executable, "-m", "lloyal.cli", "--model", str(model_path), "serve", "--port", str(port)]
-    cmd += ["--n-ctx", str(N_CTX), "--parallel", "4", "-t", "2", "--shutdown-grace", "30"]
+    cmd += ["--n-ctx", str(N_CTX), "--parallel", "4", "-t", "2", "--shutdown-grace", str(GRACE)]
     log = tmp_path_factory.mktemp("serve") / "serve.log"
     out = log.open("wb")
     p = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT)
@@ -124,7 +125,7 @@ def test_sigterm_finishes_the_stream_in_flight_then_exits_0(
 ) -> None:
     """Last in this module: it stops the server."""
     url, p = proc
-    max_tokens = 300
+    max_tokens = 200  # ~1-2 s on an idle machine: still running when the refusal is seen
     stream = client.completions.create(
         model=name,
         prompt="Count: 1, 2,",
@@ -138,11 +139,15 @@ def test_sigterm_finishes_the_stream_in_flight_then_exits_0(
     first = next(it)
     got: list[Any] = [first]
     arrived: list[float] = []
+    failed: list[BaseException] = []
 
     def read() -> None:
-        for c in it:
-            got.append(c)
-            arrived.append(time.monotonic())
+        try:
+            for c in it:
+                got.append(c)
+                arrived.append(time.monotonic())
+        except BaseException as exc:
+            failed.append(exc)
 
     reader = threading.Thread(target=read)
     reader.start()
@@ -156,8 +161,8 @@ def test_sigterm_finishes_the_stream_in_flight_then_exits_0(
             break
         assert time.monotonic() < deadline, "still accepting connections after SIGTERM"
         time.sleep(0.05)
-    reader.join(60)
-    assert not reader.is_alive()
+    reader.join(GRACE)
+    assert not reader.is_alive() and not failed, failed
     assert arrived and arrived[-1] > refused  # the stream was still running when the server closed
     text = [c.choices[0] for c in got if c.choices]
     assert text[-1].finish_reason == "length"
