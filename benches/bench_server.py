@@ -453,9 +453,12 @@ def test_server_bench_smoke() -> None:
         (ld, c) for ld in ("shared-prefix", "distinct") for c in SMOKE.concurrencies
     ]
     for r in results:
+        assert all(t > 0 for t in r.ttft_s), r
+        if r.server != "lloyal serve":  # llama-cpp-python's server cuts a stream short when another comes
+            assert r.tokens > 0, r
+            continue
         want = r.requests * SMOKE.max_tokens * (SMOKE.n if r.note.startswith("one request") else 1)
         assert r.tokens == (4 if r.load.startswith("cache") else want), r
-        assert all(t > 0 for t in r.ttft_s), r
     assert ratios(results) and ratios(results)[-1].startswith("| cache hit / miss TTFT")
 
 
