@@ -99,6 +99,23 @@ bench: build bench-deps  ## real benchmark runs (pytest-benchmark); tables + plo
 		--benchmark-json=benches/results/latest.json
 	$(PY) benches/report.py benches/results/latest.json --plot benches/results/best_of_n.png
 
+PEERS := target/peers
+LLAMA_CPP_PYTHON := 0.3.36
+bench-peers-cpp: sysdeps venv  ## llama-server + llama-batched-bench from llama-cpp-python's sdist (its llama.cpp) into target/peers
+	@mkdir -p $(PEERS)
+	[ -f $(PEERS)/llama_cpp_python-$(LLAMA_CPP_PYTHON).tar.gz ] || $(PY) -m pip download -q --no-deps \
+		--no-binary llama-cpp-python "llama-cpp-python==$(LLAMA_CPP_PYTHON)" -d $(PEERS)
+	[ -d $(PEERS)/llama_cpp_python-$(LLAMA_CPP_PYTHON) ] || tar -xzf $(PEERS)/llama_cpp_python-$(LLAMA_CPP_PYTHON).tar.gz -C $(PEERS)
+	cmake -S $(PEERS)/llama_cpp_python-$(LLAMA_CPP_PYTHON)/vendor/llama.cpp -B $(PEERS)/build \
+		-DCMAKE_BUILD_TYPE=Release -DGGML_NATIVE=ON -DLLAMA_CURL=OFF -DLLAMA_BUILD_SERVER=ON
+	cmake --build $(PEERS)/build --config Release -j $$(nproc) --target llama-server llama-batched-bench
+	@echo "built $(PEERS)/build/bin/llama-server (benches/bench_server.py finds it there, or set LLAMA_SERVER)"
+
+bench-server: build  ## server load benchmark: lloyal serve vs llama-server vs llama-cpp-python's server (tables)
+	$(PY) -m pip install -q "llama-cpp-python[server]==$(LLAMA_CPP_PYTHON)"
+	@[ -x "$${LLAMA_SERVER:-$(PEERS)/build/bin/llama-server}" ] || echo "no llama-server: run make bench-peers-cpp (skipped)"
+	$(PY) benches/bench_server.py --full
+
 serve: build  ## lloyal serve on the embedded model at http://127.0.0.1:8000/v1 (OpenAI-compatible)
 	.venv/bin/lloyal serve
 

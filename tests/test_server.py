@@ -27,7 +27,7 @@ import lloyal
 openai = pytest.importorskip("openai", reason="the server extra: pip install 'lloyal[server]'")
 uvicorn = pytest.importorskip("uvicorn")
 
-from lloyal.server import ServerConfig, create_app  # noqa: E402
+from lloyal.server import ServerConfig, begin_shutdown, create_app  # noqa: E402
 
 KEY = "sk-test-key"
 N_CTX = 1024
@@ -417,8 +417,9 @@ def test_errors_are_openai_shaped(server: str, client: openai.OpenAI, name: str)
     with pytest.raises(openai.BadRequestError, match="maximum context length") as e:
         client.completions.create(model=name, prompt="x", max_tokens=N_CTX + 1)
     assert e.value.code == "context_length_exceeded"
-    with pytest.raises(openai.BadRequestError, match="temperature"):
+    with pytest.raises(openai.UnprocessableEntityError, match="temperature") as v:
         client.completions.create(model=name, prompt="x", max_tokens=1, temperature=5)
+    assert v.value.code == "invalid_schema" and v.value.param == "temperature"
     with pytest.raises(openai.BadRequestError, match="outside the vocabulary"):
         client.completions.create(model=name, prompt=[10**9], max_tokens=1)
     with pytest.raises(openai.BadRequestError, match="best_of"):
@@ -438,9 +439,161 @@ def test_errors_are_openai_shaped(server: str, client: openai.OpenAI, name: str)
         bad.models.list()
     raw = httpx.post(
         server + "/v1/completions", json={"model": name}, headers={"authorization": f"Bearer {KEY}"}
-    )
-    assert raw.status_code == 400 and raw.json()["error"]["type"] == "invalid_request_error"
+    )  # schema-invalid (no prompt): 422 in OpenAI's shape, not FastAPI's {"detail": [...]}
+    assert raw.status_code == 422
+    assert raw.json() == {
+        "error": {
+            "message": "prompt: Field required",
+            "type": "invalid_request_error",
+            "param": "prompt",
+            "code": "invalid_schema",
+        }
+    }
+    raw = httpx.post(
+        server + "/v1/completions",
+        content=b'{"model": "x", "prompt": ',
+        headers={"authorization": f"Bearer {KEY}", "content-type": "application/json"},
+    )  # malformed JSON: 400
+    assert raw.status_code == 400 and raw.json()["error"]["code"] == "json_invalid"
     # the server still answers, and nothing leaked
     assert client.completions.create(model=name, prompt=PROMPT, max_tokens=2, temperature=0).choices
     assert metric(server, "lloyal_running_sequences") == 0
     assert metric(server, "lloyal_queue_depth") == 0
+
+
+# -- limits: request timeout, a full queue, shutdown ------------------------------------------
+# A second server with tight limits: 2 completions at once, 1 request may wait, 2.5 s per request.
+
+
+def _run_server(app: Any) -> tuple[str, uvicorn.Server, threading.Thread]:
+    port = _free_port()
+    srv = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
+    t = threading.Thread(target=srv.run, daemon=True)
+    t.start()
+    deadline = time.monotonic() + 60
+    while not srv.started:
+        assert t.is_alive() and time.monotonic() < deadline, "the server did not start"
+        time.sleep(0.05)
+    return f"http://127.0.0.1:{port}", srv, t
+
+
+TIMEOUT = 2.5
+
+
+@pytest.fixture(scope="module")
+def tight(model_path: str) -> Iterator[tuple[str, Any]]:
+    cfg = ServerConfig(
+        model=model_path, n_ctx=N_CTX, parallel=2, max_queue=1, request_timeout=TIMEOUT, n_threads=2
+    )
+    app = create_app(cfg)
+    url, srv, t = _run_server(app)
+    yield url, app
+    srv.should_exit = True
+    t.join(30)
+    assert not t.is_alive()
+
+
+def _endless(ref: lloyal.Context) -> dict[str, Any]:
+    """A completion that runs until max_tokens: the end-of-generation token is banned."""
+    return dict(
+        prompt="Count: 1, 2,", max_tokens=N_CTX - 16, temperature=0, logit_bias={str(ref.eog_token): -100}
+    )
+
+
+def _sched(app: Any) -> Any:
+    return app.state.lloyal["s"].scheduler
+
+
+def _idle(app: Any) -> None:
+    """Wait until nothing runs; every leased sequence is then a cached prefix (nothing leaked)."""
+    sched = _sched(app)
+    deadline = time.monotonic() + 20
+    while sched.running or sched.waiting or sched._requests:
+        assert time.monotonic() < deadline, "requests still run"
+        time.sleep(0.05)
+    ctx = app.state.lloyal["s"].ctx
+    assert ctx.n_seq_max - sched.store.available == len(sched.cache)
+
+
+def test_request_timeout_is_408_and_frees_the_branches(
+    tight: tuple[str, Any], name: str, ref: lloyal.Context
+) -> None:
+    url, app = tight
+    c = openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0, timeout=60)
+    t0 = time.monotonic()
+    with pytest.raises(openai.APIStatusError) as e:
+        c.completions.create(model=name, **_endless(ref))
+    assert TIMEOUT <= time.monotonic() - t0 < TIMEOUT + 5
+    assert e.value.status_code == 408
+    assert e.value.body == {
+        "message": f"the request did not finish within the server's timeout of {TIMEOUT:g} s "
+        "(--request-timeout) and was cancelled: lower max_tokens or n, or retry later",
+        "type": "timeout_error",
+        "param": None,
+        "code": "request_timeout",
+    }
+    _idle(app)
+    # streamed: the tokens so far, then an error event (the status was sent with the first chunk)
+    texts: list[str] = []
+    with pytest.raises(openai.APIError) as s:
+        for chunk in c.completions.create(model=name, stream=True, **_endless(ref)):
+            texts.append(chunk.choices[0].text)
+    assert s.value.body["code"] == "request_timeout"
+    assert len(texts) > 5
+    _idle(app)
+    # the server goes on serving
+    r = c.completions.create(model=name, prompt=PROMPT, max_tokens=3, temperature=0)
+    assert r.usage.completion_tokens == 3
+
+
+def test_a_full_queue_is_429_with_retry_after(tight: tuple[str, Any], name: str, ref: lloyal.Context) -> None:
+    url, app = tight
+    c = openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0, timeout=60)
+    running = c.completions.create(model=name, n=2, stream=True, **_endless(ref))  # both slots
+    next(iter(running))
+    queued: list[Any] = []
+
+    def second() -> None:
+        queued.append(c.completions.create(model=name, prompt="x", max_tokens=2, temperature=0))
+
+    t = threading.Thread(target=second)
+    t.start()
+    deadline = time.monotonic() + 10
+    while _sched(app).waiting != 1:
+        assert time.monotonic() < deadline, "the second request did not queue"
+        time.sleep(0.01)
+    with pytest.raises(openai.RateLimitError) as e:  # the queue holds max_queue=1 already
+        c.completions.create(model=name, prompt="y", max_tokens=2)
+    assert e.value.response.headers["retry-after"] == "1"
+    assert e.value.code == "queue_full" and e.value.type == "rate_limit_error"
+    with pytest.raises(openai.RateLimitError):  # streamed: refused with the status, not in the stream
+        c.completions.create(model=name, prompt="y", max_tokens=2, stream=True)
+    running.close()  # frees both slots: the queued request runs
+    t.join(30)
+    assert queued[0].usage.completion_tokens == 2
+    _idle(app)
+
+
+def test_shutdown_answers_503_and_cancels_after_the_grace(
+    tight: tuple[str, Any], name: str, ref: lloyal.Context
+) -> None:
+    """Last in this module: the tight server stays closed."""
+    url, app = tight
+    c = openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0, timeout=60)
+    stream = iter(c.completions.create(model=name, stream=True, **{**_endless(ref), "max_tokens": 400}))
+    next(stream)
+    drained = begin_shutdown(app, grace=0.5)
+    deadline = time.monotonic() + 5
+    while not _sched(app).closing:
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
+    with pytest.raises(openai.InternalServerError) as e:
+        c.completions.create(model=name, prompt="x", max_tokens=2)
+    assert e.value.status_code == 503 and e.value.code == "shutting_down"
+    assert httpx.get(url + "/health").status_code == 503
+    with pytest.raises(openai.APIError) as s:  # the running stream is cancelled at the end of the grace
+        for _ in stream:
+            pass
+    assert s.value.body["code"] == "shutting_down"
+    assert drained.result(10) == 1
+    _idle(app)

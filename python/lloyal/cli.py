@@ -329,6 +329,8 @@ def serve(args: argparse.Namespace) -> int:
     """``lloyal serve``: run the OpenAI-compatible server until Ctrl-C."""
     if args.parallel < 1 or args.n_ctx < 64:
         raise ValueError("--parallel must be >= 1 and --n-ctx >= 64")
+    if args.request_timeout < 0 or args.max_queue < 0 or args.shutdown_grace < 0:
+        raise ValueError("--request-timeout, --max-queue and --shutdown-grace must be >= 0")
     try:
         from lloyal.server import ServerConfig
         from lloyal.server import serve as run_server
@@ -342,6 +344,9 @@ def serve(args: argparse.Namespace) -> int:
         api_key=args.api_key,
         embeddings=args.embeddings,
         model_name=args.served_model_name,
+        request_timeout=args.request_timeout or None,
+        max_queue=args.max_queue,
+        shutdown_grace=args.shutdown_grace,
     )
     if args.ray:
         try:
@@ -402,6 +407,27 @@ def _parser() -> argparse.ArgumentParser:
     sv.add_argument("--ray", action="store_true", help="serve on Ray Serve (docs/scale-out.md)")
     sv.add_argument("--replicas", type=int, default=2, help="with --ray: engines (default 2)")
     sv.add_argument("--replica-cpus", type=float, default=1.0, help="with --ray: CPUs per engine")
+    sv.add_argument(
+        "--request-timeout",
+        type=float,
+        default=600.0,
+        metavar="SECONDS",
+        help="cancel a request still running after this long, answering 408 (default 600; 0: never)",
+    )
+    sv.add_argument(
+        "--max-queue",
+        type=int,
+        default=512,
+        metavar="N",
+        help="requests that may wait for a slot; more get 429 with Retry-After (default 512)",
+    )
+    sv.add_argument(
+        "--shutdown-grace",
+        type=float,
+        default=30.0,
+        metavar="SECONDS",
+        help="on SIGTERM/SIGINT, time running requests get to finish before they are cancelled (default 30)",
+    )
     bn = command("bench", "batched throughput table (llama-batched-bench style)")
     bn.add_argument("-b", "--batches", default="1,2,4,8,16", help="comma-separated batch sizes")
     bn.add_argument("--pp", type=int, default=128, help="prompt tokens")

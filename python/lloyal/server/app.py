@@ -3,16 +3,21 @@
 :func:`create_app` builds the app; the context, the scheduler (:mod:`.scheduler`) and, with
 ``embeddings=True``, a second context for ``/v1/embeddings`` are created when the app starts
 (its lifespan) and closed when it stops. Every error is answered in OpenAI's JSON shape.
+
+Shutdown: :func:`begin_shutdown` (called by :func:`lloyal.server.serve` on SIGTERM/SIGINT) makes
+every route answer 503, lets running and queued requests finish for ``shutdown_grace`` seconds,
+then cancels the rest and prunes their branches.
 """
 
 from __future__ import annotations
 
 import asyncio
 import base64
+import concurrent.futures
 import json
 import time
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -35,9 +40,9 @@ from .protocol import (
     TokenizeRequest,
     error_body,
 )
-from .scheduler import Done, GenSpec, Scheduler, TokenEvent
+from .scheduler import Done, GenSpec, QueueFull, Scheduler, ShuttingDown, TokenEvent
 
-__all__ = ["ServerConfig", "create_app"]
+__all__ = ["ServerConfig", "begin_shutdown", "create_app"]
 
 
 @dataclass
@@ -52,6 +57,9 @@ class ServerConfig:
     embeddings: bool = False
     model_name: str | None = None  # the id /v1/models reports (default: the file's stem)
     max_body_bytes: int = 8 << 20  # larger request bodies get 413
+    request_timeout: float | None = 600.0  # seconds from admission to the last token; then 408
+    max_queue: int | None = 512  # requests waiting for a slot beyond this get 429
+    shutdown_grace: float = 30.0  # seconds running requests get to finish after SIGTERM/SIGINT
     context_options: dict[str, Any] = field(default_factory=dict)
 
     @property
@@ -67,7 +75,7 @@ class _State:
         self.ctx = lloyal.Context(
             self.model, n_ctx=cfg.n_ctx, n_seq_max=n_seq_max, n_threads=cfg.n_threads, **cfg.context_options
         )
-        self.scheduler = Scheduler(self.ctx, max_running=cfg.parallel)
+        self.scheduler = Scheduler(self.ctx, max_running=cfg.parallel, max_queue=cfg.max_queue)
         self.embed_ctx = (
             lloyal.Context(self.model, n_ctx=min(cfg.n_ctx, 2048), embeddings=True, n_seq_max=4)
             if cfg.embeddings
@@ -76,6 +84,7 @@ class _State:
         self.embed_lock = asyncio.Lock()
         self.metrics = metrics.Metrics(self)
         self.created = int(time.time())
+        self.loop: asyncio.AbstractEventLoop | None = None  # the app's event loop, set at startup
 
     def close(self) -> None:
         self.ctx.close()
@@ -90,6 +99,7 @@ def create_app(cfg: ServerConfig) -> FastAPI:
     @asynccontextmanager
     async def lifespan(_app: FastAPI) -> AsyncIterator[None]:
         st = await asyncio.to_thread(_State, cfg)
+        st.loop = asyncio.get_running_loop()
         st.scheduler.start()
         holder["s"] = st
         try:
@@ -99,6 +109,7 @@ def create_app(cfg: ServerConfig) -> FastAPI:
             st.close()
 
     app = FastAPI(title="lloyal", lifespan=lifespan)
+    app.state.lloyal = holder  # begin_shutdown() finds the running state here
 
     def state() -> _State:
         return holder["s"]
@@ -107,6 +118,13 @@ def create_app(cfg: ServerConfig) -> FastAPI:
     async def auth_and_count(
         request: Request, call_next: Callable[[Request], Awaitable[Response]]
     ) -> Response:
+        if "s" in holder and holder["s"].scheduler.closing:
+            body = error_body(
+                "the server is shutting down and accepts no new requests: retry later",
+                "unavailable_error",
+                code="shutting_down",
+            )
+            return JSONResponse(body, status_code=503)
         size = request.headers.get("content-length", "")
         if size.isdigit() and int(size) > cfg.max_body_bytes:
             body = error_body(
@@ -132,15 +150,32 @@ def create_app(cfg: ServerConfig) -> FastAPI:
 
     @app.exception_handler(ApiError)
     async def api_error(_r: Request, exc: ApiError) -> JSONResponse:
-        return JSONResponse(error_body(exc.message, exc.type, exc.param, exc.code), status_code=exc.status)
+        body = error_body(exc.message, exc.type, exc.param, exc.code)
+        return JSONResponse(body, status_code=exc.status, headers=exc.headers)
+
+    @app.exception_handler(QueueFull)
+    async def queue_full(r: Request, exc: QueueFull) -> JSONResponse:
+        return await api_error(r, _api_error(exc))
+
+    @app.exception_handler(ShuttingDown)
+    async def shutting_down(r: Request, exc: ShuttingDown) -> JSONResponse:
+        return await api_error(r, _api_error(exc))
 
     @app.exception_handler(RequestValidationError)
     async def validation_error(_r: Request, exc: RequestValidationError) -> JSONResponse:
+        """Malformed JSON is a 400; a body that parses but breaks the schema is a 422."""
         errs = exc.errors()
         first = errs[0] if errs else {}
         loc = ".".join(str(x) for x in first.get("loc", ()) if x != "body")
         msg = f"{loc}: {first.get('msg', 'invalid request')}" if loc else str(first.get("msg", "invalid"))
-        return JSONResponse(error_body(msg, "invalid_request_error", loc or None), status_code=400)
+        if first.get("type") == "json_invalid":
+            body = error_body(
+                f"the body is not valid JSON ({msg})", "invalid_request_error", code="json_invalid"
+            )
+            return JSONResponse(body, status_code=400)
+        return JSONResponse(
+            error_body(msg, "invalid_request_error", loc or None, code="invalid_schema"), status_code=422
+        )
 
     @app.exception_handler(lloyal.LloyalError)
     async def lloyal_error(_r: Request, exc: lloyal.LloyalError) -> JSONResponse:
@@ -256,6 +291,8 @@ def create_app(cfg: ServerConfig) -> FastAPI:
         created = int(time.time())
         echoes = [ctx.detokenize(p, special=False) if body.echo else "" for p in prompts]
         if body.stream:
+            for spec in specs:
+                st.scheduler.check(spec)  # refused now with a status, not inside a 200 stream
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
             return _sse(_completion_chunks(st, specs, cid, created, cfg.name, body.n, echoes, include_usage))
         dones, tokens = await _run_all(st, specs)
@@ -304,6 +341,7 @@ def create_app(cfg: ServerConfig) -> FastAPI:
         cid = f"chatcmpl-{uuid.uuid4().hex}"
         created = int(time.time())
         if body.stream:
+            st.scheduler.check(spec)  # refused now with a status, not inside a 200 stream
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
             chunks = _chat_chunks(st, spec, cid, created, cfg.name, tools is not None, include_usage)
             return _sse(chunks)
@@ -325,6 +363,16 @@ def create_app(cfg: ServerConfig) -> FastAPI:
         }
 
     return app
+
+
+def begin_shutdown(app: FastAPI, grace: float) -> concurrent.futures.Future[int]:
+    """Start draining ``app`` (thread-safe): every route answers 503 from now on, running and
+    queued requests get ``grace`` seconds to finish, then the rest are cancelled and their branches
+    pruned. The future resolves to the number of requests cancelled."""
+    st: _State | None = app.state.lloyal.get("s")
+    if st is None or st.loop is None:
+        raise RuntimeError("the app is not running: there is nothing to shut down")
+    return asyncio.run_coroutine_threadsafe(st.scheduler.drain(grace), st.loop)
 
 
 # -- request helpers -------------------------------------------------------------------------
@@ -494,8 +542,48 @@ def _usage(dones: Sequence[Done]) -> dict[str, Any]:
     }
 
 
+def _api_error(exc: QueueFull | ShuttingDown) -> ApiError:
+    if isinstance(exc, QueueFull):
+        return ApiError(str(exc), status=429, type="rate_limit_error", code="queue_full", headers=RETRY_AFTER)
+    return ApiError(str(exc), status=503, type="unavailable_error", code="shutting_down")
+
+
+RETRY_AFTER = {"Retry-After": "1"}
+
+
 async def _merged(st: _State, specs: Sequence[GenSpec]) -> AsyncIterator[tuple[int, TokenEvent | Done]]:
-    """Events of several specs run concurrently, tagged with the spec's index."""
+    """Events of several specs run concurrently, tagged with the spec's index; the request is
+    cancelled with a 408 when it runs past ``request_timeout``."""
+    timeout = st.cfg.request_timeout
+    events = _merged_events(st, specs)
+    if not timeout:
+        async for item in events:
+            yield item
+        return
+    loop = asyncio.get_running_loop()
+    end = loop.time() + timeout
+    try:
+        while True:
+            try:
+                item = await asyncio.wait_for(anext(events), max(0.0, end - loop.time()))
+            except StopAsyncIteration:
+                return
+            except asyncio.TimeoutError:  # wait_for cancelled the request: its branches are pruned
+                raise ApiError(
+                    f"the request did not finish within the server's timeout of {timeout:g} s "
+                    "(--request-timeout) and was cancelled: lower max_tokens or n, or retry later",
+                    status=408,
+                    type="timeout_error",
+                    code="request_timeout",
+                ) from None
+            yield item
+    finally:
+        await events.aclose()
+
+
+async def _merged_events(
+    st: _State, specs: Sequence[GenSpec]
+) -> AsyncGenerator[tuple[int, TokenEvent | Done], None]:
     if len(specs) == 1:
         async for ev in st.scheduler.generate(specs[0]):
             yield 0, ev
@@ -568,8 +656,9 @@ def _sse(chunks: AsyncIterator[dict[str, Any]]) -> StreamingResponse:
         try:
             async for c in chunks:
                 yield f"data: {json.dumps(c, ensure_ascii=False)}\n\n"
-        except ApiError as exc:
-            yield f"data: {json.dumps(error_body(exc.message, exc.type, exc.param, exc.code))}\n\n"
+        except (ApiError, QueueFull, ShuttingDown) as exc:
+            e = exc if isinstance(exc, ApiError) else _api_error(exc)
+            yield f"data: {json.dumps(error_body(e.message, e.type, e.param, e.code))}\n\n"
         except (lloyal.LloyalError, ValueError) as exc:
             yield f"data: {json.dumps(error_body(str(exc), 'server_error'))}\n\n"
         yield "data: [DONE]\n\n"

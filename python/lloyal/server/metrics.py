@@ -76,6 +76,10 @@ class Metrics(Collector):
         yield GaugeMetricFamily(
             "lloyal_kv_pressure", "Fraction of KV cells used", value=kv.cells_used / kv.n_ctx
         )
+        leased = st.ctx.n_seq_max - sched.store.available
+        yield GaugeMetricFamily(
+            "lloyal_leases_used", "Sequences leased by branches (running, roots, cached)", value=leased
+        )
         yield GaugeMetricFamily("lloyal_prefix_cache_entries", "Cached branches", value=len(cache))
         yield CounterMetricFamily(
             "lloyal_prefix_cache_hit_tokens",

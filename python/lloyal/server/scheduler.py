@@ -8,6 +8,8 @@ the rest once, and forks ``best_of`` choices from that root (0 new cells for the
 Finished requests leave their prompt and first choice in the cache; everything else is pruned.
 
 Requests talk to the loop through :meth:`Scheduler.generate`, an async iterator of events.
+Admission refuses a request when ``max_queue`` requests already wait (:class:`QueueFull`) and
+after :meth:`Scheduler.drain` began (:class:`ShuttingDown`).
 """
 
 from __future__ import annotations
@@ -24,7 +26,16 @@ import lloyal
 
 from .prefix_cache import CacheEntry, PrefixCache
 
-__all__ = ["Done", "GenSpec", "Scheduler", "TokenEvent", "TopLogprob"]
+__all__ = ["Done", "GenSpec", "QueueFull", "Scheduler", "ShuttingDown", "TokenEvent", "TopLogprob"]
+
+
+class QueueFull(Exception):
+    """The admission queue holds ``max_queue`` requests already: answered 429 with ``Retry-After``."""
+
+
+class ShuttingDown(Exception):
+    """The server is shutting down: new requests are refused, and requests still running when the
+    grace period ends are cancelled (answered 503)."""
 
 
 @dataclass
@@ -112,8 +123,11 @@ def _holdback(text: str, stops: Sequence[str]) -> int:
 class Scheduler:
     """Admits generation requests and runs their choices in shared decode steps."""
 
-    def __init__(self, ctx: lloyal.Context, *, max_running: int | None = None) -> None:
+    def __init__(
+        self, ctx: lloyal.Context, *, max_running: int | None = None, max_queue: int | None = None
+    ) -> None:
         self.ctx = ctx
+        self.max_queue = max_queue  # None: unbounded
         self.store = lloyal.BranchStore(ctx)
         self.cache = PrefixCache(self.store)
         self.max_running = max_running or ctx.n_seq_max
@@ -127,6 +141,9 @@ class Scheduler:
         self.steps = 0
         self.tokens_generated = 0
         self.prompt_tokens = 0
+        self.closing = False  # drain() began: new requests are refused
+        self._grace = 0.0
+        self._closed = False  # the grace period ended: running requests are cancelled
 
     # -- lifecycle ------------------------------------------------------------------------------
     def start(self) -> None:
@@ -142,12 +159,38 @@ class Scheduler:
                 await self._task
             self._task = None
         for req in self._requests:
-            req.events.put_nowait(RuntimeError("the server is shutting down"))
+            req.events.put_nowait(ShuttingDown("the server stopped before this request finished"))
         for c in self._running:
             if not c.branch.disposed:
                 c.branch.prune_subtree()
         self._running.clear()
         self.cache.clear()
+
+    async def drain(self, grace: float) -> int:
+        """Refuse new requests, wait up to ``grace`` seconds for admitted and queued ones to finish,
+        then cancel the rest (they end with :class:`ShuttingDown`, their branches pruned at the next
+        step). Returns how many requests were cancelled."""
+        self.closing, self._grace = True, grace
+        loop = asyncio.get_running_loop()
+        end = loop.time() + grace
+        while (self._requests or self.waiting) and loop.time() < end:
+            await asyncio.sleep(0.05)
+        left = len(self._requests) + self.waiting
+        if left:
+            self._closed = True
+            for req in self._requests:
+                req.events.put_nowait(ShuttingDown(self._cancelled_message()))
+            await self._notify_room()  # queued requests wake up and see _closed
+            end = loop.time() + 5.0
+            while (self._requests or self.waiting) and loop.time() < end:
+                await asyncio.sleep(0.01)  # their generators raise, and mark them cancelled
+        return left
+
+    def _cancelled_message(self) -> str:
+        return (
+            f"the server shut down before this request finished (grace period {self._grace:g} s, "
+            "--shutdown-grace): it was cancelled; retry it when the server is back"
+        )
 
     @property
     def running(self) -> int:
@@ -155,14 +198,27 @@ class Scheduler:
         return len(self._running)
 
     # -- requests -------------------------------------------------------------------------------
-    async def generate(self, spec: GenSpec) -> AsyncIterator[TokenEvent | Done]:
-        """Run ``spec``; yields :class:`TokenEvent` as choices advance, then one :class:`Done`."""
+    def check(self, spec: GenSpec) -> None:
+        """Raise what :meth:`generate` would refuse ``spec`` with, now, before anything runs
+        (so a streamed request can still be answered with a status): ValueError when it can never
+        run here, :class:`ShuttingDown` while draining, :class:`QueueFull` when the queue is full."""
         if spec.best_of > self.max_running or spec.best_of + 1 > self.ctx.n_seq_max:
             raise ValueError(
                 f"best_of/n = {spec.best_of} needs {spec.best_of + 1} sequences but the server runs "
                 f"{min(self.max_running, self.ctx.n_seq_max - 1)} at most: lower n/best_of or start "
                 "the server with a larger --parallel"
             )
+        if self.closing:
+            raise ShuttingDown("the server is shutting down and accepts no new requests: retry later")
+        if self.max_queue is not None and self.waiting >= self.max_queue and self._must_wait(spec):
+            raise QueueFull(
+                f"the server is busy: {self.waiting} requests already wait for a slot (--max-queue "
+                f"{self.max_queue}); retry after the Retry-After delay"
+            )
+
+    async def generate(self, spec: GenSpec) -> AsyncIterator[TokenEvent | Done]:
+        """Run ``spec``; yields :class:`TokenEvent` as choices advance, then one :class:`Done`."""
+        self.check(spec)
         req = _Request(spec)
         await self._admit(req)
         self._requests.append(req)
@@ -179,6 +235,10 @@ class Scheduler:
             req.cancelled = True  # the loop prunes a cancelled request's choices at the next step
             self._wake.set()
 
+    def _must_wait(self, spec: GenSpec) -> bool:
+        """Whether ``spec`` would queue behind others or for lack of a free slot."""
+        return bool(self.waiting) or len(self._running) + self._reserved[0] + spec.best_of > self.max_running
+
     async def _admit(self, req: _Request) -> None:
         spec, ctx = req.spec, self.ctx
         entry: CacheEntry | None = None
@@ -186,6 +246,8 @@ class Scheduler:
         try:
             async with self._room:
                 while True:
+                    if self._closed:
+                        raise ShuttingDown(self._cancelled_message())
                     entry, hit = self.cache.lookup(spec.prompt)
                     exact = entry is not None and hit == len(entry.tokens) == len(spec.prompt)
                     leases = spec.best_of + (0 if exact else 1)
@@ -214,6 +276,8 @@ class Scheduler:
                 root = lloyal.Branch.create(ctx, 0, spec.params)
                 await root.aprefill(spec.prompt)
             req.root = root
+            if self._closed:
+                raise ShuttingDown(self._cancelled_message())
             for i in range(spec.best_of):
                 b = root.fork()
                 req.choices.append(_Choice(req, i, b, ctx))
