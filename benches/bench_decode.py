@@ -48,6 +48,7 @@ def branch_run(ctx: lloyal.Context, prompt_tokens: list[int], n: int) -> Run:
     """A Branch: create, prefill the prompt, then ``sample`` + ``commit`` n times."""
 
     def run() -> list[int]:
+        ctx.kv_cache_clear()  # a paired flat run left its cells in seq 0: a branch never wipes them
         with lloyal.Branch.create(ctx, 0, lloyal.SamplingParams(temperature=0)) as b:
             b.prefill(prompt_tokens)
             out = []

@@ -126,7 +126,9 @@ def servers(model: Path, n_ctx: int) -> list[ServerSpec]:
                 False,
             )
         )
-    if importlib.util.find_spec("llama_cpp") and importlib.util.find_spec("llama_cpp.server"):
+    # llama_cpp.server ships with llama-cpp-python but imports its [server] extra's packages.
+    server_extra = ("llama_cpp", "sse_starlette", "starlette_context", "pydantic_settings")
+    if all(importlib.util.find_spec(m) for m in server_extra):
         out.append(
             ServerSpec(
                 "llama-cpp-python server",
