@@ -6,7 +6,7 @@ export VIRTUAL_ENV := $(CURDIR)/.venv
 export PYO3_PYTHON := $(CURDIR)/.venv/bin/python
 PYDIRS := python tests benches examples .ci
 
-.PHONY: help sysdeps browser venv build soak fuzz test test-rust test-py test-docs families lint format bench bench-deps demo serve \
+.PHONY: help sysdeps browser venv build soak fuzz test test-rust test-py test-docs families lint format bench bench-deps bench-batched demo serve \
 	smoke-wheel clean distclean
 .DEFAULT_GOAL := help
 
@@ -115,6 +115,9 @@ bench-server: build  ## server load benchmark: lloyal serve vs llama-server vs l
 	$(PY) -m pip install -q "llama-cpp-python[server]==$(LLAMA_CPP_PYTHON)"
 	@[ -x "$${LLAMA_SERVER:-$(PEERS)/build/bin/llama-server}" ] || echo "no llama-server: run make bench-peers-cpp (skipped)"
 	$(PY) benches/bench_server.py --full
+
+bench-batched: build  ## lloyal vs llama-batched-bench (make bench-peers-cpp first): paired per-round ratios, prefill + decode B=1/8
+	$(PY) benches/batched_side_by_side.py --rounds 5 --pp 512 --tg 64 --batch 1,8
 
 serve: build  ## lloyal serve on the embedded model at http://127.0.0.1:8000/v1 (OpenAI-compatible)
 	.venv/bin/lloyal serve

@@ -1,7 +1,7 @@
 """lloyal against llama.cpp's own ``llama-batched-bench``, paired round by round.
 
     python benches/batched_side_by_side.py [--rounds 7] [--pp 512] [--tg 64] [--batch 1,8]
-                                           [--bin target/peers/bin/llama-batched-bench]
+                                           [--bin target/peers/build/bin/llama-batched-bench]
 
 What is measured (decode only, no sampling, as ``llama-batched-bench -pps`` does): a prompt of
 ``--pp`` tokens prefilled once (S_PP, tokens/s), then ``B`` sequences sharing it each decode
@@ -33,7 +33,7 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-DEFAULT_BIN = ROOT / "target" / "peers" / "bin" / "llama-batched-bench"
+DEFAULT_BIN = ROOT / "target" / "peers" / "build" / "bin" / "llama-batched-bench"
 MODES = {"lloyal": None, "lloyal-fast": False}
 
 
@@ -88,6 +88,7 @@ def peer_worker(binary: str, pp: int, tg: int, batch: int, threads: int, model: 
         "-npl",
         str(batch),
         "-pps",
+        "--kv-unified",  # one KV buffer for all sequences, as lloyal's contexts (else n_ctx is split)
         "-t",
         str(threads),
     ]
