@@ -71,7 +71,9 @@ class _State:
     def __init__(self, cfg: ServerConfig) -> None:
         self.cfg = cfg
         self.model = lloyal.Model(cfg.model)
-        n_seq_max = min(256, max(4, 2 * cfg.parallel + 2))
+        # Per running choice: its own sequence, its request's prompt root, and the cached prefix
+        # the root forked from (pinned while the request runs); +2 spare for admissions.
+        n_seq_max = min(256, max(4, 3 * cfg.parallel + 2))
         self.ctx = lloyal.Context(
             self.model, n_ctx=cfg.n_ctx, n_seq_max=n_seq_max, n_threads=cfg.n_threads, **cfg.context_options
         )
