@@ -149,11 +149,21 @@ def newcomer_sizes(full: bool) -> tuple[int, int, int]:
     return (8, 64, 1500) if full else (2, 4, 40)
 
 
+def _chunk() -> int | None:
+    """``LLOYAL_BENCH_CHUNK``: unset or "auto" = the paced default, 0 = the batch, N = a cap."""
+    raw = os.environ.get("LLOYAL_BENCH_CHUNK", "auto")
+    return None if raw == "auto" else int(raw)
+
+
+def _chunk_name(chunk: int | None) -> str:
+    return "paced" if chunk is None else "batch" if chunk == 0 else str(chunk)
+
+
 def test_newcomer_latency(benchmark: Any, model_path: Path, full: bool) -> None:
     streams, steps, newcomer = newcomer_sizes(full)
     n_batch = int(os.environ.get("LLOYAL_BENCH_NBATCH", "512"))
     with lloyal.Context(model_path, n_ctx=4096, n_batch=n_batch, n_seq_max=streams + 2) as ctx:
-        ctx.engine_prefill_chunk = int(os.environ.get("LLOYAL_BENCH_CHUNK", "0"))
+        ctx.engine_prefill_chunk = _chunk()
         base = newcomer_round(ctx, streams, steps, 0)
         got = benchmark.pedantic(lambda: newcomer_round(ctx, streams, steps, newcomer), rounds=1)
         assert got["ttft_ms"] > 0 and base["ttft_ms"] == 0
@@ -226,12 +236,12 @@ def newcomer_main(args: list[int]) -> None:
     n_batch = int(os.environ.get("LLOYAL_BENCH_NBATCH", "512"))
     path = lloyal.default_model_path()
     with lloyal.Context(path, n_ctx=4096, n_batch=n_batch, n_seq_max=streams + 2) as ctx:
-        ctx.engine_prefill_chunk = int(os.environ.get("LLOYAL_BENCH_CHUNK", "0"))
+        ctx.engine_prefill_chunk = _chunk()
         base = newcomer_round(ctx, streams, steps, 0)
         got = newcomer_round(ctx, streams, steps, newcomer)
         head = (
             f"newcomer {newcomer} tokens, {streams} streams x {steps}, n_batch {n_batch}, "
-            f"prefill chunk {ctx.engine_prefill_chunk or 'batch'}"
+            f"prefill chunk {_chunk_name(ctx.engine_prefill_chunk)}"
         )
         print(f"{head}: {fmt_newcomer(base, got)}")
 

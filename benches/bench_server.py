@@ -28,12 +28,13 @@ import importlib.util
 import json
 import os
 import random
+import shlex
 import socket
 import statistics
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -108,16 +109,18 @@ _LLAMA_CPP_PYTHON_ARGS = [
 ]
 
 
-def servers(model: Path, n_ctx: int) -> list[ServerSpec]:
-    """The servers present here, each with the same model and threads."""
+def servers(model: Path, n_ctx: int, fast: bool = False, extra: Sequence[str] = ()) -> list[ServerSpec]:
+    """The servers present here, each with the same model and threads (``extra``: more
+    ``lloyal serve`` options)."""
     py = sys.executable
-    out = [
-        ServerSpec(
-            "lloyal serve",
-            [py, "-m", "lloyal.cli", "--model", str(model), "serve", "--n-ctx", str(n_ctx), *_LLOYAL_ARGS],
-            True,
-        )
+    lloyal_cmd = [
+        *[py, "-m", "lloyal.cli", "--model", str(model), "serve", "--n-ctx", str(n_ctx)],
+        *_LLOYAL_ARGS,
+        *extra,
     ]
+    out = [ServerSpec("lloyal serve", lloyal_cmd, True)]
+    if fast:  # the peers' kernels: repacked weights, f16 K cache (not batch-invariant)
+        out.append(ServerSpec("lloyal serve --fast-kernels", [*lloyal_cmd, "--fast-kernels"], True))
     if LLAMA_SERVER.exists():
         out.append(
             ServerSpec(
@@ -145,7 +148,7 @@ def running(spec: ServerSpec) -> Iterator[str]:
     port = _free_port()
     cmd = [c.replace("{port}", str(port)) for c in spec.cmd]
     LOGS.mkdir(parents=True, exist_ok=True)
-    log = open(LOGS / f"{spec.name.split()[0]}.log", "wb")  # noqa: SIM115
+    log = open(LOGS / f"{spec.name.replace(' ', '_')}.log", "wb")  # noqa: SIM115
     p = subprocess.Popen(cmd, env=_clean_env(), stdout=log, stderr=subprocess.STDOUT, cwd=ROOT)
     url = f"http://127.0.0.1:{port}"
     try:
@@ -330,7 +333,9 @@ async def run_n(
     return res
 
 
-async def cache_hit_vs_miss(url: str, ctx: lloyal.Context, size: Size, model: str) -> list[Result]:
+async def cache_hit_vs_miss(
+    url: str, ctx: lloyal.Context, size: Size, model: str, server: str = "lloyal serve"
+) -> list[Result]:
     """TTFT of a new ~system_tokens prompt (miss) and of the same prompt + another question (hit)."""
     out = []
     async with httpx.AsyncClient(timeout=httpx.Timeout(600.0)) as client:
@@ -340,7 +345,7 @@ async def cache_hit_vs_miss(url: str, ctx: lloyal.Context, size: Size, model: st
             for load, p in (("cache miss", q1), ("cache hit", q2)):
                 t0 = time.perf_counter()
                 ttft, tokens, _ = await stream_one(client, url, _body(p, 4) | {"model": model})
-                r = Result("lloyal serve", load, 1, 1, tokens, time.perf_counter() - t0, [ttft])
+                r = Result(server, load, 1, 1, tokens, time.perf_counter() - t0, [ttft])
                 out.append(r)
     return out
 
@@ -349,7 +354,9 @@ def _served_model(url: str) -> str:
     return str(httpx.get(url + "/v1/models", timeout=10).json()["data"][0]["id"])
 
 
-def bench(size: Size, only: set[str] | None = None) -> list[Result]:
+def bench(
+    size: Size, only: set[str] | None = None, fast: bool = False, extra: Sequence[str] = ()
+) -> list[Result]:
     model = lloyal.default_model_path()
     with lloyal.Context(model, n_ctx=4096) as ctx:
         system = system_text(ctx, size.system_tokens)
@@ -359,7 +366,7 @@ def bench(size: Size, only: set[str] | None = None) -> list[Result]:
         n_ctx = SLOTS * (max(size.system_tokens, size.distinct[1]) + size.max_tokens + 64)
         results: list[Result] = []
         (ROOT / "benches" / "results").mkdir(exist_ok=True)
-        for spec in servers(model, n_ctx):
+        for spec in servers(model, n_ctx, fast, extra):
             if only and spec.name.split()[0] not in only:
                 continue
             with running(spec) as url:
@@ -379,8 +386,8 @@ def bench(size: Size, only: set[str] | None = None) -> list[Result]:
                 )
                 print(_row(r), flush=True)
                 results.append(r)
-                if spec.name == "lloyal serve":
-                    for r in asyncio.run(cache_hit_vs_miss(url, ctx, size, served)):
+                if spec.name.startswith("lloyal serve"):
+                    for r in asyncio.run(cache_hit_vs_miss(url, ctx, size, served, spec.name)):
                         print(_row(r), flush=True)
                         results.append(r)
     return results
@@ -407,21 +414,22 @@ def ratios(results: list[Result]) -> list[str]:
     by = {(r.server, r.load, r.concurrency): r for r in results}
     out = []
     for (server, load, c), r in sorted(by.items()):
-        peer = by.get(("llama-server", load, c)) if server == "lloyal serve" else None
-        if peer is None and server == "lloyal serve" and load.startswith("n="):
+        mine = server.startswith("lloyal serve")
+        peer = by.get(("llama-server", load, c)) if mine else None
+        if peer is None and mine and load.startswith("n="):
             peer = next((p for (s, ld, _), p in by.items() if s == "llama-server" and ld == load), None)
         if peer is None:
             continue
         out.append(
-            f"| {load} | {c} | {r.tok_s / peer.tok_s:.2f}x | "
+            f"| {server} | {load} | {c} | {r.tok_s / peer.tok_s:.2f}x | "
             f"{statistics.median(r.ttft_s) / statistics.median(peer.ttft_s):.2f}x |"
         )
-    hits = [r for r in results if r.load == "cache hit"]
-    misses = [r for r in results if r.load == "cache miss"]
+    hits = [r for r in results if r.load == "cache hit" and r.server == "lloyal serve"]
+    misses = [r for r in results if r.load == "cache miss" and r.server == "lloyal serve"]
     if hits and misses:
         h = statistics.median(x.ttft_s[0] for x in hits)
         m = statistics.median(x.ttft_s[0] for x in misses)
-        out.append(f"| cache hit / miss TTFT (lloyal) | 1 | | {h / m:.2f}x ({h:.3f} s / {m:.3f} s) |")
+        out.append(f"| lloyal serve | cache hit / miss TTFT | 1 | | {h / m:.2f}x ({h:.3f} s / {m:.3f} s) |")
     return out
 
 
@@ -431,14 +439,16 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument(
         "--only", default="", help="comma-separated first words of server names (lloyal,llama-server,...)"
     )
+    ap.add_argument("--fast", action="store_true", help="also run `lloyal serve --fast-kernels`")
+    ap.add_argument("--lloyal-args", default="", help="more `lloyal serve` options, e.g. '--prefill-chunk 0'")
     ap.add_argument("--json", default=str(ROOT / "benches/results/server.json"))
     args = ap.parse_args(argv)
     size = FULL if args.full else SMOKE
     print(f"threads={THREADS} size={asdict(size)}\n{HEADER}", flush=True)
     only = {x for x in args.only.split(",") if x} or None
-    results = bench(size, only)
-    print("\n| load | concurrency | lloyal / llama-server tok/s | lloyal / llama-server TTFT median |")
-    print("| --- | --- | --- | --- |")
+    results = bench(size, only, args.fast, shlex.split(args.lloyal_args))
+    print("\n| lloyal | load | concurrency | ÷ llama-server tok/s | ÷ llama-server TTFT median |")
+    print("| --- | --- | --- | --- | --- |")
     print("\n".join(ratios(results)))
     Path(args.json).write_text(json.dumps([asdict(r) for r in results], indent=1))
     return 0
@@ -461,7 +471,7 @@ def test_server_bench_smoke() -> None:
             continue
         want = r.requests * SMOKE.max_tokens * (SMOKE.n if r.note.startswith("one request") else 1)
         assert r.tokens == (4 if r.load.startswith("cache") else want), r
-    assert ratios(results) and ratios(results)[-1].startswith("| cache hit / miss TTFT")
+    assert ratios(results) and ratios(results)[-1].startswith("| lloyal serve | cache hit / miss TTFT")
 
 
 if __name__ == "__main__":

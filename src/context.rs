@@ -224,21 +224,28 @@ impl PyContext {
         self.inner.set_engine_gather(seconds).py()
     }
 
-    /// Most prompt tokens one engine tick prefills (0, the default: fill the tick's
-    /// ``n_batch``). A small value bounds how long running streams wait for a newcomer's
-    /// prompt per step, at the cost of more ticks for the prompt.
+    /// Most prompt tokens one engine tick prefills. None (the default) paces them: with
+    /// streams running, each tick carries as many prompt tokens as keep it at about 1.5x a
+    /// decode-only tick, measured as the engine runs; with none running, the tick's
+    /// ``n_batch``. 0 always fills the batch (the most throughput, the longest waits for
+    /// running streams); a number caps every tick at that many.
     #[getter]
-    fn engine_prefill_chunk(&self) -> usize {
+    fn engine_prefill_chunk(&self) -> Option<usize> {
         self.inner.engine_prefill_chunk()
     }
 
     #[setter]
-    fn set_engine_prefill_chunk(&self, tokens: i64) -> PyResult<()> {
-        let tokens = usize::try_from(tokens).map_err(|_| {
-            pyo3::exceptions::PyValueError::new_err(format!(
-                "engine_prefill_chunk must be >= 0 (0: fill the batch), got {tokens}"
-            ))
-        })?;
+    fn set_engine_prefill_chunk(&self, tokens: Option<i64>) -> PyResult<()> {
+        let tokens = tokens
+            .map(|t| {
+                usize::try_from(t).map_err(|_| {
+                    pyo3::exceptions::PyValueError::new_err(format!(
+                        "engine_prefill_chunk must be None (paced), 0 (fill the batch) or a positive \
+                         number of tokens, got {t}"
+                    ))
+                })
+            })
+            .transpose()?;
         self.inner.set_engine_prefill_chunk(tokens);
         Ok(())
     }

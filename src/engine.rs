@@ -48,6 +48,9 @@ pub struct PyEngineStats {
     pub decode_seconds: f64,
     /// Seconds of those spent sampling generation requests.
     pub sample_seconds: f64,
+    /// The prefill cap of the last tick (0: the whole batch; with the paced default, what
+    /// the engine allowed next to the running streams).
+    pub prefill_cap: usize,
     /// Whether the engine is paused (``Context.pause_engine``).
     pub paused: bool,
     /// Seconds a tick waits for as many commits as the previous tick decoded.
@@ -72,6 +75,7 @@ impl From<EngineStats> for PyEngineStats {
             tick_seconds: s.tick_seconds,
             decode_seconds: s.decode_seconds,
             sample_seconds: s.sample_seconds,
+            prefill_cap: s.prefill_cap,
             paused: s.paused,
             gather: s.gather,
         }

@@ -510,7 +510,7 @@ def test_greedy_generation_is_the_same_alone_crowded_and_chunked(model: lloyal.M
 
 
 def test_engine_prefill_chunk_caps_the_prompt_tokens_of_a_tick(ctx9: lloyal.Context) -> None:
-    assert ctx9.engine_prefill_chunk == 0
+    assert ctx9.engine_prefill_chunk is None  # paced (the next test)
     tokens = (ctx9.tokenize(PROMPT, add_special=False) * 8)[:40]
     ref = Branch.create(ctx9, 0, GREEDY)
     ref.prefill(tokens)
@@ -525,6 +525,49 @@ def test_engine_prefill_chunk_caps_the_prompt_tokens_of_a_tick(ctx9: lloyal.Cont
     with pytest.raises(ValueError, match="engine_prefill_chunk"):
         ctx9.engine_prefill_chunk = -1
     assert ctx9.engine_prefill_chunk == 8
+    ctx9.engine_prefill_chunk = None
+    assert ctx9.engine_prefill_chunk is None
+
+
+def test_a_prompt_is_paced_next_to_running_streams(ctx9: lloyal.Context, root: Branch) -> None:
+    """By default a prompt fills the batch when nothing runs, and is cut into small chunks
+    (a tick at most ~1.5x a decode-only tick) while streams run; the result is the same."""
+    tokens = (ctx9.tokenize(PROMPT, add_special=False) * 40)[:256]
+    alone = Branch.create(ctx9, 0, GREEDY)
+    before = ctx9.engine_stats()
+    alone.prefill(tokens)
+    after = ctx9.engine_stats()
+    assert after.ticks - before.ticks == 256 // 64 and after.prefill_cap == 0  # n_batch=64: 4 full ticks
+    streams = [root.fork() for _ in range(4)]
+    got: list[list[int]] = [[] for _ in streams]
+    stop = threading.Event()
+
+    def consume(i: int) -> None:
+        it = streams[i].generate(120)
+        try:
+            for tok in it:
+                got[i].append(tok.token)
+                if stop.is_set():
+                    break
+        finally:
+            it.close()
+
+    threads = [threading.Thread(target=consume, args=(i,)) for i in range(4)]
+    for t in threads:
+        t.start()
+    wait_until(lambda: all(len(g) >= 2 for g in got))
+    b = Branch.create(ctx9, 0, GREEDY)
+    before = ctx9.engine_stats()
+    b.prefill(tokens)
+    after = ctx9.engine_stats()
+    caps = after.prefill_cap
+    stop.set()
+    for t in threads:
+        t.join()
+    assert 0 < caps < 64  # capped next to 4 decode rows
+    assert after.ticks - before.ticks > 256 // 64  # so the prompt took more, smaller ticks
+    np.testing.assert_array_equal(b.logits, alone.logits)  # paced chunks change nothing
+    assert all(len(g) >= 3 for g in got)
 
 
 def test_a_request_with_a_prompt_prefills_it_through_the_engine(ctx9: lloyal.Context) -> None:

@@ -15,6 +15,7 @@ import socket
 import threading
 import time
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import httpx
@@ -483,7 +484,14 @@ TIMEOUT = 2.5
 @pytest.fixture(scope="module")
 def tight(model_path: str) -> Iterator[tuple[str, Any]]:
     cfg = ServerConfig(
-        model=model_path, n_ctx=N_CTX, parallel=2, max_queue=1, request_timeout=TIMEOUT, n_threads=2
+        model=model_path,
+        n_ctx=N_CTX,
+        parallel=2,
+        max_queue=1,
+        request_timeout=TIMEOUT,
+        n_threads=2,
+        fast_kernels=True,  # the fast path serves too; the tests below do not compare tokens
+        prefill_chunk=16,
     )
     app = create_app(cfg)
     url, srv, t = _run_server(app)
@@ -513,6 +521,30 @@ def _idle(app: Any) -> None:
         time.sleep(0.05)
     ctx = app.state.lloyal["s"].ctx
     assert ctx.n_seq_max - sched.store.available == len(sched.cache)
+
+
+def test_fast_kernels_and_prefill_chunk_options(
+    tight: tuple[str, Any], name: str, monkeypatch: pytest.MonkeyPatch, model_path: Path
+) -> None:
+    url, app = tight
+    state = app.state.lloyal["s"]
+    assert state.model.repack and state.ctx.batch_invariant is False and state.ctx.type_k == "f16"
+    assert state.ctx.engine_prefill_chunk == 16
+    c = openai.OpenAI(base_url=f"{url}/v1", api_key="-", max_retries=0)
+    out = c.completions.create(model=name, prompt="The capital of France is", max_tokens=4, temperature=0)
+    assert out.usage is not None and out.usage.completion_tokens == 4 and out.choices[0].text
+    _idle(app)
+    # `lloyal serve --fast-kernels` asks for exactly this configuration.
+    from lloyal import cli
+
+    seen: list[ServerConfig] = []
+    monkeypatch.setattr("lloyal.server.serve", lambda cfg, **kw: seen.append(cfg))
+    assert cli.main(["--model", str(model_path), "serve", "--fast-kernels", "--prefill-chunk", "0"]) == 0
+    assert seen[0].fast_kernels and seen[0].prefill_chunk == 0
+    assert cli.main(["--model", str(model_path), "serve", "--prefill-chunk", "paced"]) == 0
+    assert not seen[1].fast_kernels and seen[1].prefill_chunk is None
+    with pytest.raises(SystemExit):
+        cli.main(["--model", str(model_path), "serve", "--prefill-chunk", "-3"])
 
 
 def test_request_timeout_is_408_and_frees_the_branches(

@@ -296,16 +296,20 @@ class Context:
         decoded, so callers that come back at slightly different times share one decode.
         """
     @property
-    def engine_prefill_chunk(self) -> int:
-        """Most prompt tokens one engine tick prefills (0, the default: fill the tick's
-        ``n_batch``). A small value bounds how long running streams wait for a newcomer's
-        prompt per step, at the cost of more ticks for the prompt.
+    def engine_prefill_chunk(self) -> int | None:
+        """Most prompt tokens one engine tick prefills. None (the default) paces them: with
+        streams running, each tick carries as many prompt tokens as keep it at about 1.5x a
+        decode-only tick, measured as the engine runs; with none running, the tick's
+        ``n_batch``. 0 always fills the batch (the most throughput, the longest waits for
+        running streams); a number caps every tick at that many.
         """
     @engine_prefill_chunk.setter
-    def engine_prefill_chunk(self, tokens: int) -> None:
-        """Most prompt tokens one engine tick prefills (0, the default: fill the tick's
-        ``n_batch``). A small value bounds how long running streams wait for a newcomer's
-        prompt per step, at the cost of more ticks for the prompt.
+    def engine_prefill_chunk(self, tokens: int | None) -> None:
+        """Most prompt tokens one engine tick prefills. None (the default) paces them: with
+        streams running, each tick carries as many prompt tokens as keep it at about 1.5x a
+        decode-only tick, measured as the engine runs; with none running, the tick's
+        ``n_batch``. 0 always fills the batch (the most throughput, the longest waits for
+        running streams); a number caps every tick at that many.
         """
     def close(self) -> None:
         """Free the context (waits for a running call; idempotent)."""
@@ -892,6 +896,11 @@ class EngineStats:
     @property
     def sample_seconds(self) -> float:
         """Seconds of those spent sampling generation requests."""
+    @property
+    def prefill_cap(self) -> int:
+        """The prefill cap of the last tick (0: the whole batch; with the paced default, what
+        the engine allowed next to the running streams).
+        """
     @property
     def paused(self) -> bool:
         """Whether the engine is paused (``Context.pause_engine``)."""

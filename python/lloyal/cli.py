@@ -347,6 +347,8 @@ def serve(args: argparse.Namespace) -> int:
         request_timeout=args.request_timeout or None,
         max_queue=args.max_queue,
         shutdown_grace=args.shutdown_grace,
+        fast_kernels=args.fast_kernels,
+        prefill_chunk=args.prefill_chunk,
     )
     if args.ray:
         try:
@@ -359,6 +361,15 @@ def serve(args: argparse.Namespace) -> int:
         return 0
     run_server(cfg, host=args.host, port=args.port)
     return 0
+
+
+def _prefill_chunk(text: str) -> int | None:
+    """``--prefill-chunk``: 'paced' or a token count >= 0."""
+    if text == "paced":
+        return None
+    if not text.isdigit():
+        raise argparse.ArgumentTypeError(f"expected 'paced' or a number of tokens >= 0, got {text!r}")
+    return int(text)
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -427,6 +438,20 @@ def _parser() -> argparse.ArgumentParser:
         default=30.0,
         metavar="SECONDS",
         help="on SIGTERM/SIGINT, time running requests get to finish before they are cancelled (default 30)",
+    )
+    sv.add_argument(
+        "--fast-kernels",
+        action="store_true",
+        help="llama.cpp's fastest CPU kernels (repacked weights, f16 K cache); a choice's tokens may then "
+        "depend on what else is batched with it (docs/performance.md)",
+    )
+    sv.add_argument(
+        "--prefill-chunk",
+        type=_prefill_chunk,
+        default=None,
+        metavar="paced|N",
+        help="prompt tokens per decode step next to running requests: 'paced' (default) keeps a step "
+        "at about 1.5x a decode-only step; 0 fills n_batch (most throughput, longest stalls); N caps",
     )
     bn = command("bench", "batched throughput table (llama-batched-bench style)")
     bn.add_argument("-b", "--batches", default="1,2,4,8,16", help="comma-separated batch sizes")

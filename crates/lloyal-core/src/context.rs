@@ -202,13 +202,14 @@ impl Context {
         self.engine.resume();
     }
 
-    /// Cap the prefill tokens of one engine tick (0: fill the tick's batch).
-    pub fn set_engine_prefill_chunk(&self, tokens: usize) {
+    /// Cap the prefill tokens of one engine tick (`Some(0)`: fill the tick's batch; `None`:
+    /// paced next to running streams, the default; see [`crate::engine::pace`]).
+    pub fn set_engine_prefill_chunk(&self, tokens: Option<usize>) {
         self.engine.set_prefill_chunk(tokens);
     }
 
-    /// The engine's prefill cap per tick (0: none).
-    pub fn engine_prefill_chunk(&self) -> usize {
+    /// The engine's prefill cap per tick (`Some(0)`: none; `None`: paced).
+    pub fn engine_prefill_chunk(&self) -> Option<usize> {
         self.engine.prefill_chunk()
     }
 

@@ -9,6 +9,7 @@
 
 pub mod gen;
 pub mod op;
+pub mod pace;
 pub mod plan;
 pub mod tick;
 
@@ -62,6 +63,9 @@ pub struct EngineStats {
     pub decode_seconds: f64,
     /// Seconds of those spent sampling generation requests.
     pub sample_seconds: f64,
+    /// The prefill cap of the last tick (0: the batch; with the paced default, what the
+    /// pacer allowed next to the running streams).
+    pub prefill_cap: usize,
     /// Whether the engine is paused.
     pub paused: bool,
     /// Seconds a tick waits for as many commits as the previous tick decoded.
@@ -80,8 +84,8 @@ struct Queue {
     idle: bool,
     /// Commits the previous tick decoded (the gather window waits for as many).
     last_tick_ops: usize,
-    /// Most prefill tokens per tick (0: fill the tick's batch).
-    prefill_chunk: usize,
+    /// Most prefill tokens per tick (0: fill the tick's batch; None: paced, [`pace`]).
+    prefill_chunk: Option<usize>,
     stats: EngineStats,
 }
 
@@ -147,7 +151,7 @@ impl Default for Engine {
                     started: false,
                     idle: true,
                     last_tick_ops: 0,
-                    prefill_chunk: 0,
+                    prefill_chunk: None,
                     stats: EngineStats { gather: 0.002, ..EngineStats::default() },
                 }),
                 cv: Condvar::new(),
@@ -226,13 +230,15 @@ impl Engine {
         Ok(())
     }
 
-    /// Cap the prefill tokens of one tick (0: fill the tick's batch, the default).
-    pub fn set_prefill_chunk(&self, tokens: usize) {
+    /// Cap the prefill tokens of one tick: `Some(0)` fills the tick's batch, `Some(n)` caps
+    /// at `n`, `None` (the default) paces them so running streams slow by at most about
+    /// [`pace::STRETCH`] times ([`pace`]).
+    pub fn set_prefill_chunk(&self, tokens: Option<usize>) {
         self.shared.lock().prefill_chunk = tokens;
     }
 
-    /// The prefill cap of one tick (0: none).
-    pub fn prefill_chunk(&self) -> usize {
+    /// The prefill cap of one tick (`Some(0)`: none; `None`: paced).
+    pub fn prefill_chunk(&self) -> Option<usize> {
         self.shared.lock().prefill_chunk
     }
 
@@ -285,7 +291,7 @@ fn set_idle(shared: &Shared) {
 fn engine_loop(ctx: Weak<Context>, shared: Arc<Shared>) {
     let mut sched = Scheduler::default();
     loop {
-        let (ops, max_prefill): (Vec<Op>, usize) = {
+        let (ops, max_prefill): (Vec<Op>, Option<usize>) = {
             let mut q = shared.lock();
             loop {
                 if q.shutdown {
@@ -375,6 +381,7 @@ fn engine_loop(ctx: Weak<Context>, shared: Arc<Shared>) {
                 st.max_ops_per_tick = st.max_ops_per_tick.max(outcome.ops);
                 st.decode_seconds += outcome.decode_secs;
                 st.sample_seconds += outcome.sample_secs;
+                st.prefill_cap = outcome.prefill_cap;
             }
             st.in_flight = sched.in_flight();
             st.generating = sched.generating();

@@ -10,6 +10,7 @@ use std::time::Instant;
 
 use super::gen::{logprobs, Event, Finish, GenItem, GenSpec, GenStream, StopMatcher};
 use super::op::{Op, Reply, Work};
+use super::pace::Pacer;
 use super::plan::plan_tick;
 use crate::context::ContextState;
 use crate::error::{LloyalError, Result};
@@ -98,6 +99,8 @@ pub(crate) struct TickOutcome {
     /// Seconds spent sampling generation requests (produce, logprobs, stop checks).
     pub sample_secs: f64,
     pub rows: u64,
+    /// The prefill cap the tick planned with (0: the batch).
+    pub prefill_cap: usize,
     /// Operations that decoded rows this tick.
     pub ops: u64,
     /// Commits among them (their callers may come straight back with the next step).
@@ -123,6 +126,8 @@ pub(crate) struct Scheduler {
     waiting: VecDeque<Waiting>,
     /// A request just finished its prompt and waits: tick again at once to start it.
     fresh_waiting: bool,
+    /// The automatic prefill cap.
+    pacer: Pacer,
 }
 
 impl Scheduler {
@@ -161,7 +166,8 @@ impl Scheduler {
     }
 
     /// Run one tick over the queued `ops` (FIFO) and the prefills in flight.
-    pub fn tick(&mut self, s: &mut ContextState, ops: Vec<Op>, max_prefill: usize) -> TickOutcome {
+    /// `max_prefill`: the prefill cap (`Some(0)`: the batch; `None`: paced).
+    pub fn tick(&mut self, s: &mut ContextState, ops: Vec<Op>, max_prefill: Option<usize>) -> TickOutcome {
         let out = self.run_tick(s, ops, max_prefill);
         // Tell the ledger which branches have prefill cells written ahead of their position.
         let written = self.flights.iter().flat_map(|f| f.items.iter().map(|i| (i.handle, i.done)));
@@ -169,7 +175,7 @@ impl Scheduler {
         out
     }
 
-    fn run_tick(&mut self, s: &mut ContextState, ops: Vec<Op>, max_prefill: usize) -> TickOutcome {
+    fn run_tick(&mut self, s: &mut ContextState, ops: Vec<Op>, max_prefill: Option<usize>) -> TickOutcome {
         let mut out = TickOutcome::default();
         self.fresh_waiting = false;
         self.drop_stale_flights(s, &mut out);
@@ -267,7 +273,11 @@ impl Scheduler {
         out.commits = (commits.len() + gen_parts.len()) as u64;
         let lefts: Vec<usize> =
             self.flights.iter().flat_map(|f| f.items.iter().map(|i| i.tokens.len() - i.done)).collect();
-        let plan = plan_tick(decode_rows, &lefts, s.shape().n_batch as usize, max_prefill);
+        let n_batch = s.shape().n_batch as usize;
+        let cap = max_prefill.unwrap_or_else(|| self.pacer.cap(decode_rows, n_batch));
+        out.prefill_cap = cap;
+        let plan = plan_tick(decode_rows, &lefts, n_batch, cap);
+        let prefill_rows: usize = plan.prefill_take.iter().sum();
         let mut parts: Vec<Part> = commits.into_iter().map(|(op, rows)| Part::Commit(op, rows)).collect();
         parts.extend(gen_parts);
         let mut takes = plan.prefill_take.iter().copied();
@@ -290,7 +300,12 @@ impl Scheduler {
         out.decodes += decodes;
         let mut outcomes: Vec<Result<()>> = Vec::with_capacity(parts.len());
         match result {
-            Ok(()) => outcomes.resize(parts.len(), Ok(())),
+            Ok(()) => {
+                if max_prefill.is_none() {
+                    self.pacer.observe(decode_rows, prefill_rows, out.decode_secs);
+                }
+                outcomes.resize(parts.len(), Ok(()));
+            }
             Err(e) => {
                 for rows in &rows_of {
                     rollback_rows(s, rows);

@@ -1,0 +1,148 @@
+//! How many prefill tokens a tick may add while streams are running (the automatic
+//! `engine_prefill_chunk`).
+//!
+//! A long prompt that arrives while other requests decode would, at a full `n_batch` chunk,
+//! stretch their next steps many times over (a decode row of a 270M model costs about as much
+//! as a few prefill rows, so 500 prefill rows next to 8 decode rows make a step 20x longer).
+//! The pacer keeps every tick that carries prefill rows next to decode rows at about
+//! [`STRETCH`] times the time of a decode-only tick, measured on this machine as it runs:
+//!
+//! - `base`: an average of the `llama_decode` time of recent ticks with decode rows only;
+//! - after a tick with `p` prefill rows took `t`, the extra cost per prefill row is
+//!   `(t / base - 1) / p`, and the next cap is the `p` that gives `STRETCH - 1` of extra
+//!   cost (moved at most 4x per tick, half way in log scale, so one noisy tick cannot swing it).
+//!
+//! With no decode rows there is nothing to protect: the prefill fills the batch.
+
+/// The longest a tick with prefill rows should take, relative to a decode-only tick.
+pub const STRETCH: f64 = 1.5;
+
+/// The first cap, before anything was measured, per decode row (and at least [`FIRST_MIN`]).
+const FIRST_PER_ROW: usize = 1;
+const FIRST_MIN: usize = 8;
+
+/// Weight of the newest decode-only tick in `base`.
+const BASE_WEIGHT: f64 = 0.2;
+
+/// Extra cost below this fraction is noise: the cap doubles.
+const NOISE: f64 = 0.02;
+
+/// The automatic prefill cap of one context's engine.
+#[derive(Debug, Clone, Default)]
+pub struct Pacer {
+    /// Average seconds of a decode-only tick.
+    base: Option<f64>,
+    /// Decode rows of the ticks `base` was measured on.
+    base_rows: usize,
+    /// The current cap (prefill rows next to decode rows).
+    cap: Option<f64>,
+}
+
+impl Pacer {
+    /// The prefill cap for a tick with `decode_rows` commit rows (0: none, fill the batch).
+    pub fn cap(&self, decode_rows: usize, n_batch: usize) -> usize {
+        if decode_rows == 0 {
+            return 0;
+        }
+        let n_batch = n_batch.max(1);
+        let first = (FIRST_PER_ROW * decode_rows).max(FIRST_MIN) as f64;
+        (self.cap.unwrap_or(first).round() as usize).clamp(1, n_batch)
+    }
+
+    /// Learn from a tick that decoded `decode_rows` commit rows and `prefill_rows` prefill
+    /// rows in `seconds` of `llama_decode`.
+    pub fn observe(&mut self, decode_rows: usize, prefill_rows: usize, seconds: f64) {
+        if decode_rows == 0 || !(seconds > 0.0) {
+            return;
+        }
+        if prefill_rows == 0 {
+            self.base = Some(match self.base {
+                // A different number of streams: start the average again.
+                Some(b) if self.base_rows == decode_rows => b + BASE_WEIGHT * (seconds - b),
+                _ => seconds,
+            });
+            self.base_rows = decode_rows;
+            return;
+        }
+        let Some(base) = self.base else { return };
+        // The base was measured with other streams: scale it by rows (a rough correction,
+        // replaced as soon as a decode-only tick of this size runs).
+        let base = base * decode_rows as f64 / self.base_rows.max(1) as f64;
+        let p = prefill_rows as f64;
+        let extra = seconds / base - 1.0;
+        let wanted = if extra <= NOISE { 2.0 * p } else { p * (STRETCH - 1.0) / extra };
+        let now = self.cap.unwrap_or(p);
+        let next = (now * wanted).sqrt().clamp(now / 4.0, now * 4.0);
+        self.cap = Some(next.max(1.0));
+    }
+
+    /// The cap learned so far (None until a tick with prefill rows was measured).
+    pub fn current(&self) -> Option<f64> {
+        self.cap
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A machine where a tick costs `fixed + per_decode * d + per_prefill * p` seconds.
+    fn run(fixed: f64, per_decode: f64, per_prefill: f64, d: usize, ticks: usize) -> (Pacer, usize) {
+        let mut pacer = Pacer::default();
+        for _ in 0..5 {
+            pacer.observe(d, 0, fixed + per_decode * d as f64);
+        }
+        let mut cap = 0;
+        for _ in 0..ticks {
+            cap = pacer.cap(d, 512);
+            pacer.observe(d, cap, fixed + per_decode * d as f64 + per_prefill * cap as f64);
+        }
+        (pacer, cap)
+    }
+
+    #[test]
+    fn nothing_running_fills_the_batch() {
+        assert_eq!(Pacer::default().cap(0, 512), 0);
+        let (pacer, _) = run(0.01, 0.002, 0.001, 8, 20);
+        assert_eq!(pacer.cap(0, 512), 0);
+    }
+
+    #[test]
+    fn the_cap_converges_to_the_stretch() {
+        for (fixed, per_decode, per_prefill, d) in
+            [(0.01, 0.002, 0.0008, 8), (0.002, 0.003, 0.001, 16), (0.02, 0.001, 0.0002, 1)]
+        {
+            let (_, cap) = run(fixed, per_decode, per_prefill, d, 30);
+            let base = fixed + per_decode * d as f64;
+            let stretch = (base + per_prefill * cap as f64) / base;
+            assert!((stretch - STRETCH).abs() < 0.05, "{fixed} {per_decode} {per_prefill} {d}: {stretch}");
+        }
+    }
+
+    #[test]
+    fn the_first_cap_is_small_and_bounded_by_the_batch() {
+        let p = Pacer::default();
+        assert_eq!(p.cap(8, 512), 8);
+        assert_eq!(p.cap(40, 512), 40);
+        assert_eq!(p.cap(40, 16), 16);
+        // A free prefill (no measurable cost) grows the cap, up to the batch.
+        let (_, cap) = run(0.01, 0.001, 0.0, 8, 40);
+        assert_eq!(cap, 512);
+    }
+
+    #[test]
+    fn one_noisy_tick_moves_the_cap_at_most_4x() {
+        let (mut pacer, cap) = run(0.01, 0.002, 0.0008, 8, 30);
+        pacer.observe(8, cap, 100.0);
+        assert!(pacer.cap(8, 512) * 4 >= cap - 1);
+    }
+
+    #[test]
+    fn prefill_ticks_before_any_decode_only_tick_are_ignored() {
+        let mut p = Pacer::default();
+        p.observe(8, 100, 1.0);
+        assert_eq!(p.current(), None);
+        p.observe(0, 100, 1.0);
+        assert_eq!(p.current(), None);
+    }
+}
