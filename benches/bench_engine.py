@@ -1,10 +1,13 @@
-"""The engine (docs/engine.md): N independent callers, each driving its own branch with
-``commit``, against the same work hand-batched through ``BranchStore.commit``.
+"""The engine (docs/engine.md): N independent callers, each with its own 32-256-token prompt
+and its own branch, against the same work hand-batched through ``BranchStore``.
 
-Modes: ``tasks`` (N asyncio tasks awaiting ``Branch.acommit``), ``threads`` (N threads calling
-``Branch.commit``), ``batched`` (one ``await store.acommit`` over the N branches per step).
-``pytest benches`` runs each once at small sizes; ``python benches/bench_engine.py [STEPS N...]``
-prints the tok/s ratios of one interleaved run (tasks and threads over batched, per N).
+Modes: ``tasks`` (N asyncio tasks: ``aprefill``, then ``produce`` + ``acommit`` per token),
+``threads`` (N threads: ``prefill``, ``produce`` + ``commit``), ``gen-tasks`` / ``gen-threads``
+(each caller iterates ``Branch.generate(steps, prompt=...)``: sampling runs in the engine),
+``batched`` (one caller: ``BranchStore.aprefill`` of all prompts, then ``produce_all`` +
+``acommit`` per step). ``pytest benches`` runs each once at small sizes;
+``python benches/bench_engine.py [STEPS N...]`` prints the median tok/s ratios of interleaved
+rounds (``LLOYAL_BENCH_ROUNDS``, default 2) per N.
 
 Generation requests (``Branch.generate`` run by the engine):
 ``python benches/bench_engine.py newcomer [STREAMS STEPS PROMPT]`` times a 1500-token prompt
@@ -32,34 +35,64 @@ import lloyal
 
 GREEDY = lloyal.SamplingParams(temperature=0)
 NS = [1, 4, 8, 16]
-MODES = ["tasks", "threads", "batched"]
+MODES = ["tasks", "threads", "gen-tasks", "gen-threads", "batched"]
 
 
-def round_runner(ctx: lloyal.Context, prompt: list[int], n: int, steps: int, mode: str) -> Callable[[], int]:
-    """One round: prefill a root, fork N, ``steps`` greedy tokens per branch; returns tokens made."""
+def caller_prompts(ctx: lloyal.Context, n: int, lo: int = 32, hi: int = 256) -> list[list[int]]:
+    """N distinct prompts of lo..hi tokens (deterministic)."""
+    words = ["harbour", "ledger", "tide", "merchant", "lantern", "quay", "rope", "salt", "ship", "storm"]
+    out = []
+    for i in range(n):
+        size = lo + (i * 97) % (hi - lo + 1)
+        text = f"Caller {i}: " + " ".join(words[(i + j * 3) % len(words)] for j in range(2 * hi))
+        out.append(ctx.tokenize(text)[:size])
+    return out
+
+
+def round_runner(ctx: lloyal.Context, prompts: list[list[int]], steps: int, mode: str) -> Callable[[], int]:
+    """One round: N callers, each creating its own branch, prefilling its own prompt and making
+    ``steps`` greedy tokens; returns the tokens made (prompt + generated).
+
+    ``tasks``/``threads``: each caller runs produce + (a)commit itself; ``gen-tasks`` /
+    ``gen-threads``: each iterates ``Branch.generate`` (sampling in the engine); ``batched``: one
+    caller prefills all prompts in one ``BranchStore.prefill`` and steps them with
+    ``produce_all`` + ``acommit``."""
     store = lloyal.BranchStore(ctx)
+    made = sum(len(p) for p in prompts) + len(prompts) * steps
+
+    def check(branches: list[lloyal.Branch]) -> None:
+        assert [b.position for b in branches] == [len(p) + steps for p in prompts]
 
     def run() -> int:
-        with lloyal.Branch.create(ctx, 0, GREEDY) as root:
-            root.prefill(prompt)
-            kids = [root.fork() for _ in range(n)]
-            if mode == "tasks":
+        branches = [lloyal.Branch.create(ctx, 0, GREEDY) for _ in prompts]
+        try:
+            if mode in ("tasks", "gen-tasks"):
 
-                async def drive(k: lloyal.Branch) -> None:
-                    for _ in range(steps):
-                        await k.acommit(k.produce().token)
+                async def drive(k: lloyal.Branch, prompt: list[int]) -> None:
+                    if mode == "tasks":
+                        await k.aprefill(prompt)
+                        for _ in range(steps):
+                            await k.acommit(k.produce().token)
+                    else:
+                        assert len([t async for t in k.generate(steps, prompt=prompt)]) == steps
 
                 async def all_tasks() -> None:
-                    await asyncio.gather(*(drive(k) for k in kids))
+                    await asyncio.gather(*(drive(k, p) for k, p in zip(branches, prompts, strict=True)))
 
                 asyncio.run(all_tasks())
-            elif mode == "threads":
+            elif mode in ("threads", "gen-threads"):
 
-                def loop(k: lloyal.Branch) -> None:
-                    for _ in range(steps):
-                        k.commit(k.produce().token)
+                def loop(k: lloyal.Branch, prompt: list[int]) -> None:
+                    if mode == "threads":
+                        k.prefill(prompt)
+                        for _ in range(steps):
+                            k.commit(k.produce().token)
+                    else:
+                        assert len(list(k.generate(steps, prompt=prompt))) == steps
 
-                threads = [threading.Thread(target=loop, args=(k,)) for k in kids]
+                threads = [
+                    threading.Thread(target=loop, args=(k, p)) for k, p in zip(branches, prompts, strict=True)
+                ]
                 for t in threads:
                     t.start()
                 for t in threads:
@@ -67,13 +100,17 @@ def round_runner(ctx: lloyal.Context, prompt: list[int], n: int, steps: int, mod
             else:
 
                 async def batched() -> None:
+                    await store.aprefill(list(zip(branches, prompts, strict=True)))
                     for _ in range(steps):
-                        produced = store.produce_all(kids)
-                        await store.acommit([(k, p.token) for k, p in zip(kids, produced, strict=True)])
+                        produced = store.produce_all(branches)
+                        await store.acommit([(k, p.token) for k, p in zip(branches, produced, strict=True)])
 
                 asyncio.run(batched())
-            assert all(k.position == len(prompt) + steps for k in kids)
-            return n * steps
+            check(branches)
+        finally:
+            for b in branches:
+                b.prune()
+        return made
 
     return run
 
@@ -82,10 +119,10 @@ def round_runner(ctx: lloyal.Context, prompt: list[int], n: int, steps: int, mod
 @pytest.mark.parametrize("mode", MODES)
 def test_engine_callers(benchmark: Any, model_path: Path, full: bool, mode: str, n: int) -> None:
     steps = 64 if full else 1
-    with lloyal.Context(model_path, n_ctx=4096, n_seq_max=n + 1) as ctx:
-        prompt = ctx.tokenize("The history of the harbour town of Aldermoor begins")
-        made = benchmark.pedantic(round_runner(ctx, prompt, n, steps, mode), rounds=3 if full else 1)
-        assert made == n * steps
+    with lloyal.Context(model_path, n_ctx=8192, n_seq_max=n + 1) as ctx:
+        prompts = caller_prompts(ctx, n) if full else caller_prompts(ctx, n, 4, 8)
+        made = benchmark.pedantic(round_runner(ctx, prompts, steps, mode), rounds=3 if full else 1)
+        assert made == sum(len(p) for p in prompts) + n * steps
 
 
 def long_prompt(ctx: lloyal.Context, n: int) -> list[int]:
@@ -262,22 +299,22 @@ def main() -> None:
         overhead_main([int(a) for a in sys.argv[2:]])
         return
     args = [int(a) for a in sys.argv[1:]]
-    steps, ns = (args[0], args[1:]) if args else (32, [])
+    steps, ns = (args[0], args[1:]) if args else (64, [])
     ns = ns or NS
-    with lloyal.Context(lloyal.default_model_path(), n_ctx=4096, n_seq_max=max(ns) + 1) as ctx:
-        prompt = ctx.tokenize("The history of the harbour town of Aldermoor begins")
+    rounds = int(os.environ.get("LLOYAL_BENCH_ROUNDS", "2"))
+    with lloyal.Context(lloyal.default_model_path(), n_ctx=8192, n_seq_max=max(ns) + 1) as ctx:
         for n in ns:
-            best: dict[str, float] = {}
-            for _ in range(2):
+            prompts = caller_prompts(ctx, n)
+            rates: dict[str, list[float]] = {m: [] for m in MODES}
+            for _ in range(rounds):
                 for mode in MODES:
-                    run = round_runner(ctx, prompt, n, steps, mode)
+                    run = round_runner(ctx, prompts, steps, mode)
                     t = time.perf_counter()
                     made = run()
-                    rate = made / (time.perf_counter() - t)
-                    best[mode] = max(best.get(mode, 0.0), rate)
-            base = best["batched"]
-            tasks, threads = best["tasks"] / base, best["threads"] / base
-            print(f"N={n:2d}  batched {base:7.1f} tok/s  tasks {tasks:.2f}x  threads {threads:.2f}x")
+                    rates[mode].append(made / (time.perf_counter() - t))
+            base = statistics.median(rates["batched"])
+            ratios = "  ".join(f"{m} {statistics.median(rates[m]) / base:.2f}x" for m in MODES[:-1])
+            print(f"N={n:2d}  batched {base:7.1f} tok/s (prompt + generated)  {ratios}", flush=True)
 
 
 if __name__ == "__main__":

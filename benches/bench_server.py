@@ -214,7 +214,7 @@ def distinct_prompts(ctx: lloyal.Context, count: int, lo: int, hi: int, seed: in
     rng = random.Random(seed)
     out = []
     for i in range(count):
-        words = [f"Story {i} ({rng.randrange(10**6)}):"] + [rng.choice(WORDS) for _ in range(hi * 2)]
+        words = [f"Story {seed}-{i} ({rng.randrange(10**6)}):"] + [rng.choice(WORDS) for _ in range(hi * 2)]
         out.append(_fit(ctx, words, rng.randint(lo, hi)))
     return out
 
@@ -362,7 +362,8 @@ def bench(
         system = system_text(ctx, size.system_tokens)
         most = max(size.requests_per_level, *size.concurrencies)
         shared = shared_prompts(system, most)
-        distinct = distinct_prompts(ctx, most, *size.distinct)
+        # Fresh prompts per concurrency level: nothing shared, nothing seen by an earlier level.
+        distinct = {c: distinct_prompts(ctx, most, *size.distinct, seed=c) for c in size.concurrencies}
         n_ctx = SLOTS * (max(size.system_tokens, size.distinct[1]) + size.max_tokens + 64)
         results: list[Result] = []
         (ROOT / "benches" / "results").mkdir(exist_ok=True)
@@ -373,12 +374,11 @@ def bench(
                 served = _served_model(url)
                 warm = run_load(spec.name, url, "warm-up", ["Hello there"], 1, 4, served)
                 asyncio.run(warm)  # graph allocation, first-touch of the weights: not measured
-                for load, prompts in (("shared-prefix", shared), ("distinct", distinct)):
+                for load in ("shared-prefix", "distinct"):
                     for c in size.concurrencies:
                         count = max(size.requests_per_level, c)
-                        r = asyncio.run(
-                            run_load(spec.name, url, load, prompts[:count], c, size.max_tokens, served)
-                        )
+                        prompts = (shared if load == "shared-prefix" else distinct[c])[:count]
+                        r = asyncio.run(run_load(spec.name, url, load, prompts, c, size.max_tokens, served))
                         print(_row(r), flush=True)
                         results.append(r)
                 r = asyncio.run(

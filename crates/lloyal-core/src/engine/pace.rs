@@ -12,7 +12,13 @@
 //!   `(t / base - 1) / p`, and the next cap is the `p` that gives `STRETCH - 1` of extra
 //!   cost (moved at most 4x per tick, half way in log scale, so one noisy tick cannot swing it).
 //!
-//! With no decode rows there is nothing to protect: the prefill fills the batch.
+//! Only streams that were already running when a prompt arrived are protected: a prompt that
+//! waited before they started (a burst of requests arriving together, the first of which
+//! already decodes) fills the batch, as it would have had it gone first. With no decode rows
+//! there is nothing to protect either; a tick whose streams have not come back yet (a gap of
+//! less than [`ACTIVE_GAP`] since the last tick with decode rows) is paced as if they had.
+
+use std::time::{Duration, Instant};
 
 /// The longest a tick with prefill rows should take, relative to a decode-only tick.
 pub const STRETCH: f64 = 1.5;
@@ -27,9 +33,16 @@ const BASE_WEIGHT: f64 = 0.2;
 /// Extra cost below this fraction is noise: the cap doubles.
 const NOISE: f64 = 0.02;
 
+/// Decode ticks closer together than this are one stretch of running streams.
+pub const ACTIVE_GAP: Duration = Duration::from_millis(50);
+
 /// The automatic prefill cap of one context's engine.
 #[derive(Debug, Clone, Default)]
 pub struct Pacer {
+    /// When the current stretch of ticks with decode rows began.
+    active_since: Option<Instant>,
+    /// When the last tick with decode rows ended, and its decode rows.
+    last_decode: Option<(Instant, usize)>,
     /// Average seconds of a decode-only tick.
     base: Option<f64>,
     /// Decode rows of the ticks `base` was measured on.
@@ -39,6 +52,41 @@ pub struct Pacer {
 }
 
 impl Pacer {
+    /// The prefill cap of a tick planned at `now` with `decode_rows` commit rows while the
+    /// oldest pending prompt arrived at `oldest_prompt` (0: fill the batch).
+    pub fn plan(
+        &mut self,
+        now: Instant,
+        decode_rows: usize,
+        oldest_prompt: Option<Instant>,
+        n_batch: usize,
+    ) -> usize {
+        let recent = self.last_decode.filter(|(at, _)| now.saturating_duration_since(*at) < ACTIVE_GAP);
+        let rows = if decode_rows > 0 {
+            if recent.is_none() {
+                self.active_since = Some(now);
+            }
+            decode_rows
+        } else if let Some((_, rows)) = recent {
+            rows // the streams are between ticks: keep pacing
+        } else {
+            self.active_since = None;
+            return 0;
+        };
+        match (oldest_prompt, self.active_since) {
+            // The prompt waited before these streams started: it goes first.
+            (Some(arrived), Some(since)) if arrived <= since => 0,
+            _ => self.cap(rows, n_batch),
+        }
+    }
+
+    /// Note the end (`now`) of a tick with `decode_rows` commit rows.
+    pub fn ticked(&mut self, now: Instant, decode_rows: usize) {
+        if decode_rows > 0 {
+            self.last_decode = Some((now, decode_rows));
+        }
+    }
+
     /// The prefill cap for a tick with `decode_rows` commit rows (0: none, fill the batch).
     pub fn cap(&self, decode_rows: usize, n_batch: usize) -> usize {
         if decode_rows == 0 {
@@ -135,6 +183,26 @@ mod tests {
         let (mut pacer, cap) = run(0.01, 0.002, 0.0008, 8, 30);
         pacer.observe(8, cap, 100.0);
         assert!(pacer.cap(8, 512) * 4 >= cap - 1);
+    }
+
+    #[test]
+    fn only_streams_that_ran_before_the_prompt_arrived_are_protected() {
+        let t0 = Instant::now();
+        let ms = |n: u64| t0 + Duration::from_millis(n);
+        let mut p = Pacer::default();
+        // A burst: prompts queued at t0, the first stream starts decoding at 100 ms.
+        assert_eq!(p.plan(ms(0), 0, Some(t0), 512), 0);
+        assert_eq!(p.plan(ms(100), 4, Some(t0), 512), 0, "the burst's prompts fill the batch");
+        p.ticked(ms(120), 4);
+        // A prompt that arrives while the streams run is paced.
+        assert_eq!(p.plan(ms(130), 4, Some(ms(125)), 512), 8);
+        p.ticked(ms(150), 4);
+        // Between ticks (no decode rows yet, 10 ms later): still paced at the last row count.
+        assert_eq!(p.plan(ms(160), 0, Some(ms(125)), 512), 8);
+        // The streams stopped long ago: the batch.
+        assert_eq!(p.plan(ms(1000), 0, Some(ms(125)), 512), 0);
+        // They start again after the prompt arrived: the prompt goes first.
+        assert_eq!(p.plan(ms(1100), 4, Some(ms(125)), 512), 0);
     }
 
     #[test]

@@ -50,6 +50,8 @@ struct Flight {
     op: Op,
     items: Vec<Item>,
     cells: usize,
+    /// When the engine admitted it (the pacer protects only streams older than this).
+    arrived: Instant,
 }
 
 /// A generation request running on its branch.
@@ -214,7 +216,7 @@ impl Scheduler {
                     Ok((items, cells)) => {
                         reserved += cells;
                         busy.extend(handles);
-                        self.flights.push(Flight { op, items, cells });
+                        self.flights.push(Flight { op, items, cells, arrived: Instant::now() });
                     }
                 },
                 Work::Generate(spec) if !spec.prompt.is_empty() => {
@@ -228,7 +230,7 @@ impl Scheduler {
                         Ok((items, cells)) => {
                             reserved += cells;
                             busy.extend(handles);
-                            self.flights.push(Flight { op, items, cells });
+                            self.flights.push(Flight { op, items, cells, arrived: Instant::now() });
                         }
                     }
                 }
@@ -274,7 +276,16 @@ impl Scheduler {
         let lefts: Vec<usize> =
             self.flights.iter().flat_map(|f| f.items.iter().map(|i| i.tokens.len() - i.done)).collect();
         let n_batch = s.shape().n_batch as usize;
-        let cap = max_prefill.unwrap_or_else(|| self.pacer.cap(decode_rows, n_batch));
+        let oldest = self
+            .flights
+            .iter()
+            .filter(|f| f.items.iter().any(|i| i.done < i.tokens.len()))
+            .map(|f| f.arrived)
+            .min();
+        let cap = match max_prefill {
+            Some(cap) => cap,
+            None => self.pacer.plan(Instant::now(), decode_rows, oldest, n_batch),
+        };
         out.prefill_cap = cap;
         let plan = plan_tick(decode_rows, &lefts, n_batch, cap);
         let prefill_rows: usize = plan.prefill_take.iter().sum();
@@ -303,6 +314,7 @@ impl Scheduler {
             Ok(()) => {
                 if max_prefill.is_none() {
                     self.pacer.observe(decode_rows, prefill_rows, out.decode_secs);
+                    self.pacer.ticked(Instant::now(), decode_rows);
                 }
                 outcomes.resize(parts.len(), Ok(()));
             }
