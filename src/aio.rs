@@ -45,6 +45,16 @@ pub fn engine_call<'py>(
     call(py, "engine_call", submit, args)
 }
 
+/// A coroutine awaiting a lease request: `submit(loop, future, *args)` queues it and returns
+/// `(cancel, take)`; the coroutine returns `take()`.
+pub fn lease_call<'py>(
+    py: Python<'py>,
+    submit: Bound<'py, PyAny>,
+    args: Vec<Bound<'py, PyAny>>,
+) -> PyResult<Bound<'py, PyAny>> {
+    call(py, "lease_call", submit, args)
+}
+
 /// `lloyal.aio._settle(future, error)`: set a future's result or exception unless done.
 pub fn settle(py: Python<'_>) -> PyResult<Bound<'_, PyAny>> {
     aio(py)?.getattr("_settle")

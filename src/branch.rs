@@ -17,6 +17,7 @@ use crate::detach::{on_main_thread, run};
 use crate::engine;
 use crate::error::IntoPyResult;
 use crate::grammar::PyGrammar;
+use crate::lease;
 use crate::sampling::{extract_params, extract_params_onto};
 
 /// A sampled-but-not-written token.
@@ -140,11 +141,19 @@ impl PyBranch {
     /// copied) constrains every sampled token; forks inherit a copy of its state. Sequence ids
     /// holding flat-path cells (``Context.decode``) are skipped, never wiped.
     ///
+    /// ``timeout`` (seconds) waits for a lease when none is free: 0 (the default) does not
+    /// wait, None waits as long as it takes. Waiting calls are served first come, first
+    /// served by the context's engine, with the GIL released (Ctrl-C gives up).
+    ///
     /// Raises:
     ///     LeaseExhaustedError: every sequence id of the context is leased or holds flat-path
-    ///         cells.
+    ///         cells (and stayed so for ``timeout`` seconds).
+    ///     ValueError: a negative ``timeout``.
     #[classmethod]
-    #[pyo3(signature = (ctx, position=0, params=None, *, grammar=None))]
+    #[pyo3(
+        signature = (ctx, position=0, params=None, *, grammar=None, timeout=Some(0.0)),
+        text_signature = "($cls, ctx, position=0, params=None, *, grammar=None, timeout=0.0)"
+    )]
     fn create(
         _cls: &Bound<'_, PyType>,
         py: Python<'_>,
@@ -152,19 +161,26 @@ impl PyBranch {
         position: i64,
         params: Option<&Bound<'_, PyAny>>,
         grammar: Option<&Bound<'_, PyAny>>,
+        timeout: Option<f64>,
     ) -> PyResult<PyBranch> {
+        let timeout = lease::check_timeout(timeout)?;
         let params = extract_params(params, None)?;
         let core = ctx.get().inner.clone();
         core.check_open().py()?;
         let grammar = grammar_arg(py, core.model().clone(), grammar)?;
         let position = clamp_i32(position);
-        let handle = run(py, &core, move |s| {
+        let make = move |s: &mut ContextState| {
             let h = s.branch_create(position, params)?;
             if grammar.is_some() {
                 s.branch_set_grammar(h, grammar)?;
             }
             Ok(h)
-        })?;
+        };
+        let handle = if timeout == Some(0.0) {
+            run(py, &core, make)?
+        } else {
+            lease::wait(py, &core, None, timeout, Box::new(make))?
+        };
         Ok(PyBranch { ctx, handle })
     }
 
@@ -207,17 +223,72 @@ impl PyBranch {
     /// starts at position ``at`` with no logits (prefill before sampling), no grammar and fresh
     /// metrics; its sampler, penalty history and logit bias are cloned. A prefix cache uses it
     /// to reuse the common part of a cached sequence.
-    #[pyo3(signature = (clone_logits=true, *, at=None))]
-    fn fork(&self, py: Python<'_>, clone_logits: bool, at: Option<i32>) -> PyResult<PyBranch> {
-        let child = self.call(py, move |s, h| s.branch_fork_at(h, clone_logits, at))?;
+    ///
+    /// ``timeout`` (seconds) waits for a lease when none is free: 0 (the default) does not
+    /// wait, None waits as long as it takes; waiting forks and creates are served first come,
+    /// first served (a fork also waits for this branch's prefill in flight).
+    ///
+    /// Raises:
+    ///     LeaseExhaustedError: no lease is free (within ``timeout``).
+    #[pyo3(
+        signature = (clone_logits=true, *, at=None, timeout=Some(0.0)),
+        text_signature = "($self, clone_logits=True, *, at=None, timeout=0.0)"
+    )]
+    fn fork(
+        &self,
+        py: Python<'_>,
+        clone_logits: bool,
+        at: Option<i32>,
+        timeout: Option<f64>,
+    ) -> PyResult<PyBranch> {
+        let timeout = lease::check_timeout(timeout)?;
+        let child = if timeout == Some(0.0) {
+            self.call(py, move |s, h| s.branch_fork_at(h, clone_logits, at))?
+        } else {
+            self.core().check_open().py()?;
+            let h = self.handle;
+            let make = Box::new(move |s: &mut ContextState| s.branch_fork_at(h, clone_logits, at));
+            lease::wait(py, self.core(), Some(h), timeout, make)?
+        };
         Ok(self.wrap(py, child))
     }
 
-    /// Await ``fork(clone_logits)`` off the event loop.
-    #[pyo3(signature = (clone_logits=true))]
-    fn afork<'py>(slf: &Bound<'py, Self>, clone_logits: bool) -> PyResult<Bound<'py, PyAny>> {
+    /// Await ``fork(clone_logits, timeout=timeout)`` without blocking the event loop; a
+    /// waiting fork is an engine request (cancelling the task withdraws it).
+    #[pyo3(
+        signature = (clone_logits=true, *, timeout=Some(0.0)),
+        text_signature = "($self, clone_logits=True, *, timeout=0.0)"
+    )]
+    fn afork<'py>(
+        slf: &Bound<'py, Self>,
+        clone_logits: bool,
+        timeout: Option<f64>,
+    ) -> PyResult<Bound<'py, PyAny>> {
         let py = slf.py();
-        aio::in_thread(py, slf.getattr("fork")?, vec![clone_logits.into_pyobject(py)?.to_owned().into_any()])
+        let timeout = lease::check_timeout(timeout)?;
+        if timeout == Some(0.0) {
+            let arg = clone_logits.into_pyobject(py)?.to_owned().into_any();
+            return aio::in_thread(py, slf.getattr("fork")?, vec![arg]);
+        }
+        let args = vec![
+            clone_logits.into_pyobject(py)?.to_owned().into_any(),
+            timeout.into_pyobject(py)?.into_any(),
+        ];
+        aio::lease_call(py, slf.getattr("_submit_fork_lease")?, args)
+    }
+
+    fn _submit_fork_lease<'py>(
+        &self,
+        py: Python<'py>,
+        lp: Bound<'py, PyAny>,
+        fut: Bound<'py, PyAny>,
+        clone_logits: bool,
+        timeout: Option<f64>,
+    ) -> PyResult<Bound<'py, PyTuple>> {
+        self.core().check_open().py()?;
+        let h = self.handle;
+        let make = Box::new(move |s: &mut ContextState| s.branch_fork_at(h, clone_logits, None));
+        lease::submit_async(py, &self.ctx, Some(h), timeout, make, lp, fut)
     }
 
     /// Await ``prune()`` off the event loop.

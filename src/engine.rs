@@ -48,6 +48,8 @@ pub struct PyEngineStats {
     pub decode_seconds: f64,
     /// Seconds of those spent sampling generation requests.
     pub sample_seconds: f64,
+    /// ``Branch.create`` / ``fork`` calls waiting (first come, first served) for a lease.
+    pub lease_waiting: usize,
     /// The prefill cap of the last tick (0: the whole batch; with the paced default, what
     /// the engine allowed next to the running streams).
     pub prefill_cap: usize,
@@ -75,6 +77,7 @@ impl From<EngineStats> for PyEngineStats {
             tick_seconds: s.tick_seconds,
             decode_seconds: s.decode_seconds,
             sample_seconds: s.sample_seconds,
+            lease_waiting: s.lease_waiting,
             prefill_cap: s.prefill_cap,
             paused: s.paused,
             gather: s.gather,

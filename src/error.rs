@@ -58,7 +58,9 @@ fn class_of<'c>(c: &'c Classes, err: &LloyalError) -> Option<&'c Py<PyType>> {
         LloyalError::Decode { .. } => &c.decode,
         LloyalError::KvCacheFull { .. } => &c.kv_cache_full,
         LloyalError::BranchDisposed { .. } => &c.branch_disposed,
-        LloyalError::LeaseExhausted { .. } | LloyalError::LeasesHoldFlatCells { .. } => &c.lease_exhausted,
+        LloyalError::LeaseExhausted { .. }
+        | LloyalError::LeasesHoldFlatCells { .. }
+        | LloyalError::LeaseWaitTimedOut { .. } => &c.lease_exhausted,
         LloyalError::Topology(_) => &c.topology,
         LloyalError::SeqLeased { .. } => &c.seq_leased,
         LloyalError::InvalidToken { .. } => &c.invalid_token,

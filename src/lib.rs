@@ -11,6 +11,7 @@ mod embeddings;
 mod engine;
 mod error;
 mod grammar;
+mod lease;
 mod metrics;
 mod model;
 mod sampling;

@@ -626,6 +626,7 @@ class Branch:
         params: SamplingParams | dict[str, Any] | None = None,
         *,
         grammar: str | Grammar | None = None,
+        timeout: float | None = 0.0,
     ) -> Branch:
         """Create a root branch on ``ctx`` at ``position`` (takes a lease; its sequence starts empty).
 
@@ -633,11 +634,18 @@ class Branch:
         copied) constrains every sampled token; forks inherit a copy of its state. Sequence ids
         holding flat-path cells (``Context.decode``) are skipped, never wiped.
 
+        ``timeout`` (seconds) waits for a lease when none is free: 0 (the default) does not
+        wait, None waits as long as it takes. Waiting calls are served first come, first
+        served by the context's engine, with the GIL released (Ctrl-C gives up).
+
         Raises:
             LeaseExhaustedError: every sequence id of the context is leased or holds flat-path
-                cells.
+                cells (and stayed so for ``timeout`` seconds).
+            ValueError: a negative ``timeout``.
         """
-    def fork(self, clone_logits: bool = True, *, at: int | None = None) -> Branch:
+    def fork(
+        self, clone_logits: bool = True, *, at: int | None = None, timeout: float | None = 0.0
+    ) -> Branch:
         """A child sharing this branch's KV prefix (no tensor copy); sampler, metrics, logit bias
         and (if ``clone_logits``) logits are cloned. Takes a lease.
 
@@ -645,6 +653,13 @@ class Branch:
         starts at position ``at`` with no logits (prefill before sampling), no grammar and fresh
         metrics; its sampler, penalty history and logit bias are cloned. A prefix cache uses it
         to reuse the common part of a cached sequence.
+
+        ``timeout`` (seconds) waits for a lease when none is free: 0 (the default) does not
+        wait, None waits as long as it takes; waiting forks and creates are served first come,
+        first served (a fork also waits for this branch's prefill in flight).
+
+        Raises:
+            LeaseExhaustedError: no lease is free (within ``timeout``).
         """
     def prune(self) -> None:
         """Dispose this branch (RESTRICT: ``TopologyError`` while children live). Idempotent."""
@@ -680,8 +695,10 @@ class Branch:
         """The most recently accepted token (``None`` before any)."""
     def aprefill(self, tokens: list[int]) -> Coroutine[Any, Any, None]:
         """Await ``prefill(tokens)``: queued on the context's engine, the event loop keeps running."""
-    def afork(self, clone_logits: bool = True) -> Coroutine[Any, Any, Branch]:
-        """Await ``fork(clone_logits)`` off the event loop."""
+    def afork(self, clone_logits: bool = True, *, timeout: float | None = 0.0) -> Coroutine[Any, Any, Branch]:
+        """Await ``fork(clone_logits, timeout=timeout)`` without blocking the event loop; a
+        waiting fork is an engine request (cancelling the task withdraws it).
+        """
     def aprune(self) -> Coroutine[Any, Any, None]:
         """Await ``prune()`` off the event loop."""
     def aprune_subtree(self) -> Coroutine[Any, Any, None]:
@@ -896,6 +913,9 @@ class EngineStats:
     @property
     def sample_seconds(self) -> float:
         """Seconds of those spent sampling generation requests."""
+    @property
+    def lease_waiting(self) -> int:
+        """``Branch.create`` / ``fork`` calls waiting (first come, first served) for a lease."""
     @property
     def prefill_cap(self) -> int:
         """The prefill cap of the last tick (0: the whole batch; with the paced default, what

@@ -55,6 +55,24 @@ async def engine_call(submit: Callable[..., Callable[[], None]], *args: Any) -> 
         raise
 
 
+async def lease_call(submit: Callable[..., tuple[Callable[[], None], Callable[[], Any]]], *args: Any) -> Any:
+    """Await a lease request of a context's engine (``Branch.afork(timeout=...)`` uses it).
+
+    ``submit(loop, future, *args)`` queues the request and returns ``(cancel, take)``; the
+    engine thread settles ``future`` once the branch is made. Cancelling the awaiting task
+    withdraws the request (a branch granted in the same instant is pruned).
+    """
+    loop = asyncio.get_running_loop()
+    future: asyncio.Future[None] = loop.create_future()
+    cancel, take = submit(loop, future, *args)
+    try:
+        await future
+    except asyncio.CancelledError:
+        cancel()
+        raise
+    return take()
+
+
 async def stream_next(iterator: Any) -> Any:
     """Await the next token of a ``TokenIterator`` (``async for tok in branch`` uses it).
 

@@ -40,6 +40,14 @@ pub enum LloyalError {
     )]
     LeaseExhausted { n_seq_max: u32, live: u32 },
 
+    /// A lease request waited its whole timeout without a lease coming free.
+    #[error(
+        "no free KV lease within {waited:.3} s: all {n_seq_max} sequences (n_seq_max) stayed held by \
+         live branches; wait longer (timeout=None waits as long as it takes), prune a branch, or create \
+         the context with a larger n_seq_max"
+    )]
+    LeaseWaitTimedOut { n_seq_max: u32, waited: f64 },
+
     /// Every sequence id not held by a branch holds flat-path cells (which a lease would wipe).
     #[error(
         "no free KV lease: {live} of {n_seq_max} sequences are held by live branches and the other \

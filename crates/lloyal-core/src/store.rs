@@ -21,6 +21,11 @@ impl ContextState {
         self.ledger.leases().available()
     }
 
+    /// Leases in all (the context's `n_seq_max`).
+    pub fn lease_count(&self) -> u32 {
+        self.ledger.leases().n_seq_max()
+    }
+
     /// Cells held by branches and what is left of `n_ctx`.
     pub fn kv_pressure(&self) -> KvPressure {
         let n_ctx = self.shape().n_ctx;

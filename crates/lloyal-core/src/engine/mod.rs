@@ -8,6 +8,7 @@
 //! after. Each caller gets its own result through a one-shot callback.
 
 pub mod gen;
+pub mod lease;
 pub mod op;
 pub mod pace;
 pub mod plan;
@@ -56,6 +57,8 @@ pub struct EngineStats {
     pub generating: usize,
     /// Generation requests waiting (FIFO) for room in the cache.
     pub waiting: usize,
+    /// `Branch.create` / `fork` calls waiting (FIFO) for a lease.
+    pub lease_waiting: usize,
     /// Seconds spent in ticks that decoded something (validation, packing, decode, sampling,
     /// publishing and waking callers).
     pub tick_seconds: f64,
@@ -306,7 +309,7 @@ fn engine_loop(ctx: Weak<Context>, shared: Arc<Shared>) {
                 if !q.paused && (!q.ops.is_empty() || sched.has_work()) {
                     break;
                 }
-                if !q.paused && sched.waiting() > 0 {
+                if !q.paused && sched.waiting() + sched.lease_waiting() > 0 {
                     // Generation requests wait for room that a prune (not an engine call) may
                     // free: look again every few milliseconds.
                     q = shared.cv.wait_timeout(q, WAIT_POLL).unwrap_or_else(|p| p.into_inner()).0;
@@ -386,6 +389,7 @@ fn engine_loop(ctx: Weak<Context>, shared: Arc<Shared>) {
             st.in_flight = sched.in_flight();
             st.generating = sched.generating();
             st.waiting = sched.waiting();
+            st.lease_waiting = sched.lease_waiting();
             q.last_tick_ops = outcome.commits as usize;
             for op in outcome.deferred.into_iter().rev() {
                 q.ops.push_front(op);

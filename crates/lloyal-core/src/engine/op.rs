@@ -16,6 +16,8 @@ pub enum Work {
     Prefill(Vec<(Handle, Vec<i32>)>),
     /// `Branch.generate`: a generation request ([`super::gen`]), answered when it ends.
     Generate(Box<super::gen::GenSpec>),
+    /// `Branch.create` / `fork` with a timeout: wait (FIFO) for a lease ([`super::lease`]).
+    Lease(Arc<super::lease::LeaseWork>),
 }
 
 impl Work {
@@ -25,6 +27,7 @@ impl Work {
             Work::Commit(pairs) => pairs.iter().map(|p| p.0).collect(),
             Work::Prefill(items) => items.iter().map(|i| i.0).collect(),
             Work::Generate(spec) => vec![spec.handle],
+            Work::Lease(w) => w.parent.into_iter().collect(),
         }
     }
 }

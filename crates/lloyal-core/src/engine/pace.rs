@@ -100,7 +100,7 @@ impl Pacer {
     /// Learn from a tick that decoded `decode_rows` commit rows and `prefill_rows` prefill
     /// rows in `seconds` of `llama_decode`.
     pub fn observe(&mut self, decode_rows: usize, prefill_rows: usize, seconds: f64) {
-        if decode_rows == 0 || !(seconds > 0.0) {
+        if decode_rows == 0 || seconds.is_nan() || seconds <= 0.0 {
             return;
         }
         if prefill_rows == 0 {

@@ -130,6 +130,10 @@ pub(crate) struct Scheduler {
     fresh_waiting: bool,
     /// The automatic prefill cap.
     pacer: Pacer,
+    /// `create` / `fork` calls waiting for a lease, oldest first.
+    lease_waiting: VecDeque<Op>,
+    /// Generation requests with a prompt waiting for room for it and their tokens (FIFO).
+    prompt_waiting: VecDeque<Waiting>,
 }
 
 impl Scheduler {
@@ -149,9 +153,49 @@ impl Scheduler {
         self.gens.len()
     }
 
-    /// Generation requests waiting for room in the cache.
+    /// Generation requests waiting for room in the cache (for their prompt or their tokens).
     pub fn waiting(&self) -> usize {
-        self.waiting.len()
+        self.waiting.len() + self.prompt_waiting.len()
+    }
+
+    /// `create` / `fork` calls waiting for a lease.
+    pub fn lease_waiting(&self) -> usize {
+        self.lease_waiting.len()
+    }
+
+    /// Grant leases to waiters in arrival order while leases are free; answer the cancelled
+    /// and the expired ones. A fork waits while its parent's prefill is in flight.
+    fn serve_leases(&mut self, s: &mut ContextState, out: &mut TickOutcome) {
+        let now = Instant::now();
+        let busy: HashSet<Handle> =
+            self.flights.iter().flat_map(|f| f.items.iter().map(|i| i.handle)).collect();
+        let mut blocked = false;
+        let mut keep = VecDeque::with_capacity(self.lease_waiting.len());
+        for op in self.lease_waiting.drain(..) {
+            let Work::Lease(w) = &op.work else {
+                out.reply(
+                    op,
+                    Err(LloyalError::Backend("internal error: a non-lease op waited for a lease".into())),
+                );
+                continue;
+            };
+            let w = Arc::clone(w);
+            if op.is_cancelled() {
+                out.reply(op, Err(LloyalError::Interrupted));
+            } else if !blocked && s.available() > 0 && !w.parent.is_some_and(|p| busy.contains(&p)) {
+                let r = w.grant(s);
+                out.reply(op, r);
+            } else if w.expired(now) {
+                out.reply(
+                    op,
+                    Err(LloyalError::LeaseWaitTimedOut { n_seq_max: s.lease_count(), waited: w.timeout }),
+                );
+            } else {
+                blocked = true; // first come, first served: later waiters stay behind this one
+                keep.push_back(op);
+            }
+        }
+        self.lease_waiting = keep;
     }
 
     /// Prefills in flight.
@@ -164,6 +208,8 @@ impl Scheduler {
         let mut replies: Vec<_> = self.flights.drain(..).map(|f| (f.op.reply, Err(err.clone()))).collect();
         replies.extend(self.gens.drain(..).map(|g| (g.op.reply, Err(err.clone()))));
         replies.extend(self.waiting.drain(..).map(|w| (w.op.reply, Err(err.clone()))));
+        replies.extend(self.lease_waiting.drain(..).map(|op| (op.reply, Err(err.clone()))));
+        replies.extend(self.prompt_waiting.drain(..).map(|w| (w.op.reply, Err(err.clone()))));
         replies
     }
 
@@ -188,6 +234,7 @@ impl Scheduler {
         let mut reserved: usize = self.flights.iter().map(|f| f.cells).sum::<usize>()
             + self.gens.iter().map(Gen::reserved).sum::<usize>();
         self.admit_waiting(s, &mut reserved, &mut out);
+        self.admit_prompts(s, &mut reserved, &mut busy, &mut out);
         let mut commits: Vec<(Op, Vec<CommitRow>)> = Vec::new();
         for op in ops {
             if op.is_cancelled() {
@@ -220,20 +267,18 @@ impl Scheduler {
                     }
                 },
                 Work::Generate(spec) if !spec.prompt.is_empty() => {
-                    // Prefill the request's prompt first (a flight); it queues for its tokens
-                    // when the prompt is written.
-                    let admitted = self
-                        .admit_gen(s, spec)
-                        .and_then(|()| admit_prefill(s, &[(spec.handle, spec.prompt.clone())], reserved));
-                    match admitted {
+                    // Wait (FIFO) for room for the prompt and its tokens, then prefill the
+                    // prompt (a flight); the request queues for its tokens when it is written.
+                    let spec = (**spec).clone();
+                    match self.admit_gen(s, &spec) {
                         Err(e) => out.reply(op, Err(e)),
-                        Ok((items, cells)) => {
-                            reserved += cells;
-                            busy.extend(handles);
-                            self.flights.push(Flight { op, items, cells, arrived: Instant::now() });
+                        Ok(()) => {
+                            self.prompt_waiting.push_back(Waiting { op, spec, since: Instant::now() });
+                            self.admit_prompts(s, &mut reserved, &mut busy, &mut out);
                         }
                     }
                 }
+                Work::Lease(_) => self.lease_waiting.push_back(op),
                 Work::Generate(spec) => {
                     let spec = (**spec).clone();
                     match self.admit_gen(s, &spec) {
@@ -246,6 +291,8 @@ impl Scheduler {
                 }
             }
         }
+
+        self.serve_leases(s, &mut out);
 
         // Generation requests that want a token, oldest first: sample, check stops, admit.
         let mut ended: Vec<(usize, Result<Finish>)> = Vec::new();
@@ -453,6 +500,69 @@ impl Scheduler {
         self.waiting = keep;
     }
 
+    /// Start the prompts of waiting generation requests, oldest first, while the cache has
+    /// room for a prompt and its request's tokens; answer the cancelled, the gone and the
+    /// timed out.
+    fn admit_prompts(
+        &mut self,
+        s: &mut ContextState,
+        reserved: &mut usize,
+        busy: &mut HashSet<Handle>,
+        out: &mut TickOutcome,
+    ) {
+        let n_ctx = s.shape().n_ctx as usize;
+        let mut keep = VecDeque::with_capacity(self.prompt_waiting.len());
+        let mut blocked = false;
+        for w in self.prompt_waiting.drain(..) {
+            let fail = |out: &mut TickOutcome, w: Waiting, err: LloyalError| {
+                out.events.push((Arc::clone(&w.spec.stream), Event::End(Err(err.clone()))));
+                out.reply(w.op, Err(err));
+            };
+            if w.op.is_cancelled() {
+                fail(out, w, LloyalError::Interrupted);
+                continue;
+            }
+            if !s.is_live(w.spec.handle) {
+                let handle = w.spec.handle;
+                fail(out, w, LloyalError::BranchDisposed { handle });
+                continue;
+            }
+            let need = w.spec.prompt.len() + w.spec.cells();
+            let free = n_ctx.saturating_sub(s.ledger.cells_used() + *reserved);
+            if !blocked && need <= free && !busy.contains(&w.spec.handle) {
+                match admit_prefill(s, &[(w.spec.handle, w.spec.prompt.clone())], *reserved) {
+                    Ok((items, cells)) => {
+                        *reserved += cells;
+                        busy.insert(w.spec.handle);
+                        self.flights.push(Flight { op: w.op, items, cells, arrived: Instant::now() });
+                    }
+                    Err(e) => fail(out, w, e),
+                }
+                continue;
+            }
+            blocked = true;
+            if w.spec.timeout.is_some_and(|t| w.since.elapsed() >= t) {
+                let err = LloyalError::KvCacheFull {
+                    needed: need,
+                    n_ctx: n_ctx as u32,
+                    detail: format!(
+                        "the generation request waited {:.3} s (its timeout) for room for its {}-token \
+                         prompt and its tokens: branches hold {} cells and running requests reserve {} \
+                         more, {free} free",
+                        w.since.elapsed().as_secs_f64(),
+                        w.spec.prompt.len(),
+                        s.ledger.cells_used(),
+                        *reserved
+                    ),
+                };
+                fail(out, w, err);
+                continue;
+            }
+            keep.push_back(w);
+        }
+        self.prompt_waiting = keep;
+    }
+
     /// Validate a new generation request: its branch is live and has logits to sample from,
     /// no other request is generating on it, and its reservation could ever fit the cache.
     fn admit_gen(&self, s: &mut ContextState, spec: &GenSpec) -> Result<()> {
@@ -473,8 +583,11 @@ impl Scheduler {
                 ),
             });
         }
-        let generating =
-            self.gens.iter().map(|g| g.spec.handle).chain(self.waiting.iter().map(|w| w.spec.handle));
+        let generating = self
+            .gens
+            .iter()
+            .map(|g| g.spec.handle)
+            .chain(self.waiting.iter().chain(self.prompt_waiting.iter()).map(|w| w.spec.handle));
         if generating.into_iter().any(|h| h == spec.handle) {
             return Err(LloyalError::invalid(format!(
                 "branch {} is already generating (another iterator of it is open); finish or \

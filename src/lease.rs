@@ -1,0 +1,83 @@
+//! `create` / `fork` with a `timeout`: wait for a lease in the engine (`engine::lease`).
+
+use std::sync::Arc;
+
+use lloyal_core::engine::lease::{LeaseSlot, LeaseWork, MakeBranch};
+use lloyal_core::{Context, Handle, LloyalError, Work};
+use pyo3::exceptions::PyValueError;
+use pyo3::prelude::*;
+use pyo3::types::{PyCFunction, PyTuple};
+
+use crate::branch::PyBranch;
+use crate::context::PyContext;
+use crate::detach::run;
+use crate::engine;
+use crate::error::to_py;
+
+/// A `timeout` keyword: `Some(0.0)` means "do not wait", `None` "wait as long as it takes".
+pub fn check_timeout(timeout: Option<f64>) -> PyResult<Option<f64>> {
+    match timeout {
+        Some(t) if t.is_nan() || t < 0.0 => Err(PyValueError::new_err(format!(
+            "timeout must be None (wait as long as it takes), 0 (do not wait) or a number of seconds > 0, got {t}"
+        ))),
+        t => Ok(t),
+    }
+}
+
+/// Prune a branch its caller gave up on (granted as the caller left).
+fn discard(py: Python<'_>, ctx: &Arc<Context>, slot: &LeaseSlot) {
+    if let Some(h) = slot.withdraw() {
+        let _ = run(py, ctx, move |s| s.branch_prune(h));
+    }
+}
+
+fn lost() -> PyErr {
+    to_py(LloyalError::Backend("internal error: a granted lease went missing (please report it)".into()))
+}
+
+/// Queue `make` until a lease is free and block for it (GIL released; Ctrl-C withdraws).
+pub fn wait(
+    py: Python<'_>,
+    ctx: &Arc<Context>,
+    parent: Option<Handle>,
+    timeout: Option<f64>,
+    make: MakeBranch,
+) -> PyResult<Handle> {
+    let (work, slot) = LeaseWork::new(parent, timeout, make);
+    match engine::wait(py, ctx, Work::Lease(Arc::new(work))) {
+        Ok(()) => slot.take().ok_or_else(lost),
+        Err(e) => {
+            discard(py, ctx, &slot);
+            Err(e)
+        }
+    }
+}
+
+/// For `lloyal.aio.lease_call`: queue `make`, settle `fut` when granted; returns
+/// `(cancel, take)` callables (cancel withdraws and prunes a branch granted meanwhile).
+pub fn submit_async<'py>(
+    py: Python<'py>,
+    ctx: &Py<PyContext>,
+    parent: Option<Handle>,
+    timeout: Option<f64>,
+    make: MakeBranch,
+    lp: Bound<'py, PyAny>,
+    fut: Bound<'py, PyAny>,
+) -> PyResult<Bound<'py, PyTuple>> {
+    let core = ctx.get().inner.clone();
+    let (work, slot) = LeaseWork::new(parent, timeout, make);
+    let cancel_op = engine::submit_async(py, &core, Work::Lease(Arc::new(work)), lp, fut)?.unbind();
+    let (slot2, core2) = (Arc::clone(&slot), Arc::clone(&core));
+    let cancel = PyCFunction::new_closure(py, None, None, move |args, _kwargs| -> PyResult<()> {
+        let py = args.py();
+        cancel_op.bind(py).call0()?;
+        discard(py, &core2, &slot2);
+        Ok(())
+    })?;
+    let ctx = ctx.clone_ref(py);
+    let take = PyCFunction::new_closure(py, None, None, move |args, _kwargs| -> PyResult<PyBranch> {
+        let handle = slot.take().ok_or_else(lost)?;
+        Ok(PyBranch { ctx: ctx.clone_ref(args.py()), handle })
+    })?;
+    PyTuple::new(py, [cancel.into_any(), take.into_any()])
+}
