@@ -65,9 +65,28 @@ def lloyal_worker(mode: str, pp: int, tg: int, batch: int, threads: int, model: 
         root.prune_subtree()
         return t_pp, t_tg
 
+    def sampled() -> float:
+        """One stream as a user runs it: ``produce`` (temperature 0.8, top-k 40, top-p 0.95,
+        seeded) then ``commit``, per token; the end of generation banned so every step decodes."""
+        params = lloyal.SamplingParams(temperature=0.8, top_k=40, top_p=0.95, seed=7)
+        root = lloyal.Branch.create(ctx, 0, params)
+        stops = {t for t in range(300) if ctx.is_stop_token(t)} | {ctx.eog_token}
+        root.set_logit_bias({t: float("-inf") for t in stops})
+        root.prefill(prompt)
+        t0 = time.perf_counter()
+        for _ in range(tg):
+            root.commit(root.produce().token)
+        t = time.perf_counter() - t0
+        root.prune()
+        return t
+
     once()  # warm-up, as llama-batched-bench does
     t_pp, t_tg = once()
-    return {"s_pp": pp / t_pp, "s_tg": batch * tg / t_tg}
+    out = {"s_pp": pp / t_pp, "s_tg": batch * tg / t_tg}
+    if batch == 1:
+        sampled()
+        out["s_tg_sampled"] = tg / sampled()
+    return out
 
 
 def peer_worker(binary: str, pp: int, tg: int, batch: int, threads: int, model: str) -> dict[str, float]:
@@ -180,6 +199,19 @@ def main() -> None:
                 cells.append(f"{statistics.median(mine):.1f}")
                 cells.append(f"{statistics.median(ratios):.2f} ({min(ratios):.2f}–{max(ratios):.2f})")
             print(f"| {label} | " + " | ".join(cells) + " |")
+        if b == 1:  # issue 18 target 1: lloyal's sampled single stream against the peer's decode only
+            peer = [x["s_tg"] for x in got[("llama.cpp", b)]]
+            cells = [f"{statistics.median(peer):.1f} (decode only)"]
+            for k in MODES:
+                mine = [x["s_tg_sampled"] for x in got[(k, b)]]
+                ratios = [m / p for m, p in zip(mine, peer, strict=True)]
+                cells.append(f"{statistics.median(mine):.1f}")
+                cells.append(f"{statistics.median(ratios):.2f} ({min(ratios):.2f}–{max(ratios):.2f})")
+            print(
+                "| single stream, produce + commit, temp 0.8 top-k 40 top-p 0.95 | "
+                + " | ".join(cells)
+                + " |"
+            )
 
 
 if __name__ == "__main__":
