@@ -9,7 +9,8 @@ streamed token of a run over the run's wall time.
 
 Loads: shared-prefix (the same ~1000-token system text + a distinct one-line question),
 distinct prompts (32-512 tokens, nothing shared), each at concurrency 1, 4, 16 with 64 new
-tokens; ``n=8`` in one request; and on lloyal the TTFT of a prefix-cache hit against a miss.
+tokens; ``n=8`` in one request on a prompt of the shared load's length that no server has seen
+(cold everywhere); and on lloyal the TTFT of a prefix-cache hit against a miss.
 
     python benches/bench_server.py --full          # `make bench-server`: every load, full size
     python benches/bench_server.py                 # smoke size (what `pytest benches` runs)
@@ -354,8 +355,15 @@ def _served_model(url: str) -> str:
     return str(httpx.get(url + "/v1/models", timeout=10).json()["data"][0]["id"])
 
 
+LOADS = ("shared-prefix", "distinct", "n", "cache")
+
+
 def bench(
-    size: Size, only: set[str] | None = None, fast: bool = False, extra: Sequence[str] = ()
+    size: Size,
+    only: set[str] | None = None,
+    fast: bool = False,
+    extra: Sequence[str] = (),
+    loads: Sequence[str] = LOADS,
 ) -> list[Result]:
     model = lloyal.default_model_path()
     with lloyal.Context(model, n_ctx=4096) as ctx:
@@ -375,18 +383,33 @@ def bench(
                 warm = run_load(spec.name, url, "warm-up", ["Hello there"], 1, 4, served)
                 asyncio.run(warm)  # graph allocation, first-touch of the weights: not measured
                 for load in ("shared-prefix", "distinct"):
+                    if load not in loads:
+                        continue
                     for c in size.concurrencies:
                         count = max(size.requests_per_level, c)
                         prompts = (shared if load == "shared-prefix" else distinct[c])[:count]
                         r = asyncio.run(run_load(spec.name, url, load, prompts, c, size.max_tokens, served))
                         print(_row(r), flush=True)
                         results.append(r)
-                r = asyncio.run(
-                    run_n(spec.name, url, shared[0], size.n, size.max_tokens, served, spec.n_native)
-                )
-                print(_row(r), flush=True)
-                results.append(r)
-                if spec.name.startswith("lloyal serve"):
+                if "n" in loads:
+                    # A prompt of the shared load's length that no server has seen: every server
+                    # starts cold (llama-server keeps earlier prompts in its host-memory prompt
+                    # cache, lloyal in its prefix cache; either would measure the cache instead).
+                    fresh = system_text(ctx, size.system_tokens, salt=f"-n-{time.time_ns()}")
+                    r = asyncio.run(
+                        run_n(
+                            spec.name,
+                            url,
+                            shared_prompts(fresh, 1)[0],
+                            size.n,
+                            size.max_tokens,
+                            served,
+                            spec.n_native,
+                        )
+                    )
+                    print(_row(r), flush=True)
+                    results.append(r)
+                if spec.name.startswith("lloyal serve") and "cache" in loads:
                     for r in asyncio.run(cache_hit_vs_miss(url, ctx, size, served, spec.name)):
                         print(_row(r), flush=True)
                         results.append(r)
@@ -441,12 +464,16 @@ def main(argv: list[str] | None = None) -> int:
     )
     ap.add_argument("--fast", action="store_true", help="also run `lloyal serve --fast-kernels`")
     ap.add_argument("--lloyal-args", default="", help="more `lloyal serve` options, e.g. '--prefill-chunk 0'")
+    ap.add_argument("--loads", default=",".join(LOADS), help=f"comma-separated subset of {','.join(LOADS)}")
     ap.add_argument("--json", default=str(ROOT / "benches/results/server.json"))
     args = ap.parse_args(argv)
+    loads = [x for x in args.loads.split(",") if x]
+    if unknown := set(loads) - set(LOADS):
+        ap.error(f"unknown --loads {sorted(unknown)}: choose from {','.join(LOADS)}")
     size = FULL if args.full else SMOKE
     print(f"threads={THREADS} size={asdict(size)}\n{HEADER}", flush=True)
     only = {x for x in args.only.split(",") if x} or None
-    results = bench(size, only, args.fast, shlex.split(args.lloyal_args))
+    results = bench(size, only, args.fast, shlex.split(args.lloyal_args), loads)
     print("\n| lloyal | load | concurrency | ÷ llama-server tok/s | ÷ llama-server TTFT median |")
     print("| --- | --- | --- | --- | --- |")
     print("\n".join(ratios(results)))
