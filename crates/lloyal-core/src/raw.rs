@@ -337,8 +337,8 @@ mod tests {
         // The core's sources, and the PyO3 glue's (`src/` at the repository root). The
         // directory cargo runs the test from, not the one it was compiled in: a test binary
         // cached in a shared CARGO_TARGET_DIR may come from another checkout of the crate.
-        let manifest = std::env::var("CARGO_MANIFEST_DIR")
-            .unwrap_or_else(|_| env!("CARGO_MANIFEST_DIR").to_owned());
+        let manifest =
+            std::env::var("CARGO_MANIFEST_DIR").unwrap_or_else(|_| env!("CARGO_MANIFEST_DIR").to_owned());
         let core = Path::new(&manifest).join("src");
         let glue = Path::new(&manifest).join("../../src");
         let mut files = Vec::new();
