@@ -7,7 +7,7 @@ export PYO3_PYTHON := $(CURDIR)/.venv/bin/python
 PYDIRS := python tests benches examples .ci
 
 .PHONY: help sysdeps browser venv build soak fuzz test test-rust test-py test-docs families lint format bench bench-deps bench-batched demo serve \
-	smoke-wheel clean distclean
+	smoke-wheel wheel-portable bench-wheel clean distclean
 .DEFAULT_GOAL := help
 
 help:  ## list the targets with what they do (this text)
@@ -77,6 +77,18 @@ smoke-wheel: sysdeps venv  ## build a release wheel, install it with the model e
 	python3 -m venv target/smoke/venv
 	target/smoke/venv/bin/pip install -q "$$(ls target/smoke/dist/*.whl)[model]"
 	cd target/smoke && venv/bin/python $(CURDIR)/.ci/smoke_wheel.py
+
+PORTABLE := target/portable
+wheel-portable: sysdeps venv  ## the portable wheel (CPU backend picked at run time; own cache, ~20 min cold), smoke-tested in a fresh venv
+	rm -rf $(PORTABLE)/dist $(PORTABLE)/venv
+	CARGO_TARGET_DIR=$(HOME)/.cache/lloyal/target-portable MATURIN=$(CURDIR)/.venv/bin/maturin \
+		bash .ci/build_portable_wheel.sh $(PORTABLE)/dist
+	python3 -m venv $(PORTABLE)/venv
+	$(PORTABLE)/venv/bin/pip install -q "$$(ls $(PORTABLE)/dist/*.whl)[model]"
+	cd $(PORTABLE) && LLOYAL_EXPECT_PORTABLE=1 venv/bin/python $(CURDIR)/.ci/smoke_wheel.py
+
+bench-wheel: build  ## the portable wheel (make wheel-portable first) vs the native source build: paired per-round ratios
+	$(PY) benches/wheel_vs_source.py --wheel-python $(PORTABLE)/venv/bin/python --rounds 5
 
 soak: build  ## full-size reliability run: state machine (>=10,000 steps), 10,000 fork cycles, 200 contexts
 	@mkdir -p benches/results && rm -f benches/results/soak.jsonl

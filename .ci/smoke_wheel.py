@@ -1,9 +1,26 @@
-"""Wheel smoke test (wheels.yml, `make smoke-wheel`): the installed wheel imports, tokenizes, and
-decodes a few greedy tokens on the model from the `lloyal[model]` extra."""
+"""Wheel smoke test (wheels.yml, `make smoke-wheel`, `make wheel-portable`): the installed wheel
+imports, tokenizes, and decodes a few greedy tokens on the model from the `lloyal[model]` extra.
+
+With LLOYAL_EXPECT_PORTABLE=1 it also checks that the wheel is portable and that llama.cpp picked
+a CPU backend that uses what this CPU has (AVX2, AVX-512), not the baseline one."""
 
 from __future__ import annotations
 
+import os
+from pathlib import Path
+
 import lloyal
+
+info = lloyal.system_info()
+print(f"system_info: {info}")
+if os.environ.get("LLOYAL_EXPECT_PORTABLE") == "1":
+    assert lloyal._lloyal.PORTABLE, "not a portable build (feature `portable`)"
+    assert "site-packages" in lloyal.__file__, f"imported {lloyal.__file__}, not the installed wheel"
+    cpuinfo = Path("/proc/cpuinfo")
+    flags = set(cpuinfo.read_text().split()) if cpuinfo.exists() else set()
+    for flag, feature in (("avx2", "AVX2 = 1"), ("avx512f", "AVX512 = 1"), ("fma", "FMA = 1")):
+        if flag in flags:
+            assert feature in info, f"this CPU has {flag} but llama.cpp's backend lacks {feature!r}"
 
 path = lloyal.default_model_path()
 with lloyal.Context(path, n_ctx=256, n_seq_max=2) as ctx:

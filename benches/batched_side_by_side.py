@@ -7,8 +7,8 @@ What is measured (decode only, no sampling, as ``llama-batched-bench -pps`` does
 ``--pp`` tokens prefilled once (S_PP, tokens/s), then ``B`` sequences sharing it each decode
 ``--tg`` tokens in lockstep, one ``llama_decode`` of ``B`` rows per step (S_TG, aggregate
 tokens/s). lloyal does the same with ``Branch.prefill``, ``fork`` and ``BranchStore.commit``,
-in its default batch-invariant mode and with ``batch_invariant=False`` (llama.cpp's fastest
-kernels, repacked weights).
+in its default mode (llama.cpp's fastest kernels, repacked weights) and with
+``batch_invariant=True`` (per-row kernels).
 
 Every measurement runs in its own process with a clean environment (no ``GGML_*`` variables:
 lloyal's process-wide ``GGML_CPU_TILED_MM=0`` never reaches the peer), each after its own
@@ -34,7 +34,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 DEFAULT_BIN = ROOT / "target" / "peers" / "build" / "bin" / "llama-batched-bench"
-MODES = {"lloyal": None, "lloyal-fast": False}
+MODES = {"lloyal": None, "lloyal-invariant": True}
 
 
 def lloyal_worker(mode: str, pp: int, tg: int, batch: int, threads: int, model: str) -> dict[str, float]:
@@ -185,7 +185,15 @@ def main() -> None:
         print(f"round {r + 1}/{a.rounds} done", file=sys.stderr)
     print(f"peer: llama-batched-bench {peer_version(str(a.bin))}; lloyal {lloyal.__version__}")
     print(f"pp={a.pp} tg={a.tg} threads={a.threads} rounds={a.rounds}; median of per-round ratios (range)")
-    print("| measure | llama.cpp t/s | lloyal t/s | lloyal ÷ llama.cpp | fast t/s | fast ÷ llama.cpp |")
+    head = [
+        "measure",
+        "llama.cpp t/s",
+        "lloyal t/s",
+        "lloyal ÷ llama.cpp",
+        "invariant t/s",
+        "invariant ÷ llama.cpp",
+    ]
+    print("| " + " | ".join(head) + " |")
     print("|---|---|---|---|---|---|")
     for b in batches:
         for key, label in (("s_pp", f"prefill {a.pp} (B={b})"), ("s_tg", f"decode B={b}")):

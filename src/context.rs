@@ -24,16 +24,16 @@ use crate::text::PyTextStream;
 /// Always created with a unified KV cache and a full-size SWA cache, so forks share
 /// prefix cells. A context manager; ``close()`` is idempotent.
 ///
-/// Batch invariance (``batch_invariant``, on by default on the CPU): a token's logits do not
-/// depend on which other rows share its decode (``n_batch``, batched vs single commits,
-/// packed prefill) nor on where its cells sit in the cache, so greedy output is identical
-/// whatever the batching. It takes llama.cpp's per-row kernels: weights not repacked,
-/// flash attention on its one-row path (the K cache defaults to ``q8_0`` for that), and
-/// ggml's tiled K-quant matmul off. ``batch_invariant=False`` uses llama.cpp's fastest
-/// kernels instead (f16 K cache; a ``Context`` built from a path then loads repacked
-/// weights); ``None`` turns it on when the model and cache types allow it. Float
-/// (F32/F16/BF16) weights never allow it: llama.cpp multiplies them with one kernel for a
-/// single row and another for several.
+/// Batch invariance (``batch_invariant=True``): a token's logits do not depend on which other
+/// rows share its decode (``n_batch``, batched vs single commits, packed prefill) nor on where
+/// its cells sit in the cache, so greedy output is identical whatever the batching. It takes
+/// llama.cpp's per-row kernels, about a quarter slower on prompts: weights not repacked (a
+/// ``Context`` built from a path loads them so), flash attention on its one-row path (the K
+/// cache defaults to ``q8_0`` for that), and ggml's tiled K-quant matmul off. By default
+/// (``None``) a context runs llama.cpp's fastest kernels (repacked weights, f16 K cache), unless
+/// its ``Model`` was loaded with ``repack=False``: then ``None`` turns invariance on when the
+/// cache types allow it. Float (F32/F16/BF16) weights never allow it: llama.cpp multiplies them
+/// with one kernel for a single row and another for several.
 ///
 /// ``pooling`` (for ``embeddings=True``): ``None`` pools the way the model's GGUF declares
 /// (``<arch>.pooling_type``, e.g. the last token for Qwen3-Embedding), else by mean.

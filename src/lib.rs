@@ -2,6 +2,7 @@
 //! class here converts arguments, runs core work through `detach::run`, converts results.
 
 mod aio;
+mod backend;
 mod branch;
 mod chat;
 mod context;
@@ -24,6 +25,8 @@ use pyo3::prelude::*;
 #[pymodule]
 fn _lloyal(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add("__version__", env!("CARGO_PKG_VERSION"))?;
+    // Portable builds pick their CPU backend at run time (feature `portable`, the wheels).
+    m.add("PORTABLE", cfg!(feature = "portable"))?;
     m.add_class::<model::PyModel>()?;
     m.add_class::<context::PyContext>()?;
     m.add_class::<metrics::PyPerplexityTracker>()?;
@@ -36,6 +39,7 @@ fn _lloyal(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<store::PyKvPressure>()?;
     m.add_class::<engine::PyEngineStats>()?;
     m.add_class::<grammar::PyGrammar>()?;
+    m.add_function(wrap_pyfunction!(backend::system_info, m)?)?;
     m.add_function(wrap_pyfunction!(sampling::validate_sampling_params, m)?)?;
     m.add_function(wrap_pyfunction!(grammar::json_schema_to_grammar, m)?)?;
     m.add_function(wrap_pyfunction!(chat::parse_chat_output_native, m)?)?;

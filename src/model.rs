@@ -10,11 +10,11 @@ use crate::detach::detached;
 
 /// Model weights (thread-safe; shared by every context created from it).
 ///
-/// ``Model(path, *, n_gpu_layers=0, use_mmap=True, repack=False)`` loads (or shares) the
-/// weights of a GGUF file: a path opened twice loads once. ``repack=True`` lets llama.cpp
-/// rearrange Q4 weights for its fastest CPU matmul, which multiplies rows in groups of 4: a
-/// token's logits then depend on how many rows share its decode, so contexts of such a model
-/// are not batch-invariant.
+/// ``Model(path, *, n_gpu_layers=0, use_mmap=True, repack=True)`` loads (or shares) the
+/// weights of a GGUF file: a path opened twice loads once. ``repack=True`` (the default, as in
+/// llama.cpp) lets llama.cpp rearrange Q4 weights for its fastest CPU matmul, which multiplies
+/// rows in groups of 4: a token's logits then depend on how many rows share its decode, so
+/// contexts of such a model are not batch-invariant; load with ``repack=False`` for those.
 ///
 /// Raises:
 ///     ModelLoadError: the file is missing, not a GGUF, or of an unsupported architecture.
@@ -38,7 +38,7 @@ impl PyModel {
 #[pymethods]
 impl PyModel {
     #[new]
-    #[pyo3(signature = (path, *, n_gpu_layers=0, use_mmap=true, repack=false))]
+    #[pyo3(signature = (path, *, n_gpu_layers=0, use_mmap=true, repack=true))]
     fn new(py: Python<'_>, path: PathBuf, n_gpu_layers: u32, use_mmap: bool, repack: bool) -> PyResult<Self> {
         let inner = Self::load(py, path, ModelOptions { n_gpu_layers, use_mmap, repack })?;
         Ok(PyModel { inner })

@@ -52,7 +52,9 @@ def model_path() -> Path:
 
 @pytest.fixture(scope="session")
 def model(model_path: Path) -> lloyal.Model:
-    return lloyal.Model(model_path)
+    # Not repacked: contexts made from it are batch-invariant unless a test says otherwise, so
+    # the suite can compare batched and single runs with ==.
+    return lloyal.Model(model_path, repack=False)
 
 
 @pytest.fixture

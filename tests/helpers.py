@@ -7,6 +7,8 @@ import json
 import os
 import subprocess
 import sys
+import time
+from collections.abc import Callable
 from pathlib import Path
 from types import ModuleType
 from typing import Any
@@ -64,3 +66,11 @@ def produce_commit(branch: lloyal.Branch, n: int, *, forbid_stop: bool = False) 
         branch.commit(p.token)
         out.append(p.token)
     return out
+
+
+def wait_until(cond: Callable[[], bool], timeout: float = 30.0) -> None:
+    """Poll ``cond`` until it holds; fail the test after ``timeout`` seconds."""
+    deadline = time.monotonic() + timeout
+    while not cond():
+        assert time.monotonic() < deadline, "timed out waiting for the engine"
+        time.sleep(0.001)

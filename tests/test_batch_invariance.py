@@ -153,15 +153,24 @@ def test_packed_prefill_equals_individual_prefill(make_context: MakeContext) -> 
         alone.prune()
 
 
-def test_fast_kernels_are_opt_in(model_path: object, make_context: MakeContext) -> None:
-    fast = lloyal.Context(model_path, n_ctx=256, batch_invariant=False)  # type: ignore[arg-type]
-    try:
-        assert not fast.batch_invariant
-        assert (fast.type_k, fast.type_v) == ("f16", "f16")
-        assert fast.model.repack is True  # built from a path: llama.cpp's repacked weights
-        assert fast.tokenize("hi") == [2, 2202]
-    finally:
-        fast.close()
+def test_fast_kernels_are_the_default_and_invariance_one_flag_away(
+    model_path: object, make_context: MakeContext
+) -> None:
+    for fast in (
+        lloyal.Context(model_path, n_ctx=256),  # type: ignore[arg-type]
+        lloyal.Context(model_path, n_ctx=256, batch_invariant=False),  # type: ignore[arg-type]
+    ):
+        try:
+            assert not fast.batch_invariant
+            assert (fast.type_k, fast.type_v) == ("f16", "f16")
+            assert fast.model.repack is True  # built from a path: llama.cpp's repacked weights
+            assert fast.tokenize("hi") == [2, 2202]
+        finally:
+            fast.close()
+    assert lloyal.Model(model_path).repack is True  # type: ignore[arg-type]
+    with lloyal.Context(model_path, n_ctx=256, batch_invariant=True) as exact:  # type: ignore[arg-type]
+        assert exact.batch_invariant and exact.model.repack is False
+        assert (exact.type_k, exact.type_v) == ("q8_0", "f16")
     f16 = make_context(n_ctx=256, type_k="f16")  # auto: both f16 cannot be invariant
     assert not f16.batch_invariant and f16.type_k == "f16"
     v8 = make_context(n_ctx=256, type_k="f16", type_v="q8_0", batch_invariant=True)

@@ -47,7 +47,7 @@ def test_identical_and_related_texts(ectx: lloyal.Context) -> None:
 
 
 def test_batched_equals_one_by_one(ectx: lloyal.Context) -> None:
-    # The token rows are batch-invariant (the default kernels), but llama.cpp pools them with
+    # The token rows are batch-invariant (the fixture's model is not repacked), but llama.cpp pools them with
     # a matmul over every row of the decode, whose sums round in the last bit: max |diff|
     # ~1e-9 on unit vectors, so 1 - cosine < 1e-6.
     assert ectx.batch_invariant

@@ -9,24 +9,17 @@ from __future__ import annotations
 
 import asyncio
 import threading
-import time
 from collections.abc import Callable, Iterator
 
 import numpy as np
 import pytest
+from helpers import wait_until
 
 import lloyal
 from lloyal import Branch, BranchStore, SamplingParams
 
 GREEDY = SamplingParams(temperature=0)
 PROMPT = "The three most important inventions of the last century were"
-
-
-def wait_until(cond: Callable[[], bool], timeout: float = 30.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not cond():
-        assert time.monotonic() < deadline, "timed out waiting for the engine"
-        time.sleep(0.001)
 
 
 @pytest.fixture

@@ -7,22 +7,16 @@ from __future__ import annotations
 import asyncio
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 
 import pytest
+from helpers import produce_commit, wait_until
 
 import lloyal
 from lloyal import Branch, BranchStore, SamplingParams
 
 GREEDY = SamplingParams(temperature=0)
 PROMPT = "The three most important inventions of the last century were"
-
-
-def wait_until(cond: Callable[[], bool], timeout: float = 30.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not cond():
-        assert time.monotonic() < deadline, "timed out waiting for the engine"
-        time.sleep(0.002)
 
 
 @pytest.fixture
@@ -32,15 +26,6 @@ def ctx3(model: lloyal.Model) -> Iterator[lloyal.Context]:
         yield c
     finally:
         c.close()
-
-
-def hand_loop(branch: Branch, n: int) -> list[int]:
-    out: list[int] = []
-    for _ in range(n):
-        p = branch.produce()
-        branch.commit(p.token)
-        out.append(p.token)
-    return out
 
 
 def test_no_timeout_fails_at_once_and_bad_timeouts_are_refused(ctx3: lloyal.Context) -> None:
@@ -77,7 +62,7 @@ def test_a_waiting_fork_gets_the_next_free_lease(ctx3: lloyal.Context) -> None:
     assert child.position == root.position and child.parent == root
     assert store.available == 0 and store.kv_pressure.cells_used == cells  # shares the prefix
     assert ctx3.engine_stats().lease_waiting == 0
-    assert hand_loop(child, 4) == hand_loop(other, 4)
+    assert produce_commit(child, 4) == produce_commit(other, 4)
 
 
 def test_waiters_are_served_first_come_first_served(ctx3: lloyal.Context) -> None:
@@ -122,7 +107,7 @@ def test_tasks_wait_for_leases_and_all_finish(model: lloyal.Model) -> None:
     with lloyal.Context(model, n_ctx=1024, n_batch=64, n_seq_max=4) as ctx:
         root = Branch.create(ctx, 0, GREEDY)
         root.prefill(ctx.tokenize(PROMPT))
-        want = hand_loop(root.fork(), 5)
+        want = produce_commit(root.fork(), 5)
         store = BranchStore(ctx)
         assert store.available == 2
 
@@ -194,7 +179,7 @@ def test_a_prompt_waits_for_room_for_itself_and_its_tokens(model: lloyal.Model) 
         tokens = cold.tokenize(PROMPT)
         ref = Branch.create(cold, 0, GREEDY)
         ref.prefill(tokens)
-        want = hand_loop(ref, 6)
+        want = produce_commit(ref, 6)
     with lloyal.Context(model, n_ctx=256, n_batch=64, n_seq_max=4) as ctx:
         store = BranchStore(ctx)
         # A running request reserves the room the new prompt needs.

@@ -84,7 +84,7 @@ _models: dict[str, Fam] = {}
 def load(name: str) -> Fam:
     if name not in _models:
         path = family_path(name)
-        _models[name] = Fam(name, FAMILIES[name], path, lloyal.Model(path))
+        _models[name] = Fam(name, FAMILIES[name], path, lloyal.Model(path, repack=False))
     return _models[name]
 
 

@@ -106,7 +106,13 @@ def served(cluster: None, model_path: str) -> Iterator[str]:
     port = _free_port()
     serve.start(http_options={"host": "127.0.0.1", "port": port})
     app = serve_app(
-        model_path, replicas=2, ray_actor_options={"num_cpus": 0}, n_ctx=512, parallel=2, n_threads=1
+        model_path,
+        replicas=2,
+        ray_actor_options={"num_cpus": 0},
+        n_ctx=512,
+        parallel=2,
+        n_threads=1,
+        batch_invariant=True,  # a replacement replica answers with the same greedy tokens
     )
     serve.run(app, name="lloyal", route_prefix="/")
     yield f"http://127.0.0.1:{port}/v1"
@@ -216,9 +222,14 @@ def test_generate_bad_rows_get_an_error_and_greedy_equals_one_process(cluster: N
     assert "needs" in by_prompt["word " * 700]["error"] and by_prompt["word " * 700]["completions"] == []
     assert by_prompt["Hi"]["error"].startswith("GrammarError")
     plain = generate(
-        [{"prompt": p} for p in prompts if len(p) < 100], model_path, max_tokens=6, n_ctx=512, n_threads=1
+        [{"prompt": p} for p in prompts if len(p) < 100],
+        model_path,
+        max_tokens=6,
+        n_ctx=512,
+        n_threads=1,
+        batch_invariant=True,  # batched rows equal one prompt at a time
     ).take_all()
-    with lloyal.Context(model_path, n_ctx=512, n_threads=1) as ctx:
+    with lloyal.Context(model_path, n_ctx=512, n_threads=1, batch_invariant=True) as ctx:
         for r in plain:
             b = lloyal.Branch.create(ctx, 0, lloyal.SamplingParams(temperature=0))
             b.prefill(ctx.tokenize(r["prompt"]))

@@ -42,7 +42,16 @@ def _free_port() -> int:
 
 @pytest.fixture(scope="module")
 def server(model_path: str) -> Iterator[str]:
-    cfg = ServerConfig(model=model_path, n_ctx=N_CTX, parallel=6, api_key=KEY, embeddings=True, n_threads=2)
+    # Batch-invariant: the tests compare the server's tokens with a context of their own.
+    cfg = ServerConfig(
+        model=model_path,
+        n_ctx=N_CTX,
+        parallel=6,
+        api_key=KEY,
+        embeddings=True,
+        n_threads=2,
+        batch_invariant=True,
+    )
     port = _free_port()
     srv = uvicorn.Server(uvicorn.Config(create_app(cfg), host="127.0.0.1", port=port, log_level="warning"))
     t = threading.Thread(target=srv.run, daemon=True)
@@ -72,7 +81,7 @@ def client(server: str) -> openai.OpenAI:
 @pytest.fixture(scope="module")
 def ref(model_path: str) -> Iterator[lloyal.Context]:
     """A context of our own, to compute what the server should answer."""
-    with lloyal.Context(model_path, n_ctx=N_CTX, n_seq_max=2, n_threads=2) as ctx:
+    with lloyal.Context(model_path, n_ctx=N_CTX, n_seq_max=2, n_threads=2, batch_invariant=True) as ctx:
         yield ctx
 
 
@@ -490,7 +499,7 @@ def tight(model_path: str) -> Iterator[tuple[str, Any]]:
         max_queue=1,
         request_timeout=TIMEOUT,
         n_threads=2,
-        fast_kernels=True,  # the fast path serves too; the tests below do not compare tokens
+        # the default, fast kernels (the module's other server is batch-invariant: it compares tokens)
         prefill_chunk=16,
     )
     app = create_app(cfg)
@@ -523,7 +532,7 @@ def _idle(app: Any) -> None:
     assert ctx.n_seq_max - sched.store.available == len(sched.cache)
 
 
-def test_fast_kernels_and_prefill_chunk_options(
+def test_fast_kernels_by_default_and_prefill_chunk_options(
     tight: tuple[str, Any], name: str, monkeypatch: pytest.MonkeyPatch, model_path: Path
 ) -> None:
     url, app = tight
@@ -534,15 +543,15 @@ def test_fast_kernels_and_prefill_chunk_options(
     out = c.completions.create(model=name, prompt="The capital of France is", max_tokens=4, temperature=0)
     assert out.usage is not None and out.usage.completion_tokens == 4 and out.choices[0].text
     _idle(app)
-    # `lloyal serve --fast-kernels` asks for exactly this configuration.
+    # `lloyal serve` asks for the fast kernels unless told `--batch-invariant`.
     from lloyal import cli
 
     seen: list[ServerConfig] = []
     monkeypatch.setattr("lloyal.server.serve", lambda cfg, **kw: seen.append(cfg))
-    assert cli.main(["--model", str(model_path), "serve", "--fast-kernels", "--prefill-chunk", "0"]) == 0
-    assert seen[0].fast_kernels and seen[0].prefill_chunk == 0
+    assert cli.main(["--model", str(model_path), "serve", "--batch-invariant", "--prefill-chunk", "0"]) == 0
+    assert seen[0].batch_invariant and seen[0].prefill_chunk == 0
     assert cli.main(["--model", str(model_path), "serve", "--prefill-chunk", "paced"]) == 0
-    assert not seen[1].fast_kernels and seen[1].prefill_chunk is None
+    assert not seen[1].batch_invariant and seen[1].prefill_chunk is None
     with pytest.raises(SystemExit):
         cli.main(["--model", str(model_path), "serve", "--prefill-chunk", "-3"])
 

@@ -42,6 +42,7 @@ def proc(
     port = _free_port()
     cmd = [sys.executable, "-m", "lloyal.cli", "--model", str(model_path), "serve", "--port", str(port)]
     cmd += ["--n-ctx", str(N_CTX), "--parallel", "4", "-t", "2", "--shutdown-grace", str(GRACE)]
+    cmd += ["--batch-invariant"]  # the tests compare its tokens with a context of their own
     log = tmp_path_factory.mktemp("serve") / "serve.log"
     out = log.open("wb")
     p = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT)
@@ -76,7 +77,7 @@ def name(model_path: str) -> str:
 
 @pytest.fixture(scope="module")
 def ref(model_path: str) -> Iterator[lloyal.Context]:
-    with lloyal.Context(model_path, n_ctx=N_CTX, n_seq_max=2, n_threads=2) as ctx:
+    with lloyal.Context(model_path, n_ctx=N_CTX, n_seq_max=2, n_threads=2, batch_invariant=True) as ctx:
         yield ctx
 
 

@@ -35,7 +35,7 @@ DIGIT_TOKEN = 236832  # "7": never allowed by LETTERS
 def _model() -> lloyal.Model:
     global _MODEL
     if _MODEL is None:
-        _MODEL = lloyal.Model(lloyal.default_model_path())
+        _MODEL = lloyal.Model(lloyal.default_model_path(), repack=False)  # batch-invariant contexts
     return _MODEL
 
 

@@ -15,6 +15,10 @@ from __future__ import annotations
 import os
 from typing import Any
 
+# isort: off
+from lloyal import _native  # noqa: F401  (first: a portable wheel's shared llama.cpp, for the extension)
+
+# isort: on
 from lloyal import strategies
 from lloyal._lloyal import (
     Branch,
@@ -30,6 +34,7 @@ from lloyal._lloyal import (
     Token,
     TokenIterator,
     __version__,
+    system_info,
 )
 from lloyal._model_path import default_model_path
 from lloyal.chat import ChatOutput, FormattedChat, ToolCall, parse_chat_output
@@ -90,6 +95,7 @@ __all__ = [
     "json_schema_to_grammar",
     "parse_chat_output",
     "strategies",
+    "system_info",
 ]
 
 

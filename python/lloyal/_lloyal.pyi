@@ -11,7 +11,9 @@ from lloyal.chat import FormattedChat
 from lloyal.sampling import SamplingParams
 
 __version__: str
+PORTABLE: bool
 __all__ = [
+    "PORTABLE",
     "Branch",
     "BranchStore",
     "Context",
@@ -27,11 +29,15 @@ __all__ = [
     "__version__",
     "_parse_chat_output",
     "json_schema_to_grammar",
+    "system_info",
     "validate_sampling_params",
 ]
 
 def json_schema_to_grammar(schema: str) -> str:
     """GBNF (start rule ``root``) for a JSON schema given as JSON text."""
+
+def system_info() -> str:
+    """The backends llama.cpp runs on and their CPU features, as llama.cpp reports them."""
 
 def validate_sampling_params(params: object) -> None:
     """Raise ``ValueError``/``TypeError`` if ``params`` is not a valid set of sampling parameters."""
@@ -43,11 +49,11 @@ def _parse_chat_output(text: str) -> tuple[str, str | None, list[tuple[str, str]
 class Model:
     """Model weights (thread-safe; shared by every context created from it).
 
-    ``Model(path, *, n_gpu_layers=0, use_mmap=True, repack=False)`` loads (or shares) the
-    weights of a GGUF file: a path opened twice loads once. ``repack=True`` lets llama.cpp
-    rearrange Q4 weights for its fastest CPU matmul, which multiplies rows in groups of 4: a
-    token's logits then depend on how many rows share its decode, so contexts of such a model
-    are not batch-invariant.
+    ``Model(path, *, n_gpu_layers=0, use_mmap=True, repack=True)`` loads (or shares) the
+    weights of a GGUF file: a path opened twice loads once. ``repack=True`` (the default, as in
+    llama.cpp) lets llama.cpp rearrange Q4 weights for its fastest CPU matmul, which multiplies
+    rows in groups of 4: a token's logits then depend on how many rows share its decode, so
+    contexts of such a model are not batch-invariant; load with ``repack=False`` for those.
 
     Raises:
         ModelLoadError: the file is missing, not a GGUF, or of an unsupported architecture.
@@ -64,7 +70,7 @@ class Model:
         *,
         n_gpu_layers: int = 0,
         use_mmap: bool = True,
-        repack: bool = False,
+        repack: bool = True,
     ) -> Model: ...
     @property
     def repack(self) -> bool:
@@ -106,16 +112,16 @@ class Context:
     Always created with a unified KV cache and a full-size SWA cache, so forks share
     prefix cells. A context manager; ``close()`` is idempotent.
 
-    Batch invariance (``batch_invariant``, on by default on the CPU): a token's logits do not
-    depend on which other rows share its decode (``n_batch``, batched vs single commits,
-    packed prefill) nor on where its cells sit in the cache, so greedy output is identical
-    whatever the batching. It takes llama.cpp's per-row kernels: weights not repacked,
-    flash attention on its one-row path (the K cache defaults to ``q8_0`` for that), and
-    ggml's tiled K-quant matmul off. ``batch_invariant=False`` uses llama.cpp's fastest
-    kernels instead (f16 K cache; a ``Context`` built from a path then loads repacked
-    weights); ``None`` turns it on when the model and cache types allow it. Float
-    (F32/F16/BF16) weights never allow it: llama.cpp multiplies them with one kernel for a
-    single row and another for several.
+    Batch invariance (``batch_invariant=True``): a token's logits do not depend on which other
+    rows share its decode (``n_batch``, batched vs single commits, packed prefill) nor on where
+    its cells sit in the cache, so greedy output is identical whatever the batching. It takes
+    llama.cpp's per-row kernels, about a quarter slower on prompts: weights not repacked (a
+    ``Context`` built from a path loads them so), flash attention on its one-row path (the K
+    cache defaults to ``q8_0`` for that), and ggml's tiled K-quant matmul off. By default
+    (``None``) a context runs llama.cpp's fastest kernels (repacked weights, f16 K cache), unless
+    its ``Model`` was loaded with ``repack=False``: then ``None`` turns invariance on when the
+    cache types allow it. Float (F32/F16/BF16) weights never allow it: llama.cpp multiplies them
+    with one kernel for a single row and another for several.
 
     ``pooling`` (for ``embeddings=True``): ``None`` pools the way the model's GGUF declares
     (``<arch>.pooling_type``, e.g. the last token for Qwen3-Embedding), else by mean.

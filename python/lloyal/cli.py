@@ -347,7 +347,7 @@ def serve(args: argparse.Namespace) -> int:
         request_timeout=args.request_timeout or None,
         max_queue=args.max_queue,
         shutdown_grace=args.shutdown_grace,
-        fast_kernels=args.fast_kernels,
+        batch_invariant=args.batch_invariant,
         prefill_chunk=args.prefill_chunk,
     )
     if args.ray:
@@ -440,10 +440,10 @@ def _parser() -> argparse.ArgumentParser:
         help="on SIGTERM/SIGINT, time running requests get to finish before they are cancelled (default 30)",
     )
     sv.add_argument(
-        "--fast-kernels",
+        "--batch-invariant",
         action="store_true",
-        help="llama.cpp's fastest CPU kernels (repacked weights, f16 K cache); a choice's tokens may then "
-        "depend on what else is batched with it (docs/performance.md)",
+        help="per-row CPU kernels: a choice's tokens do not depend on what else is batched with it, at "
+        "about a quarter of prompt speed (default: llama.cpp's fastest kernels; docs/performance.md)",
     )
     sv.add_argument(
         "--prefill-chunk",

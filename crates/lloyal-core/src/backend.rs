@@ -15,11 +15,50 @@ pub fn backend() -> &'static LlamaBackend {
     BACKEND.get_or_init(|| {
         install_log_router();
         default_tiled_matmul_off();
+        load_cpu_backends();
         // The only caller of init() is this OnceLock, so it cannot be initialised twice.
         // If another library already initialised llama.cpp in this process, the backend
         // is usable all the same; the value is only a proof token.
         LlamaBackend::init().unwrap_or(LlamaBackend {})
     })
+}
+
+/// Where a portable build finds its backend modules (`libggml-cpu-<level>.so`): the Python
+/// package sets this to the folder its wheel ships them in, before it imports the extension.
+pub const BACKENDS_DIR_VAR: &str = "LLOYAL_BACKENDS_DIR";
+
+/// Portable builds (feature `portable`) ship llama.cpp's CPU backend once per x86-64 level (or
+/// Arm version) as a module and load here the best one this CPU runs: ggml scores each module by
+/// the CPU features it was built for. Native builds link one CPU backend and load nothing.
+#[cfg(feature = "portable")]
+fn load_cpu_backends() {
+    let dir = std::env::var(BACKENDS_DIR_VAR).ok().or(llama_cpp_sys_2::BACKENDS_DIR.map(String::from));
+    let Some(dir) = dir.and_then(|d| std::ffi::CString::new(d).ok()) else {
+        return;
+    };
+    // SAFETY: a NUL-terminated path valid for the call; ggml copies what it keeps. Called once,
+    // from the backend's OnceLock, before any model or context exists.
+    unsafe { llama_cpp_sys_2::ggml_backend_load_all_from_path(dir.as_ptr()) };
+}
+
+#[cfg(not(feature = "portable"))]
+fn load_cpu_backends() {}
+
+/// What llama.cpp was built with and runs on: one `NAME : FEATURE = 1 | ...` group per backend
+/// (for a portable build, the CPU level it picked at run time).
+pub fn system_info() -> String {
+    static LOCK: Mutex<()> = Mutex::new(());
+    backend();
+    // llama.cpp builds the answer in one static string: one caller at a time.
+    let _guard = LOCK.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+    // SAFETY: llama_print_system_info returns a pointer to its static NUL-terminated string,
+    // valid until the next call, which the lock above keeps out until the copy is made.
+    let text = unsafe { llama_cpp_sys_2::llama_print_system_info() };
+    if text.is_null() {
+        return String::new();
+    }
+    // SAFETY: non-null and NUL-terminated (above).
+    unsafe { CStr::from_ptr(text) }.to_string_lossy().trim().to_string()
 }
 
 /// The environment switch of ggml's tiled K-quant matmul, read once per process on first use.

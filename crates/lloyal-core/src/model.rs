@@ -22,24 +22,23 @@ pub struct ModelOptions {
     pub n_gpu_layers: u32,
     /// Memory-map the file instead of reading it.
     pub use_mmap: bool,
-    /// Let llama.cpp repack Q4 weights for its fastest CPU matmul. The repacked kernel
-    /// multiplies rows in groups of 4, so a token's logits then depend on how many rows share
-    /// its decode; batch-invariant contexts need `repack: false` (the default).
+    /// Let llama.cpp repack Q4 weights for its fastest CPU matmul (the default, as in llama.cpp).
+    /// The repacked kernel multiplies rows in groups of 4, so a token's logits then depend on how
+    /// many rows share its decode; batch-invariant contexts need `repack: false`.
     pub repack: bool,
 }
 
 impl Default for ModelOptions {
     fn default() -> Self {
-        ModelOptions { n_gpu_layers: 0, use_mmap: true, repack: false }
+        ModelOptions { n_gpu_layers: 0, use_mmap: true, repack: true }
     }
 }
 
 impl ModelOptions {
-    /// The weights a context loading its own model should use: a context that asks for
-    /// llama.cpp's fastest kernels (`batch_invariant=False`) gets repacked weights; the
-    /// batch-invariant default (`None`/`true`) needs them unrepacked.
+    /// The weights a context loading its own model should use: repacked (llama.cpp's fastest
+    /// kernels) unless the context asks for batch invariance (`batch_invariant=True`).
     pub fn for_context(batch_invariant: Option<bool>) -> Self {
-        ModelOptions { repack: batch_invariant == Some(false), ..Default::default() }
+        ModelOptions { repack: batch_invariant != Some(true), ..Default::default() }
     }
 }
 

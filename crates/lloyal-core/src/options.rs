@@ -387,7 +387,12 @@ mod tests {
     #[test]
     fn batch_invariance_resolves_from_the_model_and_cache_types() {
         crate::backend::backend(); // sets GGML_CPU_TILED_MM=0 unless the environment has it
-        let cpu = ModelOptions::default();
+                                   // The default weights are repacked: a default context runs the fast kernels.
+        let fast = ContextOptions::default().resolve(&ModelOptions::default(), None).unwrap();
+        assert_eq!((fast.batch_invariant, fast.type_k.as_deref()), (Some(false), Some("f16")));
+        assert!(ModelOptions::for_context(None).repack && ModelOptions::for_context(Some(false)).repack);
+        assert!(!ModelOptions::for_context(Some(true)).repack);
+        let cpu = ModelOptions { repack: false, ..ModelOptions::default() };
         let auto = ContextOptions::default().resolve(&cpu, None).unwrap();
         assert_eq!((auto.batch_invariant, auto.type_k.as_deref()), (Some(true), Some("q8_0")));
         let p = auto.to_llama().unwrap();

@@ -60,7 +60,7 @@ class ServerConfig:
     request_timeout: float | None = 600.0  # seconds from admission to the last token; then 408
     max_queue: int | None = 512  # requests waiting for a slot beyond this get 429
     shutdown_grace: float = 30.0  # seconds running requests get to finish after SIGTERM/SIGINT
-    fast_kernels: bool = False  # repacked weights, f16 K cache: llama.cpp's speed, not batch-invariant
+    batch_invariant: bool = False  # per-row kernels: a choice's tokens do not depend on its batch
     prefill_chunk: int | None = None  # Context.engine_prefill_chunk: None paced, 0 the batch, N a cap
     context_options: dict[str, Any] = field(default_factory=dict)
 
@@ -72,13 +72,13 @@ class ServerConfig:
 class _State:
     def __init__(self, cfg: ServerConfig) -> None:
         self.cfg = cfg
-        self.model = lloyal.Model(cfg.model, repack=cfg.fast_kernels)
+        options = dict(cfg.context_options)
+        if cfg.batch_invariant:
+            options["batch_invariant"] = True
+        self.model = lloyal.Model(cfg.model, repack=options.get("batch_invariant") is not True)
         # Per running choice: its own sequence, its request's prompt root, and the cached prefix
         # the root forked from (pinned while the request runs); +2 spare for admissions.
         n_seq_max = min(256, max(4, 3 * cfg.parallel + 2))
-        options = dict(cfg.context_options)
-        if cfg.fast_kernels:
-            options.setdefault("batch_invariant", False)
         self.ctx = lloyal.Context(
             self.model, n_ctx=cfg.n_ctx, n_seq_max=n_seq_max, n_threads=cfg.n_threads, **options
         )
