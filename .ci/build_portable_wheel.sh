@@ -32,14 +32,17 @@ backends=$(find "$target" -type d -path '*llama-cpp-sys-2-*/out/backends' -print
 sys_out=$(dirname "$backends")
 mkdir -p "$native"
 cp "$backends"/*.so "$native"/
-# Each library under its SONAME (the name the extension and the modules ask for).
-find "$sys_out" -name '*.so*' -type f ! -path "$backends/*" | while read -r lib; do
-    soname=$(objdump -p "$lib" 2>/dev/null | awk '$1 == "SONAME" {print $2}')
-    [ -n "$soname" ] && [ ! -e "$native/$soname" ] && cp "$lib" "$native/$soname"
+# Each installed library under its SONAME (the name the extension and the modules ask for).
+for lib in "$sys_out"/lib*/lib*.so*; do
+    [ -f "$lib" ] && [ ! -L "$lib" ] || continue
+    soname=$(objdump -p "$lib" | awk '$1 == "SONAME" {print $2}')
+    if [ -n "$soname" ] && [ ! -e "$native/$soname" ]; then
+        cp "$lib" "$native/$soname"
+    fi
 done
 # OpenMP's runtime, as auditwheel would graft it (not every system has libgomp).
 gomp=$(gcc -print-file-name=libgomp.so.1)
-[ -f "$gomp" ] && cp -L "$gomp" "$native/libgomp.so.1"
+if [ -f "$gomp" ]; then cp -L "$gomp" "$native/libgomp.so.1"; fi
 ls -la "$native"
 for lib in libllama.so libggml.so libggml-base.so; do
     ls "$native"/$lib* >/dev/null || { echo "missing $lib in $native" >&2; exit 1; }
@@ -48,5 +51,11 @@ done
 echo "== 3/3 package (no recompile)"
 "$maturin" build --release --features portable --auditwheel skip --out "$out" "$@"
 wheel=$(ls -t "$out"/*.whl | head -1)
-python3 -m zipfile -l "$wheel" | grep -q "lloyal/_native/libllama" || { echo "$wheel lacks lloyal/_native" >&2; exit 1; }
+python3 - "$wheel" <<'PY'
+import sys, zipfile
+names = zipfile.ZipFile(sys.argv[1]).namelist()
+native = [n for n in names if n.startswith("lloyal/_native/")]
+print("\n".join(native))
+assert any("libllama" in n for n in native) and any("libggml-cpu-" in n for n in native), "lloyal/_native incomplete"
+PY
 echo "built $wheel"

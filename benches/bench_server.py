@@ -110,7 +110,7 @@ _LLAMA_CPP_PYTHON_ARGS = [
 ]
 
 
-def servers(model: Path, n_ctx: int, fast: bool = False, extra: Sequence[str] = ()) -> list[ServerSpec]:
+def servers(model: Path, n_ctx: int, invariant: bool = False, extra: Sequence[str] = ()) -> list[ServerSpec]:
     """The servers present here, each with the same model and threads (``extra``: more
     ``lloyal serve`` options)."""
     py = sys.executable
@@ -120,8 +120,8 @@ def servers(model: Path, n_ctx: int, fast: bool = False, extra: Sequence[str] = 
         *extra,
     ]
     out = [ServerSpec("lloyal serve", lloyal_cmd, True)]
-    if fast:  # the peers' kernels: repacked weights, f16 K cache (not batch-invariant)
-        out.append(ServerSpec("lloyal serve --fast-kernels", [*lloyal_cmd, "--fast-kernels"], True))
+    if invariant:  # per-row kernels (the default is the peers' kernels: repacked weights, f16 K cache)
+        out.append(ServerSpec("lloyal serve --batch-invariant", [*lloyal_cmd, "--batch-invariant"], True))
     if LLAMA_SERVER.exists():
         out.append(
             ServerSpec(
@@ -361,7 +361,7 @@ LOADS = ("shared-prefix", "distinct", "n", "cache")
 def bench(
     size: Size,
     only: set[str] | None = None,
-    fast: bool = False,
+    invariant: bool = False,
     extra: Sequence[str] = (),
     loads: Sequence[str] = LOADS,
 ) -> list[Result]:
@@ -375,7 +375,7 @@ def bench(
         n_ctx = SLOTS * (max(size.system_tokens, size.distinct[1]) + size.max_tokens + 64)
         results: list[Result] = []
         (ROOT / "benches" / "results").mkdir(exist_ok=True)
-        for spec in servers(model, n_ctx, fast, extra):
+        for spec in servers(model, n_ctx, invariant, extra):
             if only and spec.name.split()[0] not in only:
                 continue
             with running(spec) as url:
@@ -462,7 +462,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument(
         "--only", default="", help="comma-separated first words of server names (lloyal,llama-server,...)"
     )
-    ap.add_argument("--fast", action="store_true", help="also run `lloyal serve --fast-kernels`")
+    ap.add_argument("--invariant", action="store_true", help="also run `lloyal serve --batch-invariant`")
     ap.add_argument("--lloyal-args", default="", help="more `lloyal serve` options, e.g. '--prefill-chunk 0'")
     ap.add_argument("--loads", default=",".join(LOADS), help=f"comma-separated subset of {','.join(LOADS)}")
     ap.add_argument("--json", default=str(ROOT / "benches/results/server.json"))
@@ -473,7 +473,7 @@ def main(argv: list[str] | None = None) -> int:
     size = FULL if args.full else SMOKE
     print(f"threads={THREADS} size={asdict(size)}\n{HEADER}", flush=True)
     only = {x for x in args.only.split(",") if x} or None
-    results = bench(size, only, args.fast, shlex.split(args.lloyal_args), loads)
+    results = bench(size, only, args.invariant, shlex.split(args.lloyal_args), loads)
     print("\n| lloyal | load | concurrency | ÷ llama-server tok/s | ÷ llama-server TTFT median |")
     print("| --- | --- | --- | --- | --- |")
     print("\n".join(ratios(results)))

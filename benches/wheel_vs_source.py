@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import random
 import statistics
 import subprocess
@@ -53,7 +54,8 @@ def main() -> None:
     import lloyal
 
     model = a.model or str(lloyal.default_model_path())
-    kinds = {"source": sys.executable, "wheel": a.wheel_python}
+    # Absolute, not resolved: a venv's python is a symlink whose location makes the venv.
+    kinds = {"source": sys.executable, "wheel": os.path.abspath(a.wheel_python)}
     got: dict[tuple[str, int], list[dict[str, float]]] = {(k, b): [] for k in kinds for b in (1, 8)}
     rng = random.Random(0)
     for r in range(a.rounds):

@@ -18,6 +18,10 @@ import pytest
 # Check the KV ledger against llama.cpp after every context call (crates/lloyal-core/src/
 # ledger.rs); set before lloyal loads, read once.
 os.environ.setdefault("LLOYAL_CHECK_LEDGER", "1")
+# ggml's tiled matmul off for the whole session, so the fixture's contexts stay batch-invariant
+# whichever test decoded first (tests/test_batch_invariance.py checks the switch in fresh
+# processes without this).
+os.environ.setdefault("GGML_CPU_TILED_MM", "0")
 
 import lloyal
 

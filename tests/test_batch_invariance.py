@@ -10,6 +10,9 @@ tokens, packed prefill at other cell offsets.
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 from collections.abc import Callable
 
 import numpy as np
@@ -199,3 +202,54 @@ def test_repacked_model_cannot_be_batch_invariant(model_path: object) -> None:
         lloyal.Context(repacked, n_ctx=256, batch_invariant=True)
     with lloyal.Context(repacked, n_ctx=256) as auto:
         assert not auto.batch_invariant and auto.type_k == "f16"
+
+
+# What ggml reads: the C environment (Python's os.environ is a copy taken at start-up).
+_SWITCH = """
+import ctypes
+_libc = ctypes.CDLL(None)
+_libc.getenv.restype = ctypes.c_char_p
+def switch():
+    value = _libc.getenv(b"GGML_CPU_TILED_MM")
+    return "unset" if value is None else value.decode()
+"""
+
+
+def _fresh_process(script: str) -> list[str]:
+    """Run ``script`` in a new interpreter without GGML_CPU_TILED_MM (as a user's process)."""
+    env = {k: v for k, v in os.environ.items() if k != "GGML_CPU_TILED_MM"}
+    cmd = [sys.executable, "-c", _SWITCH + script]
+    out = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr
+    return out.stdout.split()
+
+
+def test_the_tiled_matmul_stays_on_unless_invariance_comes_before_the_first_decode() -> None:
+    """llama.cpp's tiled K-quant matmul (8+ rows) is one process-wide switch read at the first
+    decode: a fast process keeps it on; a batch-invariant context made first turns it off."""
+    fast_first = """
+import lloyal
+path = lloyal.default_model_path()
+with lloyal.Context(path, n_ctx=256) as fast:
+    fast.decode(fast.tokenize("one two three four five six seven eight nine ten"), 0)
+print(switch())
+try:
+    lloyal.Context(path, n_ctx=256, batch_invariant=True)
+except ValueError as e:
+    print("refused" if "before decoding" in str(e) and "GGML_CPU_TILED_MM=0" in str(e) else str(e))
+with lloyal.Context(lloyal.Model(path, repack=False), n_ctx=256) as auto:
+    print(auto.batch_invariant, auto.type_k)
+"""
+    assert _fresh_process(fast_first) == ["unset", "refused", "False", "f16"]
+    invariant_first = """
+import lloyal
+path = lloyal.default_model_path()
+exact = lloyal.Context(path, n_ctx=256, batch_invariant=True)
+print(exact.batch_invariant, switch())
+with lloyal.Context(path, n_ctx=256) as fast:
+    fast.decode(fast.tokenize("one two three four five six seven eight nine ten"), 0)
+with lloyal.Context(path, n_ctx=256, batch_invariant=True) as again:
+    print(again.batch_invariant)
+exact.close()
+"""
+    assert _fresh_process(invariant_first) == ["True", "0", "True"]

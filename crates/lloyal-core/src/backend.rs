@@ -14,7 +14,6 @@ const KEEP_LINES: usize = 8;
 pub fn backend() -> &'static LlamaBackend {
     BACKEND.get_or_init(|| {
         install_log_router();
-        default_tiled_matmul_off();
         load_cpu_backends();
         // The only caller of init() is this OnceLock, so it cannot be initialised twice.
         // If another library already initialised llama.cpp in this process, the backend
@@ -59,30 +58,6 @@ pub fn system_info() -> String {
     }
     // SAFETY: non-null and NUL-terminated (above).
     unsafe { CStr::from_ptr(text) }.to_string_lossy().trim().to_string()
-}
-
-/// The environment switch of ggml's tiled K-quant matmul, read once per process on first use.
-const TILED_MATMUL: &str = "GGML_CPU_TILED_MM";
-
-/// ggml takes its tiled K-quant matmul only for batches of 8+ rows, so a token's result would
-/// depend on how many rows share its decode. Batch-invariant contexts need it off; it is turned
-/// off here, before any decode, unless the user set the variable themselves. It is one switch
-/// for the whole process, so `batch_invariant=False` contexts run without it too: K-quant
-/// matmuls of 8+ rows (prompt chunks, wide commits) take ggml's per-row kernel instead.
-fn default_tiled_matmul_off() {
-    if std::env::var_os(TILED_MATMUL).is_none() {
-        std::env::set_var(TILED_MATMUL, "0");
-    }
-}
-
-/// Whether ggml's tiled K-quant matmul is off in this process (ggml: set and `atoi(value) == 0`).
-pub fn tiled_matmul_off() -> bool {
-    std::env::var(TILED_MATMUL).is_ok_and(|v| {
-        let v = v.trim_start();
-        let digits: String =
-            v.strip_prefix(['+', '-']).unwrap_or(v).chars().take_while(char::is_ascii_digit).collect();
-        digits.chars().all(|c| c == '0')
-    })
 }
 
 /// Whether llama.cpp's own log lines go to stderr (`LLOYAL_LOG=1`).

@@ -30,6 +30,7 @@ pub mod state;
 pub mod store;
 pub mod tenancy;
 pub mod text;
+pub mod tiled;
 pub mod topology;
 
 pub use branch::BranchInfo;

@@ -2,7 +2,6 @@
 
 use llama_cpp_sys_2 as sys;
 
-use crate::backend::tiled_matmul_off;
 use crate::error::{LloyalError, Result};
 use crate::model::ModelOptions;
 
@@ -232,7 +231,7 @@ impl ContextOptions {
 
     /// Settle `batch_invariant` and `type_k` for a model loaded with `model`. Batch invariance
     /// needs llama.cpp's per-row kernels everywhere: weights not repacked, ggml's tiled K-quant
-    /// matmul off (see `backend`), flash attention on its one-row-at-a-time path (taken when K
+    /// matmul off (see `tiled`), flash attention on its one-row-at-a-time path (taken when K
     /// and V are not both f16: the K cache defaults to q8_0), and the CPU. `None` turns it on
     /// when all of that holds; `Some(true)` says which part does not. `float_weights` names the
     /// weight type of a float (F32/F16/BF16) model: llama.cpp multiplies those with llamafile's
@@ -259,20 +258,23 @@ impl ContextOptions {
             )
         } else if float_blocker.is_some() {
             float_blocker
-        } else if !tiled_matmul_off() {
-            Some("GGML_CPU_TILED_MM is set to a non-zero value, which turns on ggml's tiled K-quant matmul for batches of 8+ rows".into())
         } else {
-            None::<String>
+            crate::tiled::can_be_off().err()
         };
-        let on = match (self.batch_invariant, blocker) {
-            (Some(true), Some(why)) => {
-                return Err(LloyalError::invalid(format!(
-                    "batch_invariant=True is not possible here: {why}; pass batch_invariant=False"
-                )))
-            }
+        let mut on = match (self.batch_invariant, blocker) {
+            (Some(true), Some(why)) => return Err(not_possible(&why)),
             (Some(on), _) => on,
             (None, blocker) => blocker.is_none() && self.flash_attn && !self.explicit_f16_pair(),
         };
+        if on {
+            // Claim the process-wide switch now (a decode elsewhere may have latched it on).
+            if let Err(why) = crate::tiled::keep_off() {
+                if self.batch_invariant == Some(true) {
+                    return Err(not_possible(&why));
+                }
+                on = false;
+            }
+        }
         out.batch_invariant = Some(on);
         out.type_k = Some(self.type_k.clone().unwrap_or_else(|| default_type_k(on).into()));
         Ok(out)
@@ -313,6 +315,12 @@ impl ContextOptions {
         p.no_perf = true;
         Ok(p)
     }
+}
+
+fn not_possible(why: &str) -> LloyalError {
+    LloyalError::invalid(format!(
+        "batch_invariant=True is not possible here: {why}; pass batch_invariant=False"
+    ))
 }
 
 #[cfg(test)]
@@ -386,8 +394,9 @@ mod tests {
 
     #[test]
     fn batch_invariance_resolves_from_the_model_and_cache_types() {
-        crate::backend::backend(); // sets GGML_CPU_TILED_MM=0 unless the environment has it
-                                   // The default weights are repacked: a default context runs the fast kernels.
+        // As a process that wants batch invariance after other decodes would: the switch is off.
+        std::env::set_var(crate::tiled::TILED_MATMUL, "0");
+        // The default weights are repacked: a default context runs the fast kernels.
         let fast = ContextOptions::default().resolve(&ModelOptions::default(), None).unwrap();
         assert_eq!((fast.batch_invariant, fast.type_k.as_deref()), (Some(false), Some("f16")));
         assert!(ModelOptions::for_context(None).repack && ModelOptions::for_context(Some(false)).repack);

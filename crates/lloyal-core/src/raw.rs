@@ -180,8 +180,9 @@ impl RawContext {
     /// `llama_decode` on `batch`: llama.cpp's return code (0 ok, 1 no room, 2 aborted,
     /// other: error). llama.cpp validates token and sequence ids itself.
     pub fn decode(&mut self, batch: &Batch) -> i32 {
-        // SAFETY: valid context; the batch's arrays hold `n_tokens` initialised rows (Batch
-        // only grows through `push`, which checks its capacity).
+        crate::tiled::note_decode(); // from here on ggml may read its tiled-matmul switch
+                                     // SAFETY: valid context; the batch's arrays hold `n_tokens` initialised rows (Batch
+                                     // only grows through `push`, which checks its capacity).
         unsafe { sys::llama_decode(self.ptr.as_ptr(), batch.raw()) }
     }
 

@@ -1,0 +1,35 @@
+"""lloyal.system_info(): the CPU backend llama.cpp runs and the features it was built with."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import lloyal
+
+
+def test_system_info_names_the_cpu_backend_and_its_features() -> None:
+    info = lloyal.system_info()
+    assert info.startswith("CPU : "), info
+    features = dict(re.findall(r"(\w+) = (\w+)", info))
+    assert features.get("REPACK") == "1" and features.get("OPENMP") == "1", info
+    assert lloyal.system_info() == info  # llama.cpp rebuilds one static string per call
+
+
+def test_a_source_build_uses_what_this_cpu_has() -> None:
+    """`make build` compiles for the host (-C target-cpu=native): each SIMD extension the CPU
+    reports is on in llama.cpp's CPU backend, and the build is not the portable one."""
+    assert lloyal._lloyal.PORTABLE is False
+    flags = set(Path("/proc/cpuinfo").read_text().split())
+    info = lloyal.system_info()
+    checked = 0
+    for flag, feature in (
+        ("avx2", "AVX2 = 1"),
+        ("fma", "FMA = 1"),
+        ("f16c", "F16C = 1"),
+        ("avx512f", "AVX512 = 1"),
+    ):
+        if flag in flags:
+            assert feature in info, f"the CPU has {flag} but {info!r}"
+            checked += 1
+    assert checked >= 1, "no SIMD flag found in /proc/cpuinfo (this suite runs on x86-64 with AVX2)"
