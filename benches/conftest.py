@@ -11,6 +11,12 @@ from pathlib import Path
 
 import pytest
 
+# These suites put fast and batch-invariant contexts in one process, and invariance needs ggml's
+# process-wide tiled K-quant matmul off: every in-process row runs without it. The side-by-side
+# scripts (batched_side_by_side.py, wheel_vs_source.py) run the default, tiled matmul on, each
+# measurement in its own process.
+os.environ.setdefault("GGML_CPU_TILED_MM", "0")
+
 import lloyal
 
 THREADS = int(os.environ.get("LLOYAL_BENCH_THREADS", str(os.cpu_count() or 2)))
