@@ -303,3 +303,34 @@ def test_a_dict_of_known_keys_is_honoured(primed: lloyal.Context) -> None:
     primed.reset_sampler()
     assert primed.sample({"temperature": 0, "repeat_penalty": 100.0}) == best
     assert primed.sample({"temperature": 0, "repeat_penalty": 100.0}) != best  # the penalty bites
+
+
+@pytest.mark.parametrize(
+    "params",
+    [
+        SamplingParams(temperature=0.9, top_k=40, top_p=0.95, seed=11),
+        SamplingParams(temperature=1.5, mirostat=Mirostat(version=2, tau=5.0, eta=0.1), seed=11),
+        SamplingParams(temperature=1.0, top_k=20, xtc=Xtc(probability=0.5, threshold=0.05), seed=11),
+    ],
+    ids=["chain", "mirostat", "xtc"],
+)
+def test_an_uncommitted_draw_changes_nothing(model: lloyal.Model, params: SamplingParams) -> None:
+    """`produce` draws on the branch's own sampler and puts its RNG back (on a copy where the
+    draw changes the chain: mirostat's mu, XTC's RNG): a branch that produced twice, then
+    committed another token, continues exactly like its twin that never produced."""
+    with lloyal.Context(model, n_ctx=512, n_seq_max=3) as ctx:
+        root = lloyal.Branch.create(ctx, 0, params)
+        root.prefill(ctx.tokenize(PROMPT))
+        drew, twin = root.fork(), root.fork()
+        first = drew.produce().token
+        assert drew.produce().token == first  # idempotent
+        forced = 1000 if first != 1000 else 1001  # not the drawn token
+        drew.commit(forced)
+        twin.commit(forced)
+        ahead: list[list[int]] = [[], []]
+        for _ in range(6):
+            for out, b in zip(ahead, (drew, twin), strict=True):
+                t = b.produce().token
+                b.commit(t)
+                out.append(t)
+        assert ahead[0] == ahead[1]

@@ -266,6 +266,18 @@ impl Sampler {
         self.rng.state()
     }
 
+    /// Put the final draw's RNG back to `state` (from [`Self::rng_state`]).
+    pub fn set_rng_state(&mut self, state: u64) {
+        self.rng = Rng::from_state(state);
+    }
+
+    /// Whether a draw changes more than the final draw's RNG: mirostat updates its `mu`, XTC
+    /// draws from an RNG of its own. Every other step of the chain keeps no state between
+    /// draws (DRY and the penalties change only when a token is accepted).
+    pub fn draw_mutates_chain(&self) -> bool {
+        self.params.mirostat.is_some() || self.params.xtc.as_ref().is_some_and(|x| x.probability > 0.0)
+    }
+
     /// The parameters this sampler was built with.
     pub fn params(&self) -> &SamplingParams {
         &self.params

@@ -91,6 +91,77 @@ fn allowed_logits(
     }
 }
 
+/// What drawing a produced token did to the sampler, applied when that token is committed.
+pub(crate) enum Drawn {
+    /// The final draw's RNG state after the draw (the chain itself keeps no state).
+    Rng(u64),
+    /// The copy the token was drawn with (mirostat, XTC: the chain changed too).
+    Sampler(Box<Sampler>),
+}
+
+/// How [`draw`] starts over from the sampler's state before the draw (a grammar resample).
+enum Reset<'a> {
+    Rng(u64),
+    Clone(&'a Sampler),
+}
+
+/// One token from `logits` with `sampler`, honouring the grammar: llguidance masks before
+/// drawing; GBNF checks the unconstrained draw and, only when it is rejected, draws again from
+/// the masked logits with the sampler reset as before the first draw.
+fn draw(
+    sampler: &mut Sampler,
+    reset: Reset<'_>,
+    grammar: Option<&mut Grammar>,
+    logits: &[f32],
+    biases: &[(i32, f32)],
+    resamples: &mut u64,
+) -> Result<i32> {
+    let nothing_allowed = || {
+        LloyalError::Grammar(
+            "the grammar allows no token here (every allowed token is banned); change the logit \
+             bias or the grammar"
+                .into(),
+        )
+    };
+    let Some(grammar) = grammar else {
+        return Ok(sampler.sample(logits, biases));
+    };
+    if grammar.masks_first() {
+        // llguidance: the mask is cheap, so apply it before drawing (one draw, exact).
+        let mut masked = grammar.masked(logits)?;
+        for &(i, v) in biases {
+            if v == f32::NEG_INFINITY {
+                masked[i as usize] = v;
+            }
+        }
+        if masked.iter().all(|&l| l == f32::NEG_INFINITY) {
+            return Err(nothing_allowed());
+        }
+        let token = sampler.sample(&masked, biases);
+        return if grammar.allows(token) { Ok(token) } else { Err(grammar.forbidden(token)) };
+    }
+    // Sample unconstrained first; only a rejected token pays for the full mask.
+    let token = sampler.sample(logits, biases);
+    if grammar.allows(token) {
+        return Ok(token);
+    }
+    let masked = grammar_masked(grammar, logits, sampler, biases)?;
+    if masked.iter().all(|&l| l == f32::NEG_INFINITY) {
+        return Err(nothing_allowed());
+    }
+    match reset {
+        Reset::Rng(state) => sampler.set_rng_state(state),
+        Reset::Clone(original) => *sampler = original.try_clone()?,
+    }
+    let token = sampler.sample(&masked, biases);
+    *resamples += 1;
+    if grammar.allows(token) {
+        Ok(token)
+    } else {
+        Err(grammar.forbidden(token))
+    }
+}
+
 /// Everything a branch owns besides its KV cells and tree links.
 pub struct BranchState {
     /// The leased sequence id.
@@ -100,9 +171,9 @@ pub struct BranchState {
     /// Position where this branch diverged from its parent (its own cells are `[fork_head, position)`).
     pub fork_head: i32,
     pub(crate) sampler: Sampler,
-    /// A produced-but-not-accepted token with the sampler state that produced it, so
+    /// A produced-but-not-accepted token with what its draw did to the sampler, so
     /// `produce()` is idempotent and accepting that token keeps the RNG stream.
-    pub(crate) pending: Option<(i32, Sampler)>,
+    pub(crate) pending: Option<(i32, Drawn)>,
     pub(crate) model_ppl: PerplexityTracker,
     pub(crate) sampling_ppl: PerplexityTracker,
     /// Logits after the last decode (empty before any). Shared with forks until either side
@@ -164,7 +235,8 @@ impl BranchState {
     /// token, metrics, logits, position), for restoring after a multi-step call fails part-way.
     pub(crate) fn snapshot(&self) -> Result<Self> {
         let pending = match &self.pending {
-            Some((t, s)) => Some((*t, s.try_clone()?)),
+            Some((t, Drawn::Rng(state))) => Some((*t, Drawn::Rng(*state))),
+            Some((t, Drawn::Sampler(s))) => Some((*t, Drawn::Sampler(Box::new(s.try_clone()?)))),
             None => None,
         };
         Ok(BranchState {
@@ -220,58 +292,29 @@ impl BranchState {
     }
 
     /// Sample without side effects on the branch's committed state (idempotent until the
-    /// logits, sampler or biases change).
+    /// logits, sampler or biases change). The draw runs on the branch's own sampler, whose RNG
+    /// is put back until the token is committed; only a chain whose draw changes more
+    /// (mirostat, XTC) draws on a copy.
     pub fn produce(&mut self) -> Result<i32> {
         if let Some((token, _)) = &self.pending {
             return Ok(*token);
         }
-        let biases = self.biases();
-        let mut sampler = self.sampler.try_clone()?;
         self.logits()?;
-        if let Some(grammar) = self.grammar.as_mut().filter(|g| g.masks_first()) {
-            // llguidance: the mask is cheap, so apply it before drawing (one draw, exact).
-            let mut masked = grammar.masked(&self.logits)?;
-            for &(i, v) in &biases {
-                if v == f32::NEG_INFINITY {
-                    masked[i as usize] = v;
-                }
-            }
-            if masked.iter().all(|&l| l == f32::NEG_INFINITY) {
-                return Err(LloyalError::Grammar(
-                    "the grammar allows no token here (every allowed token is banned); \
-                     change the logit bias or the grammar"
-                        .into(),
-                ));
-            }
-            let token = sampler.sample(&masked, &biases);
-            if !grammar.allows(token) {
-                return Err(grammar.forbidden(token));
-            }
-            self.pending = Some((token, sampler));
+        let biases = self.biases();
+        let BranchState { sampler, grammar, logits, grammar_resamples, .. } = self;
+        let before = sampler.rng_state();
+        if sampler.draw_mutates_chain() {
+            let mut copy = sampler.try_clone()?;
+            let token =
+                draw(&mut copy, Reset::Clone(sampler), grammar.as_mut(), logits, &biases, grammar_resamples)?;
+            self.pending = Some((token, Drawn::Sampler(Box::new(copy))));
             return Ok(token);
         }
-        let mut token = sampler.sample(self.logits()?, &biases);
-        if let Some(grammar) = self.grammar.as_mut() {
-            // Sample unconstrained first; only a rejected token pays for the full mask.
-            if !grammar.allows(token) {
-                let masked = grammar_masked(grammar, &self.logits, &self.sampler, &biases)?;
-                if masked.iter().all(|&l| l == f32::NEG_INFINITY) {
-                    return Err(LloyalError::Grammar(
-                        "the grammar allows no token here (every allowed token is banned); \
-                         change the logit bias or the grammar"
-                            .into(),
-                    ));
-                }
-                let mut fresh = self.sampler.try_clone()?;
-                token = fresh.sample(&masked, &biases);
-                sampler = fresh;
-                self.grammar_resamples += 1;
-                if !grammar.allows(token) {
-                    return Err(grammar.forbidden(token));
-                }
-            }
-        }
-        self.pending = Some((token, sampler));
+        let drawn = draw(sampler, Reset::Rng(before), grammar.as_mut(), logits, &biases, grammar_resamples);
+        let after = sampler.rng_state();
+        sampler.set_rng_state(before);
+        let token = drawn?;
+        self.pending = Some((token, Drawn::Rng(after)));
         Ok(token)
     }
 
@@ -326,7 +369,8 @@ impl BranchState {
             self.sampling_ppl.add(s);
         }
         match self.pending.take() {
-            Some((t, advanced)) if t == token => self.sampler = advanced,
+            Some((t, Drawn::Rng(state))) if t == token => self.sampler.set_rng_state(state),
+            Some((t, Drawn::Sampler(advanced))) if t == token => self.sampler = *advanced,
             _ => {}
         }
         self.sampler.accept(token);
