@@ -181,7 +181,14 @@ pub fn log_sum_exp_both(logits: &[f32], s: f32, replace: &[(usize, f32)]) -> (f6
     if !raw_max.is_finite() || !max.is_finite() {
         return (log_sum_exp(logits), log_sum_exp_scaled(logits, s, replace));
     }
-    let (plain, scaled) = exp_sum_pair(logits, s, raw_max, max);
+    let (plain, scaled) = if s == 1.0 {
+        // Unscaled, the two distributions differ only at the replaced entries: one pass of
+        // exponentials serves both sums, the second rebased from the raw maximum to `max`.
+        let plain = exp_sum(logits, 1.0, raw_max);
+        (plain, plain * (f64::from(raw_max) - f64::from(max)).exp())
+    } else {
+        exp_sum_pair(logits, s, raw_max, max)
+    };
     let scaled = apply_replacements(scaled, logits, s, max, replace);
     (
         f64::from(raw_max) + plain.max(f64::MIN_POSITIVE).ln(),
@@ -314,6 +321,25 @@ mod tests {
         let (plain, scaled) = log_sum_exp_both(&logits, 0.5, &[(3, 50.0), (9, f32::NEG_INFINITY)]);
         assert!((plain - lse).abs() < 1e-5, "{plain} vs {lse}");
         assert!((scaled - want).abs() < 1e-5, "{scaled} vs {want}");
+    }
+
+    #[test]
+    fn unscaled_normalisers_share_one_pass() {
+        let logits: Vec<f32> = (0..1000).map(|i| ((i * 37) % 101) as f32 / 7.0 - 5.0).collect();
+        // A bias above the maximum (the sampling maximum moves), a ban and an ordinary penalty.
+        let repl = [(3, 40.0), (9, f32::NEG_INFINITY), (500, -2.0)];
+        let mut replaced = logits.clone();
+        for &(i, v) in &repl {
+            replaced[i] = v;
+        }
+        let (plain, sampling) = log_sum_exp_both(&logits, 1.0, &repl);
+        assert!((plain - log_sum_exp(&logits)).abs() < 1e-6, "{plain}");
+        assert!((sampling - log_sum_exp(&replaced)).abs() < 1e-6, "{sampling}");
+        let (plain, sampling) = log_sum_exp_both(&logits, 1.0, &[(7, -1.0)]);
+        replaced = logits.clone();
+        replaced[7] = -1.0;
+        assert!((plain - log_sum_exp(&logits)).abs() < 1e-6);
+        assert!((sampling - log_sum_exp(&replaced)).abs() < 1e-6);
     }
 
     #[test]
