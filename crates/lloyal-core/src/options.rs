@@ -256,10 +256,8 @@ impl ContextOptions {
                 "the model was loaded with repack=True, whose Q4 kernel multiplies rows in groups of 4"
                     .into(),
             )
-        } else if float_blocker.is_some() {
-            float_blocker
         } else {
-            crate::tiled::can_be_off().err()
+            float_blocker
         };
         let mut on = match (self.batch_invariant, blocker) {
             (Some(true), Some(why)) => return Err(not_possible(&why)),
@@ -267,7 +265,8 @@ impl ContextOptions {
             (None, blocker) => blocker.is_none() && self.flash_attn && !self.explicit_f16_pair(),
         };
         if on {
-            // Claim the process-wide switch now (a decode elsewhere may have latched it on).
+            // The tiled matmul must be off: claim the process-wide switch (a decode elsewhere
+            // may have latched it on), or say why not.
             if let Err(why) = crate::tiled::keep_off() {
                 if self.batch_invariant == Some(true) {
                     return Err(not_possible(&why));

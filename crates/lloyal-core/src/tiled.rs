@@ -33,7 +33,7 @@ fn value_is_off(v: &str) -> bool {
 }
 
 /// Whether the tiled matmul is off in this process, or can still be turned off.
-pub fn can_be_off() -> Result<(), String> {
+fn can_be_off() -> Result<(), String> {
     check(std::env::var(TILED_MATMUL).ok().as_deref(), DECODED.load(Ordering::Acquire))
 }
 
