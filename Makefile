@@ -6,7 +6,7 @@ export VIRTUAL_ENV := $(CURDIR)/.venv
 export PYO3_PYTHON := $(CURDIR)/.venv/bin/python
 PYDIRS := python tests benches examples .ci
 
-.PHONY: help sysdeps browser venv build soak fuzz test test-rust test-py test-docs families lint format bench bench-deps bench-batched demo serve \
+.PHONY: help sysdeps browser venv build soak fuzz test test-rust test-py test-docs families lint format bench bench-deps bench-batched bench-server-paired demo serve \
 	smoke-wheel wheel-portable bench-wheel clean distclean
 .DEFAULT_GOAL := help
 
@@ -127,6 +127,9 @@ bench-server: build  ## server load benchmark: lloyal serve vs llama-server vs l
 	$(PY) -m pip install -q "llama-cpp-python[server]==$(LLAMA_CPP_PYTHON)"
 	@[ -x "$${LLAMA_SERVER:-$(PEERS)/build/bin/llama-server}" ] || echo "no llama-server: run make bench-peers-cpp (skipped)"
 	$(PY) benches/bench_server.py --full
+
+bench-server-paired: build  ## lloyal serve vs llama-server, both up, 5 interleaved rounds of the distinct load: per-round ratios
+	$(PY) benches/bench_server.py --full --rounds 5 --loads distinct --only lloyal,llama-server
 
 bench-batched: build  ## lloyal vs llama-batched-bench (make bench-peers-cpp first): paired per-round ratios, prefill + decode B=1/8
 	$(PY) benches/batched_side_by_side.py --rounds 5 --pp 512 --tg 64 --batch 1,8

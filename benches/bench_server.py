@@ -14,6 +14,8 @@ tokens; ``n=8`` in one request on a prompt of the shared load's length that no s
 
     python benches/bench_server.py --full          # `make bench-server`: every load, full size
     python benches/bench_server.py                 # smoke size (what `pytest benches` runs)
+    python benches/bench_server.py --full --rounds 5 --loads distinct --only lloyal,llama-server
+                                                   # paired: both up, interleaved rounds, per-round ratios
 
 Peers are skipped when absent: llama-server from ``$LLAMA_SERVER`` (default
 ``target/peers/build/bin/llama-server``, built by ``make bench-peers-cpp``), llama-cpp-python's
@@ -416,6 +418,68 @@ def bench(
     return results
 
 
+def paired(
+    size: Size,
+    rounds: int,
+    only: set[str] | None = None,
+    extra: Sequence[str] = (),
+    loads: Sequence[str] = ("distinct",),
+) -> list[Result]:
+    """Every server up at once; each round runs every (load, concurrency) on each server in turn,
+    the order rotating by round, on prompts no server has seen (fresh per round): ratios are then
+    taken round by round (:func:`paired_ratios`), so a noisy stretch of the machine hits both."""
+    model = lloyal.default_model_path()
+    with lloyal.Context(model, n_ctx=4096) as ctx, contextlib.ExitStack() as stack:
+        n_ctx = SLOTS * (max(size.system_tokens, size.distinct[1]) + size.max_tokens + 64)
+        specs = [s for s in servers(model, n_ctx, False, extra) if not only or s.name.split()[0] in only]
+        urls = {s.name: stack.enter_context(running(s)) for s in specs}
+        served = {name: _served_model(url) for name, url in urls.items()}
+        for name, url in urls.items():
+            asyncio.run(run_load(name, url, "warm-up", ["Hello there"], 1, 4, served[name]))
+        most = max(size.requests_per_level, *size.concurrencies)
+        results: list[Result] = []
+        for k in range(rounds):
+            for load in [ld for ld in ("shared-prefix", "distinct") if ld in loads]:
+                for c in size.concurrencies:
+                    count = max(size.requests_per_level, c)
+                    if load == "distinct":
+                        prompts = distinct_prompts(ctx, most, *size.distinct, seed=1000 * k + c)[:count]
+                    else:
+                        system = system_text(ctx, size.system_tokens, salt=f"-r{k}-c{c}")
+                        prompts = shared_prompts(system, most)[:count]
+                    names = list(urls)
+                    names = names[k % len(names) :] + names[: k % len(names)]
+                    for name in names:
+                        r = asyncio.run(
+                            run_load(name, urls[name], load, prompts, c, size.max_tokens, served[name])
+                        )
+                        r.note = f"round {k}"
+                        print(_row(r), flush=True)
+                        results.append(r)
+    return results
+
+
+def paired_ratios(results: list[Result]) -> list[str]:
+    """Per (load, concurrency): the median and range of lloyal ÷ llama-server tok/s over rounds."""
+    by: dict[tuple[str, int, str], dict[str, Result]] = {}
+    for r in results:
+        by.setdefault((r.load, r.concurrency, r.note), {})[r.server] = r
+    ratios_: dict[tuple[str, int], list[float]] = {}
+    ttfts: dict[tuple[str, int], list[float]] = {}
+    for (load, c, _), rs in by.items():
+        mine, peer = rs.get("lloyal serve"), rs.get("llama-server")
+        if mine and peer and peer.tok_s:
+            ratios_.setdefault((load, c), []).append(mine.tok_s / peer.tok_s)
+            ttfts.setdefault((load, c), []).append(
+                statistics.median(mine.ttft_s) / statistics.median(peer.ttft_s)
+            )
+    return [
+        f"| {load} | {c} | {len(xs)} | {statistics.median(xs):.2f}x ({min(xs):.2f}-{max(xs):.2f}) | "
+        f"{statistics.median(ttfts[(load, c)]):.2f}x |"
+        for (load, c), xs in sorted(ratios_.items())
+    ]
+
+
 # -- report ----------------------------------------------------------------------------------
 
 
@@ -466,6 +530,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--lloyal-args", default="", help="more `lloyal serve` options, e.g. '--prefill-chunk 0'")
     ap.add_argument("--loads", default=",".join(LOADS), help=f"comma-separated subset of {','.join(LOADS)}")
     ap.add_argument("--json", default=str(ROOT / "benches/results/server.json"))
+    ap.add_argument(
+        "--rounds",
+        type=int,
+        default=0,
+        help="paired mode: every server up at once, this many interleaved rounds of the "
+        "shared-prefix/distinct loads, per-round ratios (median and range)",
+    )
     args = ap.parse_args(argv)
     loads = [x for x in args.loads.split(",") if x]
     if unknown := set(loads) - set(LOADS):
@@ -473,6 +544,13 @@ def main(argv: list[str] | None = None) -> int:
     size = FULL if args.full else SMOKE
     print(f"threads={THREADS} size={asdict(size)}\n{HEADER}", flush=True)
     only = {x for x in args.only.split(",") if x} or None
+    if args.rounds > 0:
+        results = paired(size, args.rounds, only, shlex.split(args.lloyal_args), loads)
+        print("\n| load | concurrency | rounds | lloyal ÷ llama-server tok/s, median (range) | TTFT median |")
+        print("| --- | --- | --- | --- | --- |")
+        print("\n".join(paired_ratios(results)))
+        Path(args.json).write_text(json.dumps([asdict(r) for r in results], indent=1))
+        return 0
     results = bench(size, only, args.invariant, shlex.split(args.lloyal_args), loads)
     print("\n| lloyal | load | concurrency | ÷ llama-server tok/s | ÷ llama-server TTFT median |")
     print("| --- | --- | --- | --- | --- |")

@@ -835,7 +835,7 @@ impl PyTokenIter {
         };
         let (lp, fut) = (lp.unbind(), fut.unbind());
         let wake: Wake = Box::new(move || {
-            Python::attach(|py| {
+            crate::exit::attach(|py| {
                 if let Ok(settle) = aio::settle(py) {
                     // A closed loop cannot take the wake-up, and then nobody awaits it.
                     let _ =

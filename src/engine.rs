@@ -145,7 +145,7 @@ pub fn submit_async<'py>(
 ) -> PyResult<Bound<'py, PyAny>> {
     let (lp, fut) = (lp.unbind(), fut.unbind());
     let done: lloyal_core::engine::Done = Box::new(move |result| {
-        Python::attach(|py| {
+        crate::exit::attach(|py| {
             let error: Py<PyAny> = match result {
                 Ok(()) => py.None(),
                 Err(e) => to_py(e).into_value(py).into_any(),

@@ -11,6 +11,7 @@ mod detach;
 mod embeddings;
 mod engine;
 mod error;
+mod exit;
 mod grammar;
 mod lease;
 mod metrics;
@@ -40,6 +41,7 @@ fn _lloyal(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<engine::PyEngineStats>()?;
     m.add_class::<grammar::PyGrammar>()?;
     m.add_function(wrap_pyfunction!(backend::system_info, m)?)?;
+    m.add_function(wrap_pyfunction!(exit::quiesce_callbacks, m)?)?;
     m.add_function(wrap_pyfunction!(sampling::validate_sampling_params, m)?)?;
     m.add_function(wrap_pyfunction!(grammar::json_schema_to_grammar, m)?)?;
     m.add_function(wrap_pyfunction!(chat::parse_chat_output_native, m)?)?;

@@ -23,14 +23,16 @@ pub struct PyKvPressure {
     pub cells_used: usize,
     /// Cells left.
     pub remaining: usize,
+    /// Cells of pruned branches parked until the cache fills (batch-invariant contexts only).
+    pub cells_parked: usize,
 }
 
 #[pymethods]
 impl PyKvPressure {
     fn __repr__(&self) -> String {
         format!(
-            "KvPressure(n_ctx={}, cells_used={}, remaining={})",
-            self.n_ctx, self.cells_used, self.remaining
+            "KvPressure(n_ctx={}, cells_used={}, remaining={}, cells_parked={})",
+            self.n_ctx, self.cells_used, self.remaining, self.cells_parked
         )
     }
 }
@@ -142,17 +144,22 @@ impl PyBranchStore {
         engine::submit_async(py, self.core(), work, lp, fut)
     }
 
-    /// Free leases.
+    /// Free leases (as of the last call that finished: read without waiting for a tick).
     #[getter]
-    fn available(&self, py: Python<'_>) -> PyResult<u32> {
-        run(py, self.core(), |s| Ok(s.available()))
+    fn available(&self) -> PyResult<u32> {
+        Ok(self.core().occupancy().py()?.0)
     }
 
-    /// KV cells used by branches.
+    /// KV cells used by branches (as of the last call that finished, like ``available``).
     #[getter]
-    fn kv_pressure(&self, py: Python<'_>) -> PyResult<PyKvPressure> {
-        let p = run(py, self.core(), |s| Ok(s.kv_pressure()))?;
-        Ok(PyKvPressure { n_ctx: p.n_ctx, cells_used: p.cells_used, remaining: p.remaining })
+    fn kv_pressure(&self) -> PyResult<PyKvPressure> {
+        let p = self.core().occupancy().py()?.1;
+        Ok(PyKvPressure {
+            n_ctx: p.n_ctx,
+            cells_used: p.cells_used,
+            remaining: p.remaining,
+            cells_parked: p.cells_parked,
+        })
     }
 
     /// The context.

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import subprocess
+import sys
 
 import pytest
 
@@ -242,3 +244,29 @@ def test_tree_operations_have_awaitable_forms(ctx):
     assert store.available == ctx.n_seq_max - 1
     assert store.kv_pressure.cells_used == c.position == len(ctx.tokenize("The capital of France is")) + 1
     c.prune()
+
+
+EXIT_RIGHT_AFTER_AWAIT = """
+import asyncio, lloyal
+ctx = lloyal.Context(lloyal.default_model_path(), n_ctx=512, n_seq_max=2)
+branch = lloyal.Branch.create(ctx, 0, lloyal.SamplingParams(temperature=0))
+async def main() -> None:
+    await branch.aprefill(ctx.tokenize("The lighthouse keeper"))
+    async for tok in branch.generate(2):
+        pass
+asyncio.run(main())
+print("end", branch.position)
+"""
+
+
+def test_exiting_right_after_an_await_is_a_clean_exit() -> None:
+    """The engine thread answered the last await and was still inside
+    ``loop.call_soon_threadsafe`` when the interpreter finalized: CPython ended it with
+    ``pthread_exit`` through Rust frames and the process aborted (exit 134, every run here).
+    ``import lloyal`` now quiesces those calls at exit."""
+    for _ in range(3):
+        proc = subprocess.run(
+            [sys.executable, "-c", EXIT_RIGHT_AFTER_AWAIT], capture_output=True, text=True, timeout=120
+        )
+        assert proc.returncode == 0, proc.stderr[-2000:]
+        assert proc.stdout.split()[0] == "end"

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import threading
+import time
 from collections.abc import Callable, Iterator
 
 import numpy as np
@@ -358,3 +359,79 @@ def test_token_iterators_in_threads_match_sequential_greedy(ctx8: lloyal.Context
     assert errors == []
     want = {i: [t.token for t in r.generate(6)] for i, r in enumerate(refs)}
     assert got == want
+
+
+@pytest.mark.parametrize("invariant", [False, True])
+def test_commit_rows_of_several_branches_decode_apart_from_prefill_rows(
+    model: lloyal.Model, invariant: bool
+) -> None:
+    """On the fast kernels a tick that carries commit rows of several branches and prefill rows
+    runs them in two ``llama_decode`` calls: ggml's flash attention takes 64 query rows at a
+    time and skips a block of cells only when every row of the tile is masked from it, so a
+    tile mixing rows of many sequences ran dense over the whole cache (docs/performance.md).
+    Batch-invariant kernels attend row by row: one call. One commit row, or a tick under one
+    tile, stays one call either way."""
+    with lloyal.Context(model, n_ctx=1024, n_batch=512, n_seq_max=8, batch_invariant=invariant) as ctx:
+        ctx.engine_prefill_chunk = 0  # each tick takes the whole batch (not paced)
+        root, runners = forks(ctx, 3)
+        pos = root.position
+        reader, other = Branch.create(ctx, 0, GREEDY), Branch.create(ctx, 0, GREEDY)
+        long = [1000 + (i * 7) % 3000 for i in range(200)]
+        store = BranchStore(ctx)
+
+        def one_tick(calls: list[Callable[[], object]]) -> tuple[int, int, int]:
+            ctx.pause_engine()
+            threads, errors = in_threads(calls)
+            wait_until(lambda: ctx.engine_stats().queue_depth == len(calls))
+            before = ctx.engine_stats()
+            ctx.resume_engine()
+            for t in threads:
+                t.join()
+            after = ctx.engine_stats()
+            assert errors == []
+            calls = after.decode_calls - before.decode_calls
+            return after.ticks - before.ticks, calls, after.rows - before.rows
+
+        token = runners[0].produce().token
+        assert one_tick(
+            [lambda: store.commit([(r, token) for r in runners]), lambda: reader.prefill(long)]
+        ) == (1, 1 if invariant else 2, 203)
+        assert one_tick([lambda: runners[0].commit(token), lambda: other.prefill(long)]) == (1, 1, 201)
+        assert one_tick(
+            [lambda: store.commit([(r, token) for r in runners]), lambda: other.prefill([5, 6, 7])]
+        ) == (1, 1, 6)
+        assert [r.position for r in runners] == [pos + 3, pos + 2, pos + 2]
+        assert (reader.position, other.position) == (200, 203)
+        assert store.kv_pressure.cells_used == pos + 7 + 200 + 203
+
+
+def test_a_fork_right_after_its_prefill_does_not_wait_for_the_next_tick(model: lloyal.Model) -> None:
+    """A caller whose prefill just finished usually forks it next, with a direct call that
+    needs the context lock; the engine leaves it its gather window before the next tick of a
+    long prefill still in flight (before, the fork waited for that whole tick)."""
+    with lloyal.Context(model, n_ctx=1024, n_batch=64, n_seq_max=4) as ctx:
+        ctx.engine_gather = 0.25  # room for a loaded machine; the default is 2 ms
+        a, b = Branch.create(ctx, 0, GREEDY), Branch.create(ctx, 0, GREEDY)
+        long = [1000 + (i * 7) % 3000 for i in range(400)]
+
+        async def main() -> tuple[int, int]:
+            ctx.pause_engine()
+            short_done = asyncio.ensure_future(a.aprefill(ctx.tokenize(PROMPT)))
+            long_done = asyncio.ensure_future(b.aprefill(long))
+            await asyncio.sleep(0)
+            wait_until(lambda: ctx.engine_stats().queue_depth == 2)
+            start = ctx.engine_stats().ticks
+            ctx.resume_engine()
+            await short_done
+            time.sleep(0.05)  # a busy event loop: other requests' work comes first
+            child = a.fork()
+            written = ctx.kv_seq_pos_max(b.seq_id) + 1  # the long prefill's progress at the fork
+            await long_done
+            assert child.position == a.position
+            return written, ctx.engine_stats().ticks - start
+
+        written, ticks = asyncio.run(main())
+        # The first 64-row tick held the short prompt and the long one's first 64 - n tokens;
+        # the fork came before the second.
+        n = a.position
+        assert (written, ticks) == (64 - n, (400 + n + 63) // 64)

@@ -10,7 +10,7 @@ cells landed in its pruned siblings' freed cells, ahead of its own, and it diver
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import numpy as np
 import pytest
@@ -95,3 +95,30 @@ def test_survivor_is_unchanged_by_pruning_its_siblings(
         pairs = enumerate(zip(logits, want_logits, strict=True))
         first = next((i for i, (a, b) in pairs if not np.array_equal(a, b)), None)
         assert first is None, f"{prompt!r}: logits differ from step {first}"
+
+
+@pytest.mark.parametrize("invariant", [True, False])
+def test_only_batch_invariant_contexts_park_pruned_cells(
+    make_context: Callable[..., lloyal.Context], invariant: bool
+) -> None:
+    """Parked cells stay in every later decode's attention span until the cache fills, so a
+    fast context (where cell order cannot make logits exact anyway) frees them at once."""
+    ctx = make_context(n_ctx=512, n_seq_max=3, batch_invariant=invariant)
+    store = lloyal.BranchStore(ctx)
+    root = lloyal.Branch.create(ctx, 0, GREEDY)
+    root.prefill(ctx.tokenize(PROMPTS[0]))
+    n = root.position
+    child = root.fork()
+    for _ in range(5):
+        child.commit(child.sample())
+    child.prune()
+    assert store.kv_pressure.cells_used == n
+    assert store.kv_pressure.cells_parked == (5 if invariant else 0)
+    root.prune()
+    assert store.kv_pressure.cells_parked == (5 + n if invariant else 0)
+    assert store.kv_pressure.cells_used == 0 and store.available == 3
+    # A prefill that needs the parked cells gets them: nothing is lost to parking.
+    big = lloyal.Branch.create(ctx, 0, GREEDY)
+    big.prefill((ctx.tokenize(PROMPTS[1]) * 100)[:510])
+    assert store.kv_pressure.cells_used == big.position == 510
+    assert store.kv_pressure.cells_parked == 0

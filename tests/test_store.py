@@ -583,3 +583,31 @@ def test_n_batch_smaller_than_n_seq_max_does_not_crash():
     assert proc.returncode == 0, proc.stderr[-2000:]
     # n_outputs_max is raised to n_seq_max, so the commit of 4 runs as 2 decodes of 2 rows.
     assert proc.stdout.strip() == "WORKS"
+
+
+def test_available_and_kv_pressure_do_not_wait_for_a_call_holding_the_context(model: lloyal.Model) -> None:
+    """Both are published at the end of every call, so a scheduler deciding whether a request
+    fits reads them while a long call (here a flat-path decode of 75 chunks) holds the context
+    lock; before, the read waited for that call, up to a prefill chunk in the server."""
+    import threading
+    import time
+
+    with lloyal.Context(model, n_ctx=2048, n_batch=16, n_seq_max=4) as ctx:
+        store = BranchStore(ctx)
+        b = Branch.create(ctx, 0, SamplingParams(temperature=0))
+        b.prefill(ctx.tokenize("The lighthouse keeper"))
+        want = (store.available, store.kv_pressure)
+        done = threading.Event()
+
+        def long_call() -> None:
+            ctx.decode([1000 + (i * 7) % 3000 for i in range(1200)], 0, seq_id=3)
+            done.set()
+
+        t = threading.Thread(target=long_call)
+        t.start()
+        time.sleep(0.3)  # the decode now holds the lock (for a second or more)
+        got = (store.available, store.kv_pressure)
+        still_running = not done.is_set()  # the getters keep the GIL: the thread cannot set it in between
+        t.join()
+        assert got == want and still_running
+        assert ctx.kv_seq_pos_max(3) == 1199 and (store.available, store.kv_pressure) == want

@@ -12,6 +12,7 @@ Example:
 
 from __future__ import annotations
 
+import atexit
 import os
 from typing import Any
 
@@ -36,6 +37,7 @@ from lloyal._lloyal import (
     __version__,
     system_info,
 )
+from lloyal._lloyal import quiesce_callbacks as _quiesce_callbacks
 from lloyal._model_path import default_model_path
 from lloyal.chat import ChatOutput, FormattedChat, ToolCall, parse_chat_output
 from lloyal.errors import (
@@ -55,6 +57,10 @@ from lloyal.errors import (
 )
 from lloyal.grammar import json_schema_to_grammar
 from lloyal.sampling import Dry, Mirostat, SamplingParams, Xtc
+
+# The engine thread answers awaits through the event loop; it must stop calling into Python
+# before the interpreter finalizes (CPython would end it with pthread_exit: an abort).
+atexit.register(_quiesce_callbacks)
 
 __all__ = [
     "Branch",

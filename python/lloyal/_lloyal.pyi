@@ -29,6 +29,7 @@ __all__ = [
     "__version__",
     "_parse_chat_output",
     "json_schema_to_grammar",
+    "quiesce_callbacks",
     "system_info",
     "validate_sampling_params",
 ]
@@ -38,6 +39,11 @@ def json_schema_to_grammar(schema: str) -> str:
 
 def system_info() -> str:
     """The backends llama.cpp runs on and their CPU features, as llama.cpp reports them."""
+
+def quiesce_callbacks() -> None:
+    """Stop lloyal's threads from calling into Python and wait (at most 5 s) for the calls under
+    way; ``import lloyal`` registers it with ``atexit`` (a native thread taking the GIL while the
+    interpreter finalizes would abort the process)."""
 
 def validate_sampling_params(params: object) -> None:
     """Raise ``ValueError``/``TypeError`` if ``params`` is not a valid set of sampling parameters."""
@@ -867,6 +873,10 @@ class KvPressure:
     @property
     def remaining(self) -> int:
         """Cells left."""
+    @property
+    def cells_parked(self) -> int:
+        """Cells of pruned branches parked until the cache fills (batch-invariant contexts
+        only: the survivors' next cells then land after their own; not in ``cells_used``)."""
 
 @final
 class EngineStats:
@@ -955,10 +965,10 @@ class BranchStore:
         """Await ``prefill(items)``: queued on the context's engine, the event loop keeps running."""
     @property
     def available(self) -> int:
-        """Free leases."""
+        """Free leases (as of the last call that finished: read without waiting for a tick)."""
     @property
     def kv_pressure(self) -> KvPressure:
-        """KV cells used by branches."""
+        """KV cells used by branches (as of the last call that finished, like ``available``)."""
     @property
     def context(self) -> Context:
         """The context."""

@@ -139,11 +139,15 @@ pub fn default_threads() -> i32 {
 
 impl ContextOptions {
     /// Whether the context gets one hidden extra sequence id (`n_seq_max`) where the cells of
-    /// pruned branches are parked (see `ContextState::park_cells`): not for embeddings
-    /// contexts (no decode order to keep; their pooling ties `n_batch` to `n_seq_max`) and
-    /// not when `n_seq_max` already takes every id llama.cpp has.
+    /// pruned branches are parked (see `ContextState::park_cells`). Only batch-invariant
+    /// contexts park: parking keeps a survivor's cells in position order, which only matters
+    /// where its logits must equal a lone run's, and parked cells stay in every later
+    /// decode's attention span until the cache fills (a KV cache full of parked cells made
+    /// prefill ~1.8x slower, docs/performance.md). Not for embeddings contexts (no decode
+    /// order to keep; their pooling ties `n_batch` to `n_seq_max`) and not when `n_seq_max`
+    /// already takes every id llama.cpp has.
     pub fn parks_freed_cells(&self) -> bool {
-        !self.embeddings && self.n_seq_max < MAX_SEQ
+        self.is_batch_invariant() && !self.embeddings && self.n_seq_max < MAX_SEQ
     }
 
     /// Reject values llama.cpp would assert on, naming the field and the valid range.
@@ -333,11 +337,15 @@ mod tests {
         assert_eq!(p.flash_attn_type, sys::LLAMA_FLASH_ATTN_TYPE_ENABLED);
         let off = ContextOptions { flash_attn: false, ..Default::default() };
         assert_eq!(off.to_llama().unwrap().flash_attn_type, sys::LLAMA_FLASH_ATTN_TYPE_DISABLED);
-        // One sequence for the user plus the hidden one that parks pruned branches' cells.
-        assert_eq!((p.n_ctx, p.n_batch, p.n_ubatch, p.n_seq_max), (2048, 512, 512, 2));
-        let embed = ContextOptions { embeddings: true, ..Default::default() };
+        // The fast kernels: no hidden sequence, pruned branches' cells are freed at once.
+        assert_eq!((p.n_ctx, p.n_batch, p.n_ubatch, p.n_seq_max), (2048, 512, 512, 1));
+        // Batch-invariant: one sequence for the user plus the hidden one that parks them.
+        let inv = ContextOptions { batch_invariant: Some(true), ..Default::default() };
+        assert!(inv.parks_freed_cells());
+        assert_eq!(inv.to_llama().unwrap().n_seq_max, 2);
+        let embed = ContextOptions { embeddings: true, ..inv.clone() };
         assert_eq!(embed.to_llama().unwrap().n_seq_max, 1);
-        let all = ContextOptions { n_seq_max: MAX_SEQ, ..Default::default() };
+        let all = ContextOptions { n_seq_max: MAX_SEQ, ..inv };
         assert_eq!(all.to_llama().unwrap().n_seq_max, MAX_SEQ);
     }
 

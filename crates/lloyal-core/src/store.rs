@@ -13,6 +13,9 @@ pub struct KvPressure {
     pub n_ctx: u32,
     pub cells_used: usize,
     pub remaining: usize,
+    /// Cells of pruned branches parked until the cache fills (batch-invariant contexts only;
+    /// not in `cells_used`: a decode that needs them frees them).
+    pub cells_parked: usize,
 }
 
 impl ContextState {
@@ -33,6 +36,7 @@ impl ContextState {
             n_ctx,
             cells_used: self.ledger.cells_used(),
             remaining: (n_ctx as usize).saturating_sub(self.ledger.cells_used()),
+            cells_parked: self.parked,
         }
     }
 

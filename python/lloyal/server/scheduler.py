@@ -17,7 +17,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import math
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -265,16 +265,23 @@ class Scheduler:
         finally:
             self.waiting -= 1
         root: lloyal.Branch | None = None
+        made: list[lloyal.Branch] = []  # the new root, once the worker thread made it
         try:
             if entry is not None and exact:
                 root, req.root_is_entry = entry.branch, True
-            elif entry is not None:
-                whole = hit == len(entry.tokens)
-                root = entry.branch.fork() if whole else entry.branch.fork(at=hit)
-                await root.aprefill(spec.prompt[hit:])
             else:
-                root = lloyal.Branch.create(ctx, 0, spec.params)
-                await root.aprefill(spec.prompt)
+                src, at = (entry.branch, hit) if entry is not None else (None, 0)
+                whole = entry is not None and hit == len(entry.tokens)
+
+                def make_root() -> None:
+                    if src is None:
+                        made.append(lloyal.Branch.create(ctx, 0, spec.params))
+                    else:
+                        made.append(src.fork() if whole else src.fork(at=at))
+
+                await _off_loop(make_root)
+                root = made[0]
+                await root.aprefill(spec.prompt[hit:] if entry is not None else spec.prompt)
             req.root = root
             if self._closed:
                 raise ShuttingDown(self._cancelled_message())
@@ -291,6 +298,7 @@ class Scheduler:
         except BaseException:  # a bad grammar or bias, a full cache, a cancelled client: undo it all
             for c in req.choices:
                 c.branch.prune()
+            root = root or (made[0] if made else None)
             if root is not None and not req.root_is_entry:
                 if req.root is root:
                     self.cache.add(root, spec.prompt)  # the prompt is prefilled: keep it
@@ -379,19 +387,24 @@ class Scheduler:
         self.cache.evict(cells=len(running))
         produced = self.store.produce_all([c.branch for c in running])
         pairs: list[tuple[lloyal.Branch, int]] = []
-        commits: list[_Choice] = []
+        staged: list[tuple[_Choice, int, TokenEvent]] = []
         for c, p in zip(running, produced, strict=True):
             spec = c.req.spec
             if p.is_stop or p.token in spec.stop_tokens:
                 self._end(c, "stop")
                 continue
             ev = TokenEvent(c.index, p.token, "")
-            if spec.logprobs is not None:
+            if spec.logprobs is not None:  # read before the commit replaces the logits
                 ev.logprob, ev.top = self._logprobs(c.branch, p.token, spec.logprobs)
             pairs.append((c.branch, p.token))
-            commits.append(c)
-            c.generated.append(p.token)
-            c.text += c.stream.push(p.token)
+            staged.append((c, p.token, ev))
+        # The decode starts now and the text work below runs while it does: the engine waits
+        # only a moment (its gather window) for a step's commit before it ticks without it.
+        commit = asyncio.ensure_future(self.store.acommit(pairs)) if pairs else None
+        for c, token, ev in staged:
+            spec = c.req.spec
+            c.generated.append(token)
+            c.text += c.stream.push(token)
             cut = _find_stop(c.text, spec.stop, c.emitted)
             if cut is not None:
                 c.text = c.text[:cut]
@@ -403,11 +416,11 @@ class Scheduler:
                 self._end(c, "length")
             else:
                 self._emit(c, ev, final=False)
-        if pairs:
+        if commit is not None:
             try:
-                await self.store.acommit(pairs)
+                await commit
             except lloyal.KvCacheFullError:
-                await self._commit_separately(pairs, commits)
+                await self._commit_separately(pairs, [c for c, _, _ in staged])
             self.steps += 1
             self.tokens_generated += len(pairs)
         self._running = [c for c in self._running if not c.done]
@@ -456,6 +469,19 @@ class Scheduler:
         ranked = sorted(top.tolist(), key=lambda t: -float(logits[t]))
         alts = [TopLogprob(t, self.ctx.token_to_text(t), float(logits[t]) - lse) for t in ranked]
         return float(logits[token]) - lse, alts
+
+
+async def _off_loop(fn: Callable[[], None]) -> None:
+    """Run ``fn`` on a worker thread: a direct call waits for the engine's tick in progress
+    (up to a prefill chunk's ~0.8 s), and the event loop keeps serving the other requests
+    meanwhile. A cancelled caller still waits for ``fn`` to finish, so its cleanup sees
+    everything ``fn`` made."""
+    done = asyncio.get_running_loop().run_in_executor(None, fn)
+    try:
+        await asyncio.shield(done)
+    except asyncio.CancelledError:
+        await asyncio.wait([done])
+        raise
 
 
 def _ppl(branch: lloyal.Branch) -> float:

@@ -87,6 +87,8 @@ struct Queue {
     idle: bool,
     /// Commits the previous tick decoded (the gather window waits for as many).
     last_tick_ops: usize,
+    /// Prefills the previous tick answered (the gather window then runs its full length).
+    last_tick_prefills: u64,
     /// Most prefill tokens per tick (0: fill the tick's batch; None: paced, [`pace`]).
     prefill_chunk: Option<usize>,
     stats: EngineStats,
@@ -154,6 +156,7 @@ impl Default for Engine {
                     started: false,
                     idle: true,
                     last_tick_ops: 0,
+                    last_tick_prefills: 0,
                     prefill_chunk: None,
                     stats: EngineStats { gather: 0.002, ..EngineStats::default() },
                 }),
@@ -321,10 +324,14 @@ fn engine_loop(ctx: Weak<Context>, shared: Arc<Shared>) {
                 q = shared.cv.wait(q).unwrap_or_else(|p| p.into_inner());
             }
             // Gather: give the previous tick's callers a moment to come back, so they share
-            // this tick instead of splitting into a one-caller tick and the rest.
+            // this tick instead of splitting into a one-caller tick and the rest. A caller
+            // whose prefill just finished usually forks it next, with a direct call that needs
+            // the context lock: the whole window leaves it room to do so before this tick
+            // takes the lock (else it waited a whole tick, ~0.8 s for a 512-token chunk).
             let gather = Duration::from_secs_f64(q.stats.gather);
             let deadline = Instant::now() + gather;
-            while q.ops.len() + sched.ready() < q.last_tick_ops && !q.shutdown && !q.paused {
+            let settle = q.last_tick_prefills > 0;
+            while (settle || q.ops.len() + sched.ready() < q.last_tick_ops) && !q.shutdown && !q.paused {
                 let now = Instant::now();
                 if now >= deadline {
                     break;
@@ -345,7 +352,7 @@ fn engine_loop(ctx: Weak<Context>, shared: Arc<Shared>) {
         };
         let mut pending = Some(ops);
         let ran = catch_unwind(AssertUnwindSafe(|| {
-            context.with(|s| Ok(sched.tick(s, pending.take().unwrap_or_default(), max_prefill)))
+            context.with_fair(|s| Ok(sched.tick(s, pending.take().unwrap_or_default(), max_prefill)))
         }));
         drop(context);
         let outcome = match ran {
@@ -391,6 +398,7 @@ fn engine_loop(ctx: Weak<Context>, shared: Arc<Shared>) {
             st.waiting = sched.waiting();
             st.lease_waiting = sched.lease_waiting();
             q.last_tick_ops = outcome.commits as usize;
+            q.last_tick_prefills = outcome.prefills_done;
             for op in outcome.deferred.into_iter().rev() {
                 q.ops.push_front(op);
             }
