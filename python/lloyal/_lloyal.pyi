@@ -41,9 +41,8 @@ def system_info() -> str:
     """The backends llama.cpp runs on and their CPU features, as llama.cpp reports them."""
 
 def quiesce_callbacks() -> None:
-    """Stop lloyal's threads from calling into Python and wait (at most 5 s) for the calls under
-    way; ``import lloyal`` registers it with ``atexit`` (a native thread taking the GIL while the
-    interpreter finalizes would abort the process)."""
+    """Stop lloyal's threads from calling into Python and wait (GIL released, at most 5 s) for
+    the calls under way; registered with ``atexit`` by ``import lloyal``."""
 
 def validate_sampling_params(params: object) -> None:
     """Raise ``ValueError``/``TypeError`` if ``params`` is not a valid set of sampling parameters."""
@@ -875,8 +874,7 @@ class KvPressure:
         """Cells left."""
     @property
     def cells_parked(self) -> int:
-        """Cells of pruned branches parked until the cache fills (batch-invariant contexts
-        only: the survivors' next cells then land after their own; not in ``cells_used``)."""
+        """Cells of pruned branches parked until the cache fills (batch-invariant contexts only)."""
 
 @final
 class EngineStats:
