@@ -2,7 +2,7 @@
 //! logits and raw KV ops; branch accounting lives in `ledger.rs`, llama.cpp calls in `raw.rs`.
 
 use std::collections::HashMap;
-use std::sync::atomic::{AtomicBool, AtomicU32, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 
 use parking_lot::{Mutex, MutexGuard};
@@ -45,26 +45,10 @@ pub struct Context {
     state: Mutex<Option<ContextState>>,
     closed: AtomicBool,
     engine: Engine,
-    /// Leases and cells as of the last call that released the lock ([`Context::occupancy`]).
-    occupancy: Occupancy,
-}
-
-/// Free leases, cells held and cells parked, published at the end of every locked call so
-/// readers need not wait for the engine's tick in progress (a scheduler deciding whether a
-/// request fits waited up to a prefill chunk's ~0.8 s for two numbers).
-#[derive(Debug, Default)]
-struct Occupancy {
-    available: AtomicU32,
-    cells_used: AtomicUsize,
-    parked: AtomicUsize,
-}
-
-impl Occupancy {
-    fn publish(&self, state: &ContextState) {
-        self.available.store(state.available(), Ordering::Release);
-        self.cells_used.store(state.ledger.cells_used(), Ordering::Release);
-        self.parked.store(state.parked, Ordering::Release);
-    }
+    /// Free leases and KV occupancy as of the last call that released the context lock
+    /// ([`Context::occupancy`]): held only to copy it, so readers never wait for a tick (a
+    /// scheduler deciding whether a request fits waited up to a prefill chunk's ~0.8 s).
+    occupancy: Mutex<(u32, KvPressure)>,
 }
 
 impl std::fmt::Debug for Context {
@@ -118,8 +102,7 @@ impl Context {
             interrupt: None,
             batches_in_call: 0,
         };
-        let occupancy = Occupancy::default();
-        occupancy.publish(&state);
+        let occupancy = Mutex::new((state.available(), state.kv_pressure()));
         Ok(Arc::new(Context {
             model,
             shape,
@@ -161,14 +144,7 @@ impl Context {
     /// (before: up to 2.4 s with prefill ticks of ~0.8 s, the event loop blocked all along).
     /// parking_lot still hands the lock to a waiter after at most ~0.5 ms of that.
     pub fn with<T>(&self, f: impl FnOnce(&mut ContextState) -> Result<T>) -> Result<T> {
-        let mut guard = self.guard();
-        let state = guard.as_mut().ok_or(LloyalError::ContextClosed)?;
-        state.batches_in_call = 0;
-        let result = f(state);
-        check_ledger(state);
-        self.occupancy.publish(state);
-        drop(guard);
-        result
+        self.locked(None, false, f)
     }
 
     /// [`Context::with`] for the engine's ticks: the lock is released fairly, so a thread
@@ -176,34 +152,44 @@ impl Context {
     /// prefill) gets it before the engine's next tick, and a busy engine never starves
     /// other callers.
     pub(crate) fn with_fair<T>(&self, f: impl FnOnce(&mut ContextState) -> Result<T>) -> Result<T> {
-        let mut guard = self.guard();
-        let state = guard.as_mut().ok_or(LloyalError::ContextClosed)?;
-        state.batches_in_call = 0;
-        let result = f(state);
-        check_ledger(state);
-        self.occupancy.publish(state);
-        MutexGuard::unlock_fair(guard);
-        result
+        self.locked(None, true, f)
     }
 
     /// Like [`Context::with`], but `check` runs between the n_batch-sized decodes of a long
     /// call (prefill of many tokens, a commit of more than n_batch branches); when it returns
     /// `true` the call stops there, rolls back everything it wrote and returns
-    /// [`LloyalError::Interrupted`]. The Python glue uses it to honour Ctrl-C.
+    /// [`LloyalError::Interrupted`]. The Python glue uses it to honour Ctrl-C. The lock is
+    /// released fairly.
     pub fn with_interrupt<T>(
         &self,
         check: InterruptCheck,
         f: impl FnOnce(&mut ContextState) -> Result<T>,
     ) -> Result<T> {
+        self.locked(Some(check), true, f)
+    }
+
+    /// The body of the `with*` calls: `f` under the lock with `interrupt` installed, then the
+    /// ledger check and the published occupancy, then the lock released (`fair`: handed to a
+    /// waiting thread).
+    fn locked<T>(
+        &self,
+        interrupt: Option<InterruptCheck>,
+        fair: bool,
+        f: impl FnOnce(&mut ContextState) -> Result<T>,
+    ) -> Result<T> {
         let mut guard = self.guard();
         let state = guard.as_mut().ok_or(LloyalError::ContextClosed)?;
         state.batches_in_call = 0;
-        state.interrupt = Some(check);
+        state.interrupt = interrupt;
         let result = f(state);
         state.interrupt = None;
         check_ledger(state);
-        self.occupancy.publish(state);
-        MutexGuard::unlock_fair(guard);
+        *self.occupancy.lock() = (state.available(), state.kv_pressure());
+        if fair {
+            MutexGuard::unlock_fair(guard);
+        } else {
+            drop(guard);
+        }
         result
     }
 
@@ -279,15 +265,7 @@ impl Context {
     /// the context lock (so without waiting for the engine's tick in progress).
     pub fn occupancy(&self) -> Result<(u32, KvPressure)> {
         self.check_open()?;
-        let o = &self.occupancy;
-        let (used, n_ctx) = (o.cells_used.load(Ordering::Acquire), self.shape.n_ctx);
-        let pressure = KvPressure {
-            n_ctx,
-            cells_used: used,
-            remaining: (n_ctx as usize).saturating_sub(used),
-            cells_parked: o.parked.load(Ordering::Acquire),
-        };
-        Ok((o.available.load(Ordering::Acquire), pressure))
+        Ok(*self.occupancy.lock())
     }
 
     /// Whether `close()` ran (lock-free).

@@ -269,19 +269,19 @@ class Scheduler:
         try:
             if entry is not None and exact:
                 root, req.root_is_entry = entry.branch, True
-            else:
-                src, at = (entry.branch, hit) if entry is not None else (None, 0)
+            else:  # fork the cached prefix (hit tokens), or a new root (hit is 0)
+                src = entry.branch if entry is not None else None
                 whole = entry is not None and hit == len(entry.tokens)
 
                 def make_root() -> None:
                     if src is None:
                         made.append(lloyal.Branch.create(ctx, 0, spec.params))
                     else:
-                        made.append(src.fork() if whole else src.fork(at=at))
+                        made.append(src.fork() if whole else src.fork(at=hit))
 
                 await _off_loop(make_root)
                 root = made[0]
-                await root.aprefill(spec.prompt[hit:] if entry is not None else spec.prompt)
+                await root.aprefill(spec.prompt[hit:])
             req.root = root
             if self._closed:
                 raise ShuttingDown(self._cancelled_message())
