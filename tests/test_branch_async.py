@@ -270,3 +270,52 @@ def test_exiting_right_after_an_await_is_a_clean_exit() -> None:
         )
         assert proc.returncode == 0, proc.stderr[-2000:]
         assert proc.stdout.split()[0] == "end"
+
+
+def test_engine_start_queues_the_operation_before_it_is_awaited(ctx):
+    """``aio.engine_start`` (the server's commit) is on the engine's queue when it returns, where
+    a coroutine such as ``acommit`` queues nothing until it is first awaited; its argument errors
+    raise at the call; cancelling its future cancels the operation and changes nothing."""
+    from lloyal.aio import engine_start
+
+    store = BranchStore(ctx)
+    root = Branch.create(ctx, 0, GREEDY)
+    root.prefill(ctx.tokenize("The capital of France is"))
+    pos = root.position
+    token = root.produce().token
+
+    async def main() -> tuple[int, int]:
+        s0 = ctx.engine_stats().ops_submitted
+        lazy = store.acommit([(root, token)])
+        lazy_queued = ctx.engine_stats().ops_submitted - s0
+        lazy.close()  # never awaited: nothing ran
+        fut = engine_start(store._submit_commit, [(root, token)])
+        eager_queued = ctx.engine_stats().ops_submitted - s0
+        await fut
+        return lazy_queued, eager_queued
+
+    assert asyncio.run(main()) == (0, 1)
+    assert root.position == pos + 1
+
+    async def bad() -> None:
+        engine_start(store._submit_commit, [(root, ctx.n_vocab)])
+
+    with pytest.raises(lloyal.InvalidTokenError):
+        asyncio.run(bad())
+    assert root.position == pos + 1
+
+    async def cancelled() -> None:
+        ctx.pause_engine()
+        try:
+            fut = engine_start(store._submit_commit, [(root, root.produce().token)])
+            fut.cancel()
+            await asyncio.sleep(0)  # the future's done callback withdraws the operation
+        finally:
+            ctx.resume_engine()
+        while (st := ctx.engine_stats()).ops_completed + st.ops_failed < st.ops_submitted:
+            await asyncio.sleep(0.01)
+
+    failed = ctx.engine_stats().ops_failed
+    asyncio.run(cancelled())
+    assert root.position == pos + 1  # the cancelled commit never decoded
+    assert ctx.engine_stats().ops_failed == failed + 1

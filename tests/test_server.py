@@ -346,6 +346,8 @@ def test_concurrent_requests_share_decode_steps(server: str, name: str, ref: llo
     want = [ref.detokenize(greedy(ref, ref.tokenize(p), 10)) for p in prompts]
     steps0 = metric(server, "lloyal_decode_steps_total")
     tokens0 = metric(server, "lloyal_generation_tokens_total")
+    calls0 = metric(server, "lloyal_engine_decode_calls_total")
+    rows0 = metric(server, "lloyal_engine_rows_total")
 
     async def main() -> list[str]:
         async with openai.AsyncOpenAI(base_url=server + "/v1", api_key=KEY, max_retries=0, timeout=120) as ac:
@@ -359,6 +361,11 @@ def test_concurrent_requests_share_decode_steps(server: str, name: str, ref: llo
     tokens = metric(server, "lloyal_generation_tokens_total") - tokens0
     assert tokens == 60
     assert steps < 40  # 60 tokens in far fewer decode steps: requests shared steps
+    # The engine's own counters: every committed token and every prompt token is a row, and
+    # the commits of a step shared its llama_decode calls (prompts may have taken a few more).
+    prompt_rows = sum(len(ref.tokenize(p)) for p in prompts)
+    assert metric(server, "lloyal_engine_rows_total") - rows0 >= tokens + prompt_rows - 6 * 2
+    assert metric(server, "lloyal_engine_decode_calls_total") - calls0 < steps + 12
 
 
 def test_64_concurrent_requests_queue_and_complete(server: str, name: str, ref: lloyal.Context) -> None:

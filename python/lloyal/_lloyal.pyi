@@ -1,7 +1,8 @@
 """Type stubs for the native module ``lloyal._lloyal`` (checked by ``mypy.stubtest``)."""
 
+import asyncio
 import os
-from collections.abc import Awaitable, Coroutine, Mapping
+from collections.abc import Awaitable, Callable, Coroutine, Mapping
 from typing import Any, final
 
 import numpy as np
@@ -957,6 +958,12 @@ class BranchStore:
         """Sample every branch in one native call (GIL released)."""
     def acommit(self, pairs: list[tuple[Branch, int]]) -> Coroutine[Any, Any, None]:
         """Await ``commit(pairs)``: queued on the context's engine, the event loop keeps running."""
+    def _submit_commit(
+        self, loop: asyncio.AbstractEventLoop, future: asyncio.Future[None], pairs: list[tuple[Branch, int]]
+    ) -> Callable[[], None]:
+        """Queue ``commit(pairs)`` on the engine now; the engine thread settles ``future`` on
+        ``loop``. Returns a canceller (``lloyal.aio.engine_start`` wraps it).
+        """
     def aretain_only(self, winner: Branch) -> Coroutine[Any, Any, None]:
         """Await ``retain_only(winner)`` off the event loop."""
     def aprefill(self, items: list[tuple[Branch, list[int]]]) -> Coroutine[Any, Any, None]:

@@ -18,7 +18,7 @@ from typing import Any, TypeVar
 
 T = TypeVar("T")
 
-__all__ = ["engine_call", "next_in_thread", "run_in_thread", "stream_next"]
+__all__ = ["engine_call", "engine_start", "next_in_thread", "run_in_thread", "stream_next"]
 
 _DONE = object()
 
@@ -53,6 +53,27 @@ async def engine_call(submit: Callable[..., Callable[[], None]], *args: Any) -> 
     except asyncio.CancelledError:
         cancel()
         raise
+
+
+def engine_start(submit: Callable[..., Callable[[], None]], *args: Any) -> asyncio.Future[None]:
+    """Queue an operation of a context's engine now; the future it returns settles when the
+    engine has run it.
+
+    Unlike :func:`engine_call` (a coroutine: nothing is queued until it is first awaited), the
+    operation is on the engine's queue when this returns, so the caller can do other work on
+    the event loop while it decodes. Argument errors raise here; cancelling the future
+    cancels the operation. The server's decode loop submits each step's commit this way.
+    """
+    loop = asyncio.get_running_loop()
+    future: asyncio.Future[None] = loop.create_future()
+    cancel = submit(loop, future, *args)
+
+    def cancelled(f: asyncio.Future[None]) -> None:
+        if f.cancelled():
+            cancel()
+
+    future.add_done_callback(cancelled)
+    return future
 
 
 async def lease_call(submit: Callable[..., tuple[Callable[[], None], Callable[[], Any]]], *args: Any) -> Any:

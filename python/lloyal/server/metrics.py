@@ -96,3 +96,12 @@ class Metrics(Collector):
         yield CounterMetricFamily(
             "lloyal_prefix_cache_evictions", "Cached branches evicted", value=cache.evictions
         )
+        eng = st.ctx.engine_stats()
+        for name, doc, value in (
+            ("ticks", "Engine ticks that decoded something", eng.ticks),
+            ("decode_calls", "llama_decode calls made by the engine", eng.decode_calls),
+            ("rows", "Rows (tokens) the engine decoded", eng.rows),
+            ("tick_seconds", "Seconds spent in engine ticks", eng.tick_seconds),
+            ("decode_seconds", "Seconds of engine ticks spent in llama_decode", eng.decode_seconds),
+        ):
+            yield CounterMetricFamily(f"lloyal_engine_{name}", doc, value=value)

@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 import lloyal
+from lloyal.aio import engine_start
 
 from .prefix_cache import CacheEntry, PrefixCache
 
@@ -398,9 +399,9 @@ class Scheduler:
                 ev.logprob, ev.top = self._logprobs(c.branch, p.token, spec.logprobs)
             pairs.append((c.branch, p.token))
             staged.append((c, p.token, ev))
-        # The decode starts now and the text work below runs while it does: the engine waits
-        # only a moment (its gather window) for a step's commit before it ticks without it.
-        commit = asyncio.ensure_future(self.store.acommit(pairs)) if pairs else None
+        # Queued now (not when first awaited), so the decode runs while the text work below
+        # does: the engine waits only a moment (its gather window) for a step's commit.
+        commit = engine_start(self.store._submit_commit, pairs) if pairs else None
         for c, token, ev in staged:
             spec = c.req.spec
             c.generated.append(token)
