@@ -122,8 +122,8 @@ impl PyBranchStore {
         aio::engine_call(slf.py(), slf.getattr("_submit_prefill")?, vec![items])
     }
 
-    /// Queue ``commit(pairs)`` on the engine now; the engine thread settles ``future`` on
-    /// ``loop``. Returns a canceller (``lloyal.aio.engine_start`` wraps it).
+    /// Queue ``commit(pairs)`` on the engine now; the engine thread settles ``fut`` on
+    /// ``lp``. Returns a canceller (``lloyal.aio.engine_start`` wraps it).
     fn _submit_commit<'py>(
         &self,
         py: Python<'py>,

@@ -959,10 +959,10 @@ class BranchStore:
     def acommit(self, pairs: list[tuple[Branch, int]]) -> Coroutine[Any, Any, None]:
         """Await ``commit(pairs)``: queued on the context's engine, the event loop keeps running."""
     def _submit_commit(
-        self, loop: asyncio.AbstractEventLoop, future: asyncio.Future[None], pairs: list[tuple[Branch, int]]
+        self, lp: asyncio.AbstractEventLoop, fut: asyncio.Future[None], pairs: list[tuple[Branch, int]]
     ) -> Callable[[], None]:
-        """Queue ``commit(pairs)`` on the engine now; the engine thread settles ``future`` on
-        ``loop``. Returns a canceller (``lloyal.aio.engine_start`` wraps it).
+        """Queue ``commit(pairs)`` on the engine now; the engine thread settles ``fut`` on
+        ``lp``. Returns a canceller (``lloyal.aio.engine_start`` wraps it).
         """
     def aretain_only(self, winner: Branch) -> Coroutine[Any, Any, None]:
         """Await ``retain_only(winner)`` off the event loop."""
