@@ -45,14 +45,7 @@ async def engine_call(submit: Callable[..., Callable[[], None]], *args: Any) -> 
     raise here) and returns a canceller; the engine thread settles ``future`` through
     ``loop.call_soon_threadsafe``. Cancelling the awaiting task cancels the operation.
     """
-    loop = asyncio.get_running_loop()
-    future: asyncio.Future[None] = loop.create_future()
-    cancel = submit(loop, future, *args)
-    try:
-        await future
-    except asyncio.CancelledError:
-        cancel()
-        raise
+    await engine_start(submit, *args)
 
 
 def engine_start(submit: Callable[..., Callable[[], None]], *args: Any) -> asyncio.Future[None]:

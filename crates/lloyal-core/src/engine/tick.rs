@@ -794,8 +794,6 @@ fn admit_prefill(
     Ok((items, total))
 }
 
-/// Decode `rows` in n_batch chunks, copying each logits row into its branch's `next_logits`.
-/// Returns the result and the number of `llama_decode` calls made.
 /// Rows of one flash-attention query tile in ggml's CPU kernel (`GGML_FA_TILE_Q`).
 const FA_QUERY_TILE: usize = 64;
 
@@ -817,7 +815,9 @@ fn split_point(split: bool, decode_rows: usize, prefill_rows: usize) -> Option<u
     (split && mixed).then_some(decode_rows)
 }
 
-/// Decode `rows` in calls of at most `n_batch` rows, a call ending at row `split` too.
+/// Decode `rows` in calls of at most `n_batch` rows, a call ending at row `split` too,
+/// copying each logits row into its branch's `next_logits`. Returns the result and the
+/// number of `llama_decode` calls made.
 fn execute(s: &mut ContextState, rows: &[Row], split: Option<usize>, secs: &mut f64) -> (Result<()>, u64) {
     let n_batch = s.shape().n_batch as usize;
     let mut decodes = 0;
