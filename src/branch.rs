@@ -440,6 +440,41 @@ impl PyBranch {
         self.call(py, move |s, h| s.branch_set_params(h, params))
     }
 
+    /// Replace the whole sampling setup in one call (one wait for the context while the
+    /// engine is busy, instead of one per setter): the parameters, the logit bias (None: no
+    /// bias) and the grammar (GBNF text or a :class:`Grammar`; None: none); ``seed`` restarts
+    /// the RNG (None: kept). Everything is checked first: on an error nothing changes.
+    ///
+    /// Example:
+    ///     >>> branch.set_sampling(SamplingParams(temperature=0.0), seed=7, logit_bias={})
+    #[pyo3(signature = (params, *, seed=None, logit_bias=None, grammar=None))]
+    fn set_sampling(
+        &self,
+        py: Python<'_>,
+        params: &Bound<'_, PyAny>,
+        seed: Option<i64>,
+        logit_bias: Option<&Bound<'_, PyDict>>,
+        grammar: Option<&Bound<'_, PyAny>>,
+    ) -> PyResult<()> {
+        self.core().check_open().py()?;
+        let params = extract_params(Some(params), None)?;
+        let seed: Option<u32> = seed.map(|s| narrow("seed", s, "in 0..=4294967295")).transpose()?;
+        let bias = match logit_bias {
+            Some(b) => bias_list(self.core().model(), b)?,
+            None => Vec::new(),
+        };
+        let grammar = grammar_arg(py, self.core().model().clone(), grammar)?;
+        self.call(py, move |s, h| {
+            s.branch(h)?;
+            s.branch_set_grammar(h, grammar)?; // the one that can refuse: first
+            s.branch_set_params(h, params)?;
+            if let Some(seed) = seed {
+                s.branch_reseed_sampler(h, seed)?;
+            }
+            s.branch_set_logit_bias(h, bias)
+        })
+    }
+
     /// Set ``{token: bias}`` added to the logits before sampling; inherited by forks; ``-inf`` bans.
     fn set_logit_bias(&self, py: Python<'_>, bias: &Bound<'_, PyDict>) -> PyResult<()> {
         let bias = bias_list(self.core().model(), bias)?;
@@ -487,7 +522,8 @@ impl PyBranch {
 
     /// Generate until a stop (not yielded) or ``max_tokens``, committing each token before
     /// yielding it. The engine samples and commits in Rust, batched with every other
-    /// generation and commit on the context; one token per ``next()``.
+    /// generation and commit on the context; one token per ``next()`` (``lookahead=k``: up to
+    /// ``k`` tokens ahead of the reader).
     ///
     /// Args:
     ///     max_tokens: Most tokens to yield (None: until a stop).
@@ -501,15 +537,24 @@ impl PyBranch {
     ///     top_logprobs: Give each Token its ``top_logprobs`` most likely tokens (0 to 20).
     ///     timeout: Seconds the request may wait (FIFO) for room in the KV cache for its
     ///         ``max_tokens`` before failing; None waits as long as it takes.
+    ///     lookahead: Tokens the engine may generate before they are read (1: each one when
+    ///         asked for). With ``k > 1`` the next token decodes while the reader handles this
+    ///         one, and a reader that stops early leaves the branch up to ``k - 1`` tokens past
+    ///         the last it read.
+    ///     reserve: Hold ``max_tokens`` KV cells for the request from its start (it waits for
+    ///         them). False: it starts when one cell is free and takes one per token, and a
+    ///         token that finds the cache full raises ``KvCacheFullError`` at its ``next()``
+    ///         (the tokens before it were yielded).
     ///
     /// Raises:
     ///     InvalidTokenError: A stop or prompt token is out of the vocabulary.
     ///     KvCacheFullError: At the first ``next()``: ``max_tokens`` can never fit next to the
-    ///         branch's cells, or no room came within ``timeout``.
+    ///         branch's cells, or no room came within ``timeout``; later, with
+    ///         ``reserve=False``, when the cache filled up.
     ///     ValueError: An empty stop string, ``top_logprobs`` out of range or another iterator
-    ///         of this branch still generating (at the first ``next()``), or a negative
-    ///         ``timeout``.
-    #[pyo3(signature = (max_tokens=None, *, prompt=None, stop=None, stop_tokens=None, logprobs=false, top_logprobs=0, timeout=None))]
+    ///         of this branch still generating (at the first ``next()``), a negative
+    ///         ``timeout`` or a ``lookahead`` below 1.
+    #[pyo3(signature = (max_tokens=None, *, prompt=None, stop=None, stop_tokens=None, logprobs=false, top_logprobs=0, timeout=None, lookahead=1, reserve=true))]
     #[allow(clippy::too_many_arguments)]
     fn generate(
         &self,
@@ -521,7 +566,14 @@ impl PyBranch {
         logprobs: bool,
         top_logprobs: usize,
         timeout: Option<f64>,
+        lookahead: usize,
+        reserve: bool,
     ) -> PyResult<PyTokenIter> {
+        if lookahead == 0 {
+            return Err(pyo3::exceptions::PyValueError::new_err(
+                "lookahead must be at least 1 (1: generate each token when it is asked for)",
+            ));
+        }
         let model = self.core().model();
         let prompt = to_i32(model, &prompt.unwrap_or_default())?;
         let stop_tokens = stop_tokens.unwrap_or_default();
@@ -543,6 +595,8 @@ impl PyBranch {
             logprobs,
             top_logprobs,
             timeout,
+            lookahead,
+            reserve,
         };
         Ok(PyTokenIter::new(self.wrap(py, self.handle), args))
     }
@@ -675,7 +729,7 @@ pub struct PyTokenIter {
 }
 
 /// What `generate()` was called with.
-#[derive(Clone, Default)]
+#[derive(Clone)]
 struct GenArgs {
     max_tokens: Option<usize>,
     prompt: Vec<i32>,
@@ -684,6 +738,24 @@ struct GenArgs {
     logprobs: bool,
     top_logprobs: usize,
     timeout: Option<Duration>,
+    lookahead: usize,
+    reserve: bool,
+}
+
+impl Default for GenArgs {
+    fn default() -> Self {
+        GenArgs {
+            max_tokens: None,
+            prompt: Vec::new(),
+            stop: Vec::new(),
+            stop_tokens: Vec::new(),
+            logprobs: false,
+            top_logprobs: 0,
+            timeout: None,
+            lookahead: 1,
+            reserve: true,
+        }
+    }
 }
 
 #[derive(Default)]
@@ -718,7 +790,7 @@ impl PyTokenIter {
             return Ok(None);
         }
         let a = &self.args;
-        let stream = Arc::new(GenStream::default());
+        let stream = Arc::new(GenStream::with_lookahead(a.lookahead));
         let spec = GenSpec {
             handle: self.branch.handle,
             prompt: a.prompt.clone(),
@@ -728,6 +800,7 @@ impl PyTokenIter {
             logprobs: a.logprobs,
             top_logprobs: a.top_logprobs,
             timeout: a.timeout,
+            reserve: a.reserve,
             stream: Arc::clone(&stream),
         };
         let ticket = self.branch.core().generate(spec).py();
@@ -757,6 +830,15 @@ impl PyTokenIter {
             Err(lloyal_core::LloyalError::Interrupted) => Ok(None),
             Err(e) => Err(e).py(),
         }
+    }
+
+    /// The token for a read `item`, waking the engine if the read made room in a full
+    /// read-ahead buffer.
+    fn taken(&self, stream: &GenStream, item: GenItem) -> PyToken {
+        if stream.needs_refill() {
+            self.branch.core().notify_engine();
+        }
+        py_token(item)
     }
 
     fn cancel(&self) {
@@ -789,7 +871,7 @@ impl PyTokenIter {
         let main = on_main_thread(py);
         loop {
             match stream.poll(None) {
-                Next::Item(item) => return Ok(Some(py_token(item))),
+                Next::Item(item) => return Ok(Some(self.taken(&stream, item))),
                 Next::End(end) => return self.end(end),
                 Next::Pending => {}
             }
@@ -844,7 +926,7 @@ impl PyTokenIter {
             });
         });
         match stream.poll(Some(wake)) {
-            Next::Item(item) => Ok(Some(py_token(item))),
+            Next::Item(item) => Ok(Some(self.taken(&stream, item))),
             Next::End(end) => match self.end(end)? {
                 Some(t) => Ok(Some(t)),
                 None => Err(pyo3::exceptions::PyStopAsyncIteration::new_err(())),

@@ -454,6 +454,7 @@ def _disposed_calls(b: Branch, ctx, token: int):
         "reseed_sampler": lambda: b.reseed_sampler(1),
         "set_sampler_params": lambda: b.set_sampler_params(GREEDY),
         "set_logit_bias": lambda: b.set_logit_bias({token: -1.0}),
+        "set_sampling": lambda: b.set_sampling(GREEDY),
         "steer": lambda: b.steer({token: 1.0}),
         "clear_steer": lambda: b.clear_steer(),
         "logits": lambda: b.logits,
@@ -590,6 +591,51 @@ def test_set_sampler_params_overrides_keep_the_other_fields(ctx):
         b.reseed_sampler(seed)
         hot.add(b.produce().token)
     assert len(hot) > 1, "a full SamplingParams resets top_k to its default (40)"
+
+
+def test_set_sampling_replaces_params_seed_bias_and_grammar_at_once_or_not_at_all(ctx):
+    b = Branch.create(ctx, 0, SamplingParams(temperature=0.0))
+    b.prefill(ctx.tokenize("The weather today is"))
+    best = int(np.argmax(b.logits))
+    b.set_logit_bias({best: float("-inf")})
+    b.set_grammar('root ::= "x"')
+    # one call replaces all of it (no bias, no grammar, hot sampling with a seed) and equals
+    # the four setters one by one
+    hot = SamplingParams(temperature=5.0, top_k=0, top_p=1.0, min_p=0.0)
+    x, y, z = b.fork(), b.fork(), b.fork()
+    x.set_sampling(hot, seed=11)
+    y.set_sampler_params(hot)
+    y.reseed_sampler(11)
+    y.set_logit_bias({})
+    y.set_grammar(None)
+    z.set_sampling(hot, seed=12)
+
+    def run(br: Branch) -> list[int]:
+        out = []
+        for _ in range(8):
+            t = br.produce().token
+            br.commit(t)
+            out.append(t)
+        return out
+
+    xs = run(x)
+    assert xs == run(y) != run(z)
+    assert best in xs or len(set(xs)) > 1  # the ban and the one-token grammar are gone
+    b.set_sampling(SamplingParams(temperature=0.0))
+    assert b.produce().token == best, "the bias was cleared (None: no bias) and greedy is back"
+    b.set_sampling(SamplingParams(temperature=0.0), logit_bias={best: float("-inf")})
+    banned = b.produce().token
+    assert banned != best
+    # a bad part refuses the whole call: the ban and greedy stay
+    with pytest.raises(lloyal.InvalidTokenError):
+        b.set_sampling(hot, logit_bias={ctx.n_vocab: 1.0})
+    with pytest.raises(lloyal.GrammarError):
+        b.set_sampling(hot, grammar="root ::= (")
+    with pytest.raises(ValueError):
+        b.set_sampling(hot, seed=-1)
+    assert b.produce().token == banned
+    b.set_sampling(SamplingParams(temperature=0.0), grammar='root ::= "Hello"')
+    assert "Hello".startswith(ctx.token_to_text(b.produce().token))
 
 
 def test_create_and_fork_skip_sequences_holding_flat_cells(make_context) -> None:

@@ -592,3 +592,63 @@ def test_a_request_with_a_prompt_prefills_it_through_the_engine(ctx9: lloyal.Con
     with pytest.raises(lloyal.LloyalError, match="no logits available"):
         next(d.generate(3))  # no prompt and nothing prefilled: nothing to sample from
     assert d.position == 0
+
+
+# --------------------------------------------------------------------------- lookahead, reservation
+
+
+def test_lookahead_runs_ahead_of_the_reader_by_at_most_k_tokens(ctx9: lloyal.Context, root: Branch) -> None:
+    ref, ahead = root.fork(), root.fork()
+    want = hand_loop(ref, 12)
+    start = ahead.position
+    it = ahead.generate(12, lookahead=4)
+    first = next(it)
+    assert first.token == want[0]
+    # The engine fills the read-ahead without being asked: 4 unread tokens past the one read.
+    wait_until(lambda: ahead.position == start + 5)
+    time.sleep(0.05)
+    assert ahead.position == start + 5, "it stops at k unread tokens"
+    assert next(it).token == want[1]
+    wait_until(lambda: ahead.position == start + 6)  # the read made room: one more
+    assert [t.token for t in it] == want[2:]
+    assert it.finish_reason == "length" and ahead.position == start + 12
+    again = root.fork()
+    it = again.generate(12, lookahead=3)
+    next(it)
+    it.close()  # the reader stops after 1 token: the branch is at most 2 further on
+    wait_until(lambda: ctx9.engine_stats().generating == 0)
+    assert start + 1 <= again.position <= start + 3
+    with pytest.raises(ValueError, match="lookahead"):
+        again.generate(4, lookahead=0)
+
+
+def test_async_lookahead_equals_demand_driven(ctx9: lloyal.Context, root: Branch) -> None:
+    a, b = root.fork(), root.fork()
+
+    async def main() -> tuple[list[int], list[int]]:
+        x = [t.token async for t in a.generate(10)]
+        y = [t.token async for t in b.generate(10, lookahead=8)]
+        return x, y
+
+    x, y = asyncio.run(main())
+    assert x == y and len(x) == 10
+
+
+def test_without_reservation_a_request_takes_a_cell_per_token_until_the_cache_is_full(
+    small: lloyal.Context,
+) -> None:
+    root = Branch.create(small, 0, GREEDY)
+    n_ctx = BranchStore(small).kv_pressure.n_ctx
+    filler = (small.tokenize(PROMPT, add_special=False) * n_ctx)[: n_ctx - 3]
+    root.prefill(filler)
+    b = root.fork()
+    with pytest.raises(lloyal.KvCacheFullError, match="can never fit"):
+        next(b.generate(10))  # reserving 10 cells: never
+    got: list[int] = []
+    it = b.generate(10, reserve=False, stop_tokens=[], lookahead=2)
+    with pytest.raises(lloyal.KvCacheFullError):
+        for t in it:
+            got.append(t.token)
+    assert len(got) == 3 and b.position == n_ctx  # every free cell was used, then it failed
+    assert BranchStore(small).kv_pressure.remaining == 0
+    assert small.engine_stats().generating == 0

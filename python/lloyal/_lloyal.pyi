@@ -763,6 +763,22 @@ class Branch:
         """Sampled tokens a GBNF grammar rejected so far (each cost a full vocabulary mask); always 0
         under llguidance grammars, which mask before sampling.
         """
+    def set_sampling(
+        self,
+        params: SamplingParams,
+        *,
+        seed: int | None = None,
+        logit_bias: Mapping[int, float] | None = None,
+        grammar: str | Grammar | None = None,
+    ) -> None:
+        """Replace the whole sampling setup in one call (one wait for the context while the
+        engine is busy, instead of one per setter): the parameters, the logit bias (None: no
+        bias) and the grammar (GBNF text or a :class:`Grammar`; None: none); ``seed`` restarts
+        the RNG (None: kept). Everything is checked first: on an error nothing changes.
+
+        Example:
+            >>> branch.set_sampling(SamplingParams(temperature=0.0), seed=7, logit_bias={})
+        """
     def set_logit_bias(self, bias: Mapping[int, float]) -> None:
         """Set ``{token: bias}`` added to the logits before sampling; inherited by forks; ``-inf`` bans."""
     def steer(self, bias: Mapping[int, float]) -> None:
@@ -788,10 +804,13 @@ class Branch:
         logprobs: bool = False,
         top_logprobs: int = 0,
         timeout: float | None = None,
+        lookahead: int = 1,
+        reserve: bool = True,
     ) -> TokenIterator:
         """Generate until a stop (not yielded) or ``max_tokens``, committing each token before
         yielding it. The engine samples and commits in Rust, batched with every other
-        generation and commit on the context; one token per ``next()``.
+        generation and commit on the context; one token per ``next()`` (``lookahead=k``: up to
+        ``k`` tokens ahead of the reader).
 
         Args:
             max_tokens: Most tokens to yield (None: until a stop).
@@ -805,14 +824,23 @@ class Branch:
             top_logprobs: Give each Token its ``top_logprobs`` most likely tokens (0 to 20).
             timeout: Seconds the request may wait (FIFO) for room in the KV cache for its
                 ``max_tokens`` before failing; None waits as long as it takes.
+            lookahead: Tokens the engine may generate before they are read (1: each one when
+                asked for). With ``k > 1`` the next token decodes while the reader handles this
+                one, and a reader that stops early leaves the branch up to ``k - 1`` tokens past
+                the last it read.
+            reserve: Hold ``max_tokens`` KV cells for the request from its start (it waits for
+                them). False: it starts when one cell is free and takes one per token, and a
+                token that finds the cache full raises ``KvCacheFullError`` at its ``next()``
+                (the tokens before it were yielded).
 
         Raises:
             InvalidTokenError: A stop or prompt token is out of the vocabulary.
             KvCacheFullError: At the first ``next()``: ``max_tokens`` can never fit next to the
-                branch's cells, or no room came within ``timeout``.
+                branch's cells, or no room came within ``timeout``; later, with
+                ``reserve=False``, when the cache filled up.
             ValueError: An empty stop string, ``top_logprobs`` out of range or another iterator
-                of this branch still generating (at the first ``next()``), or a negative
-                ``timeout``.
+                of this branch still generating (at the first ``next()``), a negative
+                ``timeout`` or a ``lookahead`` below 1.
         """
     def __iter__(self) -> TokenIterator: ...
     def __aiter__(self) -> TokenIterator: ...

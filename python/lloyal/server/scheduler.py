@@ -1,13 +1,18 @@
 """The server's decode loop: every running completion of every request advances in one decode per step.
 
-One asyncio task owns the loop. Each step samples every running choice in one native call
-(:meth:`lloyal.BranchStore.produce_all`) and commits them all in one ``llama_decode``
-(:meth:`lloyal.BranchStore.acommit`, off the event loop). A request is admitted between steps:
-it forks the longest cached prefix of its prompt (:mod:`lloyal.server.prefix_cache`), prefills
-the rest once, and forks ``best_of`` choices from that root (0 new cells for the prompt).
-Finished requests leave their prompt and first choice in the cache; everything else is pruned.
+Each choice runs as a generation request of the context's engine
+(:meth:`lloyal.Branch.generate`): the engine samples, commits and applies stops, ``max_tokens``
+and logprobs in Rust, all choices of all requests in one ``llama_decode`` per step, and runs up
+to :data:`LOOKAHEAD` tokens ahead of the event loop, so the next step decodes while this one's
+tokens are turned into events (no hand-off between steps). A request is admitted when a slot is
+free: it forks the longest cached prefix of its prompt (:mod:`lloyal.server.prefix_cache`),
+prefills the rest once, and forks ``best_of`` choices from that root (0 new cells for the
+prompt). Finished requests leave their prompt and first choice in the cache; everything else
+is pruned. Choices take a KV cell per token (no reservation); the prefix cache is evicted to
+keep :data:`LOOKAHEAD` + 1 cells free per running choice, and a choice that still finds the
+cache full ends with ``"length"``.
 
-Requests talk to the loop through :meth:`Scheduler.generate`, an async iterator of events.
+Requests talk to the scheduler through :meth:`Scheduler.generate`, an async iterator of events.
 Admission refuses a request when ``max_queue`` requests already wait (:class:`QueueFull`) and
 after :meth:`Scheduler.drain` began (:class:`ShuttingDown`).
 """
@@ -15,7 +20,6 @@ after :meth:`Scheduler.drain` began (:class:`ShuttingDown`).
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import math
 from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass, field
@@ -23,11 +27,23 @@ from dataclasses import dataclass, field
 import numpy as np
 
 import lloyal
-from lloyal.aio import engine_start
 
 from .prefix_cache import CacheEntry, PrefixCache
 
-__all__ = ["Done", "GenSpec", "QueueFull", "Scheduler", "ShuttingDown", "TokenEvent", "TopLogprob"]
+__all__ = [
+    "LOOKAHEAD",
+    "Done",
+    "GenSpec",
+    "QueueFull",
+    "Scheduler",
+    "ShuttingDown",
+    "TokenEvent",
+    "TopLogprob",
+]
+
+LOOKAHEAD = 8
+"""Tokens a choice's generation may run ahead of the event loop: the engine keeps decoding
+while the loop turns tokens into events or waits for the context lock (a fork, a prune)."""
 
 
 class QueueFull(Exception):
@@ -87,16 +103,17 @@ class Done:
 
 
 class _Choice:
-    __slots__ = ("branch", "done", "emitted", "generated", "index", "reason", "req", "stream", "text")
+    __slots__ = ("branch", "cells", "done", "generated", "index", "prompt", "reason", "req", "task", "text")
 
-    def __init__(self, req: _Request, index: int, branch: lloyal.Branch, ctx: lloyal.Context) -> None:
+    def __init__(self, req: _Request, index: int, branch: lloyal.Branch) -> None:
         self.req, self.index, self.branch = req, index, branch
-        self.stream = ctx.text_stream()
-        self.text = ""
-        self.emitted = 0  # chars of text already sent
+        self.prompt: list[int] = []  # tokens its generation request prefills first
+        self.cells = 0  # prompt cells promised to it until its first token
+        self.text = ""  # released text (stop strings removed)
         self.generated: list[int] = []
         self.done = False
         self.reason = ""
+        self.task: asyncio.Task[None] | None = None
 
 
 class _Request:
@@ -110,19 +127,8 @@ class _Request:
         self.cancelled = False
 
 
-def _holdback(text: str, stops: Sequence[str]) -> int:
-    """Length of the longest suffix of ``text`` that is a proper prefix of a stop string."""
-    best = 0
-    for s in stops:
-        for k in range(min(len(s) - 1, len(text)), best, -1):
-            if text.endswith(s[:k]):
-                best = k
-                break
-    return best
-
-
 class Scheduler:
-    """Admits generation requests and runs their choices in shared decode steps."""
+    """Admits generation requests and runs their choices as engine generation requests."""
 
     def __init__(
         self, ctx: lloyal.Context, *, max_running: int | None = None, max_queue: int | None = None
@@ -134,12 +140,12 @@ class Scheduler:
         self.max_running = max_running or ctx.n_seq_max
         self._running: list[_Choice] = []
         self._requests: list[_Request] = []
-        self._wake = asyncio.Event()
         self._room = asyncio.Condition()
-        self._task: asyncio.Task[None] | None = None
         self._reserved = (0, 0, 0)  # choices, leases, cells promised to requests being admitted
+        self._ticks0 = ctx.engine_stats().ticks
+        self._evict_stuck = False  # nothing evictable was left: try again once something changes
+        self._pending_cells = 0  # prompt cells of admitted choices whose engine prefill has not run
         self.waiting = 0  # requests waiting for leases or cells
-        self.steps = 0
         self.tokens_generated = 0
         self.prompt_tokens = 0
         self.closing = False  # drain() began: new requests are refused
@@ -148,19 +154,17 @@ class Scheduler:
 
     # -- lifecycle ------------------------------------------------------------------------------
     def start(self) -> None:
-        """Start the decode loop on the running event loop."""
-        if self._task is None:
-            self._task = asyncio.get_running_loop().create_task(self._loop(), name="lloyal-scheduler")
+        """Nothing to start: each admitted choice runs as its own engine generation request
+        (kept for the application's lifespan, which calls it)."""
 
     async def stop(self) -> None:
-        """Stop the loop, fail waiting requests and prune every branch."""
-        if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
-            self._task = None
+        """Cancel running choices, fail waiting requests and prune every branch."""
         for req in self._requests:
             req.events.put_nowait(ShuttingDown("the server stopped before this request finished"))
+        tasks = [c.task for c in self._running if c.task is not None]
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
         for c in self._running:
             if not c.branch.disposed:
                 c.branch.prune_subtree()
@@ -169,8 +173,8 @@ class Scheduler:
 
     async def drain(self, grace: float) -> int:
         """Refuse new requests, wait up to ``grace`` seconds for admitted and queued ones to finish,
-        then cancel the rest (they end with :class:`ShuttingDown`, their branches pruned at the next
-        step). Returns how many requests were cancelled."""
+        then cancel the rest (they end with :class:`ShuttingDown`, their branches pruned).
+        Returns how many requests were cancelled."""
         self.closing, self._grace = True, grace
         loop = asyncio.get_running_loop()
         end = loop.time() + grace
@@ -198,6 +202,12 @@ class Scheduler:
         """Choices decoding now."""
         return len(self._running)
 
+    @property
+    def steps(self) -> int:
+        """Engine ticks that decoded something since the scheduler was made (every running
+        choice advances one token per tick)."""
+        return self.ctx.engine_stats().ticks - self._ticks0
+
     # -- requests -------------------------------------------------------------------------------
     def check(self, spec: GenSpec) -> None:
         """Raise what :meth:`generate` would refuse ``spec`` with, now, before anything runs
@@ -223,7 +233,8 @@ class Scheduler:
         req = _Request(spec)
         await self._admit(req)
         self._requests.append(req)
-        self._wake.set()
+        for c in req.choices:
+            c.task = asyncio.get_running_loop().create_task(self._run_choice(c))
         try:
             while True:
                 ev = await req.events.get()
@@ -233,15 +244,17 @@ class Scheduler:
                 if isinstance(ev, Done):
                     return
         finally:
-            req.cancelled = True  # the loop prunes a cancelled request's choices at the next step
-            self._wake.set()
+            req.cancelled = True  # choices still running stop, and the request's branches go
+            for c in req.choices:
+                if c.task is not None and not c.task.done():
+                    c.task.cancel()
 
     def _must_wait(self, spec: GenSpec) -> bool:
         """Whether ``spec`` would queue behind others or for lack of a free slot."""
         return bool(self.waiting) or len(self._running) + self._reserved[0] + spec.best_of > self.max_running
 
     async def _admit(self, req: _Request) -> None:
-        spec, ctx = req.spec, self.ctx
+        spec = req.spec
         entry: CacheEntry | None = None
         self.waiting += 1
         try:
@@ -251,7 +264,8 @@ class Scheduler:
                         raise ShuttingDown(self._cancelled_message())
                     entry, hit = self.cache.lookup(spec.prompt)
                     exact = entry is not None and hit == len(entry.tokens) == len(spec.prompt)
-                    leases = spec.best_of + (0 if exact else 1)
+                    # one choice is its own branch; best_of choices fork a root (or the entry)
+                    leases = 1 if spec.best_of == 1 else spec.best_of + (0 if exact else 1)
                     cells = len(spec.prompt) - hit + 1
                     room = len(self._running) + self._reserved[0] + spec.best_of <= self.max_running
                     if room and self.cache.evict(
@@ -265,46 +279,22 @@ class Scheduler:
                     await self._room.wait()
         finally:
             self.waiting -= 1
-        root: lloyal.Branch | None = None
         made: list[lloyal.Branch] = []  # the new root, once the worker thread made it
         try:
-            if entry is not None and exact:
-                root, req.root_is_entry = entry.branch, True
-            else:  # fork the cached prefix (hit tokens), or a new root (hit is 0)
-                src = entry.branch if entry is not None else None
-                whole = entry is not None and hit == len(entry.tokens)
-
-                def make_root() -> None:
-                    if src is None:
-                        made.append(lloyal.Branch.create(ctx, 0, spec.params))
-                    else:
-                        made.append(src.fork() if whole else src.fork(at=hit))
-
-                await _off_loop(make_root)
-                root = made[0]
-                await root.aprefill(spec.prompt[hit:])
-            req.root = root
-            if self._closed:
-                raise ShuttingDown(self._cancelled_message())
-            for i in range(spec.best_of):
-                b = root.fork()
-                req.choices.append(_Choice(req, i, b, ctx))
-                b.set_sampler_params(spec.params)
-                if spec.seed is not None:
-                    b.reseed_sampler((spec.seed + i) & 0xFFFFFFFF)
-                elif spec.best_of > 1 or req.root_is_entry:
-                    b.reseed_sampler(int.from_bytes(np.random.bytes(4), "little"))
-                b.set_logit_bias(spec.logit_bias)  # replaces what a cached parent had
-                b.set_grammar(spec.grammar)
+            if spec.best_of == 1:
+                await self._admit_one(req, entry, hit, exact)
+            else:
+                await self._admit_forks(req, entry, hit, exact, made)
         except BaseException:  # a bad grammar or bias, a full cache, a cancelled client: undo it all
             for c in req.choices:
+                self._started(c)
                 c.branch.prune()
-            root = root or (made[0] if made else None)
-            if root is not None and not req.root_is_entry:
-                if req.root is root:
-                    self.cache.add(root, spec.prompt)  # the prompt is prefilled: keep it
+            made_root = req.root or (made[0] if made else None)
+            if made_root is not None and not req.root_is_entry:
+                if req.root is made_root:
+                    self.cache.add(made_root, spec.prompt)  # the prompt is prefilled: keep it
                 else:
-                    root.prune()
+                    made_root.prune()
             raise
         finally:
             self._reserve(reserved, -1)
@@ -314,6 +304,74 @@ class Scheduler:
         self.cache.record(req.cached_tokens, len(spec.prompt))
         self.prompt_tokens += len(spec.prompt)
         self._running.extend(req.choices)
+
+    async def _admit_one(self, req: _Request, entry: CacheEntry | None, hit: int, exact: bool) -> None:
+        """One choice: its branch is a fork of the cached prefix (or a new branch), and its
+        generation request prefills the rest of the prompt in the engine and goes straight on
+        to its tokens. Its prompt cells stay promised until its first token."""
+        spec, ctx = req.spec, self.ctx
+        src = entry.branch if entry is not None else None
+        whole = entry is not None and hit == len(entry.tokens)
+
+        def make_choice() -> None:  # one thread hop: the engine holds the lock most of the time
+            if src is None:
+                b = lloyal.Branch.create(ctx, 0, spec.params)
+            else:
+                b = src.fork() if whole else src.fork(at=hit)
+            req.choices.append(_Choice(req, 0, b))
+            self._setup(b, spec, 0, reseed=exact)
+
+        await _off_loop(make_choice)
+        c = req.choices[0]
+        c.prompt = spec.prompt[hit:] if not exact else []
+        c.cells = len(c.prompt)
+        self._pending_cells += c.cells
+        if self._closed:
+            raise ShuttingDown(self._cancelled_message())
+
+    async def _admit_forks(
+        self, req: _Request, entry: CacheEntry | None, hit: int, exact: bool, made: list[lloyal.Branch]
+    ) -> None:
+        """``best_of`` choices: the prompt is prefilled once on a root, and each choice forks it."""
+        spec, ctx = req.spec, self.ctx
+        if entry is not None and exact:
+            req.root, req.root_is_entry = entry.branch, True
+        else:  # fork the cached prefix (hit tokens), or a new root (hit is 0)
+            src = entry.branch if entry is not None else None
+            whole = entry is not None and hit == len(entry.tokens)
+
+            def make_root() -> None:
+                if src is None:
+                    made.append(lloyal.Branch.create(ctx, 0, spec.params))
+                else:
+                    made.append(src.fork() if whole else src.fork(at=hit))
+
+            await _off_loop(make_root)
+            await made[0].aprefill(spec.prompt[hit:])
+            req.root = made[0]
+        if self._closed:
+            raise ShuttingDown(self._cancelled_message())
+        root = req.root
+
+        def make_choices() -> None:  # one thread hop: the engine holds the lock most of the time
+            for i in range(spec.best_of):
+                b = root.fork()
+                req.choices.append(_Choice(req, i, b))
+                self._setup(b, spec, i, reseed=True)
+
+        await _off_loop(make_choices)
+
+    @staticmethod
+    def _setup(b: lloyal.Branch, spec: GenSpec, i: int, *, reseed: bool) -> None:
+        """Give choice ``i``'s branch the request's sampler, seed, bias and grammar, replacing
+        what a cached parent had, in one call (``reseed``: a random seed when the request gives
+        none, so forks of one parent differ)."""
+        seed = None
+        if spec.seed is not None:
+            seed = (spec.seed + i) & 0xFFFFFFFF
+        elif reseed:
+            seed = int.from_bytes(np.random.bytes(4), "little")
+        b.set_sampling(spec.params, seed=seed, logit_bias=spec.logit_bias, grammar=spec.grammar)
 
     def _reserve(self, r: tuple[int, int, int], sign: int) -> None:
         """Hold (or release) choices, leases and cells for a request between admission and its forks."""
@@ -327,28 +385,75 @@ class Scheduler:
         if req.root is not None and not req.root_is_entry and not req.root.disposed:
             self.cache.add(req.root, req.spec.prompt)
 
-    # -- the loop -------------------------------------------------------------------------------
-    async def _loop(self) -> None:
-        while True:
-            await self._wake.wait()
-            self._wake.clear()
-            while self._reap() or self._running:
-                if self._running:
-                    await self._step()
-                await asyncio.sleep(0)  # let new requests in between steps
+    # -- the choices ----------------------------------------------------------------------------
+    async def _run_choice(self, c: _Choice) -> None:
+        """Stream one choice's tokens from its engine generation request into its request's events."""
+        spec = c.req.spec
+        k = spec.logprobs
+        it = c.branch.generate(
+            spec.max_tokens,
+            prompt=c.prompt or None,
+            stop=list(spec.stop) or None,
+            stop_tokens=list(spec.stop_tokens) or None,
+            logprobs=k is not None,
+            top_logprobs=k or 0,
+            lookahead=LOOKAHEAD,
+            reserve=False,
+        )
+        reason = "cancelled"
+        try:
+            async for tok in it:
+                self._started(c)
+                c.generated.append(tok.token)
+                c.text += tok.text
+                self.tokens_generated += 1
+                ev = TokenEvent(c.index, tok.token, tok.text)
+                if tok.logprob is not None:
+                    ev.logprob = tok.logprob
+                    top = tok.top_logprobs or ()
+                    ev.top = [TopLogprob(t, self.ctx.token_to_text(t), lp) for t, lp in top]
+                c.req.events.put_nowait(ev)
+                self._make_room()
+            reason = "length" if it.finish_reason == "length" else "stop"
+        except lloyal.KvCacheFullError:  # the cache filled up with nothing left to evict
+            reason = self._out_of_room(c)
+        except asyncio.CancelledError:
+            it.close()
+        except Exception as exc:  # the request fails with it; the other choices are cancelled
+            c.req.events.put_nowait(exc)
+        finally:
+            self._started(c)
+            c.done, c.reason = True, reason
+            if all(x.done for x in c.req.choices) and c.req in self._requests:
+                self._finish(c.req)
 
-    def _reap(self) -> bool:
-        """Prune cancelled requests' choices; finish requests whose choices are all done."""
-        changed = False
-        for req in list(self._requests):
-            if req.cancelled and any(not c.done for c in req.choices):
-                for c in req.choices:
-                    c.done = True
-                    c.reason = "cancelled"
-            if req.choices and all(c.done for c in req.choices):
-                self._finish(req)
-                changed = True
-        return changed
+    def _started(self, c: _Choice) -> None:
+        """The choice's prompt is written (or never will be): its promised cells are its own."""
+        self._pending_cells -= c.cells
+        c.cells = 0
+
+    def _make_room(self) -> None:
+        """Evict cached prefixes until each running choice has :data:`LOOKAHEAD` + 1 free cells
+        (the tokens the engine may decode before the event loop looks again). A lock-free check
+        when there is room; after an eviction found nothing left to prune, nothing until a
+        request finishes."""
+        need = len(self._running) * (LOOKAHEAD + 1) + self._reserved[2] + self._pending_cells
+        if not self._evict_stuck and self.store.kv_pressure.remaining < need:
+            self._evict_stuck = not self.cache.evict(cells=need)
+
+    def _out_of_room(self, c: _Choice) -> str:
+        """End a choice whose next token found no free cell: "length", with the text the engine
+        held back (it might have begun a stop string) released, cut at a stop string if one is
+        now complete."""
+        stream = self.ctx.text_stream()
+        full = "".join(stream.push(t) for t in c.generated) + stream.flush()
+        rest = full[len(c.text) :] if full.startswith(c.text) else ""
+        cut = _find_stop(c.text + rest, c.req.spec.stop, len(c.text))
+        text = (c.text + rest)[:cut] if cut is not None else c.text + rest
+        if len(text) > len(c.text):
+            c.req.events.put_nowait(TokenEvent(c.index, -1, text[len(c.text) :]))
+            c.text = text
+        return "stop" if cut is not None else "length"
 
     def _finish(self, req: _Request) -> None:
         spec = req.spec
@@ -374,102 +479,13 @@ class Scheduler:
             cached_tokens=req.cached_tokens,
         )
         req.events.put_nowait(done)
+        self._evict_stuck = False
+        self._make_room()  # a choice waiting in the engine for room for its prompt may need it
         asyncio.get_running_loop().create_task(self._notify_room())
 
     async def _notify_room(self) -> None:
         async with self._room:
             self._room.notify_all()
-
-    async def _step(self) -> None:
-        running = [c for c in self._running if not c.done and not c.req.cancelled]
-        if not running:
-            self._running = [c for c in self._running if not c.done]
-            return
-        self.cache.evict(cells=len(running))
-        produced = self.store.produce_all([c.branch for c in running])
-        pairs: list[tuple[lloyal.Branch, int]] = []
-        staged: list[tuple[_Choice, int, TokenEvent]] = []
-        for c, p in zip(running, produced, strict=True):
-            spec = c.req.spec
-            if p.is_stop or p.token in spec.stop_tokens:
-                self._end(c, "stop")
-                continue
-            ev = TokenEvent(c.index, p.token, "")
-            if spec.logprobs is not None:  # read before the commit replaces the logits
-                ev.logprob, ev.top = self._logprobs(c.branch, p.token, spec.logprobs)
-            pairs.append((c.branch, p.token))
-            staged.append((c, p.token, ev))
-        # Queued now (not when first awaited), so the decode runs while the text work below
-        # does: the engine waits only a moment (its gather window) for a step's commit.
-        commit = engine_start(self.store._submit_commit, pairs) if pairs else None
-        for c, token, ev in staged:
-            spec = c.req.spec
-            c.generated.append(token)
-            c.text += c.stream.push(token)
-            cut = _find_stop(c.text, spec.stop, c.emitted)
-            if cut is not None:
-                c.text = c.text[:cut]
-                self._emit(c, ev, final=True)
-                self._end(c, "stop")
-            elif len(c.generated) >= spec.max_tokens:
-                c.text += c.stream.flush()
-                self._emit(c, ev, final=True)
-                self._end(c, "length")
-            else:
-                self._emit(c, ev, final=False)
-        if commit is not None:
-            try:
-                await commit
-            except lloyal.KvCacheFullError:
-                await self._commit_separately(pairs, [c for c, _, _ in staged])
-            self.steps += 1
-            self.tokens_generated += len(pairs)
-        self._running = [c for c in self._running if not c.done]
-
-    async def _commit_separately(
-        self, pairs: list[tuple[lloyal.Branch, int]], commits: list[_Choice]
-    ) -> None:
-        """The cache is full: commit request by request; a request that does not fit ends with "length"."""
-        by_req: dict[int, list[int]] = {}
-        for k, c in enumerate(commits):
-            by_req.setdefault(id(c.req), []).append(k)
-        for ks in by_req.values():
-            self.cache.evict(cells=len(ks))
-            try:
-                await self.store.acommit([pairs[k] for k in ks])
-            except lloyal.KvCacheFullError:
-                for k in ks:
-                    c = commits[k]
-                    c.generated.pop()
-                    c.reason = "length"
-                    c.done = True
-
-    def _emit(self, c: _Choice, ev: TokenEvent, *, final: bool) -> None:
-        end = len(c.text) if final else len(c.text) - _holdback(c.text, c.req.spec.stop)
-        if end > c.emitted:
-            ev.text = c.text[c.emitted : end]
-            c.emitted = end
-        c.req.events.put_nowait(ev)
-
-    def _end(self, c: _Choice, reason: str) -> None:
-        if not c.done:
-            c.done, c.reason = True, reason
-            if c.emitted < len(c.text):
-                c.req.events.put_nowait(TokenEvent(c.index, -1, c.text[c.emitted :]))
-                c.emitted = len(c.text)
-            if all(x.done for x in c.req.choices):
-                self._wake.set()
-
-    def _logprobs(self, branch: lloyal.Branch, token: int, k: int) -> tuple[float, list[TopLogprob]]:
-        if k <= 0:
-            return -branch.model_surprisal(token), []
-        logits = branch.logits  # one copy; the token's logprob and the top k from the same pass
-        m = float(np.max(logits))
-        lse = m + math.log(float(np.sum(np.exp(logits - m, dtype=np.float64))))
-        top = np.argpartition(logits, -k)[-k:]
-        ranked = sorted(top.tolist(), key=lambda t: -float(logits[t]))
-        alts = [TopLogprob(t, self.ctx.token_to_text(t), float(logits[t]) - lse) for t in ranked]
-        return float(logits[token]) - lse, alts
 
 
 async def _off_loop(fn: Callable[[], None]) -> None:

@@ -5,7 +5,10 @@
 //! A request is demand-driven: the consumer asks for the next token ([`GenStream::poll`]),
 //! the next tick samples it (all asking requests in one pass), commits it in the tick's
 //! packed decode, and pushes it. So a consumer that stops asking (breaks out of its loop)
-//! leaves the branch exactly at the last token it received.
+//! leaves the branch exactly at the last token it received. A stream with a lookahead of
+//! `k > 1` ([`GenStream::with_lookahead`]) is stepped while fewer than `k` of its tokens wait
+//! unread, so the engine decodes the next token while the consumer handles this one (and a
+//! consumer that stops leaves the branch up to `k - 1` tokens past the last it read).
 
 use std::collections::VecDeque;
 use std::sync::{Arc, Condvar, Mutex, MutexGuard};
@@ -76,6 +79,16 @@ struct StreamState {
     /// The consumer's request is unanswered (taken or not): asking again adds nothing.
     asked: bool,
     wake: Option<Wake>,
+    /// Tokens the engine may generate ahead of the consumer (0 and 1: one per ask).
+    lookahead: usize,
+}
+
+impl StreamState {
+    /// Whether the engine should step the request: the consumer asked, or the read-ahead
+    /// buffer has room.
+    fn wants(&self) -> bool {
+        self.wanted || (self.lookahead > 1 && self.end.is_none() && self.items.len() < self.lookahead)
+    }
 }
 
 /// The channel between a generation request in the engine and its consumer.
@@ -86,8 +99,24 @@ pub struct GenStream {
 }
 
 impl GenStream {
+    /// A stream the engine fills up to `lookahead` unread tokens ahead of its consumer
+    /// (`lookahead <= 1`: one token per ask, like [`GenStream::default`]).
+    pub fn with_lookahead(lookahead: usize) -> Self {
+        GenStream {
+            state: Mutex::new(StreamState { lookahead, ..StreamState::default() }),
+            cv: Condvar::new(),
+        }
+    }
+
     fn lock(&self) -> MutexGuard<'_, StreamState> {
         self.state.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// Whether the engine must be woken after the consumer took an item: the read-ahead
+    /// buffer was full (the engine stopped stepping this request) and now has room.
+    pub fn needs_refill(&self) -> bool {
+        let st = self.lock();
+        st.lookahead > 1 && st.end.is_none() && st.items.len() + 1 == st.lookahead
     }
 
     /// The next item, the end, or `Pending` after asking the engine for one more token
@@ -126,12 +155,15 @@ impl GenStream {
 
     /// Take the consumer's request for a token (engine side).
     pub(crate) fn take_wanted(&self) -> bool {
-        std::mem::take(&mut self.lock().wanted)
+        let mut st = self.lock();
+        let wants = st.wants();
+        st.wanted = false;
+        wants
     }
 
-    /// Whether the consumer asked for a token (engine side, no change).
+    /// Whether the consumer asked for a token or the read-ahead has room (engine side, no change).
     pub(crate) fn is_wanted(&self) -> bool {
-        self.lock().wanted
+        self.lock().wants()
     }
 
     /// End the stream with `err` unless it already ended.
@@ -190,6 +222,9 @@ pub struct GenSpec {
     pub top_logprobs: usize,
     /// How long the request may wait in the queue for room in the cache (`None`: no limit).
     pub timeout: Option<Duration>,
+    /// Reserve `max_tokens` cells when admitted (`false`: take one cell per step, like an
+    /// unbounded request, and end with `KvCacheFull` when a step finds none free).
+    pub reserve: bool,
     /// Where the tokens go.
     pub stream: Arc<GenStream>,
 }
@@ -205,6 +240,7 @@ impl std::fmt::Debug for GenSpec {
             .field("logprobs", &self.logprobs)
             .field("top_logprobs", &self.top_logprobs)
             .field("timeout", &self.timeout)
+            .field("reserve", &self.reserve)
             .finish()
     }
 }
@@ -216,9 +252,22 @@ impl PartialEq for GenSpec {
 }
 
 impl GenSpec {
-    /// Cells the request reserves when admitted: `max_tokens`, or one per step when unbounded.
+    /// Cells the request needs free to be admitted: `max_tokens` when it reserves them, else
+    /// one (it then takes one per step).
     pub fn cells(&self) -> usize {
-        self.max_tokens.unwrap_or(1).max(1)
+        match self.max_tokens {
+            Some(m) if self.reserve => m.max(1),
+            _ => 1,
+        }
+    }
+
+    /// Cells the request holds back from others while it runs (`max_tokens` less what it
+    /// generated; 0 when it does not reserve).
+    pub fn reservation(&self, generated: usize) -> usize {
+        match self.max_tokens {
+            Some(m) if self.reserve => m.saturating_sub(generated),
+            _ => 0,
+        }
     }
 
     /// Check the arguments a caller can get wrong (before queuing).
@@ -352,5 +401,45 @@ mod tests {
         assert_eq!(s.poll(None), Next::End(Ok(Finish::Length)));
         assert_eq!(s.poll(None), Next::End(Ok(Finish::Length)), "the first end stays");
         assert!(!s.is_wanted());
+    }
+
+    #[test]
+    fn a_lookahead_stream_is_stepped_until_its_buffer_is_full() {
+        let s = GenStream::with_lookahead(2);
+        let item = |t| GenItem { token: t, text: String::new(), logprob: None, top_logprobs: None };
+        assert!(s.is_wanted() && s.take_wanted() && s.take_wanted(), "room ahead: wanted unasked");
+        s.deliver(Event::Item(item(1)));
+        assert!(s.take_wanted(), "one unread of two");
+        s.deliver(Event::Item(item(2)));
+        assert!(!s.is_wanted() && !s.take_wanted(), "full: the engine waits for the consumer");
+        assert_eq!(s.poll(None), Next::Item(item(1)));
+        assert!(s.needs_refill() && s.is_wanted(), "the first read makes room: wake the engine");
+        s.deliver(Event::Item(item(3)));
+        assert_eq!(s.poll(None), Next::Item(item(2)));
+        assert_eq!(s.poll(None), Next::Item(item(3)));
+        assert!(!s.needs_refill(), "only the read that makes room asks for a wake-up");
+        s.deliver(Event::End(Ok(Finish::Stop)));
+        assert!(!s.is_wanted(), "an ended stream is never stepped");
+        let one = GenStream::with_lookahead(1);
+        assert!(!one.is_wanted() && !one.needs_refill(), "lookahead 1: only when asked");
+    }
+
+    #[test]
+    fn a_spec_without_reservation_needs_one_cell_and_holds_none() {
+        let spec = |max_tokens, reserve| GenSpec {
+            handle: 1,
+            prompt: Vec::new(),
+            max_tokens,
+            stop_tokens: Vec::new(),
+            stop: Vec::new(),
+            logprobs: false,
+            top_logprobs: 0,
+            timeout: None,
+            reserve,
+            stream: Arc::new(GenStream::default()),
+        };
+        assert_eq!((spec(Some(8), true).cells(), spec(Some(8), true).reservation(3)), (8, 5));
+        assert_eq!((spec(Some(8), false).cells(), spec(Some(8), false).reservation(3)), (1, 0));
+        assert_eq!((spec(None, true).cells(), spec(None, true).reservation(3)), (1, 0));
     }
 }

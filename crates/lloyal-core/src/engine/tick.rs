@@ -64,9 +64,9 @@ struct Gen {
 }
 
 impl Gen {
-    /// Cells still reserved for this request's future tokens (0 when unbounded).
+    /// Cells still reserved for this request's future tokens (0 when unbounded or not reserving).
     fn reserved(&self) -> usize {
-        self.spec.max_tokens.map_or(0, |m| m.saturating_sub(self.generated))
+        self.spec.reservation(self.generated)
     }
 }
 
@@ -479,7 +479,7 @@ impl Scheduler {
             }
             let free = n_ctx.saturating_sub(s.ledger.cells_used() + *reserved);
             if !blocked && need <= free {
-                *reserved += w.spec.max_tokens.map_or(0, |m| m);
+                *reserved += w.spec.reservation(0);
                 let stops = StopMatcher::new(w.spec.stop.clone());
                 self.gens.push(Gen { op: w.op, spec: w.spec, generated: 0, utf8: Utf8Stream::new(), stops });
                 continue;
