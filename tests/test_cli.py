@@ -178,6 +178,11 @@ def test_python_m_lloyal_errors_exit_1_without_a_traceback(model_path: Path, tmp
     assert done.returncode == 1 and "-n must be in 1..255" in done.stderr
 
 
+def test_serve_refuses_a_negative_cache_budget(model_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["--model", str(model_path), "serve", "--cache-cells", "-1"]) == 1
+    assert "--cache-cells must be >= 0" in capsys.readouterr().err
+
+
 # --- progress bars ------------------------------------------------------------------------------
 
 

@@ -11,7 +11,8 @@ import lloyal
 
 pytest.importorskip("fastapi", reason="the server extra: pip install 'lloyal[server]'")
 
-from lloyal.server.scheduler import LOOKAHEAD, Done, GenSpec, Scheduler, TokenEvent
+from lloyal.server.prefix_cache import GHOSTS, PrefixCache
+from lloyal.server.scheduler import Done, GenSpec, Scheduler, TokenEvent
 
 GREEDY = lloyal.SamplingParams(temperature=0.0)
 
@@ -30,7 +31,7 @@ def run(sched: Scheduler, spec: GenSpec) -> tuple[list[TokenEvent], Done]:
 
 def test_a_choice_that_outgrows_the_cache_ends_with_length_and_its_text(model: lloyal.Model) -> None:
     with lloyal.Context(model, n_ctx=256, n_batch=64, n_seq_max=4) as ctx:
-        sched = Scheduler(ctx, max_running=1)
+        sched = Scheduler(ctx, max_running=1, cache_cells=256)
         prompt = (ctx.tokenize("One two three four five six seven eight nine ten.") * 40)[:240]
         ref = lloyal.Branch.create(ctx, 0, GREEDY)
         ref.prefill(prompt)
@@ -54,20 +55,74 @@ def test_a_choice_that_outgrows_the_cache_ends_with_length_and_its_text(model: l
         assert lloyal.BranchStore(ctx).kv_pressure.cells_used == 0
 
 
-def test_choices_run_as_generation_requests_and_evict_the_cache_for_headroom(model: lloyal.Model) -> None:
+def test_choices_run_as_generation_requests_and_the_cache_keeps_its_budget(model: lloyal.Model) -> None:
     with lloyal.Context(model, n_ctx=512, n_batch=64, n_seq_max=8) as ctx:
-        sched = Scheduler(ctx, max_running=2)
+        sched = Scheduler(ctx, max_running=2, cache_cells=40)
         before = ctx.engine_stats().ticks
-        prompt = ctx.tokenize("The capital of France is")
-        _, done = run(sched, GenSpec(prompt=prompt, params=GREEDY, max_tokens=12))
+        a = ctx.tokenize("The capital of France is a city that")
+        _, done = run(sched, GenSpec(prompt=a, params=GREEDY, max_tokens=12))
         assert done.completion_tokens == 12 and done.finish_reasons == ["length"]
         assert len(sched.cache) == 1  # one choice, no separate root: one cached branch, one lease
+        assert sched.cache.cells == len(a) + 12
         assert sched.steps == ctx.engine_stats().ticks - before >= 12
-        # fill the cache with a long entry, then a request whose choice needs headroom evicts it
-        long = (ctx.tokenize("alpha beta gamma delta ") * 200)[: 512 - 12 - LOOKAHEAD]
-        run(sched, GenSpec(prompt=long, params=GREEDY, max_tokens=4))
-        assert len(sched.cache) == 2
-        _, done = run(sched, GenSpec(prompt=ctx.tokenize("Hello"), params=GREEDY, max_tokens=8))
-        assert done.completion_tokens == 8 and done.finish_reasons == ["length"]
-        assert sched.cache.evictions >= 1
+        # B shares nothing (fewer than MIN_SHARED tokens): A, least recently used, makes way
+        b = ctx.tokenize("Quantum computers use qubits, which can be in superpositions of zero and one")
+        _, done = run(sched, GenSpec(prompt=b, params=GREEDY, max_tokens=4))
+        assert [e.tokens[: len(b)] for e in sched.cache.entries()] == [tuple(b)]
+        assert sched.cache.evictions == 1 and sched.cache.cells == len(b) + 4
+        # C forks B's prompt (0 new cells for it): only C's own cells count, both stay
+        c = b + ctx.tokenize(" and")
+        _, done = run(sched, GenSpec(prompt=c, params=GREEDY, max_tokens=4))
+        assert done.cached_tokens == len(b) and sched.cache.evictions == 1
+        assert len(sched.cache) == 2 and sched.cache.cells == len(b) + 4 + (len(c) - len(b)) + 4
         asyncio.run(sched.stop())
+
+
+def test_a_running_choice_evicts_the_cache_for_its_read_ahead(model: lloyal.Model) -> None:
+    with lloyal.Context(model, n_ctx=512, n_batch=64, n_seq_max=8) as ctx:
+        sched = Scheduler(ctx, max_running=4, cache_cells=512)
+        long = (ctx.tokenize("alpha beta gamma delta ") * 200)[:504]
+        run(sched, GenSpec(prompt=long, params=GREEDY, max_tokens=4))
+        assert len(sched.cache) == 1 and lloyal.BranchStore(ctx).kv_pressure.remaining == 4
+        hello = ctx.tokenize("Hello")
+        _, done = run(sched, GenSpec(prompt=hello, params=GREEDY, max_tokens=8))
+        # its prompt fit next to the entry, but not its read-ahead: the entry went
+        assert done.completion_tokens == 8 and done.finish_reasons == ["length"]
+        assert sched.cache.evictions == 1
+        assert [e.tokens[: len(hello)] for e in sched.cache.entries()] == [tuple(hello)]
+        asyncio.run(sched.stop())
+
+
+def test_the_cache_budget_follows_reuse_and_a_trimmed_entry_that_is_missed_counts(
+    model: lloyal.Model,
+) -> None:
+    with lloyal.Context(model, n_ctx=512, n_batch=64, n_seq_max=4) as ctx:
+        sched = Scheduler(ctx, max_running=1)
+        cache = sched.cache
+        assert cache.reuse == 1.0 and sched.cache_budget() == 512  # keeps all until prompts miss
+        for i in range(30):  # prompts that share nothing
+            cache.record(0, [i + 1] * 40)
+        assert cache.reuse < 0.05 and sched.cache_budget() < 26
+        # an entry trimmed away is remembered: a prompt it would have served counts as reuse
+        tokens = ctx.tokenize("A conversation that goes on for a while, turn after turn, with more")
+        b = lloyal.Branch.create(ctx, 0, GREEDY)
+        b.prefill(tokens)
+        cache.add(b, tokens, len(tokens))
+        assert cache.cells == len(tokens)
+        cache.trim(0)
+        assert len(cache) == 0 and cache.cells == 0 and b.disposed
+        low = cache.reuse
+        turn2 = tokens + ctx.tokenize(" and then more")
+        cache.record(0, turn2)
+        assert cache.reuse == pytest.approx(low + 0.1 * (len(tokens) / len(turn2) - low))
+        cache.record(0, [7] * 40)  # a miss no ghost covers
+        assert cache.reuse < 0.9 * (low + 0.1)
+        # at most GHOSTS keys are remembered
+        ghosts = PrefixCache(lloyal.BranchStore(ctx))
+        for i in range(GHOSTS + 5):
+            x = lloyal.Branch.create(ctx, 0, GREEDY)
+            ghosts.add(x, [i + 1] * 20, 0)
+            ghosts.trim(-1)
+        before = ghosts.reuse
+        ghosts.record(0, [1] * 20 + [9])  # the first key was forgotten
+        assert ghosts.reuse < before

@@ -331,6 +331,8 @@ def serve(args: argparse.Namespace) -> int:
         raise ValueError("--parallel must be >= 1 and --n-ctx >= 64")
     if args.request_timeout < 0 or args.max_queue < 0 or args.shutdown_grace < 0:
         raise ValueError("--request-timeout, --max-queue and --shutdown-grace must be >= 0")
+    if args.cache_cells is not None and args.cache_cells < 0:
+        raise ValueError("--cache-cells must be >= 0 (0: keep no finished request's KV)")
     try:
         from lloyal.server import ServerConfig
         from lloyal.server import serve as run_server
@@ -349,6 +351,7 @@ def serve(args: argparse.Namespace) -> int:
         shutdown_grace=args.shutdown_grace,
         batch_invariant=args.batch_invariant,
         prefill_chunk=args.prefill_chunk,
+        cache_cells=args.cache_cells,
     )
     if args.ray:
         try:
@@ -438,6 +441,15 @@ def _parser() -> argparse.ArgumentParser:
         default=30.0,
         metavar="SECONDS",
         help="on SIGTERM/SIGINT, time running requests get to finish before they are cancelled (default 30)",
+    )
+    sv.add_argument(
+        "--cache-cells",
+        type=int,
+        default=None,
+        metavar="N",
+        help="most KV cells the prefix cache keeps of finished requests (default: --n-ctx times the share "
+        "of recent prompts it served or would have); every cell kept slows every decode a little "
+        "(docs/server.md)",
     )
     sv.add_argument(
         "--batch-invariant",

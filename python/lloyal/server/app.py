@@ -62,6 +62,7 @@ class ServerConfig:
     shutdown_grace: float = 30.0  # seconds running requests get to finish after SIGTERM/SIGINT
     batch_invariant: bool = False  # per-row kernels: a choice's tokens do not depend on its batch
     prefill_chunk: int | None = None  # Context.engine_prefill_chunk: None paced, 0 the batch, N a cap
+    cache_cells: int | None = None  # most KV cells the prefix cache keeps (None: see Scheduler)
     context_options: dict[str, Any] = field(default_factory=dict)
 
     @property
@@ -83,7 +84,9 @@ class _State:
             self.model, n_ctx=cfg.n_ctx, n_seq_max=n_seq_max, n_threads=cfg.n_threads, **options
         )
         self.ctx.engine_prefill_chunk = cfg.prefill_chunk
-        self.scheduler = Scheduler(self.ctx, max_running=cfg.parallel, max_queue=cfg.max_queue)
+        self.scheduler = Scheduler(
+            self.ctx, max_running=cfg.parallel, max_queue=cfg.max_queue, cache_cells=cfg.cache_cells
+        )
         self.embed_ctx = (
             lloyal.Context(self.model, n_ctx=min(cfg.n_ctx, 2048), embeddings=True, n_seq_max=4)
             if cfg.embeddings

@@ -131,12 +131,17 @@ class Scheduler:
     """Admits generation requests and runs their choices as engine generation requests."""
 
     def __init__(
-        self, ctx: lloyal.Context, *, max_running: int | None = None, max_queue: int | None = None
+        self,
+        ctx: lloyal.Context,
+        *,
+        max_running: int | None = None,
+        max_queue: int | None = None,
+        cache_cells: int | None = None,
     ) -> None:
         self.ctx = ctx
         self.max_queue = max_queue  # None: unbounded
         self.store = lloyal.BranchStore(ctx)
-        self.cache = PrefixCache(self.store)
+        self.cache = PrefixCache(self.store, budget=cache_cells)
         self.max_running = max_running or ctx.n_seq_max
         self._running: list[_Choice] = []
         self._requests: list[_Request] = []
@@ -279,6 +284,7 @@ class Scheduler:
                     await self._room.wait()
         finally:
             self.waiting -= 1
+        req.cached_tokens = hit if entry else 0
         made: list[lloyal.Branch] = []  # the new root, once the worker thread made it
         try:
             if spec.best_of == 1:
@@ -292,7 +298,8 @@ class Scheduler:
             made_root = req.root or (made[0] if made else None)
             if made_root is not None and not req.root_is_entry:
                 if req.root is made_root:
-                    self.cache.add(made_root, spec.prompt)  # the prompt is prefilled: keep it
+                    # the prompt is prefilled: keep it
+                    self.cache.add(made_root, spec.prompt, len(spec.prompt) - req.cached_tokens)
                 else:
                     made_root.prune()
             raise
@@ -300,10 +307,10 @@ class Scheduler:
             self._reserve(reserved, -1)
             if entry is not None:
                 entry.pins -= 1
-        req.cached_tokens = hit if entry else 0
-        self.cache.record(req.cached_tokens, len(spec.prompt))
+        self.cache.record(req.cached_tokens, spec.prompt)
         self.prompt_tokens += len(spec.prompt)
         self._running.extend(req.choices)
+        self._trim_cache()
 
     async def _admit_one(self, req: _Request, entry: CacheEntry | None, hit: int, exact: bool) -> None:
         """One choice: its branch is a fork of the cached prefix (or a new branch), and its
@@ -383,7 +390,7 @@ class Scheduler:
 
     def _retire_root(self, req: _Request) -> None:
         if req.root is not None and not req.root_is_entry and not req.root.disposed:
-            self.cache.add(req.root, req.spec.prompt)
+            self.cache.add(req.root, req.spec.prompt, len(req.spec.prompt) - req.cached_tokens)
 
     # -- the choices ----------------------------------------------------------------------------
     async def _run_choice(self, c: _Choice) -> None:
@@ -432,6 +439,22 @@ class Scheduler:
         self._pending_cells -= c.cells
         c.cells = 0
 
+    def cache_budget(self) -> int:
+        """Most KV cells the prefix cache keeps of its own: ``cache_cells`` when given, else
+        ``n_ctx`` times the share of recent prompts the cache served or, trimmed less, would
+        have (:attr:`PrefixCache.reuse`).
+
+        llama.cpp attends over every cell up to the highest in use, so every kept cell slows
+        every decode (most of all prompt prefills). A cache that serves prompts (multi-turn
+        chat, shared system prompts) keeps what it can; one whose prompts share nothing keeps
+        little."""
+        if self.cache.budget is not None:
+            return self.cache.budget
+        return int(self.ctx.n_ctx * self.cache.reuse)
+
+    def _trim_cache(self) -> None:
+        self.cache.trim(self.cache_budget())
+
     def _make_room(self) -> None:
         """Evict cached prefixes until each running choice has :data:`LOOKAHEAD` + 1 free cells
         (the tokens the engine may decode before the event loop looks again). A lock-free check
@@ -467,9 +490,12 @@ class Scheduler:
         first = req.choices[keep[0]]
         for c in req.choices:
             if c is first and not req.cancelled and not c.branch.disposed:
-                self.cache.add(c.branch, spec.prompt + c.generated)
+                # its own cells: after the root it forked (best_of), or after the cached prefix
+                own = len(c.generated) + (0 if req.root is not None else len(spec.prompt) - req.cached_tokens)
+                self.cache.add(c.branch, spec.prompt + c.generated, own)
             elif not c.branch.disposed:
                 c.branch.prune()
+        self._trim_cache()
         done = Done(
             choices=keep,
             finish_reasons=[c.reason for c in req.choices],

@@ -30,6 +30,12 @@ use tick::Scheduler;
 /// How often the engine looks for room while generation requests wait for it.
 const WAIT_POLL: Duration = Duration::from_millis(5);
 
+/// How long the first tick after the engine idled waits when it brings a prompt: the other
+/// requests of a burst (a server's concurrent clients) are a few milliseconds behind, and a
+/// tick that started without them holds the context lock for the whole prompt (their
+/// `Branch.create` waits, and their prompts miss the tick).
+const BURST_GATHER: Duration = Duration::from_millis(5);
+
 /// Counters of a context's engine.
 #[derive(Debug, Clone, Copy, Default, PartialEq)]
 pub struct EngineStats {
@@ -328,9 +334,11 @@ fn engine_loop(ctx: Weak<Context>, shared: Arc<Shared>) {
             // whose prefill just finished usually forks it next, with a direct call that needs
             // the context lock: the whole window leaves it room to do so before this tick
             // takes the lock (else it waited a whole tick, ~0.8 s for a 512-token chunk).
+            let burst = q.idle && sched.generating() == 0 && q.ops.iter().any(|op| op.work.has_prompt());
             let gather = Duration::from_secs_f64(q.stats.gather);
+            let gather = if burst && q.stats.gather > 0.0 { gather.max(BURST_GATHER) } else { gather };
             let deadline = Instant::now() + gather;
-            let settle = q.last_tick_prefills > 0;
+            let settle = q.last_tick_prefills > 0 || burst;
             while (settle || q.ops.len() + sched.ready() < q.last_tick_ops) && !q.shutdown && !q.paused {
                 let now = Instant::now();
                 if now >= deadline {

@@ -21,6 +21,15 @@ pub enum Work {
 }
 
 impl Work {
+    /// Whether the work writes a prompt (a prefill, or a generation request with one).
+    pub(crate) fn has_prompt(&self) -> bool {
+        match self {
+            Work::Prefill(_) => true,
+            Work::Generate(spec) => !spec.prompt.is_empty(),
+            Work::Commit(_) | Work::Lease(_) => false,
+        }
+    }
+
     /// The branches this work touches.
     pub(crate) fn handles(&self) -> Vec<Handle> {
         match self {
