@@ -311,6 +311,8 @@ class Scheduler:
         self.prompt_tokens += len(spec.prompt)
         self._running.extend(req.choices)
         self._trim_cache()
+        self._evict_stuck = False  # its pins are gone: an entry may have become evictable
+        self._make_room()  # before its first token: the engine may run LOOKAHEAD ahead of any check
 
     async def _admit_one(self, req: _Request, entry: CacheEntry | None, hit: int, exact: bool) -> None:
         """One choice: its branch is a fork of the cached prefix (or a new branch), and its
