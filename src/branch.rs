@@ -465,8 +465,8 @@ impl PyBranch {
         };
         let grammar = grammar_arg(py, self.core().model().clone(), grammar)?;
         self.call(py, move |s, h| {
-            s.branch(h)?;
-            s.branch_set_grammar(h, grammar)?; // the one that can refuse: first
+            // Every argument is checked above: these fail only on a disposed branch, at the first.
+            s.branch_set_grammar(h, grammar)?;
             s.branch_set_params(h, params)?;
             if let Some(seed) = seed {
                 s.branch_reseed_sampler(h, seed)?;

@@ -21,10 +21,13 @@ import time
 from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import TypeVar
 
 import lloyal
 
 from .radix import RadixTree
+
+V = TypeVar("V")
 
 __all__ = ["GHOSTS", "MIN_SHARED", "REUSE_WEIGHT", "CacheEntry", "PrefixCache"]
 
@@ -55,9 +58,8 @@ class CacheEntry:
 class PrefixCache:
     """Cached branches of one context, indexed by a radix tree over their tokens."""
 
-    def __init__(self, store: lloyal.BranchStore, budget: int | None = None) -> None:
+    def __init__(self, store: lloyal.BranchStore) -> None:
         self._store = store
-        self.budget = budget  # most cells of their own the entries keep (None: the caller decides)
         self.cells = 0  # cells of their own the entries hold
         self._tree: RadixTree[CacheEntry] = RadixTree()
         self.reuse = 1.0  # moving average of the share of a prompt the cache served or would have
@@ -82,12 +84,10 @@ class PrefixCache:
         (``Branch.fork(at=)``), keeping at least one token to prefill so the fork gets logits.
         Fewer than :data:`MIN_SHARED` shared tokens (unless that is all of ``tokens``) is a miss.
         """
-        n_full, full = self._tree.longest_prefix(tokens)
-        d, part = self._tree.deepest_match(tokens)
-        d = min(d, len(tokens) - 1)
-        entry, used = (part, d) if part is not None and d > n_full else (full, n_full)
-        if entry is None or entry.branch.disposed or used < min(MIN_SHARED, len(tokens)):
+        found = _reusable(self._tree, tokens)
+        if found is None or found[1].branch.disposed:
             return None, 0
+        used, entry = found
         entry.last_used = time.monotonic()
         entry.pins += 1
         return entry, used
@@ -97,12 +97,9 @@ class PrefixCache:
         also counts what a recently evicted entry would have served."""
         self.hit_tokens += hit
         self.lookup_tokens += len(prompt)
-        if hit < len(prompt):
-            n_full, _ = self._ghosts.longest_prefix(prompt)
-            d, _ = self._ghosts.deepest_match(prompt)
-            ghost = max(n_full, min(d, len(prompt) - 1))
-            if ghost >= min(MIN_SHARED, len(prompt)):
-                hit = max(hit, ghost)
+        ghost = _reusable(self._ghosts, prompt)
+        if ghost is not None:
+            hit = max(hit, ghost[0])
         self.reuse += REUSE_WEIGHT * (hit / max(1, len(prompt)) - self.reuse)
 
     def add(self, branch: lloyal.Branch, tokens: Sequence[int], cells: int) -> None:
@@ -167,3 +164,18 @@ class PrefixCache:
             if not e.branch.disposed:
                 e.branch.prune_subtree()
         self.cells = 0
+
+
+def _reusable(tree: RadixTree[V], tokens: Sequence[int]) -> tuple[int, V] | None:
+    """``(tokens reused, value)`` of the key in ``tree`` a request for ``tokens`` would fork:
+    a whole key that prefixes ``tokens``, or a longer shared run of a diverging key (at least
+    one token left to prefill); None below :data:`MIN_SHARED` shared tokens (unless that is
+    all of ``tokens``)."""
+    n_full, full = tree.longest_prefix(tokens)
+    d, part = tree.deepest_match(tokens)
+    d = min(d, len(tokens) - 1)
+    if part is not None and d > n_full:
+        n_full, full = d, part
+    if full is None or n_full < min(MIN_SHARED, len(tokens)):
+        return None
+    return n_full, full

@@ -6,11 +6,12 @@ and logprobs in Rust, all choices of all requests in one ``llama_decode`` per st
 to :data:`LOOKAHEAD` tokens ahead of the event loop, so the next step decodes while this one's
 tokens are turned into events (no hand-off between steps). A request is admitted when a slot is
 free: it forks the longest cached prefix of its prompt (:mod:`lloyal.server.prefix_cache`),
-prefills the rest once, and forks ``best_of`` choices from that root (0 new cells for the
-prompt). Finished requests leave their prompt and first choice in the cache; everything else
-is pruned. Choices take a KV cell per token (no reservation); the prefix cache is evicted to
-keep :data:`LOOKAHEAD` + 1 cells free per running choice, and a choice that still finds the
-cache full ends with ``"length"``.
+prefills the rest once (one choice: in its generation request), and forks ``best_of > 1``
+choices from that root (0 new cells for the prompt). Finished requests leave their first choice
+(and a ``best_of`` root) in the cache, within :meth:`Scheduler.cache_budget`; everything else is
+pruned. Choices take a KV cell per token (no reservation); the prefix cache is evicted to keep
+:data:`LOOKAHEAD` + 1 cells free per running choice, and a choice that still finds the cache
+full ends with ``"length"``.
 
 Requests talk to the scheduler through :meth:`Scheduler.generate`, an async iterator of events.
 Admission refuses a request when ``max_queue`` requests already wait (:class:`QueueFull`) and
@@ -103,12 +104,11 @@ class Done:
 
 
 class _Choice:
-    __slots__ = ("branch", "cells", "done", "generated", "index", "prompt", "reason", "req", "task", "text")
+    __slots__ = ("branch", "done", "generated", "index", "prompt", "reason", "req", "task", "text")
 
     def __init__(self, req: _Request, index: int, branch: lloyal.Branch) -> None:
         self.req, self.index, self.branch = req, index, branch
-        self.prompt: list[int] = []  # tokens its generation request prefills first
-        self.cells = 0  # prompt cells promised to it until its first token
+        self.prompt: list[int] = []  # tokens its generation request prefills, until its first token
         self.text = ""  # released text (stop strings removed)
         self.generated: list[int] = []
         self.done = False
@@ -141,7 +141,8 @@ class Scheduler:
         self.ctx = ctx
         self.max_queue = max_queue  # None: unbounded
         self.store = lloyal.BranchStore(ctx)
-        self.cache = PrefixCache(self.store, budget=cache_cells)
+        self.cache = PrefixCache(self.store)
+        self.cache_cells = cache_cells  # None: the budget follows the cache's reuse
         self.max_running = max_running or ctx.n_seq_max
         self._running: list[_Choice] = []
         self._requests: list[_Request] = []
@@ -149,7 +150,7 @@ class Scheduler:
         self._reserved = (0, 0, 0)  # choices, leases, cells promised to requests being admitted
         self._ticks0 = ctx.engine_stats().ticks
         self._evict_stuck = False  # nothing evictable was left: try again once something changes
-        self._pending_cells = 0  # prompt cells of admitted choices whose engine prefill has not run
+        self._pending_cells = 0  # sum of the running choices' unwritten prompts
         self.waiting = 0  # requests waiting for leases or cells
         self.tokens_generated = 0
         self.prompt_tokens = 0
@@ -311,30 +312,25 @@ class Scheduler:
         self.prompt_tokens += len(spec.prompt)
         self._running.extend(req.choices)
         self._trim_cache()
-        self._evict_stuck = False  # its pins are gone: an entry may have become evictable
-        self._make_room()  # before its first token: the engine may run LOOKAHEAD ahead of any check
+        # Before its first token (the engine may run LOOKAHEAD ahead of any check); its pins
+        # are gone, so an entry may have become evictable.
+        self._make_room(retry=True)
 
     async def _admit_one(self, req: _Request, entry: CacheEntry | None, hit: int, exact: bool) -> None:
         """One choice: its branch is a fork of the cached prefix (or a new branch), and its
         generation request prefills the rest of the prompt in the engine and goes straight on
         to its tokens. Its prompt cells stay promised until its first token."""
-        spec, ctx = req.spec, self.ctx
-        src = entry.branch if entry is not None else None
-        whole = entry is not None and hit == len(entry.tokens)
+        spec = req.spec
 
         def make_choice() -> None:  # one thread hop: the engine holds the lock most of the time
-            if src is None:
-                b = lloyal.Branch.create(ctx, 0, spec.params)
-            else:
-                b = src.fork() if whole else src.fork(at=hit)
+            b = self._prefix_branch(entry, hit, spec.params)
             req.choices.append(_Choice(req, 0, b))
             self._setup(b, spec, 0, reseed=exact)
 
         await _off_loop(make_choice)
         c = req.choices[0]
         c.prompt = spec.prompt[hit:] if not exact else []
-        c.cells = len(c.prompt)
-        self._pending_cells += c.cells
+        self._pending_cells += len(c.prompt)
         if self._closed:
             raise ShuttingDown(self._cancelled_message())
 
@@ -342,20 +338,11 @@ class Scheduler:
         self, req: _Request, entry: CacheEntry | None, hit: int, exact: bool, made: list[lloyal.Branch]
     ) -> None:
         """``best_of`` choices: the prompt is prefilled once on a root, and each choice forks it."""
-        spec, ctx = req.spec, self.ctx
+        spec = req.spec
         if entry is not None and exact:
             req.root, req.root_is_entry = entry.branch, True
-        else:  # fork the cached prefix (hit tokens), or a new root (hit is 0)
-            src = entry.branch if entry is not None else None
-            whole = entry is not None and hit == len(entry.tokens)
-
-            def make_root() -> None:
-                if src is None:
-                    made.append(lloyal.Branch.create(ctx, 0, spec.params))
-                else:
-                    made.append(src.fork() if whole else src.fork(at=hit))
-
-            await _off_loop(make_root)
+        else:
+            await _off_loop(lambda: made.append(self._prefix_branch(entry, hit, spec.params)))
             await made[0].aprefill(spec.prompt[hit:])
             req.root = made[0]
         if self._closed:
@@ -369,6 +356,15 @@ class Scheduler:
                 self._setup(b, spec, i, reseed=True)
 
         await _off_loop(make_choices)
+
+    def _prefix_branch(
+        self, entry: CacheEntry | None, hit: int, params: lloyal.SamplingParams
+    ) -> lloyal.Branch:
+        """A fork of the cached prefix (``hit`` tokens of ``entry``: whole, with its logits, or
+        at ``hit``), or a new branch when nothing is cached (``hit`` is 0)."""
+        if entry is None:
+            return lloyal.Branch.create(self.ctx, 0, params)
+        return entry.branch.fork() if hit == len(entry.tokens) else entry.branch.fork(at=hit)
 
     @staticmethod
     def _setup(b: lloyal.Branch, spec: GenSpec, i: int, *, reseed: bool) -> None:
@@ -437,9 +433,9 @@ class Scheduler:
                 self._finish(c.req)
 
     def _started(self, c: _Choice) -> None:
-        """The choice's prompt is written (or never will be): its promised cells are its own."""
-        self._pending_cells -= c.cells
-        c.cells = 0
+        """The choice's prompt is written (or never will be): its cells are no longer pending."""
+        self._pending_cells -= len(c.prompt)
+        c.prompt = []
 
     def cache_budget(self) -> int:
         """Most KV cells the prefix cache keeps of its own: ``cache_cells`` when given, else
@@ -450,18 +446,20 @@ class Scheduler:
         every decode (most of all prompt prefills). A cache that serves prompts (multi-turn
         chat, shared system prompts) keeps what it can; one whose prompts share nothing keeps
         little."""
-        if self.cache.budget is not None:
-            return self.cache.budget
+        if self.cache_cells is not None:
+            return self.cache_cells
         return int(self.ctx.n_ctx * self.cache.reuse)
 
     def _trim_cache(self) -> None:
         self.cache.trim(self.cache_budget())
 
-    def _make_room(self) -> None:
+    def _make_room(self, *, retry: bool = False) -> None:
         """Evict cached prefixes until each running choice has :data:`LOOKAHEAD` + 1 free cells
         (the tokens the engine may decode before the event loop looks again). A lock-free check
         when there is room; after an eviction found nothing left to prune, nothing until a
-        request finishes."""
+        request is admitted or finishes (``retry``)."""
+        if retry:
+            self._evict_stuck = False
         need = len(self._running) * (LOOKAHEAD + 1) + self._reserved[2] + self._pending_cells
         if not self._evict_stuck and self.store.kv_pressure.remaining < need:
             self._evict_stuck = not self.cache.evict(cells=need)
@@ -507,8 +505,7 @@ class Scheduler:
             cached_tokens=req.cached_tokens,
         )
         req.events.put_nowait(done)
-        self._evict_stuck = False
-        self._make_room()  # a choice waiting in the engine for room for its prompt may need it
+        self._make_room(retry=True)  # a choice waiting in the engine for room for its prompt may need it
         asyncio.get_running_loop().create_task(self._notify_room())
 
     async def _notify_room(self) -> None:

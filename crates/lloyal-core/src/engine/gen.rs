@@ -255,10 +255,7 @@ impl GenSpec {
     /// Cells the request needs free to be admitted: `max_tokens` when it reserves them, else
     /// one (it then takes one per step).
     pub fn cells(&self) -> usize {
-        match self.max_tokens {
-            Some(m) if self.reserve => m.max(1),
-            _ => 1,
-        }
+        self.reservation(0).max(1)
     }
 
     /// Cells the request holds back from others while it runs (`max_tokens` less what it
