@@ -4,7 +4,7 @@ use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use lloyal_core::engine::gen::{Finish, GenItem, GenSpec, GenStream, Next, Wake};
+use lloyal_core::engine::gen::{Finish, GenItem, GenSpec, GenStream, Next};
 use lloyal_core::{Base, Context, ContextState, Handle, Ticket, Work};
 use numpy::{PyArray1, PyReadonlyArray1};
 use pyo3::prelude::*;
@@ -19,6 +19,7 @@ use crate::error::IntoPyResult;
 use crate::grammar::PyGrammar;
 use crate::lease;
 use crate::sampling::{extract_params, extract_params_onto};
+use crate::waker::wake_for;
 
 /// A sampled-but-not-written token.
 #[pyclass(name = "Produced", module = "lloyal._lloyal", frozen, get_all, eq)]
@@ -904,27 +905,19 @@ impl PyTokenIter {
         aio::stream_next(slf.py(), slf.clone().into_any())
     }
 
-    /// The next token now, or None after arranging for ``future`` (of the running ``loop``)
-    /// to be settled when one arrives; raises ``StopAsyncIteration`` at the end.
+    /// The next token now, or None after arranging for ``future`` to be settled when one
+    /// arrives, through ``waker`` (the running loop's ``LoopWaker``, or the loop itself:
+    /// ``call_soon_threadsafe``); raises ``StopAsyncIteration`` at the end.
     fn _poll(
         &self,
         py: Python<'_>,
-        lp: Bound<'_, PyAny>,
+        waker: Bound<'_, PyAny>,
         fut: Bound<'_, PyAny>,
     ) -> PyResult<Option<PyToken>> {
         let Some(stream) = self.stream()? else {
             return Err(pyo3::exceptions::PyStopAsyncIteration::new_err(()));
         };
-        let (lp, fut) = (lp.unbind(), fut.unbind());
-        let wake: Wake = Box::new(move || {
-            crate::exit::attach(|py| {
-                if let Ok(settle) = aio::settle(py) {
-                    // A closed loop cannot take the wake-up, and then nobody awaits it.
-                    let _ =
-                        lp.bind(py).call_method1("call_soon_threadsafe", (settle, fut.bind(py), py.None()));
-                }
-            });
-        });
+        let wake = wake_for(waker, fut.unbind());
         match stream.poll(Some(wake)) {
             Next::Item(item) => Ok(Some(self.taken(&stream, item))),
             Next::End(end) => match self.end(end)? {

@@ -19,6 +19,7 @@ mod model;
 mod sampling;
 mod store;
 mod text;
+mod waker;
 
 use pyo3::prelude::*;
 
@@ -36,6 +37,8 @@ fn _lloyal(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<branch::PyProduced>()?;
     m.add_class::<branch::PyToken>()?;
     m.add_class::<branch::PyTokenIter>()?;
+    #[cfg(unix)]
+    m.add_class::<waker::PyLoopWaker>()?;
     m.add_class::<store::PyBranchStore>()?;
     m.add_class::<store::PyKvPressure>()?;
     m.add_class::<engine::PyEngineStats>()?;

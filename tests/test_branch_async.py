@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import random
 import subprocess
 import sys
 
@@ -319,3 +320,41 @@ def test_engine_start_queues_the_operation_before_it_is_awaited(ctx):
     asyncio.run(cancelled())
     assert root.position == pos + 1  # the cancelled commit never decoded
     assert ctx.engine_stats().ops_failed == failed + 1
+
+
+def test_many_streams_on_one_loop_are_woken_through_one_loop_waker(ctx):
+    """Every ``async for`` on a loop is woken through the loop's ``LoopWaker`` (a socket the
+    loop watches; the engine thread never takes the GIL to wake it): 6 streams with read-ahead
+    and readers that pause at random all finish, round after round (a lost wake-up hangs one),
+    with the tokens of the same stream read synchronously."""
+    from lloyal import aio
+
+    root = Branch.create(ctx, 0, GREEDY)
+    root.prefill(ctx.tokenize(LONG_TEXT))
+    expected = root.fork()
+    want = [t.token for t in expected.generate(max_tokens=24)]
+    expected.prune()
+
+    async def main() -> list[list[int]]:
+        rng = random.Random(5)
+
+        async def read(b: Branch) -> list[int]:
+            out = []
+            async for tok in b.generate(max_tokens=24, lookahead=4):
+                out.append(tok.token)
+                if rng.random() < 0.4:
+                    await asyncio.sleep(rng.random() * 0.003)
+            return out
+
+        got = []
+        for _ in range(3):
+            forks = [root.fork() for _ in range(6)]
+            got += await asyncio.wait_for(asyncio.gather(*(read(b) for b in forks)), 60)
+            for b in forks:
+                b.prune()
+        waker = aio._wakers.get(asyncio.get_running_loop())
+        assert isinstance(waker, lloyal._lloyal.LoopWaker)
+        return got
+
+    got = asyncio.run(main())
+    assert got == [want] * 18

@@ -21,6 +21,7 @@ __all__ = [
     "EngineStats",
     "Grammar",
     "KvPressure",
+    "LoopWaker",
     "Model",
     "PerplexityTracker",
     "Produced",
@@ -617,6 +618,19 @@ class TokenIterator:
         (``max_tokens``) or ``"eog"`` (the model's end-of-generation token); None while
         running or after ``close()``.
         """
+
+@final
+class LoopWaker:
+    """Wakes one asyncio event loop from lloyal's engine thread without the GIL: the engine
+    queues the futures to settle and writes a byte to a socket the loop watches; the loop
+    calls ``drain()`` when ``fileno()`` is readable. Made by ``lloyal.aio``; Unix only.
+    """
+
+    def __init__(self) -> None: ...
+    def fileno(self) -> int:
+        """The file descriptor the event loop watches for reading."""
+    def drain(self) -> None:
+        """Settle every queued future (called by the event loop when ``fileno()`` is readable)."""
 
 @final
 class Branch:

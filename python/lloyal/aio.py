@@ -13,8 +13,11 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import weakref
 from collections.abc import Callable, Iterator
 from typing import Any, TypeVar
+
+from . import _lloyal
 
 T = TypeVar("T")
 
@@ -96,9 +99,10 @@ async def stream_next(iterator: Any) -> Any:
     iterator: the engine frees the request at its next tick.
     """
     loop = asyncio.get_running_loop()
+    waker = _waker(loop)
     while True:
         future: asyncio.Future[None] = loop.create_future()
-        item = iterator._poll(loop, future)
+        item = iterator._poll(waker, future)
         if item is not None:
             return item
         try:
@@ -106,6 +110,31 @@ async def stream_next(iterator: Any) -> Any:
         except asyncio.CancelledError:
             iterator.close()
             raise
+
+
+# Each running loop's LoopWaker, or None where the loop cannot watch a socket.
+_wakers: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, Any] = weakref.WeakKeyDictionary()
+
+
+def _waker(loop: asyncio.AbstractEventLoop) -> Any:
+    """What the engine thread wakes ``loop`` through: the loop's ``LoopWaker`` (a socket the
+    loop watches; the engine never waits for the GIL), made on first use, or the loop itself
+    (``call_soon_threadsafe``) where there is none (Windows) or the loop cannot watch a socket."""
+    try:
+        if loop in _wakers:
+            return _wakers[loop] or loop
+    except TypeError:  # a loop that takes no weak references
+        return loop
+    waker = None
+    make = getattr(_lloyal, "LoopWaker", None)
+    if make is not None:
+        waker = make()
+        try:
+            loop.add_reader(waker.fileno(), waker.drain)
+        except (NotImplementedError, RuntimeError):
+            waker = None
+    _wakers[loop] = waker
+    return waker or loop
 
 
 def _settle(future: asyncio.Future[None], error: BaseException | None) -> None:

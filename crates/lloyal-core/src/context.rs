@@ -8,7 +8,7 @@ use std::sync::Arc;
 use parking_lot::{Mutex, MutexGuard};
 
 use crate::backend::{clear_recent_errors, recent_errors};
-use crate::branch::BranchState;
+use crate::branch::{BranchState, Logits};
 use crate::embeddings::Encoded;
 use crate::engine::gen::GenSpec;
 use crate::engine::{Done, Engine, EngineStats, Ticket, Work};
@@ -641,6 +641,16 @@ impl ContextState {
         };
         out.clear();
         out.extend_from_slice(src);
+        Ok(())
+    }
+
+    /// Copy logits row `row` of the last decode into a branch's `next_logits`, summarised in
+    /// the same pass ([`Logits::fill_from`]).
+    pub(crate) fn copy_logits_snapshot(&mut self, row: i32, out: &mut Logits) -> Result<()> {
+        let Some(src) = self.raw.logits_row(row) else {
+            return Err(LloyalError::Backend(format!("llama.cpp has no logits for batch row {row}")));
+        };
+        out.fill_from(src);
         Ok(())
     }
 }

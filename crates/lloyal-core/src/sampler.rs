@@ -332,10 +332,22 @@ impl Sampler {
     /// are selected here in one O(n) pass and only they reach llama.cpp's chain, instead of
     /// a 262k-entry candidate array that llama.cpp would partially sort.
     pub fn sample(&mut self, logits: &[f32], extra_bias: &[(i32, f32)]) -> i32 {
+        self.sample_with_argmax(logits, extra_bias, || argmax(logits))
+    }
+
+    /// [`Self::sample`] where the caller may know `argmax(logits)` already (a snapshot's
+    /// [`crate::metrics::RowStats`]): `argmax` is asked only for a greedy draw that nothing
+    /// replaces (no penalties or biases).
+    pub fn sample_with_argmax(
+        &mut self,
+        logits: &[f32],
+        extra_bias: &[(i32, f32)],
+        argmax: impl FnOnce() -> i32,
+    ) -> i32 {
         let repl = adjusted_replacements(logits, &self.history, &self.params, extra_bias);
         let p = &self.params;
         if p.is_greedy() && p.dry.is_none() {
-            return greedy_token(logits, &repl);
+            return if repl.is_empty() { argmax() } else { greedy_token(logits, &repl) };
         }
         self.candidates.clear();
         if p.top_k > 0 && p.dry.is_none() && p.mirostat.is_none() {

@@ -168,7 +168,7 @@ impl ContextState {
             for (row, &(h, t)) in chunk.iter().enumerate() {
                 surprisals.push(self.branch(h)?.surprisals(t));
                 let mut next = std::mem::take(&mut self.branch_mut(h)?.next_logits);
-                let copied = self.copy_logits_into(row as i32, &mut next);
+                let copied = self.copy_logits_snapshot(row as i32, &mut next);
                 self.branch_mut(h)?.next_logits = next;
                 copied?;
             }
@@ -220,7 +220,7 @@ impl ContextState {
             let result = self.run_batch().and_then(|()| {
                 for &(row, h) in &logit_rows {
                     let mut next = std::mem::take(&mut self.branch_mut(h)?.next_logits);
-                    let copied = self.copy_logits_into(row, &mut next);
+                    let copied = self.copy_logits_snapshot(row, &mut next);
                     self.branch_mut(h)?.next_logits = next;
                     copied?;
                 }

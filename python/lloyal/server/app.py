@@ -15,9 +15,10 @@ import asyncio
 import base64
 import concurrent.futures
 import json
+import sys
 import time
 import uuid
-from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Sequence
+from collections.abc import AsyncGenerator, AsyncIterator, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -31,6 +32,7 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response, Streami
 import lloyal
 
 from . import metrics
+from .gate import Gate
 from .protocol import (
     ApiError,
     ChatRequest,
@@ -125,39 +127,17 @@ def create_app(cfg: ServerConfig) -> FastAPI:
     def state() -> _State:
         return holder["s"]
 
-    @app.middleware("http")
-    async def auth_and_count(
-        request: Request, call_next: Callable[[Request], Awaitable[Response]]
-    ) -> Response:
-        if "s" in holder and holder["s"].scheduler.closing:
-            body = error_body(
-                "the server is shutting down and accepts no new requests: retry later",
-                "unavailable_error",
-                code="shutting_down",
-            )
-            return JSONResponse(body, status_code=503)
-        size = request.headers.get("content-length", "")
-        if size.isdigit() and int(size) > cfg.max_body_bytes:
-            body = error_body(
-                f"request body of {size} bytes exceeds the server's limit of {cfg.max_body_bytes} bytes",
-                "invalid_request_error",
-                code="request_too_large",
-            )
-            return JSONResponse(body, status_code=413)
-        if cfg.api_key and request.url.path != "/health":
-            auth = request.headers.get("authorization", "")
-            if auth != f"Bearer {cfg.api_key}":
-                body = error_body(
-                    "invalid or missing API key: send 'Authorization: Bearer <key>' with the key the "
-                    "server was started with (--api-key)",
-                    "invalid_request_error",
-                    code="invalid_api_key",
-                )
-                return JSONResponse(body, status_code=401)
-        response = await call_next(request)
+    def count_request(path: str, status: int) -> None:
         if "s" in holder:
-            holder["s"].metrics.count_request(request.url.path, response.status_code)
-        return response
+            holder["s"].metrics.count_request(path, status)
+
+    app.add_middleware(
+        Gate,
+        api_key=cfg.api_key,
+        max_body_bytes=cfg.max_body_bytes,
+        closing=lambda: "s" in holder and holder["s"].scheduler.closing,
+        count=count_request,
+    )
 
     @app.exception_handler(ApiError)
     async def api_error(_r: Request, exc: ApiError) -> JSONResponse:
@@ -576,7 +556,7 @@ async def _merged(st: _State, specs: Sequence[GenSpec]) -> AsyncIterator[tuple[i
     try:
         while True:
             try:
-                item = await asyncio.wait_for(anext(events), max(0.0, end - loop.time()))
+                item = await _next_by(events, end)
             except StopAsyncIteration:
                 return
             except asyncio.TimeoutError:  # wait_for cancelled the request: its branches are pruned
@@ -590,6 +570,19 @@ async def _merged(st: _State, specs: Sequence[GenSpec]) -> AsyncIterator[tuple[i
             yield item
     finally:
         await events.aclose()
+
+
+_Item = tuple[int, TokenEvent | Done]
+
+
+async def _next_by(events: AsyncIterator[_Item], end: float) -> _Item:
+    """The next of ``events``, or ``asyncio.TimeoutError`` at loop time ``end`` (the wait is
+    cancelled). On 3.11+ a timer on the current task per item; ``wait_for`` would run each
+    item in a task of its own (one per streamed token)."""
+    if sys.version_info >= (3, 11):
+        async with asyncio.timeout_at(end):
+            return await anext(events)
+    return await asyncio.wait_for(anext(events), max(0.0, end - asyncio.get_running_loop().time()))
 
 
 async def _merged_events(

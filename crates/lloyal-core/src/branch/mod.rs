@@ -2,17 +2,19 @@
 //! biases), its single-branch operations (`ops`), BlinkKV reseed (`reseed`) and speculative
 //! verify (`verify`).
 
+mod logits;
 pub mod ops;
 pub mod reseed;
 pub mod verify;
 
+pub(crate) use logits::Logits;
 pub use ops::BranchInfo;
 
 use std::sync::Arc;
 
 use crate::error::{LloyalError, Result};
 use crate::grammar::Grammar;
-use crate::metrics::{log_sum_exp_both, surprisal, Base, PerplexityTracker};
+use crate::metrics::{log_sum_exp_both, PerplexityTracker};
 use crate::sampler::{top_candidates, Sampler};
 use crate::sampling::adjusted_replacements;
 
@@ -112,7 +114,7 @@ fn draw(
     sampler: &mut Sampler,
     reset: Reset<'_>,
     grammar: Option<&mut Grammar>,
-    logits: &[f32],
+    logits: &Logits,
     biases: &[(i32, f32)],
     resamples: &mut u64,
 ) -> Result<i32> {
@@ -123,8 +125,10 @@ fn draw(
                 .into(),
         )
     };
+    let unconstrained =
+        |sampler: &mut Sampler| sampler.sample_with_argmax(logits, biases, || logits.stats().argmax);
     let Some(grammar) = grammar else {
-        return Ok(sampler.sample(logits, biases));
+        return Ok(unconstrained(sampler));
     };
     if grammar.masks_first() {
         // llguidance: the mask is cheap, so apply it before drawing (one draw, exact).
@@ -141,7 +145,7 @@ fn draw(
         return if grammar.allows(token) { Ok(token) } else { Err(grammar.forbidden(token)) };
     }
     // Sample unconstrained first; only a rejected token pays for the full mask.
-    let token = sampler.sample(logits, biases);
+    let token = unconstrained(sampler);
     if grammar.allows(token) {
         return Ok(token);
     }
@@ -178,9 +182,9 @@ pub struct BranchState {
     pub(crate) sampling_ppl: PerplexityTracker,
     /// Logits after the last decode (empty before any). Shared with forks until either side
     /// decodes again: a fork copies no logits (262,144 floats, 1 MiB, for Gemma 3).
-    pub(crate) logits: Arc<Vec<f32>>,
+    pub(crate) logits: Arc<Logits>,
     /// Where a decode writes new logits before they are published.
-    pub(crate) next_logits: Vec<f32>,
+    pub(crate) next_logits: Logits,
     /// Inherited by forks; `-inf` bans a token.
     pub(crate) logit_bias: Vec<(i32, f32)>,
     /// Per-branch steering, not inherited.
@@ -204,7 +208,7 @@ impl BranchState {
             model_ppl: PerplexityTracker::new(),
             sampling_ppl: PerplexityTracker::new(),
             logits: Arc::default(),
-            next_logits: Vec::new(),
+            next_logits: Logits::default(),
             logit_bias: Vec::new(),
             steer: Vec::new(),
             grammar: None,
@@ -223,7 +227,7 @@ impl BranchState {
             model_ppl: self.model_ppl.clone(),
             sampling_ppl: self.sampling_ppl.clone(),
             logits: if clone_logits { Arc::clone(&self.logits) } else { Arc::default() },
-            next_logits: Vec::new(),
+            next_logits: Logits::default(),
             logit_bias: self.logit_bias.clone(),
             steer: Vec::new(),
             grammar: self.grammar.as_ref().map(Grammar::try_clone).transpose()?,
@@ -248,7 +252,7 @@ impl BranchState {
             model_ppl: self.model_ppl.clone(),
             sampling_ppl: self.sampling_ppl.clone(),
             logits: Arc::clone(&self.logits),
-            next_logits: Vec::new(),
+            next_logits: Logits::default(),
             logit_bias: self.logit_bias.clone(),
             steer: self.steer.clone(),
             grammar: self.grammar.as_ref().map(Grammar::try_clone).transpose()?,
@@ -269,7 +273,7 @@ impl BranchState {
             model_ppl: Default::default(),
             sampling_ppl: Default::default(),
             logits: Arc::default(),
-            next_logits: Vec::new(),
+            next_logits: Logits::default(),
             logit_bias: self.logit_bias.clone(),
             steer: Vec::new(),
             grammar: None,
@@ -341,7 +345,12 @@ impl BranchState {
         let model_logit = *self.logits.get(t)?;
         let sampled_logit = repl.iter().find(|(i, _)| *i == t).map(|r| r.1).unwrap_or(model_logit);
         if repl.is_empty() && scale == 1.0 {
-            let model = surprisal(&self.logits, t, Base::Nats);
+            // The snapshot's log-sum-exp, computed as the row was copied.
+            let model = if model_logit == f32::NEG_INFINITY {
+                f64::INFINITY
+            } else {
+                (self.logits.stats().lse - f64::from(model_logit)).max(0.0)
+            };
             return Some((model, model));
         }
         // One pass over the vocabulary for both normalisers.

@@ -4,11 +4,11 @@
 
 use std::sync::Arc;
 
-use crate::branch::BranchState;
+use crate::branch::{BranchState, Logits};
 use crate::context::ContextState;
 use crate::error::{LloyalError, Result};
 use crate::grammar::Grammar;
-use crate::metrics::{entropy, surprisal, Base};
+use crate::metrics::{entropy, Base};
 use crate::sampler::Sampler;
 use crate::sampling::SamplingParams;
 use crate::tenancy::Handle;
@@ -235,7 +235,7 @@ impl ContextState {
             return Err(LloyalError::invalid("logits must not contain NaN"));
         }
         let b = self.branch_mut(handle)?;
-        b.logits = Arc::new(logits);
+        b.logits = Arc::new(Logits::new(logits));
         b.invalidate();
         Ok(())
     }
@@ -248,7 +248,14 @@ impl ContextState {
     /// Surprisal of `token` under a branch's logits.
     pub fn branch_surprisal(&self, handle: Handle, token: i32, base: Base) -> Result<f64> {
         self.model().check_token(i64::from(token))?;
-        Ok(surprisal(self.branch(handle)?.logits()?, token as usize, base))
+        let b = self.branch(handle)?;
+        let l = b.logits()?.get(token as usize).copied().unwrap_or(f32::NEG_INFINITY);
+        let nats = if l == f32::NEG_INFINITY {
+            f64::INFINITY
+        } else {
+            (b.logits.stats().lse - f64::from(l)).max(0.0)
+        };
+        Ok(base.scale(nats))
     }
 
     /// `set_grammar`: replace (or with `None` remove) the branch's grammar.

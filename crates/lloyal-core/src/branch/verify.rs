@@ -3,6 +3,7 @@
 //! longest prefix it agrees with; the cells of the rejected rest are removed and the token the
 //! sampler chose instead (the bonus) is committed.
 
+use crate::branch::Logits;
 use crate::context::ContextState;
 use crate::error::{LloyalError, Result};
 use crate::tenancy::Handle;
@@ -92,7 +93,7 @@ impl ContextState {
             let s = b.surprisals(token);
             b.accept_with(token, s);
             b.position += 1;
-            b.next_logits = std::mem::take(&mut rows[accepted]);
+            b.next_logits = Logits::new(std::mem::take(&mut rows[accepted]));
             b.publish_logits();
             accepted += 1;
         };

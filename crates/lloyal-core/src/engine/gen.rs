@@ -329,12 +329,9 @@ impl StopMatcher {
     }
 }
 
-/// `log_softmax(logits)[token]` and, if `k > 0`, the `k` best `(token, logprob)` pairs.
-pub fn logprobs(logits: &[f32], token: i32, k: usize) -> (f64, Vec<(i32, f64)>) {
-    let max = logits.iter().copied().fold(f32::NEG_INFINITY, f32::max);
-    let max = f64::from(max);
-    let sum: f64 = logits.iter().map(|&l| (f64::from(l) - max).exp()).sum();
-    let lse = max + sum.ln();
+/// `log_softmax(logits)[token]` and, if `k > 0`, the `k` best `(token, logprob)` pairs, where
+/// `lse` is `log_sum_exp(logits)` (a snapshot's [`crate::metrics::RowStats`]).
+pub fn logprobs(logits: &[f32], lse: f64, token: i32, k: usize) -> (f64, Vec<(i32, f64)>) {
     let lp = |l: f32| f64::from(l) - lse;
     let mut top: Vec<(i32, f32)> = Vec::with_capacity(k + 1);
     if k > 0 {
@@ -353,6 +350,7 @@ pub fn logprobs(logits: &[f32], token: i32, k: usize) -> (f64, Vec<(i32, f64)>) 
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::metrics::log_sum_exp;
 
     #[test]
     fn stop_strings_match_across_pushes_and_are_not_released() {
@@ -375,12 +373,12 @@ mod tests {
     #[test]
     fn logprobs_are_a_log_softmax_with_sorted_top_k() {
         let logits = [1.0f32, 3.0, 2.0, f32::NEG_INFINITY];
-        let (lp, top) = logprobs(&logits, 2, 3);
+        let (lp, top) = logprobs(&logits, log_sum_exp(&logits), 2, 3);
         let z: f64 = logits.iter().map(|&l| f64::from(l).exp()).sum();
-        assert!((lp - (2.0 - z.ln())).abs() < 1e-12);
+        assert!((lp - (2.0 - z.ln())).abs() < 1e-6, "f32 exponentials");
         assert_eq!(top.iter().map(|t| t.0).collect::<Vec<_>>(), vec![1, 2, 0]);
-        assert!((top[0].1 - (3.0 - z.ln())).abs() < 1e-12);
-        assert_eq!(logprobs(&logits, 3, 0), (f64::NEG_INFINITY, vec![]));
+        assert!((top[0].1 - (3.0 - z.ln())).abs() < 1e-6);
+        assert_eq!(logprobs(&logits, log_sum_exp(&logits), 3, 0), (f64::NEG_INFINITY, vec![]));
     }
 
     #[test]

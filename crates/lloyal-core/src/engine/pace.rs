@@ -80,6 +80,12 @@ impl Pacer {
         }
     }
 
+    /// Whether a prompt that arrived at `arrived` goes first (fills the batch): it waited
+    /// before the running streams started, or none is running.
+    pub fn goes_first(&self, arrived: Instant) -> bool {
+        self.active_since.is_none_or(|since| arrived <= since)
+    }
+
     /// Note the end (`now`) of a tick with `decode_rows` commit rows.
     pub fn ticked(&mut self, now: Instant, decode_rows: usize) {
         if decode_rows > 0 {
@@ -112,7 +118,14 @@ impl Pacer {
             self.base_rows = decode_rows;
             return;
         }
-        let Some(base) = self.base else { return };
+        let Some(base) = self.base else {
+            // Streams that never ran a decode-only tick (a burst whose prompts reached the
+            // engine over several ticks) give nothing to compare with: double the cap each
+            // tick, up to the batch, until a decode-only tick measures the base. Kept at the
+            // first cap instead, the backlog went 8 rows a tick (a 16-request wave 1.5x longer).
+            self.cap = Some(2.0 * prefill_rows as f64);
+            return;
+        };
         // The base was measured with other streams: scale it by rows (a rough correction,
         // replaced as soon as a decode-only tick of this size runs).
         let base = base * decode_rows as f64 / self.base_rows.max(1) as f64;
@@ -206,11 +219,25 @@ mod tests {
     }
 
     #[test]
-    fn prefill_ticks_before_any_decode_only_tick_are_ignored() {
+    fn without_a_decode_only_tick_the_cap_doubles_up_to_the_batch() {
         let mut p = Pacer::default();
-        p.observe(8, 100, 1.0);
-        assert_eq!(p.current(), None);
         p.observe(0, 100, 1.0);
-        assert_eq!(p.current(), None);
+        assert_eq!(p.current(), None, "no decode rows: nothing to learn");
+        let mut caps = Vec::new();
+        for _ in 0..8 {
+            let cap = p.cap(7, 512);
+            caps.push(cap);
+            p.observe(7, cap, 0.07);
+        }
+        assert_eq!(caps, [8, 16, 32, 64, 128, 256, 512, 512]);
+        // The first decode-only tick gives a base; from the next mixed tick on the cap falls
+        // (at most 4x a tick) to what keeps a tick at the stretch.
+        p.observe(7, 0, 0.05);
+        let mut cap = 512;
+        for _ in 0..6 {
+            p.observe(7, cap, 0.05 + 0.0009 * cap as f64);
+            cap = p.cap(7, 512);
+        }
+        assert!((25..=31).contains(&cap), "{cap}");
     }
 }

@@ -136,6 +136,8 @@ pub(crate) struct Scheduler {
     lease_waiting: VecDeque<Op>,
     /// Generation requests with a prompt waiting for room for it and their tokens (FIFO).
     prompt_waiting: VecDeque<Waiting>,
+    /// Prompt rows of a burst prefilled since the generation requests last stepped.
+    burst_rows: usize,
 }
 
 impl Scheduler {
@@ -296,11 +298,25 @@ impl Scheduler {
 
         self.serve_leases(s, &mut out);
 
+        let n_batch = s.shape().n_batch as usize;
+        let oldest = self
+            .flights
+            .iter()
+            .filter(|f| f.items.iter().any(|i| i.done < i.tokens.len()))
+            .map(|f| f.arrived)
+            .min();
+        // While a burst's prompts fill the batch, the generation requests step once per
+        // [`BURST_STEP_ROWS`] prompt rows rather than every tick.
+        let hold = max_prefill.is_none()
+            && self.burst_rows > 0
+            && self.burst_rows + n_batch <= BURST_STEP_ROWS
+            && oldest.is_some_and(|t| self.pacer.goes_first(t));
+
         // Generation requests that want a token, oldest first: sample, check stops, admit.
         let mut ended: Vec<(usize, Result<Finish>)> = Vec::new();
         let mut gen_parts: Vec<Part> = Vec::new();
         for (gi, g) in self.gens.iter_mut().enumerate() {
-            if busy.contains(&g.spec.handle) || !g.spec.stream.take_wanted() {
+            if hold || busy.contains(&g.spec.handle) || !g.spec.stream.take_wanted() {
                 continue;
             }
             // A bounded request's row takes one of the cells it reserved.
@@ -324,13 +340,6 @@ impl Scheduler {
         out.commits = (commits.len() + gen_parts.len()) as u64;
         let lefts: Vec<usize> =
             self.flights.iter().flat_map(|f| f.items.iter().map(|i| i.tokens.len() - i.done)).collect();
-        let n_batch = s.shape().n_batch as usize;
-        let oldest = self
-            .flights
-            .iter()
-            .filter(|f| f.items.iter().any(|i| i.done < i.tokens.len()))
-            .map(|f| f.arrived)
-            .min();
         let cap = match max_prefill {
             Some(cap) => cap,
             None => self.pacer.plan(Instant::now(), decode_rows, oldest, n_batch),
@@ -338,6 +347,8 @@ impl Scheduler {
         out.prefill_cap = cap;
         let plan = plan_tick(decode_rows, &lefts, n_batch, cap);
         let prefill_rows: usize = plan.prefill_take.iter().sum();
+        let full = if cap == 0 { prefill_rows } else { 0 };
+        self.burst_rows = if hold || decode_rows == 0 { self.burst_rows + full } else { full };
         let mut parts: Vec<Part> = commits.into_iter().map(|(op, rows)| Part::Commit(op, rows)).collect();
         parts.extend(gen_parts);
         let mut takes = plan.prefill_take.iter().copied();
@@ -703,7 +714,8 @@ fn step_gen(s: &mut ContextState, g: &Gen, reserved: usize) -> Result<Step> {
     let mut rows = admit_commit(s, &[(h, token)], reserved)?;
     let row = rows.pop().ok_or_else(|| LloyalError::Backend("a commit admitted no row".into()))?;
     let logprobs = if g.spec.logprobs || g.spec.top_logprobs > 0 {
-        Some(logprobs(s.branch(h)?.logits()?, token, g.spec.top_logprobs))
+        let b = s.branch(h)?;
+        Some(logprobs(b.logits()?, b.logits.stats().lse, token, g.spec.top_logprobs))
     } else {
         None
     };
@@ -794,6 +806,15 @@ fn admit_prefill(
     Ok((items, total))
 }
 
+/// Prompt rows a burst prefills between two steps of the running generation requests.
+/// Requests that arrive together (a burst) prefill at a full `n_batch` per tick; the ones
+/// whose prompts are written meanwhile start generating. Stepping them every tick put a
+/// separate `llama_decode` of their rows next to every 512-row prefill (decoded apart, see
+/// [`split_point`]): 16 distinct prompts of ~270 tokens ran 8 such calls, ~450 ms for 65
+/// tokens, most of which the wave's tail would have decoded at ~3.5 ms a token. Like
+/// llama-server (one step per 2048-token batch), they step once per 2048 prompt rows.
+const BURST_STEP_ROWS: usize = 2048;
+
 /// Rows of one flash-attention query tile in ggml's CPU kernel (`GGML_FA_TILE_Q`).
 const FA_QUERY_TILE: usize = 64;
 
@@ -834,7 +855,7 @@ fn execute(s: &mut ContextState, rows: &[Row], split: Option<usize>, secs: &mut 
         let result = ran.and_then(|()| {
             for (i, r) in chunk.iter().enumerate().filter(|(_, r)| r.logits) {
                 let mut next = std::mem::take(&mut s.branch_mut(r.handle)?.next_logits);
-                let copied = s.copy_logits_into(i as i32, &mut next);
+                let copied = s.copy_logits_snapshot(i as i32, &mut next);
                 s.branch_mut(r.handle)?.next_logits = next;
                 copied?;
             }

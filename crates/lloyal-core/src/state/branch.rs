@@ -14,7 +14,7 @@ use std::sync::Arc;
 
 use serde_json::{json, Value};
 
-use crate::branch::BranchState;
+use crate::branch::{BranchState, Logits};
 use crate::context::ContextState;
 use crate::error::{LloyalError, Result};
 use crate::grammar::{Grammar, GrammarKind, GrammarSource};
@@ -350,7 +350,7 @@ impl ContextState {
         b.sampling_ppl = p.sampling_ppl;
         b.logit_bias = p.logit_bias;
         b.steer = p.steer;
-        b.logits = Arc::new(p.logits);
+        b.logits = Arc::new(Logits::new(p.logits));
         let handle = self.branches.insert(b);
         self.topology.add(handle, None);
         self.grow_cells(p.cells);

@@ -1,0 +1,78 @@
+//! A branch's logits snapshot: the values of one decoded row and their [`RowStats`].
+
+use std::ops::Deref;
+use std::sync::OnceLock;
+
+use crate::metrics::{copy_row, RowStats};
+
+/// One row of logits (empty before any decode) with its maximum, argmax and log-sum-exp.
+/// A row copied out of a decode gets its stats in the same pass ([`Logits::fill_from`]); rows
+/// set otherwise compute them on first use. The values never change once set, so the stats
+/// stay theirs.
+#[derive(Debug, Default)]
+pub(crate) struct Logits {
+    values: Vec<f32>,
+    stats: OnceLock<RowStats>,
+}
+
+impl Logits {
+    /// A snapshot of `values` (stats computed on first use).
+    pub(crate) fn new(values: Vec<f32>) -> Self {
+        Logits { values, stats: OnceLock::new() }
+    }
+
+    /// Replace the values with a copy of `src`, summarised in the same pass (the buffer is
+    /// reused).
+    pub(crate) fn fill_from(&mut self, src: &[f32]) {
+        self.stats = OnceLock::from(copy_row(src, &mut self.values));
+    }
+
+    /// Maximum, first argmax and log-sum-exp of the values.
+    pub(crate) fn stats(&self) -> RowStats {
+        *self.stats.get_or_init(|| RowStats::of(&self.values))
+    }
+}
+
+impl Deref for Logits {
+    type Target = [f32];
+
+    fn deref(&self) -> &[f32] {
+        &self.values
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::metrics::log_sum_exp;
+    use crate::sampler::argmax;
+
+    #[test]
+    fn filled_and_lazy_stats_agree_with_the_separate_passes() {
+        // Several blocks, the maximum twice (the first wins), in a late block.
+        let mut values: Vec<f32> = (0..10_000).map(|i| ((i * 7919) % 1000) as f32 / 100.0 - 5.0).collect();
+        values[6000] = 9.5;
+        values[9000] = 9.5;
+        let mut filled = Logits::default();
+        filled.fill_from(&values);
+        let lazy = Logits::new(values.clone());
+        for stats in [filled.stats(), lazy.stats()] {
+            assert_eq!(stats.argmax, 6000);
+            assert_eq!(stats.argmax, argmax(&values));
+            assert_eq!(stats.max, 9.5);
+            assert_eq!(stats.lse, log_sum_exp(&values));
+        }
+        assert_eq!(&*filled, &values[..]);
+    }
+
+    #[test]
+    fn refilling_replaces_values_and_stats() {
+        let mut l = Logits::default();
+        l.fill_from(&[1.0, 3.0, 2.0]);
+        assert_eq!(l.stats().argmax, 1);
+        l.fill_from(&[f32::NEG_INFINITY, f32::NEG_INFINITY]);
+        let s = l.stats();
+        assert_eq!((s.argmax, s.max, s.lse), (0, f32::NEG_INFINITY, f64::NEG_INFINITY));
+        assert_eq!(&*l, &[f32::NEG_INFINITY, f32::NEG_INFINITY]);
+    }
+}
