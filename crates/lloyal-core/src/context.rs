@@ -8,7 +8,7 @@ use std::sync::Arc;
 use parking_lot::{Mutex, MutexGuard};
 
 use crate::backend::{clear_recent_errors, recent_errors};
-use crate::branch::{BranchState, Logits};
+use crate::branch::BranchState;
 use crate::embeddings::Encoded;
 use crate::engine::gen::GenSpec;
 use crate::engine::{Done, Engine, EngineStats, Ticket, Work};
@@ -22,7 +22,7 @@ use crate::raw::{Batch, RawContext};
 use crate::sampler::Sampler;
 use crate::sampling::SamplingParams;
 use crate::store::KvPressure;
-use crate::tenancy::Slots;
+use crate::tenancy::{Handle, Slots};
 use crate::topology::Topology;
 
 /// Sizes fixed at creation (readable without the lock).
@@ -634,24 +634,28 @@ impl ContextState {
         &mut self.batch
     }
 
+    /// The logits of batch row `row` of the last decode.
+    fn logits_of_row(&mut self, row: i32) -> Result<&[f32]> {
+        self.raw
+            .logits_row(row)
+            .ok_or_else(|| LloyalError::Backend(format!("llama.cpp has no logits for batch row {row}")))
+    }
+
     /// Copy the logits of batch row `row` into `out` (reusing its allocation).
     pub(crate) fn copy_logits_into(&mut self, row: i32, out: &mut Vec<f32>) -> Result<()> {
-        let Some(src) = self.raw.logits_row(row) else {
-            return Err(LloyalError::Backend(format!("llama.cpp has no logits for batch row {row}")));
-        };
+        let src = self.logits_of_row(row)?;
         out.clear();
         out.extend_from_slice(src);
         Ok(())
     }
 
-    /// Copy logits row `row` of the last decode into a branch's `next_logits`, summarised in
-    /// the same pass ([`Logits::fill_from`]).
-    pub(crate) fn copy_logits_snapshot(&mut self, row: i32, out: &mut Logits) -> Result<()> {
-        let Some(src) = self.raw.logits_row(row) else {
-            return Err(LloyalError::Backend(format!("llama.cpp has no logits for batch row {row}")));
-        };
-        out.fill_from(src);
-        Ok(())
+    /// Copy logits row `row` of the last decode into branch `handle`'s `next_logits` (its
+    /// buffer reused), summarised in the same pass (`Logits::fill_from`).
+    pub(crate) fn fill_next_logits(&mut self, row: i32, handle: Handle) -> Result<()> {
+        let mut next = std::mem::take(&mut self.branch_mut(handle)?.next_logits);
+        let filled = self.logits_of_row(row).map(|src| next.fill_from(src));
+        self.branch_mut(handle)?.next_logits = next;
+        filled
     }
 }
 

@@ -167,10 +167,7 @@ impl ContextState {
             }
             for (row, &(h, t)) in chunk.iter().enumerate() {
                 surprisals.push(self.branch(h)?.surprisals(t));
-                let mut next = std::mem::take(&mut self.branch_mut(h)?.next_logits);
-                let copied = self.copy_logits_snapshot(row as i32, &mut next);
-                self.branch_mut(h)?.next_logits = next;
-                copied?;
+                self.fill_next_logits(row as i32, h)?;
             }
         }
         for (&(h, t), s) in pairs.iter().zip(surprisals) {
@@ -219,10 +216,7 @@ impl ContextState {
             }
             let result = self.run_batch().and_then(|()| {
                 for &(row, h) in &logit_rows {
-                    let mut next = std::mem::take(&mut self.branch_mut(h)?.next_logits);
-                    let copied = self.copy_logits_snapshot(row, &mut next);
-                    self.branch_mut(h)?.next_logits = next;
-                    copied?;
+                    self.fill_next_logits(row, h)?;
                 }
                 Ok(())
             });

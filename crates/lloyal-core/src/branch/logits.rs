@@ -31,6 +31,15 @@ impl Logits {
     pub(crate) fn stats(&self) -> RowStats {
         *self.stats.get_or_init(|| RowStats::of(&self.values))
     }
+
+    /// `-log softmax(values)[token]` in nats (as [`crate::metrics::surprisal`]): `inf` for a
+    /// banned or out-of-range token.
+    pub(crate) fn surprisal(&self, token: usize) -> f64 {
+        match self.values.get(token) {
+            Some(&l) if l != f32::NEG_INFINITY => (self.stats().lse - f64::from(l)).max(0.0),
+            _ => f64::INFINITY,
+        }
+    }
 }
 
 impl Deref for Logits {
@@ -44,7 +53,7 @@ impl Deref for Logits {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::metrics::log_sum_exp;
+    use crate::metrics::{log_sum_exp, surprisal, Base};
     use crate::sampler::argmax;
 
     #[test]
@@ -63,6 +72,12 @@ mod tests {
             assert_eq!(stats.lse, log_sum_exp(&values));
         }
         assert_eq!(&*filled, &values[..]);
+        for t in [0, 6000, 9999] {
+            assert_eq!(filled.surprisal(t), surprisal(&values, t, Base::Nats));
+        }
+        values[7] = f32::NEG_INFINITY;
+        assert_eq!(Logits::new(values).surprisal(7), f64::INFINITY);
+        assert_eq!(filled.surprisal(10_000), f64::INFINITY, "out of range");
     }
 
     #[test]

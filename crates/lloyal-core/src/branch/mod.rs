@@ -346,11 +346,7 @@ impl BranchState {
         let sampled_logit = repl.iter().find(|(i, _)| *i == t).map(|r| r.1).unwrap_or(model_logit);
         if repl.is_empty() && scale == 1.0 {
             // The snapshot's log-sum-exp, computed as the row was copied.
-            let model = if model_logit == f32::NEG_INFINITY {
-                f64::INFINITY
-            } else {
-                (self.logits.stats().lse - f64::from(model_logit)).max(0.0)
-            };
+            let model = self.logits.surprisal(t);
             return Some((model, model));
         }
         // One pass over the vocabulary for both normalisers.

@@ -249,13 +249,8 @@ impl ContextState {
     pub fn branch_surprisal(&self, handle: Handle, token: i32, base: Base) -> Result<f64> {
         self.model().check_token(i64::from(token))?;
         let b = self.branch(handle)?;
-        let l = b.logits()?.get(token as usize).copied().unwrap_or(f32::NEG_INFINITY);
-        let nats = if l == f32::NEG_INFINITY {
-            f64::INFINITY
-        } else {
-            (b.logits.stats().lse - f64::from(l)).max(0.0)
-        };
-        Ok(base.scale(nats))
+        b.logits()?;
+        Ok(base.scale(b.logits.surprisal(token as usize)))
     }
 
     /// `set_grammar`: replace (or with `None` remove) the branch's grammar.

@@ -854,10 +854,7 @@ fn execute(s: &mut ContextState, rows: &[Row], split: Option<usize>, secs: &mut 
         *secs += t0.elapsed().as_secs_f64();
         let result = ran.and_then(|()| {
             for (i, r) in chunk.iter().enumerate().filter(|(_, r)| r.logits) {
-                let mut next = std::mem::take(&mut s.branch_mut(r.handle)?.next_logits);
-                let copied = s.copy_logits_snapshot(i as i32, &mut next);
-                s.branch_mut(r.handle)?.next_logits = next;
-                copied?;
+                s.fill_next_logits(i as i32, r.handle)?;
             }
             Ok(())
         });
