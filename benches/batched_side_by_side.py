@@ -2,6 +2,7 @@
 
     python benches/batched_side_by_side.py [--rounds 7] [--pp 512] [--tg 64] [--batch 1,8]
                                            [--bin target/peers/build/bin/llama-batched-bench]
+                                           [--ngl 99] [--modes lloyal,lloyal-invariant]
 
 What is measured (decode only, no sampling, as ``llama-batched-bench -pps`` does): a prompt of
 ``--pp`` tokens prefilled once (S_PP, tokens/s), then ``B`` sequences sharing it each decode
@@ -17,7 +18,9 @@ printed figure for a measure is the median of the per-round ratios lloyal / llam
 their range, so a noisy machine moves both sides of a ratio together.
 
 The peer is built by ``make bench-peers-cpp`` from the llama.cpp inside llama-cpp-python's
-source distribution; its version is printed next to lloyal's.
+source distribution; its version is printed next to lloyal's. ``--ngl N`` offloads N layers to
+a GPU on both sides (lloyal's ``Model(n_gpu_layers=N)``, the peer's ``-ngl N``), for a build
+with a GPU backend.
 """
 
 from __future__ import annotations
@@ -37,12 +40,14 @@ DEFAULT_BIN = ROOT / "target" / "peers" / "build" / "bin" / "llama-batched-bench
 MODES = {"lloyal": None, "lloyal-invariant": True}
 
 
-def lloyal_worker(mode: str, pp: int, tg: int, batch: int, threads: int, model: str) -> dict[str, float]:
+def lloyal_worker(
+    mode: str, pp: int, tg: int, batch: int, threads: int, model: str, ngl: int
+) -> dict[str, float]:
     import lloyal
 
     n_ctx = pp + batch * tg + 16
     ctx = lloyal.Context(
-        model,
+        lloyal.Model(model, n_gpu_layers=ngl, repack=MODES[mode] is None),
         n_ctx=n_ctx,
         n_batch=512,
         n_seq_max=max(batch, 1),
@@ -89,7 +94,9 @@ def lloyal_worker(mode: str, pp: int, tg: int, batch: int, threads: int, model: 
     return out
 
 
-def peer_worker(binary: str, pp: int, tg: int, batch: int, threads: int, model: str) -> dict[str, float]:
+def peer_worker(
+    binary: str, pp: int, tg: int, batch: int, threads: int, model: str, ngl: int
+) -> dict[str, float]:
     cmd = [
         binary,
         "-m",
@@ -110,6 +117,8 @@ def peer_worker(binary: str, pp: int, tg: int, batch: int, threads: int, model: 
         "--kv-unified",  # one KV buffer for all sequences, as lloyal's contexts (else n_ctx is split)
         "-t",
         str(threads),
+        "-ngl",
+        str(ngl),
     ]
     out = subprocess.run(cmd, env=clean_env(), capture_output=True, text=True, check=True).stdout
     for line in out.splitlines():
@@ -132,7 +141,7 @@ def peer_version(binary: str) -> str:
 
 def run_worker(kind: str, a: argparse.Namespace, batch: int, model: str) -> dict[str, float]:
     if kind == "llama.cpp":
-        return peer_worker(str(a.bin), a.pp, a.tg, batch, a.threads, model)
+        return peer_worker(str(a.bin), a.pp, a.tg, batch, a.threads, model, a.ngl)
     cmd = [
         sys.executable,
         __file__,
@@ -148,6 +157,8 @@ def run_worker(kind: str, a: argparse.Namespace, batch: int, model: str) -> dict
         str(a.threads),
         "--model",
         model,
+        "--ngl",
+        str(a.ngl),
     ]
     out = subprocess.run(cmd, env=clean_env(), capture_output=True, text=True, check=True).stdout
     return dict(json.loads(out.strip().splitlines()[-1]))
@@ -163,9 +174,11 @@ def main() -> None:
     ap.add_argument("--bin", type=Path, default=Path(os.environ.get("LLAMA_BATCHED_BENCH", DEFAULT_BIN)))
     ap.add_argument("--worker", choices=sorted(MODES))
     ap.add_argument("--model", default=None)
+    ap.add_argument("--ngl", type=int, default=0, help="layers offloaded to a GPU (both sides)")
+    ap.add_argument("--modes", default=",".join(MODES), help="lloyal modes to run")
     a = ap.parse_args()
     if a.worker:
-        print(json.dumps(lloyal_worker(a.worker, a.pp, a.tg, int(a.batch), a.threads, a.model)))
+        print(json.dumps(lloyal_worker(a.worker, a.pp, a.tg, int(a.batch), a.threads, a.model, a.ngl)))
         return
     import lloyal
 
@@ -173,7 +186,11 @@ def main() -> None:
         sys.exit(f"{a.bin} not found: build it with `make bench-peers-cpp` (or pass --bin)")
     model = a.model or str(lloyal.default_model_path())
     batches = [int(b) for b in a.batch.split(",")]
-    kinds = ["llama.cpp", *MODES]
+    modes = [m for m in a.modes.split(",") if m]
+    unknown = sorted(set(modes) - set(MODES))
+    if unknown:
+        sys.exit(f"unknown --modes {unknown}: choose from {sorted(MODES)}")
+    kinds = ["llama.cpp", *modes]
     got: dict[tuple[str, int], list[dict[str, float]]] = {(k, b): [] for k in kinds for b in batches}
     rng = random.Random(0)
     for r in range(a.rounds):
@@ -184,24 +201,23 @@ def main() -> None:
                 got[(k, b)].append(run_worker(k, a, b, model))
         print(f"round {r + 1}/{a.rounds} done", file=sys.stderr)
     print(f"peer: llama-batched-bench {peer_version(str(a.bin))}; lloyal {lloyal.__version__}")
-    print(f"pp={a.pp} tg={a.tg} threads={a.threads} rounds={a.rounds}; median of per-round ratios (range)")
-    head = [
-        "measure",
-        "llama.cpp t/s",
-        "lloyal t/s",
-        "lloyal ÷ llama.cpp",
-        "invariant t/s",
-        "invariant ÷ llama.cpp",
-    ]
+    print(
+        f"pp={a.pp} tg={a.tg} threads={a.threads} ngl={a.ngl} rounds={a.rounds}; "
+        "median of per-round ratios (range)"
+    )
+    names = {"lloyal": "lloyal", "lloyal-invariant": "invariant"}
+    head = ["measure", "llama.cpp t/s"]
+    for k in modes:
+        head += [f"{names[k]} t/s", f"{names[k]} ÷ llama.cpp"]
     print("| " + " | ".join(head) + " |")
-    print("|---|---|---|---|---|---|")
+    print("|" + "---|" * len(head))
     for b in batches:
         for key, label in (("s_pp", f"prefill {a.pp} (B={b})"), ("s_tg", f"decode B={b}")):
             if key == "s_pp" and b != batches[0]:
                 continue
             peer = [x[key] for x in got[("llama.cpp", b)]]
             cells = [f"{statistics.median(peer):.1f}"]
-            for k in MODES:
+            for k in modes:
                 mine = [x[key] for x in got[(k, b)]]
                 ratios = [m / p for m, p in zip(mine, peer, strict=True)]
                 cells.append(f"{statistics.median(mine):.1f}")
@@ -210,7 +226,7 @@ def main() -> None:
         if b == 1:  # issue 18 target 1: lloyal's sampled single stream against the peer's decode only
             peer = [x["s_tg"] for x in got[("llama.cpp", b)]]
             cells = [f"{statistics.median(peer):.1f} (decode only)"]
-            for k in MODES:
+            for k in modes:
                 mine = [x["s_tg_sampled"] for x in got[(k, b)]]
                 ratios = [m / p for m, p in zip(mine, peer, strict=True)]
                 cells.append(f"{statistics.median(mine):.1f}")

@@ -566,34 +566,37 @@ def test_a_prompt_is_paced_next_to_running_streams(ctx9: lloyal.Context, root: B
     assert all(len(g) >= 3 for g in got)
 
 
-def _tokens_before_the_long_prompt_answers(model: lloyal.Model, chunk: int | None) -> int:
-    """Two short and one ~1900-token prompt submitted together (a burst) with n_batch 512:
-    the tokens the short requests yielded before the long one's first token. ``chunk``:
-    ``engine_prefill_chunk``."""
+def _ticks_of_a_burst(model: lloyal.Model, chunk: int | None) -> tuple[int, int]:
+    """Two short prompts generating 12 tokens each and one ~1900-token prompt generating 1,
+    all queued before the engine runs (a burst), with n_batch 512: the ticks until all three
+    end, and the number of 512-row ticks the prompts fill. The short requests read ahead 12
+    tokens, so whether they step in a tick is the engine's choice alone, never their readers'.
+    ``chunk``: ``engine_prefill_chunk``."""
     ctx = lloyal.Context(model, n_ctx=4096, n_batch=512, n_seq_max=4)
     try:
         ctx.engine_prefill_chunk = chunk
         short = ctx.tokenize(PROMPT)
         long = (ctx.tokenize(PROMPT, add_special=False) * 200)[:1900]
         a, b, c = (Branch.create(ctx, 0, GREEDY) for _ in range(3))
-        stamps: list[float] = []
-
-        def read(it: lloyal.TokenIterator) -> None:
-            for _ in it:
-                stamps.append(time.perf_counter())
-
         ctx.pause_engine()
-        its = [a.generate(12, prompt=short), b.generate(12, prompt=short)]
-        late = c.generate(1, prompt=long)
-        threads = [threading.Thread(target=read, args=(it,)) for it in its]
+        before = ctx.engine_stats()
+        its = [
+            a.generate(12, prompt=short, lookahead=12),
+            b.generate(12, prompt=short, lookahead=12),
+            c.generate(1, prompt=long),
+        ]
+        got: list[list[lloyal.Token]] = [[], [], []]
+        threads = [threading.Thread(target=lambda i=i: got[i].extend(its[i])) for i in range(3)]
         for t in threads:
             t.start()
+        # Each request is submitted by its iterator's first next(): all three wait in the queue.
+        wait_until(lambda: ctx.engine_stats().ops_submitted - before.ops_submitted == 3)
         ctx.resume_engine()
-        next(late)
-        first = time.perf_counter()
         for t in threads:
             t.join()
-        return sum(s < first for s in stamps)
+        assert [len(g) for g in got] == [12, 12, 1]
+        prompt_rows = 2 * len(short) + len(long)
+        return ctx.engine_stats().ticks - before.ticks, -(-prompt_rows // 512)
     finally:
         ctx.close()
 
@@ -601,12 +604,14 @@ def _tokens_before_the_long_prompt_answers(model: lloyal.Model, chunk: int | Non
 def test_requests_of_a_burst_step_once_per_2048_prompt_rows(model: lloyal.Model) -> None:
     """While a burst's prompts fill the batch, the requests whose prompts are already written
     step once per 2048 prompt rows, not next to every 512-row chunk (each step there is a
-    separate decode of their rows): the long prompt's four chunks run without them. With a
-    fixed ``engine_prefill_chunk`` they step every tick."""
-    held = _tokens_before_the_long_prompt_answers(model, None)
-    every_tick = _tokens_before_the_long_prompt_answers(model, 512)
-    assert held <= 2  # at most their first tokens, delivered in the long prompt's first tick
-    assert every_tick >= 2 * 3  # both stepped next to each of the long prompt's last 3 chunks
+    separate decode of their rows): the long prompt's chunks run without them, and their 12
+    steps begin in the tick after its last chunk. With a fixed ``engine_prefill_chunk`` they
+    step in every tick from the second on, next to the chunks."""
+    held, chunks = _ticks_of_a_burst(model, None)
+    every_tick, _ = _ticks_of_a_burst(model, 512)
+    assert chunks == 4
+    assert held == chunks + 12
+    assert every_tick == 1 + 12
 
 
 def test_a_request_with_a_prompt_prefills_it_through_the_engine(ctx9: lloyal.Context) -> None:
