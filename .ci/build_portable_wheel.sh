@@ -23,6 +23,13 @@ cleanup() { rm -rf "$native" "$scratch"; }  # a source checkout must never keep 
 trap cleanup EXIT
 rm -rf "$native"
 
+# llama-cpp-sys-2 hard-links its libraries' symlinks (libllama.so -> libllama.so.0) into the
+# target folder, where they dangle, and its next build (after a dependency change) fails on them
+# with "File exists": drop them first.
+for dir in "$target/release" "$target/release/examples" "$target/release/deps"; do
+    [ -d "$dir" ] && find "$dir" -maxdepth 1 -xtype l -name 'lib*.so*' -delete
+done
+
 echo "== 1/3 compile (feature portable; the wheel of this pass lacks the libraries)"
 "$maturin" build --release --features portable --auditwheel skip --out "$scratch" "$@"
 

@@ -129,7 +129,7 @@ def peer_worker(
 
 
 def clean_env() -> dict[str, str]:
-    keep = ("PATH", "HOME", "LANG", "PYTHONPATH", "VIRTUAL_ENV")
+    keep = ("PATH", "HOME", "LANG", "PYTHONPATH", "VIRTUAL_ENV", "LD_LIBRARY_PATH", "CUDA_VISIBLE_DEVICES")
     return {k: v for k, v in os.environ.items() if k in keep}
 
 

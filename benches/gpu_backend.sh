@@ -1,0 +1,38 @@
+#!/usr/bin/env bash
+# A CUDA backend for the portable wheel, and llama.cpp's llama-batched-bench on the same ggml.
+#
+#   benches/gpu_backend.sh LLAMA_CPP BATCHED_BENCH OUT [LLOYAL_NATIVE]
+#
+# LLAMA_CPP: the llama.cpp the wheel was built from (llama-cpp-sys-2's vendored copy, under
+# ~/.cargo/registry/src/*/llama-cpp-sys-2-<version>/llama.cpp); BATCHED_BENCH: llama.cpp's
+# tools/batched-bench (the crate ships tools without sources; take it from llama-cpp-python's
+# sdist, as `make bench-peers-cpp` unpacks it). Builds, with nvcc and cmake, ggml's CUDA backend
+# as a loadable module (GGML_BACKEND_DL, the wheel's layout) and the bench into OUT; copies
+# libggml-cuda.so into LLOYAL_NATIVE (an installed wheel's lloyal/_native), where the wheel's
+# ggml loads it next to its CPU modules: `lloyal.Model(path, n_gpu_layers=99)` then runs on the
+# GPU. CUDA_ARCH (default 90: H100/H200) picks the GPU generation.
+set -euo pipefail
+src=${1:?usage: benches/gpu_backend.sh LLAMA_CPP BATCHED_BENCH OUT [LLOYAL_NATIVE]}
+bench=${2:?BATCHED_BENCH}
+out=${3:?OUT}
+native=${4:-}
+mkdir -p "$out"
+rm -rf "$out/llama.cpp" && cp -r "$src" "$out/llama.cpp"
+rm -rf "$out/llama.cpp/tools/batched-bench" && cp -r "$bench" "$out/llama.cpp/tools/batched-bench"
+# Only the bench among the tools (the crate's other tool folders have no sources).
+cat > "$out/llama.cpp/tools/CMakeLists.txt" <<'CMAKE'
+find_package(Threads REQUIRED)
+llama_add_compile_flags()
+add_subdirectory(batched-bench)
+CMAKE
+cmake -S "$out/llama.cpp" -B "$out/build" -G Ninja -DCMAKE_BUILD_TYPE=Release \
+    -DGGML_CUDA=ON -DCMAKE_CUDA_ARCHITECTURES="${CUDA_ARCH:-90}" \
+    -DGGML_NATIVE=OFF -DGGML_CPU_ALL_VARIANTS=ON -DGGML_BACKEND_DL=ON -DBUILD_SHARED_LIBS=ON \
+    -DLLAMA_CURL=OFF -DLLAMA_OPENSSL=OFF -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF \
+    -DLLAMA_BUILD_SERVER=OFF -DLLAMA_BUILD_APP=OFF
+cmake --build "$out/build" -j "$(nproc)" --target ggml-cuda llama-batched-bench
+if [ -n "$native" ]; then
+    cp "$out/build/bin/libggml-cuda.so" "$native/"
+    echo "installed $native/libggml-cuda.so"
+fi
+echo "built $out/build/bin/llama-batched-bench"
