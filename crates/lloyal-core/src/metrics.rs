@@ -157,7 +157,7 @@ fn exp_sums_weighted(xs: &[f32], m: f32) -> (f64, f64) {
 
 /// log(sum(exp(logits))) computed stably; `-inf` when every logit is `-inf`.
 pub fn log_sum_exp(logits: &[f32]) -> f64 {
-    log_sum_exp_scaled(logits, 1.0, &[])
+    lse_given_max(logits, max_f32(logits))
 }
 
 fn scaled_max(max: f32, s: f32, replace: &[(usize, f32)]) -> f32 {
@@ -210,9 +210,9 @@ pub fn log_sum_exp_both(logits: &[f32], s: f32, replace: &[(usize, f32)]) -> (f6
 
 /// What one pass over a logits row learns besides copying it: the maximum, the first position
 /// holding it (as [`crate::sampler::argmax`]) and `log(sum(exp))` (as [`log_sum_exp`], bit for
-/// bit). A decode's row is summarised as it is copied into a branch's snapshot, so greedy
-/// sampling and the perplexity of the committed token cost O(1) instead of four passes over
-/// the vocabulary (262,144 floats at Gemma 3).
+/// bit: both are `lse_given_max`). A decode's row is summarised as it is copied into a branch's
+/// snapshot, so greedy sampling and the perplexity of the committed token cost O(1) instead of
+/// four passes over the vocabulary (262,144 floats at Gemma 3).
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub struct RowStats {
     pub max: f32,
