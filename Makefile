@@ -6,7 +6,7 @@ export VIRTUAL_ENV := $(CURDIR)/.venv
 export PYO3_PYTHON := $(CURDIR)/.venv/bin/python
 PYDIRS := python tests benches examples .ci
 
-.PHONY: help sysdeps browser venv build soak fuzz test test-rust test-py test-docs families lint format bench bench-deps bench-batched bench-server-paired demo serve \
+.PHONY: help sysdeps browser venv llama-settings build soak fuzz test test-rust test-py test-docs families lint format bench bench-deps bench-batched bench-server-paired demo serve \
 	smoke-wheel wheel-portable bench-wheel clean distclean
 .DEFAULT_GOAL := help
 
@@ -41,10 +41,24 @@ browser:  ## headless chromium for the tree screenshots in tests/test_tree_html.
 
 venv: .venv/.deps  ## the .venv with the build, test and lint tools and the model extra
 
-build: sysdeps venv  ## incremental release build into the venv (llama.cpp cached in CARGO_TARGET_DIR)
+# llama-cpp-sys-2 rebuilds llama.cpp when its sources change, not when lloyal's additions to its
+# build do (llama-build/, .cargo/config.toml's [env]): a stamp of those in CARGO_TARGET_DIR
+# makes the next build recompile llama.cpp (~6 min) when they differ.
+LLAMA_SETTINGS_STAMP := $(CARGO_TARGET_DIR)/lloyal-llama-settings
+llama-settings:
+	@want=$$(cat llama-build/* .cargo/config.toml | sha256sum | cut -c1-16); \
+	if [ "$$(cat $(LLAMA_SETTINGS_STAMP) 2>/dev/null)" != "$$want" ]; then \
+		if ls -d $(CARGO_TARGET_DIR)/release/build/llama-cpp-sys-2-* >/dev/null 2>&1; then \
+			echo "llama.cpp's build settings changed: llama.cpp is rebuilt (~6 min)"; \
+			cargo clean --release -q -p llama-cpp-sys-2; \
+		fi; \
+		mkdir -p $(CARGO_TARGET_DIR) && echo "$$want" > $(LLAMA_SETTINGS_STAMP); \
+	fi
+
+build: sysdeps venv llama-settings  ## incremental release build into the venv (llama.cpp cached in CARGO_TARGET_DIR)
 	.venv/bin/maturin develop --release -q
 
-test-rust: sysdeps  ## cargo tests of the pure-Rust core
+test-rust: sysdeps llama-settings  ## cargo tests of the pure-Rust core
 	cargo test --release -p lloyal-core
 
 test-py: build browser test-docs  ## pytest: benches once at small sizes, then tests/
@@ -118,8 +132,10 @@ bench-peers-cpp: sysdeps venv  ## llama-server + llama-batched-bench from llama-
 	[ -f $(PEERS)/llama_cpp_python-$(LLAMA_CPP_PYTHON).tar.gz ] || $(PY) -m pip download -q --no-deps \
 		--no-binary llama-cpp-python "llama-cpp-python==$(LLAMA_CPP_PYTHON)" -d $(PEERS)
 	[ -d $(PEERS)/llama_cpp_python-$(LLAMA_CPP_PYTHON) ] || tar -xzf $(PEERS)/llama_cpp_python-$(LLAMA_CPP_PYTHON).tar.gz -C $(PEERS)
+	# lloyal's build additions too (llama-build/: without them GCC's llama.cpp dies of SIGILL on AMX hosts)
 	cmake -S $(PEERS)/llama_cpp_python-$(LLAMA_CPP_PYTHON)/vendor/llama.cpp -B $(PEERS)/build \
-		-DCMAKE_BUILD_TYPE=Release -DGGML_NATIVE=ON -DLLAMA_CURL=OFF -DLLAMA_BUILD_SERVER=ON
+		-DCMAKE_BUILD_TYPE=Release -DGGML_NATIVE=ON -DLLAMA_CURL=OFF -DLLAMA_BUILD_SERVER=ON \
+		-DCMAKE_PROJECT_INCLUDE=$(CURDIR)/llama-build/project_include.cmake
 	cmake --build $(PEERS)/build --config Release -j $$(nproc) --target llama-server llama-batched-bench
 	@echo "built $(PEERS)/build/bin/llama-server (benches/bench_server.py finds it there, or set LLAMA_SERVER)"
 

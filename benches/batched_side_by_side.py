@@ -9,7 +9,9 @@ What is measured (decode only, no sampling, as ``llama-batched-bench -pps`` does
 ``--tg`` tokens in lockstep, one ``llama_decode`` of ``B`` rows per step (S_TG, aggregate
 tokens/s). lloyal does the same with ``Branch.prefill``, ``fork`` and ``BranchStore.commit``,
 in its default mode (llama.cpp's fastest kernels, repacked weights) and with
-``batch_invariant=True`` (per-row kernels).
+``batch_invariant=True`` (per-row kernels). lloyal's sampled row adds what a user runs: the same
+``B`` streams sampling their tokens (temperature 0.8, top-k 40, top-p 0.95) with ``produce`` /
+``produce_all`` before each commit, against the peer's decode-only step.
 
 Every measurement runs in its own process with a clean environment (no ``GGML_*`` variables:
 lloyal's process-wide ``GGML_CPU_TILED_MM=0`` never reaches the peer), each after its own
@@ -71,26 +73,33 @@ def lloyal_worker(
         return t_pp, t_tg
 
     def sampled() -> float:
-        """One stream as a user runs it: ``produce`` (temperature 0.8, top-k 40, top-p 0.95,
-        seeded) then ``commit``, per token; the end of generation banned so every step decodes."""
+        """``batch`` streams as a user runs them: ``produce`` (temperature 0.8, top-k 40, top-p
+        0.95, one seed per stream) then ``commit``, per token, the streams forked from one
+        prompt and stepped in lockstep (best-of-B: ``produce_all`` + one ``commit``); the end of
+        generation banned so every step decodes."""
         params = lloyal.SamplingParams(temperature=0.8, top_k=40, top_p=0.95, seed=7)
         root = lloyal.Branch.create(ctx, 0, params)
         stops = {t for t in range(300) if ctx.is_stop_token(t)} | {ctx.eog_token}
         root.set_logit_bias({t: float("-inf") for t in stops})
         root.prefill(prompt)
+        streams = [root] + [root.fork() for _ in range(batch - 1)]
+        for i, b in enumerate(streams[1:]):
+            b.reseed_sampler(8 + i)
         t0 = time.perf_counter()
         for _ in range(tg):
-            root.commit(root.produce().token)
+            if batch == 1:
+                root.commit(root.produce().token)
+            else:
+                store.commit(list(zip(streams, [p.token for p in store.produce_all(streams)], strict=True)))
         t = time.perf_counter() - t0
-        root.prune()
+        root.prune_subtree()
         return t
 
     once()  # warm-up, as llama-batched-bench does
     t_pp, t_tg = once()
     out = {"s_pp": pp / t_pp, "s_tg": batch * tg / t_tg}
-    if batch == 1:
-        sampled()
-        out["s_tg_sampled"] = tg / sampled()
+    sampled()
+    out["s_tg_sampled"] = batch * tg / sampled()
     return out
 
 
@@ -223,19 +232,16 @@ def main() -> None:
                 cells.append(f"{statistics.median(mine):.1f}")
                 cells.append(f"{statistics.median(ratios):.2f} ({min(ratios):.2f}–{max(ratios):.2f})")
             print(f"| {label} | " + " | ".join(cells) + " |")
-        if b == 1:  # issue 18 target 1: lloyal's sampled single stream against the peer's decode only
-            peer = [x["s_tg"] for x in got[("llama.cpp", b)]]
-            cells = [f"{statistics.median(peer):.1f} (decode only)"]
-            for k in modes:
-                mine = [x["s_tg_sampled"] for x in got[(k, b)]]
-                ratios = [m / p for m, p in zip(mine, peer, strict=True)]
-                cells.append(f"{statistics.median(mine):.1f}")
-                cells.append(f"{statistics.median(ratios):.2f} ({min(ratios):.2f}–{max(ratios):.2f})")
-            print(
-                "| single stream, produce + commit, temp 0.8 top-k 40 top-p 0.95 | "
-                + " | ".join(cells)
-                + " |"
-            )
+        # lloyal sampling its tokens (issue 18 target 1, issue 29) against the peer's decode only
+        peer = [x["s_tg"] for x in got[("llama.cpp", b)]]
+        cells = [f"{statistics.median(peer):.1f} (decode only)"]
+        for k in modes:
+            mine = [x["s_tg_sampled"] for x in got[(k, b)]]
+            ratios = [m / p for m, p in zip(mine, peer, strict=True)]
+            cells.append(f"{statistics.median(mine):.1f}")
+            cells.append(f"{statistics.median(ratios):.2f} ({min(ratios):.2f}–{max(ratios):.2f})")
+        what = "single stream, produce + commit" if b == 1 else f"best-of-{b}, produce_all + commit"
+        print(f"| {what}, temp 0.8 top-k 40 top-p 0.95 | " + " | ".join(cells) + " |")
 
 
 if __name__ == "__main__":

@@ -7,6 +7,7 @@ mod branch;
 mod chat;
 mod context;
 mod convert;
+mod cpu;
 mod detach;
 mod embeddings;
 mod engine;
@@ -29,6 +30,7 @@ fn _lloyal(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add("__version__", env!("CARGO_PKG_VERSION"))?;
     // Portable builds pick their CPU backend at run time (feature `portable`, the wheels).
     m.add("PORTABLE", cfg!(feature = "portable"))?;
+    m.add("BUILD_CPU", cpu::build_cpu())?;
     m.add_class::<model::PyModel>()?;
     m.add_class::<context::PyContext>()?;
     m.add_class::<metrics::PyPerplexityTracker>()?;

@@ -17,7 +17,7 @@ import os
 from typing import Any
 
 # isort: off
-from lloyal import _native  # noqa: F401  (first: a portable wheel's shared llama.cpp, for the extension)
+from lloyal import _native  # noqa: F401  (first: the CPU check, a portable wheel's shared llama.cpp)
 
 # isort: on
 from lloyal import strategies
@@ -54,6 +54,7 @@ from lloyal.errors import (
     SeqLeasedError,
     StateError,
     TopologyError,
+    UnsupportedCpuError,
 )
 from lloyal.grammar import json_schema_to_grammar
 from lloyal.sampling import Dry, Mirostat, SamplingParams, Xtc
@@ -94,6 +95,7 @@ __all__ = [
     "TokenIterator",
     "ToolCall",
     "TopologyError",
+    "UnsupportedCpuError",
     "Xtc",
     "__version__",
     "create_context",

@@ -13,7 +13,11 @@ from lloyal.sampling import SamplingParams
 
 __version__: str
 PORTABLE: bool
+BUILD_CPU: str
+"""What this build's code was compiled for: ``<arch>;<native|portable|target-cpu>;<used>;<checked>``
+(comma-separated ``/proc/cpuinfo`` feature names; ``lloyal._cpu`` reads it from the file)."""
 __all__ = [
+    "BUILD_CPU",
     "PORTABLE",
     "Branch",
     "BranchStore",

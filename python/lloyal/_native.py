@@ -1,4 +1,6 @@
-"""Load the shared libraries a portable wheel ships in ``lloyal/_native/`` before the extension.
+"""What runs before the extension loads: the CPU check (:mod:`lloyal._cpu`: a build for another
+CPU raises ``UnsupportedCpuError`` instead of dying of ``SIGILL``), then the shared libraries a
+portable wheel ships in ``lloyal/_native/``.
 
 A portable wheel (Cargo feature ``portable``) links llama.cpp as shared libraries and carries one
 CPU backend module per x86-64 level (``libggml-cpu-haswell.so`` ...). Loading the libraries here by
@@ -12,6 +14,8 @@ from __future__ import annotations
 import ctypes
 import os
 from pathlib import Path
+
+from lloyal import _cpu
 
 NATIVE_DIR = Path(__file__).with_name("_native")
 
@@ -33,4 +37,5 @@ def preload() -> None:
     os.environ.setdefault("LLOYAL_BACKENDS_DIR", str(NATIVE_DIR))
 
 
+_cpu.check()
 preload()

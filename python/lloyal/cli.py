@@ -308,6 +308,7 @@ def info(model: str | None, jsonl: bool) -> int:
         "n_params": m.n_params,
         "size_bytes": m.size,
         "chat_template": template is not None,
+        **_cpu_facts(),
     }
     if jsonl:
         _emit(facts)
@@ -318,11 +319,31 @@ def info(model: str | None, jsonl: bool) -> int:
         "n_params": f"{m.n_params / 1e6:.0f} M parameters",
         "size_bytes": f"{m.size / 2**20:.1f} MiB",
         "chat_template": "in the GGUF" if template else "none in the GGUF: format_chat uses a built-in one",
+        "build_cpu": "features this build's code uses (-march=native for a native build)",
+        "host_cpu": "the same features as this host's kernel reports them (/proc/cpuinfo)",
+        "cpu_backend": "llama.cpp's CPU backend as it runs here",
     }
     for k, v in facts.items():
         note = f"  ({notes[k]})" if k in notes else ""
         print(f"{k:14} {v}{note}")
     return 0
+
+
+def _cpu_facts() -> dict[str, Any]:
+    """The build's CPU features next to the host's, and the CPU backend llama.cpp runs."""
+    from lloyal import _cpu
+
+    build = _cpu.build_cpu()
+    host = _cpu.host_features()
+    checked = build.checked or build.features
+    cpu_backend = next((g.strip() for g in lloyal.system_info().split("CPU :")[1:2]), "")
+    return {
+        "build": f"{build.kind} {build.arch}",
+        "build_cpu": " ".join(build.features) or "baseline",
+        "host_cpu": "unknown" if host is None else " ".join(f for f in checked if f in host) or "baseline",
+        "cpu_missing": " ".join(_cpu.missing(build, host)) or "none",
+        "cpu_backend": cpu_backend,
+    }
 
 
 def serve(args: argparse.Namespace) -> int:

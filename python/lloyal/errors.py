@@ -28,6 +28,7 @@ __all__ = [
     "SeqLeasedError",
     "StateError",
     "TopologyError",
+    "UnsupportedCpuError",
 ]
 
 
@@ -81,3 +82,8 @@ class StateError(LloyalError):
 
 class ChatTemplateError(LloyalError):
     """A chat template could not be rendered."""
+
+
+class UnsupportedCpuError(LloyalError, ImportError):
+    """This build of lloyal uses a CPU feature (AVX-512, AMX...) the host lacks or its OS has not
+    enabled: raised by ``import lloyal`` instead of dying of ``SIGILL`` (``lloyal._cpu``)."""

@@ -3,6 +3,8 @@
 use multiversion::multiversion;
 
 use crate::error::{LloyalError, Result};
+pub use crate::scan::RowStats;
+use crate::scan::{row_stats, scan_row};
 
 /// Logarithm base for information measures.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -30,11 +32,10 @@ impl Base {
     }
 }
 
-// The row kernels below (`#[multiversion]`) are compiled for AVX-512, for AVX2 + FMA and for
-// the build's baseline, and the best version the CPU runs is picked at the first call: a portable
-// wheel's Rust is otherwise baseline x86-64 (SSE2), where copying a decoded row with its
-// log-sum-exp cost 2.5x as much. Their lane layout is explicit and Rust never fuses a multiply
-// and an add, so every version returns the same bits.
+// A decoded row's maximum and log-sum-exps come from `crate::scan` (one pass, explicit SIMD).
+// The kernels below serve the rarer questions (argmax of a plain slice, entropy): compiled for
+// AVX-512, for AVX2 + FMA and for the build's baseline (`#[multiversion]`), the best version the
+// CPU runs picked at the first call.
 
 /// Accumulator width: 32 f32 lanes = four independent AVX2 vectors, so the adds of one
 /// iteration do not wait on the previous one (8 lanes ran ~4x slower, latency-bound).
@@ -87,48 +88,6 @@ pub(crate) fn max_f32_lanes<const L: usize>(xs: &[f32]) -> f32 {
     acc.iter().copied().fold(tail, f32::max)
 }
 
-/// `sum exp(s*x - m)` over `xs`: f32 lanes per block, blocks summed in f64.
-#[multiversion(targets("x86_64+avx512f+avx512bw+avx512dq+avx512vl", "x86_64+avx2+fma"))]
-fn exp_sum(xs: &[f32], s: f32, m: f32) -> f64 {
-    let mut total = 0f64;
-    for block in xs.chunks(BLOCK) {
-        let mut acc = [0f32; LANES];
-        let mut chunks = block.chunks_exact(LANES);
-        for c in &mut chunks {
-            for k in 0..LANES {
-                acc[k] += exp_f32(c[k] * s - m);
-            }
-        }
-        let tail: f32 = chunks.remainder().iter().map(|&x| exp_f32(x * s - m)).sum();
-        total += f64::from(tail) + acc.iter().map(|&v| f64::from(v)).sum::<f64>();
-    }
-    total
-}
-
-/// `(sum exp(x - m1), sum exp(s*x - m2))` in one pass over `xs`.
-#[multiversion(targets("x86_64+avx512f+avx512bw+avx512dq+avx512vl", "x86_64+avx2+fma"))]
-fn exp_sum_pair(xs: &[f32], s: f32, m1: f32, m2: f32) -> (f64, f64) {
-    let (mut t1, mut t2) = (0f64, 0f64);
-    for block in xs.chunks(BLOCK) {
-        let mut a1 = [0f32; LANES];
-        let mut a2 = [0f32; LANES];
-        let mut chunks = block.chunks_exact(LANES);
-        for c in &mut chunks {
-            for k in 0..LANES {
-                a1[k] += exp_f32(c[k] - m1);
-                a2[k] += exp_f32(c[k] * s - m2);
-            }
-        }
-        for &x in chunks.remainder() {
-            a1[0] += exp_f32(x - m1);
-            a2[0] += exp_f32(x * s - m2);
-        }
-        t1 += a1.iter().map(|&v| f64::from(v)).sum::<f64>();
-        t2 += a2.iter().map(|&v| f64::from(v)).sum::<f64>();
-    }
-    (t1, t2)
-}
-
 /// `(sum exp(x - m), sum exp(x - m) * x)` over `xs` (for entropy).
 #[multiversion(targets("x86_64+avx512f+avx512bw+avx512dq+avx512vl", "x86_64+avx2+fma"))]
 fn exp_sums_weighted(xs: &[f32], m: f32) -> (f64, f64) {
@@ -155,115 +114,46 @@ fn exp_sums_weighted(xs: &[f32], m: f32) -> (f64, f64) {
     (total, weighted)
 }
 
-/// log(sum(exp(logits))) computed stably; `-inf` when every logit is `-inf`.
+/// log(sum(exp(logits))) computed stably; `-inf` when every logit is `-inf`. The same kernel
+/// and bits as a snapshot's [`RowStats::lse`] ([`crate::scan`]).
 pub fn log_sum_exp(logits: &[f32]) -> f64 {
-    lse_given_max(logits, max_f32(logits))
+    row_stats(logits).lse
 }
 
-fn scaled_max(max: f32, s: f32, replace: &[(usize, f32)]) -> f32 {
-    replace.iter().fold(max * s, |m, &(_, v)| m.max(v * s))
-}
-
-fn apply_replacements(sum: f64, logits: &[f32], s: f32, m: f32, replace: &[(usize, f32)]) -> f64 {
-    let mut sum = sum;
+/// `log(sum(exp(s * x')))` where `x'` is `logits` with `replace` entries `(index, value)`
+/// substituted (penalties, biases), from `lse`, the log-sum-exp of `s * logits` without them:
+/// O(replacements), no pass over the row. `s` must be positive.
+pub fn replaced_lse(lse: f64, logits: &[f32], s: f32, replace: &[(usize, f32)]) -> f64 {
+    if replace.is_empty() || lse == f64::INFINITY {
+        return lse;
+    }
+    let s = f64::from(s);
+    // A reference at least every replaced value: the sum stays <= n and never overflows.
+    let m = replace.iter().fold(lse, |m, &(_, v)| m.max(f64::from(v) * s));
+    if !m.is_finite() {
+        return m;
+    }
+    let mut sum = (lse - m).exp();
     for &(i, v) in replace {
         if let Some(&old) = logits.get(i) {
-            sum += f64::from(exp_f32(v * s - m)) - f64::from(exp_f32(old * s - m));
+            sum += (f64::from(v) * s - m).exp() - (f64::from(old) * s - m).exp();
         }
     }
-    sum
+    m + sum.max(f64::MIN_POSITIVE).ln()
 }
 
 /// log(sum(exp(s * x'))) where `x'` is `logits` with `replace` entries `(index, value)`
 /// substituted (penalties, biases), without copying the logits. `s` must be positive.
 pub fn log_sum_exp_scaled(logits: &[f32], s: f32, replace: &[(usize, f32)]) -> f64 {
-    let max = scaled_max(max_f32(logits), s, replace);
-    if !max.is_finite() {
-        return f64::from(max);
-    }
-    let sum = apply_replacements(exp_sum(logits, s, max), logits, s, max, replace);
-    f64::from(max) + sum.max(f64::MIN_POSITIVE).ln()
+    log_sum_exp_both(logits, s, replace).1
 }
 
-/// `(log_sum_exp(logits), log_sum_exp_scaled(logits, s, replace))` with one pass for the
-/// maximum and one for the exponentials (the per-token cost of model + sampling perplexity).
+/// `(log_sum_exp(logits), log_sum_exp_scaled(logits, s, replace))` from one pass (the per-token
+/// normalisers of model and sampling perplexity when no snapshot summary has them).
 pub fn log_sum_exp_both(logits: &[f32], s: f32, replace: &[(usize, f32)]) -> (f64, f64) {
-    let raw_max = max_f32(logits);
-    let max = scaled_max(raw_max, s, replace);
-    if !raw_max.is_finite() || !max.is_finite() {
-        return (log_sum_exp(logits), log_sum_exp_scaled(logits, s, replace));
-    }
-    let (plain, scaled) = if s == 1.0 {
-        // Unscaled, the two distributions differ only at the replaced entries: one pass of
-        // exponentials serves both sums, the second rebased from the raw maximum to `max`.
-        let plain = exp_sum(logits, 1.0, raw_max);
-        (plain, plain * (f64::from(raw_max) - f64::from(max)).exp())
-    } else {
-        exp_sum_pair(logits, s, raw_max, max)
-    };
-    let scaled = apply_replacements(scaled, logits, s, max, replace);
-    (
-        f64::from(raw_max) + plain.max(f64::MIN_POSITIVE).ln(),
-        f64::from(max) + scaled.max(f64::MIN_POSITIVE).ln(),
-    )
-}
-
-/// What one pass over a logits row learns besides copying it: the maximum, the first position
-/// holding it (as [`crate::sampler::argmax`]) and `log(sum(exp))` (as [`log_sum_exp`], bit for
-/// bit: both are `lse_given_max`). A decode's row is summarised as it is copied into a branch's
-/// snapshot, so greedy sampling and the perplexity of the committed token cost O(1) instead of
-/// four passes over the vocabulary (262,144 floats at Gemma 3).
-#[derive(Debug, Clone, Copy, PartialEq)]
-pub struct RowStats {
-    pub max: f32,
-    pub argmax: i32,
-    pub lse: f64,
-}
-
-impl RowStats {
-    /// The stats of `values` (what [`copy_row`] gives for the same values).
-    pub fn of(values: &[f32]) -> RowStats {
-        let blocks: Vec<f32> = values.chunks(BLOCK).map(max_f32).collect();
-        let (max, argmax) = first_max(values, &blocks);
-        RowStats { max, argmax, lse: lse_given_max(values, max) }
-    }
-}
-
-/// Copy `src` into `dst` (replacing its contents) and return `src`'s [`RowStats`]: the copy
-/// and the maximum in one pass (each block scanned while it is still in L1), then one pass of
-/// exponentials.
-pub fn copy_row(src: &[f32], dst: &mut Vec<f32>) -> RowStats {
-    dst.clear();
-    dst.reserve(src.len());
-    let mut blocks = Vec::with_capacity(src.len().div_ceil(BLOCK));
-    for block in src.chunks(BLOCK) {
-        let start = dst.len();
-        dst.extend_from_slice(block);
-        blocks.push(max_f32(&dst[start..]));
-    }
-    let (max, argmax) = first_max(dst, &blocks);
-    RowStats { max, argmax, lse: lse_given_max(dst, max) }
-}
-
-/// The maximum of `row` from its `BLOCK`-wide block maxima `blocks`, and its first position
-/// (0 when every value is `-inf`).
-fn first_max(row: &[f32], blocks: &[f32]) -> (f32, i32) {
-    let max = blocks.iter().copied().fold(f32::NEG_INFINITY, f32::max);
-    match blocks.iter().position(|&m| m == max && max > f32::NEG_INFINITY) {
-        Some(b) => {
-            let block = &row[b * BLOCK..((b + 1) * BLOCK).min(row.len())];
-            (max, (b * BLOCK + block.iter().position(|&v| v == max).unwrap_or(0)) as i32)
-        }
-        None => (max, 0),
-    }
-}
-
-/// [`log_sum_exp`] of `values` whose maximum is `max`.
-fn lse_given_max(values: &[f32], max: f32) -> f64 {
-    if !max.is_finite() {
-        return f64::from(max);
-    }
-    f64::from(max) + exp_sum(values, 1.0, max).max(f64::MIN_POSITIVE).ln()
+    let stats = scan_row(logits, None, &mut Vec::new(), Some(s));
+    let scaled = if s == 1.0 { stats.lse } else { stats.scaled_lse(s).unwrap_or(f64::NAN) };
+    (stats.lse, replaced_lse(scaled, logits, s, replace))
 }
 
 /// Shannon entropy of softmax(logits).

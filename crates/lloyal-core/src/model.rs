@@ -91,13 +91,17 @@ impl Model {
         let text = path.to_str().ok_or_else(|| fail("the path is not valid UTF-8".into()))?;
         let cpath = CString::new(text).map_err(|_| fail("the path contains a NUL byte".into()))?;
         backend();
-        let mut params = crate::raw::default_model_params();
-        params.n_gpu_layers = i32::try_from(options.n_gpu_layers).unwrap_or(i32::MAX);
-        params.load_mode =
-            if options.use_mmap { sys::LLAMA_LOAD_MODE_MMAP } else { sys::LLAMA_LOAD_MODE_NONE };
-        params.use_extra_bufts = options.repack;
         clear_recent_errors();
-        let llama = load_model(&cpath, params).ok_or_else(|| {
+        // On a thread of its own: the OpenMP pool of a parallel repack ends with it (see `omp`).
+        let load = || {
+            let mut params = crate::raw::default_model_params();
+            params.n_gpu_layers = i32::try_from(options.n_gpu_layers).unwrap_or(i32::MAX);
+            params.load_mode =
+                if options.use_mmap { sys::LLAMA_LOAD_MODE_MMAP } else { sys::LLAMA_LOAD_MODE_NONE };
+            params.use_extra_bufts = options.repack;
+            load_model(&cpath, params)
+        };
+        let llama = crate::omp::on_own_thread(load).ok_or_else(|| {
             let detail = recent_errors();
             fail(if detail.is_empty() { "llama.cpp could not load it".into() } else { detail })
         })?;

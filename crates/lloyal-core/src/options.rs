@@ -173,7 +173,7 @@ impl ContextOptions {
         // n_seq_max but only n_batch output rows, and aborts on the shape mismatch.
         // (An unset pooling is checked once the model's own has filled it in.)
         let mean = matches!(self.pooling, Some(Pooling::Mean | Pooling::Rank));
-        if self.embeddings && mean && self.n_batch % self.n_seq_max != 0 {
+        if self.embeddings && mean && !self.n_batch.is_multiple_of(self.n_seq_max) {
             return Err(LloyalError::invalid(format!(
                 "with embeddings=True and pooling={:?}, n_batch must be a multiple of n_seq_max \
                  (got n_batch={}, n_seq_max={}); try n_batch={}",

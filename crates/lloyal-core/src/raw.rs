@@ -195,6 +195,24 @@ impl RawContext {
         (!ptr.is_null()).then(|| unsafe { std::slice::from_raw_parts(ptr, self.n_vocab) })
     }
 
+    /// The logits of batch rows `rows` of the last decode, in order; `None` when one of them
+    /// asked for none.
+    pub fn logits_rows(&mut self, rows: &[i32]) -> Option<Vec<&[f32]>> {
+        let mut ptrs = Vec::with_capacity(rows.len());
+        for &row in rows {
+            // SAFETY: valid context; llama.cpp returns null (not abort) for a row without logits.
+            let ptr = unsafe { sys::llama_get_logits_ith(self.ptr.as_ptr(), row) };
+            ptrs.push((!ptr.is_null()).then_some(ptr)?);
+        }
+        // SAFETY: llama.cpp guarantees n_vocab floats at each non-null logits row, valid until
+        // the next decode (which needs `&mut self`, so the borrows end first).
+        Some(
+            ptrs.into_iter()
+                .map(|p| unsafe { std::slice::from_raw_parts(p.cast_const(), self.n_vocab) })
+                .collect(),
+        )
+    }
+
     /// The pooled embedding of `seq_id` from the last decode (`dim` floats); `None` when the
     /// sequence was not in it.
     pub fn embeddings_seq(&mut self, seq_id: i32, dim: usize) -> Option<&[f32]> {
@@ -320,7 +338,10 @@ mod tests {
     use std::path::Path;
 
     /// The files allowed to hold `unsafe`: the FFI wrappers.
-    const FFI_WRAPPERS: [&str; 4] = ["raw.rs", "sampler.rs", "grammar/gbnf.rs", "backend.rs"];
+    // FFI wrappers (omp.rs: libgomp's GOMP_parallel), and scan/x86.rs: the SIMD kernels' loads
+    // and stores (intrinsics take raw pointers).
+    const FFI_WRAPPERS: [&str; 6] =
+        ["raw.rs", "sampler.rs", "grammar/gbnf.rs", "backend.rs", "omp.rs", "scan/x86.rs"];
 
     fn rust_files(dir: &Path, out: &mut Vec<std::path::PathBuf>) {
         for entry in std::fs::read_dir(dir).unwrap() {

@@ -10,6 +10,7 @@ use crate::error::{LloyalError, Result};
 use crate::metrics::{max_f32, max_f32_lanes};
 use crate::model::Model;
 use crate::sampling::{adjusted_replacements, SamplingParams};
+use crate::scan::SPAN;
 
 /// llama.cpp's LLAMA_DEFAULT_SEED: draw a random seed.
 const RANDOM_SEED: u32 = 0xFFFF_FFFF;
@@ -332,15 +333,17 @@ impl Sampler {
     /// are selected here in one O(n) pass and only they reach llama.cpp's chain, instead of
     /// a 262k-entry candidate array that llama.cpp would partially sort.
     pub fn sample(&mut self, logits: &[f32], extra_bias: &[(i32, f32)]) -> i32 {
-        self.sample_with_argmax(logits, extra_bias, || argmax(logits))
+        self.sample_with(logits, &[], extra_bias, || argmax(logits))
     }
 
-    /// [`Self::sample`] where the caller may know `argmax(logits)` already (a snapshot's
-    /// [`crate::metrics::RowStats`]): `argmax` is asked only for a greedy draw that nothing
-    /// replaces (no penalties or biases).
-    pub fn sample_with_argmax(
+    /// [`Self::sample`] with what a snapshot's summary knows already
+    /// ([`crate::scan::scan_row`]): `maxima`, the maximum of each `scan::SPAN` logits (empty:
+    /// not known), and `argmax`, asked only for a greedy draw that nothing replaces (no
+    /// penalties or biases).
+    pub fn sample_with(
         &mut self,
         logits: &[f32],
+        maxima: &[f32],
         extra_bias: &[(i32, f32)],
         argmax: impl FnOnce() -> i32,
     ) -> i32 {
@@ -351,7 +354,7 @@ impl Sampler {
         }
         self.candidates.clear();
         if p.top_k > 0 && p.dry.is_none() && p.mirostat.is_none() {
-            let top = top_candidates(logits, &repl, p.top_k as usize);
+            let top = top_candidates_in(logits, maxima, &repl, p.top_k as usize);
             self.candidates.extend(top.into_iter().map(|(id, logit)| sys::llama_token_data {
                 id,
                 logit,
@@ -439,24 +442,37 @@ impl Ord for Cand {
 /// best first. Exact: the true top-k is contained in the top-(k + |replace|) of the
 /// unreplaced values plus the replaced entries. NaN values are never selected.
 ///
-/// On a large vocabulary a SIMD pass first takes the maximum of every 64-value block; the
-/// `cap`-th largest block maximum is a lower bound of the `cap`-th largest value (those `cap`
-/// blocks each hold a value at least that big), so only blocks reaching it are scanned with
-/// the bounded heap. For k = 40 over 262,144 logits that visits a few thousand values.
+/// On a large vocabulary the maximum of every [`SPAN`] values is taken first; the `cap`-th
+/// largest of them is a lower bound of the `cap`-th largest value (those `cap` spans each hold a
+/// value at least that big), so only spans reaching it are scanned with the bounded heap. For
+/// k = 40 over 262,144 logits that visits a few thousand values.
 pub fn top_candidates(logits: &[f32], replace: &[(usize, f32)], k: usize) -> Vec<(i32, f32)> {
+    top_candidates_in(logits, &[], replace, k)
+}
+
+/// [`top_candidates`] with the span maxima of `logits` given (a snapshot's summary: no pass
+/// over the row to find them); empty `maxima` are computed when the row is large.
+pub fn top_candidates_in(
+    logits: &[f32],
+    maxima: &[f32],
+    replace: &[(usize, f32)],
+    k: usize,
+) -> Vec<(i32, f32)> {
     let cap = (k + replace.len()).min(logits.len()).max(1);
     let mut heap = TopHeap::new(cap);
-    if logits.len() >= cap * TOP_BLOCK * 4 {
-        let maxes: Vec<f32> = logits.chunks(TOP_BLOCK).map(max_f32_lanes::<16>).collect();
-        let bound = {
-            let mut order = maxes.clone(); // the selection reorders; the scan needs block order
-            let (_, nth, _) = order.select_nth_unstable_by(cap - 1, |a, b| b.total_cmp(a));
-            *nth
+    if logits.len() >= cap * SPAN * 4 {
+        let owned: Vec<f32>;
+        let maxima = if maxima.len() == logits.len().div_ceil(SPAN) {
+            maxima
+        } else {
+            owned = logits.chunks(SPAN).map(max_f32_lanes::<16>).collect();
+            &owned
         };
-        for (b, (block, &block_max)) in logits.chunks(TOP_BLOCK).zip(&maxes).enumerate() {
-            if block_max >= bound {
-                let base = b * TOP_BLOCK;
-                for (j, &x) in block.iter().enumerate() {
+        let bound = nth_largest(maxima, cap);
+        for (b, (span, &span_max)) in logits.chunks(SPAN).zip(maxima).enumerate() {
+            if span_max >= bound {
+                let base = b * SPAN;
+                for (j, &x) in span.iter().enumerate() {
                     if x >= bound {
                         heap.offer(Cand(x, (base + j) as i32));
                     }
@@ -478,8 +494,21 @@ pub fn top_candidates(logits: &[f32], replace: &[(usize, f32)], k: usize) -> Vec
     out.into_iter().map(|c| (c.1, c.0)).collect()
 }
 
-/// Block size of [`top_candidates`]' prefilter.
-const TOP_BLOCK: usize = 64;
+/// The `n`-th largest of `values` (`1 <= n <= values.len()`), by a bounded min-heap: one
+/// comparison for most values when `n` is small.
+fn nth_largest(values: &[f32], n: usize) -> f32 {
+    let mut heap = std::collections::BinaryHeap::with_capacity(n + 1);
+    for &v in values {
+        let v = std::cmp::Reverse(Cand(v, 0));
+        if heap.len() < n {
+            heap.push(v);
+        } else if heap.peek().is_some_and(|floor| v < *floor) {
+            heap.pop();
+            heap.push(v);
+        }
+    }
+    heap.peek().map_or(f32::NEG_INFINITY, |r| r.0 .0)
+}
 
 /// The `cap` best candidates seen so far (a min-heap on [`Cand`] order).
 struct TopHeap {

@@ -14,7 +14,7 @@ use std::sync::Arc;
 
 use crate::error::{LloyalError, Result};
 use crate::grammar::Grammar;
-use crate::metrics::{log_sum_exp_both, PerplexityTracker};
+use crate::metrics::{log_sum_exp_both, replaced_lse, PerplexityTracker};
 use crate::sampler::{top_candidates, Sampler};
 use crate::sampling::adjusted_replacements;
 
@@ -125,8 +125,9 @@ fn draw(
                 .into(),
         )
     };
-    let unconstrained =
-        |sampler: &mut Sampler| sampler.sample_with_argmax(logits, biases, || logits.stats().argmax);
+    let unconstrained = |sampler: &mut Sampler| {
+        sampler.sample_with(logits, logits.maxima(), biases, || logits.stats().argmax)
+    };
     let Some(grammar) = grammar else {
         return Ok(unconstrained(sampler));
     };
@@ -332,33 +333,45 @@ impl BranchState {
         Ok(())
     }
 
+    /// The scale of the sampling distribution's logits: `1 / temperature` (1 when greedy).
+    pub(crate) fn sampling_scale(&self) -> f32 {
+        let t = self.sampler.params().temperature;
+        if t > 0.0 {
+            1.0 / t
+        } else {
+            1.0
+        }
+    }
+
     /// Surprisals (model, sampling) of `token` under the current snapshot, in nats.
-    /// `None` before any logits exist.
+    /// `None` before any logits exist. O(penalties + biases) when the snapshot's pass summed the
+    /// sampling scale (a decode's row, [`Logits::fill_from`]); one pass over the row otherwise.
     pub(crate) fn surprisals(&self, token: i32) -> Option<(f64, f64)> {
         if self.logits.is_empty() {
             return None;
         }
         let params = self.sampler.params();
         let repl = adjusted_replacements(&self.logits, self.sampler.history(), params, &self.biases());
-        let scale = if params.temperature > 0.0 { 1.0 / params.temperature } else { 1.0 };
+        let scale = self.sampling_scale();
         let t = token as usize;
         let model_logit = *self.logits.get(t)?;
         let sampled_logit = repl.iter().find(|(i, _)| *i == t).map(|r| r.1).unwrap_or(model_logit);
+        let model = self.logits.surprisal(t);
         if repl.is_empty() && scale == 1.0 {
-            // The snapshot's log-sum-exp, computed as the row was copied.
-            let model = self.logits.surprisal(t);
             return Some((model, model));
         }
-        // One pass over the vocabulary for both normalisers.
-        let (lse, lse_sampling) = log_sum_exp_both(&self.logits, scale, &repl);
-        let nats = |lse: f64, logit: f32| {
-            if logit == f32::NEG_INFINITY {
-                f64::INFINITY
-            } else {
-                (lse - f64::from(logit)).max(0.0)
-            }
+        let stats = self.logits.stats();
+        let lse_sampling = match (scale == 1.0, stats.scaled_lse(scale)) {
+            (true, _) => replaced_lse(stats.lse, &self.logits, 1.0, &repl),
+            (false, Some(raw)) => replaced_lse(raw, &self.logits, scale, &repl),
+            (false, None) => log_sum_exp_both(&self.logits, scale, &repl).1,
         };
-        Some((nats(lse, model_logit), nats(lse_sampling, sampled_logit * scale)))
+        let sampling = if sampled_logit == f32::NEG_INFINITY {
+            f64::INFINITY
+        } else {
+            (lse_sampling - f64::from(sampled_logit) * f64::from(scale)).max(0.0)
+        };
+        Some((model, sampling))
     }
 
     /// Record an accepted token: metrics (from precomputed surprisals) and sampler history.

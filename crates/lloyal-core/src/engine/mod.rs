@@ -301,6 +301,8 @@ fn set_idle(shared: &Shared) {
 }
 
 fn engine_loop(ctx: Weak<Context>, shared: Arc<Shared>) {
+    // The decodes run here: this thread's OpenMP pool also takes the rows' host work.
+    crate::omp::mark_engine_thread();
     let mut sched = Scheduler::default();
     loop {
         let (ops, max_prefill): (Vec<Op>, Option<usize>) = {

@@ -853,10 +853,13 @@ fn execute(s: &mut ContextState, rows: &[Row], split: Option<usize>, secs: &mut 
         let ran = s.run_batch();
         *secs += t0.elapsed().as_secs_f64();
         let result = ran.and_then(|()| {
-            for (i, r) in chunk.iter().enumerate().filter(|(_, r)| r.logits) {
-                s.fill_next_logits(i as i32, r.handle)?;
-            }
-            Ok(())
+            let rows: Vec<(i32, Handle)> = chunk
+                .iter()
+                .enumerate()
+                .filter(|(_, r)| r.logits)
+                .map(|(i, r)| (i as i32, r.handle))
+                .collect();
+            s.fill_next_logits_rows(&rows)
         });
         if let Err(e) = result {
             return (Err(e), decodes);

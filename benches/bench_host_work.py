@@ -1,0 +1,91 @@
+"""Host work per sampled row: what a tick costs outside ``llama_decode``, per row it decodes.
+
+``B`` branches forked from one prompt each iterate ``Branch.generate`` in a thread of their own
+(temperature 0.8, top-k 40, top-p 0.95, a logit bias). The engine's own counters
+(``Context.engine_stats()``) split each tick: ``tick_seconds - decode_seconds`` is the host
+work (sampling, snapshot copies, stop checks, planning, publishing), divided by the rows
+decoded. ``pytest benches`` runs it once at a small size;
+``python benches/bench_host_work.py [STEPS B...]`` prints a table (default 64 steps, B = 1 8 16).
+"""
+
+from __future__ import annotations
+
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import lloyal
+
+SAMPLING = lloyal.SamplingParams(temperature=0.8, top_k=40, top_p=0.95, min_p=0.0)
+BIAS = {13: -2.0, 236764: 1.5}  # a newline pushed down, one more token pulled up
+
+
+def host_round(ctx: lloyal.Context, b: int, steps: int) -> dict[str, float]:
+    """``b`` threads, each generating ``steps`` sampled tokens on its own fork."""
+    root = lloyal.Branch.create(ctx, 0, SAMPLING)
+    root.prefill(ctx.tokenize("The history of the harbour town of Aldermoor begins"))
+    kids = [root.fork() for _ in range(b)]
+    for i, k in enumerate(kids):
+        k.set_sampling(SAMPLING, seed=100 + i, logit_bias=BIAS)
+    made = [0] * b
+
+    def one(i: int) -> None:
+        made[i] = sum(1 for _ in kids[i].generate(steps))
+
+    before = ctx.engine_stats()
+    threads = [threading.Thread(target=one, args=(i,)) for i in range(b)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    time.sleep(0.05)  # the last tick adds its time after waking its callers
+    after = ctx.engine_stats()
+    root.prune_subtree()
+    rows = after.rows - before.rows
+    ticks = after.ticks - before.ticks
+    tick = after.tick_seconds - before.tick_seconds
+    decode = after.decode_seconds - before.decode_seconds
+    return {
+        "made": float(sum(made)),
+        "ticks": float(ticks),
+        "rows_per_tick": rows / ticks,
+        "host_ms_per_tick": 1e3 * (tick - decode) / ticks,
+        "decode_ms_per_tick": 1e3 * decode / ticks,
+        "host_ms_per_row": 1e3 * (tick - decode) / rows,
+        "sample_ms_per_row": 1e3 * (after.sample_seconds - before.sample_seconds) / rows,
+    }
+
+
+def test_host_work_per_row(benchmark: Any, model_path: Path, full: bool) -> None:
+    b, steps = (16, 64) if full else (2, 3)
+    with lloyal.Context(model_path, n_ctx=4096, n_seq_max=b + 1) as ctx:
+        r = benchmark.pedantic(lambda: host_round(ctx, b, steps), rounds=1)
+        assert r["made"] == b * steps and r["host_ms_per_row"] > 0
+        if full:
+            print("\n" + fmt(b, r))
+
+
+def fmt(b: int, r: dict[str, float]) -> str:
+    return (
+        f"| {b} | {r['rows_per_tick']:.1f} | {r['host_ms_per_tick']:.3f} | {r['decode_ms_per_tick']:.1f} "
+        f"| {r['host_ms_per_row']:.3f} | {r['sample_ms_per_row']:.3f} |"
+    )
+
+
+def main() -> None:
+    args = [int(a) for a in sys.argv[1:]]
+    steps, bs = (args[0], args[1:]) if args else (64, [])
+    bs = bs or [1, 8, 16]
+    print(f"{steps} steps, {lloyal.system_info()}")
+    print("| B | rows/tick | host ms/tick | decode ms/tick | host ms/row | of it sampling ms/row |")
+    print("|---|---|---|---|---|---|")
+    with lloyal.Context(lloyal.default_model_path(), n_ctx=4096, n_seq_max=max(bs) + 1) as ctx:
+        host_round(ctx, max(bs), 4)  # warm-up
+        for b in bs:
+            print(fmt(b, host_round(ctx, b, steps)), flush=True)
+
+
+if __name__ == "__main__":
+    main()

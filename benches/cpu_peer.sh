@@ -1,0 +1,30 @@
+#!/usr/bin/env bash
+# llama.cpp's llama-batched-bench built from the llama.cpp lloyal itself compiles (llama-cpp-sys-2's
+# vendored copy), for the host's CPU with lloyal's build additions: the same ggml and flags on both
+# sides of benches/batched_side_by_side.py (`make bench-peer-same-ggml`).
+#
+#   benches/cpu_peer.sh LLAMA_CPP BATCHED_BENCH OUT
+#
+# LLAMA_CPP: ~/.cargo/registry/src/*/llama-cpp-sys-2-<version>/llama.cpp; BATCHED_BENCH: llama.cpp's
+# tools/batched-bench (the crate ships tools without sources; take it from llama-cpp-python's
+# sdist, as `make bench-peers-cpp` unpacks it). Builds OUT/build/bin/llama-batched-bench.
+set -euo pipefail
+src=${1:?usage: benches/cpu_peer.sh LLAMA_CPP BATCHED_BENCH OUT}
+bench=${2:?BATCHED_BENCH}
+out=${3:?OUT}
+root=$(cd "$(dirname "$0")/.." && pwd)
+mkdir -p "$out"
+rm -rf "$out/llama.cpp" && cp -r "$src" "$out/llama.cpp"
+rm -rf "$out/llama.cpp/tools/batched-bench" && cp -r "$bench" "$out/llama.cpp/tools/batched-bench"
+# Only the bench among the tools (the crate's other tool folders have no sources).
+cat > "$out/llama.cpp/tools/CMakeLists.txt" <<'CMAKE'
+find_package(Threads REQUIRED)
+llama_add_compile_flags()
+add_subdirectory(batched-bench)
+CMAKE
+cmake -S "$out/llama.cpp" -B "$out/build" -DCMAKE_BUILD_TYPE=Release -DGGML_NATIVE=ON \
+    -DCMAKE_PROJECT_INCLUDE="$root/llama-build/project_include.cmake" \
+    -DLLAMA_CURL=OFF -DLLAMA_OPENSSL=OFF -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF \
+    -DLLAMA_BUILD_SERVER=OFF -DLLAMA_BUILD_APP=OFF
+cmake --build "$out/build" -j "$(nproc)" --target llama-batched-bench
+echo "built $out/build/bin/llama-batched-bench"

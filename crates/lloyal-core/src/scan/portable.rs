@@ -1,0 +1,76 @@
+//! The block kernels for CPUs without AVX2+FMA (and other architectures): plain Rust over
+//! 16-lane arrays, which the compiler vectorises for the build's baseline.
+
+use super::{Kernels, SPAN};
+
+pub(super) const KERNELS: Kernels = Kernels { maxima, exp_sums };
+
+const LANES: usize = 16;
+
+fn maxima(src: &[f32], dst: Option<&mut [f32]>, maxima: &mut [f32]) -> f32 {
+    if let Some(dst) = dst {
+        dst.copy_from_slice(src);
+    }
+    let mut best = f32::NEG_INFINITY;
+    for (span, m) in src.chunks(SPAN).zip(maxima.iter_mut()) {
+        let mut acc = [f32::NEG_INFINITY; LANES];
+        let mut lanes = span.chunks_exact(LANES);
+        for c in &mut lanes {
+            for k in 0..LANES {
+                // `max` ignores a NaN operand: a NaN logit never wins.
+                acc[k] = acc[k].max(c[k]);
+            }
+        }
+        let tail = lanes.remainder().iter().copied().fold(f32::NEG_INFINITY, f32::max);
+        *m = acc.iter().copied().fold(tail, f32::max);
+        best = best.max(*m);
+    }
+    best
+}
+
+fn exp_sums(src: &[f32], m: f32, scale: Option<f32>, _next: &[f32]) -> (f64, f64) {
+    let mut plain = [0f32; LANES];
+    let mut scaled = [0f32; LANES];
+    let s = scale.unwrap_or(1.0);
+    let sm = s * m;
+    let mut lanes = src.chunks_exact(LANES);
+    for c in &mut lanes {
+        for k in 0..LANES {
+            plain[k] += exp_nonpositive(c[k] - m);
+        }
+        if scale.is_some() {
+            for k in 0..LANES {
+                scaled[k] += exp_nonpositive(c[k] * s - sm);
+            }
+        }
+    }
+    let mut a: f64 = plain.iter().map(|&v| f64::from(v)).sum();
+    let mut b: f64 = if scale.is_some() { scaled.iter().map(|&v| f64::from(v)).sum() } else { 0.0 };
+    for &x in lanes.remainder() {
+        a += f64::from(exp_nonpositive(x - m));
+        if scale.is_some() {
+            b += f64::from(exp_nonpositive(x * s - sm));
+        }
+    }
+    (a, b)
+}
+
+/// `exp(y)` for `y <= 0` (a value minus the row's maximum), branch-free so loops vectorise:
+/// `y = n ln2 + r`, `|r| <= ln2 / 2`, then a degree-6 polynomial for `e^r` (relative error
+/// < 2e-7) scaled by `2^n`. `y` below -87.3 (and NaN) count as -87.3: ~1e-38, nothing next to
+/// the maximum's 1.
+#[inline(always)]
+#[allow(clippy::manual_clamp)]
+pub(super) fn exp_nonpositive(y: f32) -> f32 {
+    const MAGIC: f32 = 12_582_912.0; // 1.5 * 2^23: adding it rounds to an integer
+    let y = y.max(-87.3).min(0.0);
+    let t = y * std::f32::consts::LOG2_E;
+    let rounded = t + MAGIC;
+    let n = rounded - MAGIC;
+    let r = (t - n) * std::f32::consts::LN_2;
+    let p = 1.0
+        + r * (1.0 + r * (0.5 + r * (1.0 / 6.0 + r * (1.0 / 24.0 + r * (1.0 / 120.0 + r * (1.0 / 720.0))))));
+    // `rounded`'s low mantissa bits hold n (two's complement around MAGIC's bit pattern).
+    let n_int = rounded.to_bits().wrapping_sub(MAGIC.to_bits()) as i32;
+    p * f32::from_bits((n_int.wrapping_add(127) as u32) << 23)
+}
