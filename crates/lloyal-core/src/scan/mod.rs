@@ -66,12 +66,20 @@ struct Kernels {
     exp_sums: ExpSumsKernel,
 }
 
+/// The kernels of the best instruction set the CPU has, at most the one `LLOYAL_ROW_KERNELS`
+/// names (`avx2`, `portable`: to run as a host without AVX-512 would; read once).
 fn kernels() -> Kernels {
-    #[cfg(target_arch = "x86_64")]
-    if let Some(k) = x86::kernels() {
-        return k;
-    }
-    portable::KERNELS
+    static CHOSEN: std::sync::OnceLock<Kernels> = std::sync::OnceLock::new();
+    *CHOSEN.get_or_init(|| {
+        let cap = std::env::var("LLOYAL_ROW_KERNELS").unwrap_or_default();
+        #[cfg(target_arch = "x86_64")]
+        if cap != "portable" {
+            if let Some(k) = x86::kernels(cap == "avx2") {
+                return k;
+            }
+        }
+        portable::KERNELS
+    })
 }
 
 /// Scan `src`: copy it into `copy` (replacing its contents) when given, its [`SPAN`] maxima

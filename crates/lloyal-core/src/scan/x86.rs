@@ -10,9 +10,10 @@ use std::arch::x86_64::*;
 
 use super::{Kernels, SPAN};
 
-/// The kernels of the best instruction set this CPU has (None: neither).
-pub(super) fn kernels() -> Option<Kernels> {
-    if is_x86_feature_detected!("avx512f") {
+/// The kernels of the best instruction set this CPU has (None: neither); AVX2 at most when
+/// `avx2_at_most`.
+pub(super) fn kernels(avx2_at_most: bool) -> Option<Kernels> {
+    if !avx2_at_most && is_x86_feature_detected!("avx512f") {
         return Some(Kernels { maxima: maxima_512, exp_sums: exp_sums_512 });
     }
     if is_x86_feature_detected!("avx2") && is_x86_feature_detected!("fma") {
