@@ -119,7 +119,7 @@ fn grammar_arg(
     let gbnf: String = g.extract().map_err(|_| {
         pyo3::exceptions::PyTypeError::new_err("grammar must be GBNF text (str), a Grammar, or None")
     })?;
-    Ok(Some(PyGrammar::parse(py, model, gbnf, "root".into())?))
+    Ok(Some(PyGrammar::parse(py, model, gbnf, "root".into(), Default::default())?))
 }
 
 /// Token ids (range-checked) and biases from a `{token: bias}` dict.

@@ -504,7 +504,7 @@ impl PyContext {
     fn create_grammar(&self, py: Python<'_>, gbnf: String, root: &str) -> PyResult<PyGrammar> {
         self.check_open()?;
         let model = self.inner.model().clone();
-        Ok(PyGrammar::from_core(PyGrammar::parse(py, model, gbnf, root.to_string())?))
+        Ok(PyGrammar::from_core(PyGrammar::parse(py, model, gbnf, root.to_string(), Default::default())?))
     }
 
     /// A new, empty perplexity tracker.

@@ -2,7 +2,7 @@
 
 use std::sync::{Arc, Mutex, MutexGuard};
 
-use lloyal_core::{Grammar, GrammarKind, GrammarSource, Model};
+use lloyal_core::{GbnfEngineChoice, Grammar, GrammarKind, GrammarSource, Model};
 use numpy::PyReadwriteArray1;
 use pyo3::prelude::*;
 use pyo3::types::PyString;
@@ -14,8 +14,10 @@ use crate::model::PyModel;
 
 /// A grammar's parse state: mask logits with ``apply``, advance with ``accept``.
 ///
-/// JSON schema, Lark and regex grammars run on llguidance (the mask is applied before every
-/// sample); GBNF runs on llama.cpp's grammar engine.
+/// Every kind runs on llguidance (the mask is applied before every sample): GBNF is translated
+/// with its meaning kept, and runs on llama.cpp's grammar engine only when asked
+/// (``from_gbnf(..., engine="llama.cpp")``) or when it uses a construct llguidance cannot express
+/// (a ``GrammarEngineWarning`` names it; ``engine`` and ``fallback`` say so afterwards).
 ///
 /// Example:
 ///     >>> g = Grammar.from_json_schema(ctx, {"type": "boolean"})
@@ -31,8 +33,26 @@ pub struct PyGrammar {
 }
 
 impl PyGrammar {
-    pub(crate) fn parse(py: Python<'_>, model: Arc<Model>, gbnf: String, root: String) -> PyResult<Grammar> {
-        detached(py, move || Grammar::new(model, &gbnf, &root))
+    /// GBNF on the engine `engine` picks; a fallback to llama.cpp's engine is warned about
+    /// (`lloyal.GrammarEngineWarning`, naming the construct llguidance cannot express).
+    pub(crate) fn parse(
+        py: Python<'_>,
+        model: Arc<Model>,
+        gbnf: String,
+        root: String,
+        engine: GbnfEngineChoice,
+    ) -> PyResult<Grammar> {
+        let source = GrammarSource { kind: GrammarKind::Gbnf, text: gbnf, root, engine };
+        let grammar = detached(py, move || Grammar::compile(model, source))?;
+        if let Some(reason) = grammar.fallback() {
+            let category = py.import("lloyal.errors")?.getattr("GrammarEngineWarning")?;
+            let message = format!(
+                "this GBNF grammar runs on llama.cpp's grammar engine (slower, checks each sampled \
+                 token) because llguidance cannot express it: {reason}"
+            );
+            PyErr::warn(py, &category, &std::ffi::CString::new(message).unwrap_or_default(), 2)?;
+        }
+        Ok(grammar)
     }
 
     pub(crate) fn from_core(grammar: Grammar) -> Self {
@@ -45,7 +65,7 @@ impl PyGrammar {
 
     fn compile(py: Python<'_>, target: &Bound<'_, PyAny>, kind: GrammarKind, text: String) -> PyResult<Self> {
         let model = model_of(target)?;
-        let source = GrammarSource { kind, text, root: String::new() };
+        let source = GrammarSource { kind, text, root: String::new(), engine: Default::default() };
         Ok(PyGrammar::from_core(detached(py, move || Grammar::compile(model, source))?))
     }
 }
@@ -105,18 +125,27 @@ impl PyGrammar {
         PyGrammar::compile(py, ctx_or_model, GrammarKind::Regex, pattern)
     }
 
-    /// A grammar from GBNF rules starting at ``root``, run on llama.cpp's grammar engine
-    /// (llguidance does not read GBNF); same as ``Context.create_grammar``.
+    /// A grammar from GBNF rules starting at ``root``; same as ``Context.create_grammar``.
+    ///
+    /// ``engine``: ``"auto"`` (llguidance, translated with GBNF's meaning kept; llama.cpp's
+    /// engine, with a ``GrammarEngineWarning``, for a construct llguidance cannot express),
+    /// ``"llguidance"`` (``GrammarError`` instead of falling back) or ``"llama.cpp"``.
     #[staticmethod]
-    #[pyo3(signature = (ctx_or_model, gbnf, root="root"))]
+    #[pyo3(signature = (ctx_or_model, gbnf, root="root", *, engine="auto"))]
     fn from_gbnf(
         py: Python<'_>,
         ctx_or_model: &Bound<'_, PyAny>,
         gbnf: String,
         root: &str,
+        engine: &str,
     ) -> PyResult<Self> {
+        let choice = GbnfEngineChoice::parse(engine).ok_or_else(|| {
+            pyo3::exceptions::PyValueError::new_err(format!(
+                "engine must be \"auto\", \"llguidance\" or \"llama.cpp\", got {engine:?}"
+            ))
+        })?;
         let model = model_of(ctx_or_model)?;
-        Ok(PyGrammar::from_core(PyGrammar::parse(py, model, gbnf, root.to_string())?))
+        Ok(PyGrammar::from_core(PyGrammar::parse(py, model, gbnf, root.to_string(), choice)?))
     }
 
     /// An independent copy with the same parse state.
@@ -152,6 +181,19 @@ impl PyGrammar {
         self.lock().source().kind.name()
     }
 
+    /// The engine that runs the grammar: ``"llguidance"`` or ``"llama.cpp"``.
+    #[getter]
+    fn engine(&self) -> &'static str {
+        self.lock().engine_name()
+    }
+
+    /// Why a GBNF grammar runs on llama.cpp's engine although llguidance was wanted (the
+    /// construct llguidance cannot express); ``None`` otherwise.
+    #[getter]
+    fn fallback(&self) -> Option<String> {
+        self.lock().fallback().map(str::to_string)
+    }
+
     /// The text the grammar was built from (GBNF rules, JSON schema, Lark grammar or regex).
     #[getter]
     fn source(&self) -> String {
@@ -175,7 +217,9 @@ impl PyGrammar {
     fn __repr__(&self) -> String {
         let g = self.lock();
         match g.source().kind {
-            GrammarKind::Gbnf => format!("Grammar(kind='gbnf', root={:?})", g.source().root),
+            GrammarKind::Gbnf => {
+                format!("Grammar(kind='gbnf', root={:?}, engine='{}')", g.source().root, g.engine_name())
+            }
             kind => format!("Grammar(kind='{}')", kind.name()),
         }
     }

@@ -312,6 +312,31 @@ def test_response_format_json_schema(client: openai.OpenAI, name: str) -> None:
         assert isinstance(json.loads(o.choices[0].message.content), dict)
 
 
+def test_gbnf_grammar_field(client: openai.OpenAI, name: str) -> None:
+    """llama-server's ``grammar`` (GBNF) constrains both endpoints, on llguidance like
+    ``response_format``; a bad grammar is a 400 naming the field."""
+    gbnf = 'root ::= ("yes" | "no") " " [0-9]{1,2}'
+    c = client.completions.create(
+        model=name, prompt="Answer:", max_tokens=8, temperature=1.0, seed=2, extra_body={"grammar": gbnf}
+    )
+    assert c.choices[0].finish_reason == "stop" and re.fullmatch(r"(yes|no) [0-9]{1,2}", c.choices[0].text)
+    r = client.chat.completions.create(
+        model=name, messages=[{"role": "user", "content": "Yes?"}], max_tokens=8, extra_body={"grammar": gbnf}
+    )
+    answer = r.choices[0].message.content or ""
+    assert re.fullmatch(r"(yes|no) [0-9]{1,2}", answer), answer
+    with pytest.raises(openai.BadRequestError, match="grammar") as bad:
+        client.completions.create(model=name, prompt="x", max_tokens=1, extra_body={"grammar": "root ::= ("})
+    assert bad.value.body["param"] == "grammar"
+    with pytest.raises(openai.BadRequestError, match="not both"):
+        client.chat.completions.create(
+            model=name,
+            messages=[{"role": "user", "content": "x"}],
+            response_format={"type": "json_object"},
+            extra_body={"grammar": gbnf},
+        )
+
+
 def test_tools_are_rendered_and_parsed(client: openai.OpenAI, name: str) -> None:
     tools = [
         {

@@ -3,7 +3,7 @@
 import asyncio
 import os
 from collections.abc import Awaitable, Callable, Coroutine, Mapping
-from typing import Any, final
+from typing import Any, Literal, final
 
 import numpy as np
 import numpy.typing as npt
@@ -474,8 +474,10 @@ class Context:
 class Grammar:
     """A grammar's parse state: mask logits with ``apply``, advance with ``accept``.
 
-    JSON schema, Lark and regex grammars run on llguidance (the mask is applied before every
-    sample); GBNF runs on llama.cpp's grammar engine.
+    Every kind runs on llguidance (the mask is applied before every sample): GBNF is translated
+    with its meaning kept, and runs on llama.cpp's grammar engine only when asked
+    (``from_gbnf(..., engine="llama.cpp")``) or when it uses a construct llguidance cannot express
+    (a ``GrammarEngineWarning`` names it; ``engine`` and ``fallback`` say so afterwards).
 
     Example:
         >>> g = Grammar.from_json_schema(ctx, {"type": "boolean"})
@@ -508,9 +510,18 @@ class Grammar:
         ``regex`` syntax, anchored at both ends), compiled by llguidance.
         """
     @staticmethod
-    def from_gbnf(ctx_or_model: Context | Model, gbnf: str, root: str = "root") -> Grammar:
-        """A grammar from GBNF rules starting at ``root``, run on llama.cpp's grammar engine
-        (llguidance does not read GBNF); same as ``Context.create_grammar``.
+    def from_gbnf(
+        ctx_or_model: Context | Model,
+        gbnf: str,
+        root: str = "root",
+        *,
+        engine: Literal["auto", "llguidance", "llama.cpp"] = "auto",
+    ) -> Grammar:
+        """A grammar from GBNF rules starting at ``root``; same as ``Context.create_grammar``.
+
+        ``engine``: ``"auto"`` (llguidance, translated with GBNF's meaning kept; llama.cpp's
+        engine, with a ``GrammarEngineWarning``, for a construct llguidance cannot express),
+        ``"llguidance"`` (``GrammarError`` instead of falling back) or ``"llama.cpp"``.
         """
     def clone(self) -> Grammar:
         """An independent copy with the same parse state."""
@@ -525,6 +536,14 @@ class Grammar:
     @property
     def kind(self) -> str:
         """What the grammar was built from: ``"gbnf"``, ``"json_schema"``, ``"lark"`` or ``"regex"``."""
+    @property
+    def engine(self) -> Literal["llguidance", "llama.cpp"]:
+        """The engine that runs the grammar: ``"llguidance"`` or ``"llama.cpp"``."""
+    @property
+    def fallback(self) -> str | None:
+        """Why a GBNF grammar runs on llama.cpp's engine although llguidance was wanted (the
+        construct llguidance cannot express); ``None`` otherwise.
+        """
     @property
     def source(self) -> str:
         """The text the grammar was built from (GBNF rules, JSON schema, Lark grammar or regex)."""

@@ -19,6 +19,7 @@ __all__ = [
     "ChatTemplateError",
     "ContextClosedError",
     "DecodeError",
+    "GrammarEngineWarning",
     "GrammarError",
     "InvalidTokenError",
     "KvCacheFullError",
@@ -87,3 +88,8 @@ class ChatTemplateError(LloyalError):
 class UnsupportedCpuError(LloyalError, ImportError):
     """This build of lloyal uses a CPU feature (AVX-512, AMX...) the host lacks or its OS has not
     enabled: raised by ``import lloyal`` instead of dying of ``SIGILL`` (``lloyal._cpu``)."""
+
+
+class GrammarEngineWarning(UserWarning):
+    """A GBNF grammar runs on llama.cpp's grammar engine instead of llguidance, because it uses a
+    construct llguidance cannot express (named in the message; ``Grammar.fallback`` keeps it)."""

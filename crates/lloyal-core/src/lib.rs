@@ -42,7 +42,7 @@ pub use context::{Context, ContextShape, ContextState, InterruptCheck};
 pub use engine::gen::{Finish, GenItem, GenSpec, GenStream};
 pub use engine::{EngineStats, Ticket, Waiter, Work};
 pub use error::{LloyalError, Result};
-pub use grammar::{json_schema_to_grammar, Grammar, GrammarKind, GrammarSource};
+pub use grammar::{json_schema_to_grammar, GbnfEngineChoice, Grammar, GrammarKind, GrammarSource};
 pub use metrics::{Base, PerplexityTracker};
 pub use model::{Model, ModelOptions};
 pub use options::{ContextOptions, Pooling};

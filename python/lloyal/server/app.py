@@ -277,7 +277,8 @@ def create_app(cfg: ServerConfig) -> FastAPI:
             )
         prompts = _token_lists(ctx, body.prompt, add_special=True, param="prompt")
         max_tokens = body.max_tokens or 16
-        specs = [_spec(ctx, body, p, best_of, max_tokens, body.logprobs, (), None) for p in prompts]
+        grammar = await asyncio.to_thread(_request_grammar, ctx, None, body.grammar)
+        specs = [_spec(ctx, body, p, best_of, max_tokens, body.logprobs, (), grammar) for p in prompts]
         cid = f"cmpl-{uuid.uuid4().hex}"
         created = int(time.time())
         echoes = [ctx.detokenize(p, special=False) if body.echo else "" for p in prompts]
@@ -325,7 +326,7 @@ def create_app(cfg: ServerConfig) -> FastAPI:
         messages = [_message_dict(m.model_dump(exclude_none=True)) for m in body.messages]
         fc = ctx.format_chat(messages, add_generation_prompt=True, tools=tools)
         prompt = ctx.tokenize(fc.prompt, add_special=False, parse_special=True)
-        grammar = await asyncio.to_thread(_response_grammar, ctx, body.response_format)
+        grammar = await asyncio.to_thread(_request_grammar, ctx, body.response_format, body.grammar)
         max_tokens = body.max_completion_tokens or body.max_tokens or max(1, ctx.n_ctx - len(prompt))
         k = (body.top_logprobs or 0) if body.logprobs else None
         spec = _spec(ctx, body, prompt, body.n, max_tokens, k, fc.stop_tokens, grammar)
@@ -481,8 +482,23 @@ def _message_dict(m: dict[str, Any]) -> dict[str, Any]:
     return m
 
 
+def _request_grammar(
+    ctx: lloyal.Context, fmt: dict[str, Any] | None, gbnf: str | None
+) -> lloyal.Grammar | None:
+    """``response_format`` or llama-server's ``grammar`` (GBNF) as a grammar on llguidance, the
+    engine of every grammar kind (the token mask is applied before sampling)."""
+    if gbnf is not None:
+        if fmt and fmt.get("type") not in (None, "text"):
+            raise ApiError("give either grammar or response_format, not both", param="grammar")
+        try:
+            return lloyal.Grammar.from_gbnf(ctx, gbnf)
+        except lloyal.GrammarError as exc:
+            raise ApiError(f"grammar: {exc}", param="grammar") from None
+    return _response_grammar(ctx, fmt)
+
+
 def _response_grammar(ctx: lloyal.Context, fmt: dict[str, Any] | None) -> lloyal.Grammar | None:
-    """``response_format`` as an llguidance grammar (the token mask is applied before sampling)."""
+    """``response_format`` as a grammar."""
     if not fmt or fmt.get("type") in (None, "text"):
         return None
     kind = fmt.get("type")

@@ -72,6 +72,7 @@ class _Sampling(_Body):
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: str | None = None
+    grammar: str | None = None  # llama-server extension: GBNF rules (start rule ``root``)
 
 
 class CompletionRequest(_Sampling):

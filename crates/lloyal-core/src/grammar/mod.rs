@@ -1,12 +1,17 @@
-//! Grammars: the parse state a branch samples under. GBNF runs on llama.cpp's grammar engine
-//! (`gbnf`, checked first by `gbnf_check`); JSON schema, Lark and regular expressions run on
-//! llguidance (`llg`), whose token mask is cheap enough to apply before every sample.
+//! Grammars: the parse state a branch samples under. Every kind runs on llguidance (`llg`),
+//! whose token mask is cheap enough to apply before every sample: JSON schema, Lark and regular
+//! expressions directly, GBNF translated with its meaning kept (`gbnf_syntax` reads it,
+//! `gbnf_lark` translates it). llama.cpp's grammar engine (`gbnf`, checked first by
+//! `gbnf_check`) runs a GBNF grammar only when asked to, or when the grammar has a construct
+//! llguidance cannot express (the grammar then says why: [`Grammar::fallback`]).
 //!
 //! Every `accept` is preceded by a check, so a forbidden token is a `GrammarError` with the
 //! grammar unchanged.
 
 pub mod gbnf;
 pub mod gbnf_check;
+mod gbnf_lark;
+mod gbnf_syntax;
 mod llg;
 
 use std::sync::Arc;
@@ -59,6 +64,38 @@ pub struct GrammarSource {
     pub text: String,
     /// Name of the GBNF start rule (empty for other kinds).
     pub root: String,
+    /// Which engine runs a GBNF grammar.
+    pub engine: GbnfEngineChoice,
+}
+
+/// Which engine runs a GBNF grammar.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Hash)]
+pub enum GbnfEngineChoice {
+    /// llguidance, unless the grammar has a construct it cannot express (then llama.cpp's).
+    #[default]
+    Auto,
+    /// llguidance, or `GrammarError` saying which construct it cannot express.
+    Llguidance,
+    /// llama.cpp's grammar engine.
+    LlamaCpp,
+}
+
+impl GbnfEngineChoice {
+    /// The name used in Python (`engine=`) and in saved states.
+    pub fn name(self) -> &'static str {
+        match self {
+            GbnfEngineChoice::Auto => "auto",
+            GbnfEngineChoice::Llguidance => "llguidance",
+            GbnfEngineChoice::LlamaCpp => "llama.cpp",
+        }
+    }
+
+    /// The choice called `name` (see [`Self::name`]).
+    pub fn parse(name: &str) -> Option<GbnfEngineChoice> {
+        [GbnfEngineChoice::Auto, GbnfEngineChoice::Llguidance, GbnfEngineChoice::LlamaCpp]
+            .into_iter()
+            .find(|c| c.name() == name)
+    }
 }
 
 enum Engine {
@@ -73,6 +110,8 @@ pub struct Grammar {
     source: Arc<GrammarSource>,
     /// Tokens accepted since the start (replayed to restore a saved state).
     accepted: Vec<i32>,
+    /// Why a GBNF grammar runs on llama.cpp's engine although llguidance was wanted.
+    fallback: Option<Arc<str>>,
 }
 
 impl std::fmt::Debug for Grammar {
@@ -82,27 +121,45 @@ impl std::fmt::Debug for Grammar {
 }
 
 impl Grammar {
-    /// Parse GBNF `gbnf` starting at rule `root`. Invalid rules → `GrammarError` with
-    /// llama.cpp's reason.
+    /// Parse GBNF `gbnf` starting at rule `root` (on llguidance when it can express it).
+    /// Invalid rules → `GrammarError` with llama.cpp's reason.
     pub fn new(model: Arc<Model>, gbnf: &str, root: &str) -> Result<Grammar> {
-        let source =
-            GrammarSource { kind: GrammarKind::Gbnf, text: gbnf.to_string(), root: root.to_string() };
+        let source = GrammarSource {
+            kind: GrammarKind::Gbnf,
+            text: gbnf.to_string(),
+            root: root.to_string(),
+            engine: GbnfEngineChoice::Auto,
+        };
         Grammar::compile(model, source)
     }
 
-    /// Compile `source` (GBNF on llama.cpp's engine, every other kind on llguidance). Invalid
-    /// text → `GrammarError` with the engine's reason.
+    /// Compile `source` (every kind on llguidance; GBNF as its `engine` says). Invalid text →
+    /// `GrammarError` with the engine's reason.
     pub fn compile(model: Arc<Model>, source: GrammarSource) -> Result<Grammar> {
-        let engine = match source.kind {
-            GrammarKind::Gbnf => Engine::Gbnf(GbnfEngine::new(&model, &source.text, &source.root)?),
+        let (engine, fallback) = match source.kind {
+            GrammarKind::Gbnf => gbnf_engine(&model, &source)?,
             kind => {
                 if source.text.contains('\0') {
                     return Err(LloyalError::Grammar(format!("the {} contains a NUL byte", kind.name())));
                 }
-                Engine::Llg(Box::new(LlgEngine::compile(&model, kind, &source.text)?))
+                (Engine::Llg(Box::new(LlgEngine::compile(&model, kind, &source.text)?)), None)
             }
         };
-        Ok(Grammar { engine, model, source: Arc::new(source), accepted: Vec::new() })
+        Ok(Grammar { engine, model, source: Arc::new(source), accepted: Vec::new(), fallback })
+    }
+
+    /// The engine that runs this grammar: `"llguidance"` or `"llama.cpp"`.
+    pub fn engine_name(&self) -> &'static str {
+        match self.engine {
+            Engine::Llg(_) => "llguidance",
+            Engine::Gbnf(_) => "llama.cpp",
+        }
+    }
+
+    /// Why this GBNF grammar runs on llama.cpp's engine although llguidance was wanted (the
+    /// construct llguidance cannot express), if it does.
+    pub fn fallback(&self) -> Option<&str> {
+        self.fallback.as_deref()
     }
 
     /// Rebuild a saved grammar: compile `source`, then accept `accepted` from the start.
@@ -142,6 +199,7 @@ impl Grammar {
             model: self.model.clone(),
             source: self.source.clone(),
             accepted: self.accepted.clone(),
+            fallback: self.fallback.clone(),
         })
     }
 
@@ -255,6 +313,43 @@ impl Grammar {
             text.unwrap_or_default()
         ))
     }
+}
+
+/// The engine for a GBNF `source` and, when `Auto` fell back to llama.cpp's, the reason.
+fn gbnf_engine(model: &Model, source: &GrammarSource) -> Result<(Engine, Option<Arc<str>>)> {
+    let llama = || GbnfEngine::new(model, &source.text, &source.root).map(Engine::Gbnf);
+    match source.engine {
+        GbnfEngineChoice::LlamaCpp => Ok((llama()?, None)),
+        GbnfEngineChoice::Llguidance => match translate(model, source) {
+            Ok(engine) => Ok((engine, None)),
+            // A grammar llama.cpp refuses too gets llama.cpp's reason, as with `Auto`.
+            Err(reason) => {
+                llama()?;
+                Err(LloyalError::Grammar(format!("llguidance cannot run this GBNF grammar: {reason}")))
+            }
+        },
+        GbnfEngineChoice::Auto => match translate(model, source) {
+            Ok(engine) => Ok((engine, None)),
+            Err(reason) => Ok((llama()?, Some(Arc::from(reason)))),
+        },
+    }
+}
+
+/// GBNF on llguidance: read, translated to Lark (`gbnf_lark`), compiled; or why not.
+fn translate(model: &Model, source: &GrammarSource) -> std::result::Result<Engine, String> {
+    if source.text.trim().is_empty() || source.text.contains('\0') || source.root.contains('\0') {
+        return Err("the grammar is empty or has a NUL byte".into());
+    }
+    gbnf_check::check_gbnf(&source.text).map_err(|e| e.to_string())?;
+    let syntax = gbnf_syntax::parse(&source.text).map_err(|e| format!("the grammar does not parse ({e})"))?;
+    let resolve = |text: &str| match model.tokenize(text, false, true).as_slice() {
+        [one] => u32::try_from(*one).ok(),
+        _ => None,
+    };
+    let lark = gbnf_lark::to_lark(&syntax, &source.root, &resolve)?;
+    LlgEngine::compile(model, GrammarKind::Lark, &lark)
+        .map(|e| Engine::Llg(Box::new(e)))
+        .map_err(|e| format!("llguidance refused its translation: {e}"))
 }
 
 #[cfg(test)]

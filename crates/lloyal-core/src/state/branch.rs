@@ -17,7 +17,7 @@ use serde_json::{json, Value};
 use crate::branch::{BranchState, Logits};
 use crate::context::ContextState;
 use crate::error::{LloyalError, Result};
-use crate::grammar::{Grammar, GrammarKind, GrammarSource};
+use crate::grammar::{GbnfEngineChoice, Grammar, GrammarKind, GrammarSource};
 use crate::metrics::PerplexityTracker;
 use crate::sampler::Sampler;
 use crate::sampling::{Dry, Mirostat, SamplingParams, Xtc};
@@ -210,7 +210,12 @@ impl ContextState {
         let (seq, position) = (b.seq_id, b.position);
         let grammar = b.grammar.as_ref().map(|g| {
             let src = g.source();
-            json!({"kind": src.kind.name(), "text": src.text, "root": src.root, "accepted": g.accepted()})
+            let mut saved =
+                json!({"kind": src.kind.name(), "text": src.text, "root": src.root, "accepted": g.accepted()});
+            if src.engine != GbnfEngineChoice::Auto {
+                saved["engine"] = json!(src.engine.name());
+            }
+            saved
         });
         let bias = |v: &[(i32, f32)]| {
             Value::Array(
@@ -304,7 +309,11 @@ impl ContextState {
                     Some(name) => GrammarKind::parse(name).ok_or_else(|| bad("grammar kind"))?,
                 };
                 let text_key = if g.get("text").is_some() { "text" } else { "gbnf" };
-                let source = GrammarSource { kind, text: text(text_key)?, root: text("root")? };
+                let engine = match g.get("engine").and_then(Value::as_str) {
+                    None => GbnfEngineChoice::Auto,
+                    Some(name) => GbnfEngineChoice::parse(name).ok_or_else(|| bad("grammar engine"))?,
+                };
+                let source = GrammarSource { kind, text: text(text_key)?, root: text("root")?, engine };
                 let accepted = tokens_of(g, "accepted")?;
                 Some(Grammar::restore(model.clone(), &source, &accepted).map_err(bad)?)
             }
