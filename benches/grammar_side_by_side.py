@@ -27,7 +27,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+sys.path.append(str(Path(__file__).resolve().parents[1] / "tests"))
 from bench_grammar import ISSUE_SCHEMA, NESTED_SCHEMA, PROMPTS, TAGGED_SCHEMA
 from llama_grammars import grammars as llama_cpp_grammars
 

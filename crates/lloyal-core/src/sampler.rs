@@ -370,6 +370,52 @@ impl Sampler {
                 self.candidates[i].logit = v;
             }
         }
+        self.draw_candidates(|| greedy_token(logits, &repl))
+    }
+
+    /// [`Self::sample_with`] over `logits` with every token `allowed` rejects at `-inf` (a
+    /// grammar's mask), without building that row. With top-k (and neither DRY nor mirostat,
+    /// which see every candidate) or greedy, the candidates are the k best allowed tokens: taken
+    /// from `few` (every allowed token, when a grammar allows few) or from the row's best tokens
+    /// in a window that grows while it holds fewer than k allowed ones (`maxima`: the row's span
+    /// maxima), then padded with `-inf` candidates as top-k of the masked row is. The same
+    /// candidates, so the same token, as [`Self::sample`] of the masked row; `None` when that
+    /// needs the whole row (no top-k, fewer than k allowed outside `few`, nothing allowed).
+    pub fn sample_allowed(
+        &mut self,
+        logits: &[f32],
+        maxima: &[f32],
+        extra_bias: &[(i32, f32)],
+        few: Option<&[i32]>,
+        allowed: &dyn Fn(i32) -> bool,
+    ) -> Option<i32> {
+        let p = &self.params;
+        let greedy = p.is_greedy();
+        if p.dry.is_some() || p.mirostat.is_some() || (!greedy && p.top_k <= 0) {
+            return None;
+        }
+        let k = if greedy { 1 } else { p.top_k as usize }.min(logits.len());
+        let repl = adjusted_replacements(logits, &self.history, &self.params, extra_bias);
+        let best = match few {
+            Some(ids) => allowed_finite(logits, &repl, ids),
+            None => best_allowed_in_windows(logits, maxima, &repl, k, allowed)?,
+        };
+        let first = best.first()?.0;
+        if greedy {
+            return Some(first);
+        }
+        let top = pad_to_k(best, k);
+        self.candidates.clear();
+        self.candidates.extend(top.into_iter().map(|(id, logit)| sys::llama_token_data {
+            id,
+            logit,
+            p: 0.0,
+        }));
+        Some(self.draw_candidates(|| first))
+    }
+
+    /// Run the chain over `self.candidates` and draw; `fallback` when nothing survives.
+    fn draw_candidates(&mut self, fallback: impl FnOnce() -> i32) -> i32 {
         let mut arr = sys::llama_token_data_array {
             data: self.candidates.as_mut_ptr(),
             size: self.candidates.len(),
@@ -378,7 +424,6 @@ impl Sampler {
         };
         // SAFETY: arr points into our candidate buffer, alive and exclusively borrowed for the call.
         unsafe { sys::llama_sampler_apply(self.chain.0.as_ptr(), &mut arr) };
-        let fallback = || greedy_token(logits, &repl);
         if arr.selected >= 0 && (arr.selected as usize) < arr.size {
             // A selecting sampler (mirostat) picked the token.
             // SAFETY: selected is within [0, size) of the (possibly re-pointed) data array.
@@ -492,6 +537,67 @@ pub fn top_candidates_in(
     out.sort_unstable_by(|a, b| b.cmp(a));
     out.truncate(k);
     out.into_iter().map(|c| (c.1, c.0)).collect()
+}
+
+/// `(token, value)` of every token of `ids` whose value (`replace` substituted) is finite, best
+/// first (the order of [`top_candidates`]).
+fn allowed_finite(logits: &[f32], replace: &[(usize, f32)], ids: &[i32]) -> Vec<(i32, f32)> {
+    let value =
+        |t: i32| replace.iter().find(|&&(i, _)| i as i32 == t).map(|&(_, v)| v).unwrap_or(logits[t as usize]);
+    let mut out: Vec<Cand> = ids
+        .iter()
+        .filter(|&&t| t >= 0 && (t as usize) < logits.len())
+        .map(|&t| Cand(value(t), t))
+        .filter(|c| c.0.is_finite())
+        .collect();
+    out.sort_unstable_by(|a, b| b.cmp(a));
+    out.into_iter().map(|c| (c.1, c.0)).collect()
+}
+
+/// The `k` best tokens that `allowed` accepts with a finite value, from windows of the row's
+/// best tokens growing ×4 (256 first, 16,384 at most): exact, since a token outside a window
+/// ranks below every token in it. `None` when no window holds `k`.
+fn best_allowed_in_windows(
+    logits: &[f32],
+    maxima: &[f32],
+    replace: &[(usize, f32)],
+    k: usize,
+    allowed: &dyn Fn(i32) -> bool,
+) -> Option<Vec<(i32, f32)>> {
+    let mut window = (4 * k).max(256);
+    while window <= 16_384 {
+        let w = window.min(logits.len());
+        let top = top_candidates_in(logits, maxima, replace, w);
+        let best: Vec<(i32, f32)> =
+            top.iter().filter(|c| c.1.is_finite() && allowed(c.0)).take(k).copied().collect();
+        if best.len() == k {
+            return Some(best);
+        }
+        if w >= logits.len() || top.len() < w {
+            return None;
+        }
+        window *= 4;
+    }
+    None
+}
+
+/// `best` (every finite candidate when there are fewer than `k`) cut or padded to `k`: the
+/// padding is what top-k of the masked row adds, `-inf` tokens by lowest id.
+fn pad_to_k(mut best: Vec<(i32, f32)>, k: usize) -> Vec<(i32, f32)> {
+    if best.len() >= k {
+        best.truncate(k);
+        return best;
+    }
+    let mut taken: Vec<i32> = best.iter().map(|c| c.0).collect();
+    taken.sort_unstable();
+    let mut id = 0;
+    while best.len() < k {
+        if taken.binary_search(&id).is_err() {
+            best.push((id, f32::NEG_INFINITY));
+        }
+        id += 1;
+    }
+    best
 }
 
 /// The `n`-th largest of `values` (`1 <= n <= values.len()`), by a bounded min-heap: one

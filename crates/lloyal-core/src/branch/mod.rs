@@ -132,7 +132,11 @@ fn draw(
         return Ok(unconstrained(sampler));
     };
     if grammar.masks_first() {
-        // llguidance: the mask is cheap, so apply it before drawing (one draw, exact).
+        // llguidance: the mask is cheap, so apply it before drawing (one draw, exact), on the
+        // k best allowed tokens when the sampler takes top-k, else on a masked copy of the row.
+        if let Some(token) = grammar.sample_allowed(sampler, logits, logits.maxima(), biases)? {
+            return if grammar.allows(token) { Ok(token) } else { Err(grammar.forbidden(token)) };
+        }
         let mut masked = grammar.masked(logits)?;
         for &(i, v) in biases {
             if v == f32::NEG_INFINITY {

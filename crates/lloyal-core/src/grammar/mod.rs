@@ -20,8 +20,13 @@ pub use gbnf::json_schema_to_grammar;
 
 use crate::error::{LloyalError, Result};
 use crate::model::Model;
+use crate::sampler::Sampler;
 use gbnf::GbnfEngine;
 use llg::LlgEngine;
+
+/// Up to this many allowed tokens, sampling under an llguidance grammar takes its candidates
+/// from the allowed tokens themselves rather than from the row's best tokens.
+const FEW_ALLOWED: usize = 4096;
 
 /// What a grammar's text is.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
@@ -277,6 +282,37 @@ impl Grammar {
             }
             Engine::Llg(g) => g.masked(logits),
         }
+    }
+
+    /// A token drawn by `sampler` from `logits` restricted to what the grammar allows, without
+    /// a masked copy of the row (llguidance: from the allowed tokens themselves when they are
+    /// few, else from windows of the row's best tokens; see [`Sampler::sample_allowed`]).
+    /// `None`: the caller draws from the masked row (llama.cpp's engine, or a sampler that needs
+    /// the whole row). A grammar that can no longer compute masks → `GrammarError`.
+    pub(crate) fn sample_allowed(
+        &mut self,
+        sampler: &mut Sampler,
+        logits: &[f32],
+        maxima: &[f32],
+        biases: &[(i32, f32)],
+    ) -> Result<Option<i32>> {
+        self.check_len(logits.len())?;
+        let Engine::Llg(g) = &mut self.engine else {
+            return Ok(None);
+        };
+        let n = logits.len();
+        let mask = g.current_mask()?;
+        let allowed = |t: i32| t >= 0 && (t as usize) < n && mask.is_allowed(t as u32);
+        let few: Option<Vec<i32>> = (mask.num_set() <= FEW_ALLOWED).then(|| {
+            let mut ids = Vec::new();
+            mask.iter_set_entries(|i| {
+                if i < n {
+                    ids.push(i as i32);
+                }
+            });
+            ids
+        });
+        Ok(sampler.sample_allowed(logits, maxima, biases, few.as_deref(), &allowed))
     }
 
     /// The `GrammarError` of a grammar that can no longer compute masks (llguidance hit a
