@@ -158,3 +158,48 @@ def test_import_of_a_build_for_another_cpu_raises_before_loading_it(tmp_path: Pa
 
 def _arch() -> str:
     return platform.machine()
+
+
+HASWELL_HOST = frozenset({"sse4_2", "avx", "f16c", "fma", "avx2", "bmi2"})
+MODULES = [f"libggml-cpu-{v}.so" for v in ("x64", "haswell", "skylakex", "icelake", "sapphirerapids", "zen4")]
+
+
+def test_cpu_modules_a_host_lacks_the_features_of_are_left_out() -> None:
+    """llama.cpp scores the portable wheel's CPU modules by CPUID, which also reports features
+    the OS has not enabled; lloyal keeps out every module using a flag /proc/cpuinfo lacks."""
+    from lloyal._native import unusable_cpu_modules
+
+    assert unusable_cpu_modules(MODULES, HASWELL_HOST) == MODULES[2:]
+    avx512 = HASWELL_HOST | {"avx512f", "avx512cd", "avx512vl", "avx512dq", "avx512bw"}
+    assert unusable_cpu_modules(MODULES, avx512) == MODULES[3:]
+    full = avx512 | {"avx512vbmi", "avx512_vnni", "avx512_bf16", "amx_tile", "amx_int8"}
+    assert unusable_cpu_modules(MODULES, full) == []
+    assert (
+        unusable_cpu_modules([*MODULES, "libggml-cpu-future.so", "libggml-cuda.so"], frozenset())
+        == MODULES[1:]
+    )
+    assert unusable_cpu_modules(MODULES, None) == []  # features unknown: llama.cpp decides
+
+
+def test_backends_dir_links_only_the_usable_modules(tmp_path: Path) -> None:
+    from lloyal._native import backends_dir
+
+    for name in [*MODULES, "libggml-cuda.so", "libggml-base.so", "libllama.so"]:
+        (tmp_path / name).write_bytes(b"")
+    assert backends_dir(tmp_path, None) == tmp_path
+    private = backends_dir(tmp_path, HASWELL_HOST)
+    assert private != tmp_path
+    links = sorted(p.name for p in private.iterdir())
+    assert links == sorted(
+        ["libggml-cpu-x64.so", "libggml-cpu-haswell.so", "libggml-cuda.so", "libggml-base.so"]
+    )
+    assert all((private / n).resolve() == tmp_path / n for n in links)
+
+
+def test_host_features_read_from_lloyal_cpuinfo(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    fake = tmp_path / "cpuinfo"
+    fake.write_text("processor\t: 0\nflags\t\t: fpu sse4_2 pni avx2\n\nprocessor\t: 1\nflags\t\t: fpu\n")
+    monkeypatch.setenv("LLOYAL_CPUINFO", str(fake))
+    assert _cpu.host_features() == frozenset({"fpu", "sse4_2", "sse3", "avx2"})
+    monkeypatch.setenv("LLOYAL_CPUINFO", str(tmp_path / "absent"))
+    assert _cpu.host_features() is None

@@ -80,8 +80,14 @@ def _names(csv: str) -> tuple[str, ...]:
     return tuple(f for f in csv.split(",") if f)
 
 
-def host_features(cpuinfo: Path = Path("/proc/cpuinfo")) -> frozenset[str] | None:
-    """The CPU features the kernel reports as usable (None where it does not say: not Linux)."""
+def host_features(cpuinfo: Path | None = None) -> frozenset[str] | None:
+    """The CPU features the kernel reports as usable (None where it does not say: not Linux).
+
+    ``cpuinfo`` defaults to ``$LLOYAL_CPUINFO`` if set (a file in ``/proc/cpuinfo``'s format,
+    for containers that hide ``/proc`` and for tests), else ``/proc/cpuinfo``.
+    """
+    if cpuinfo is None:
+        cpuinfo = Path(os.environ.get("LLOYAL_CPUINFO") or "/proc/cpuinfo")
     try:
         text = cpuinfo.read_text(errors="replace")
     except OSError:
