@@ -189,3 +189,19 @@ def test_strings_end_the_same_way(ctx: lloyal.Context, text_tokens: np.ndarray, 
         tokens = ctx.tokenize(s, add_special=False)
         assert _verdict(ours, tokens, eog) == _verdict(theirs, tokens, eog), repr(s)
     assert _verdict(ours, made, eog) == _verdict(theirs, made, eog) != "rejected at 0"
+
+
+def test_a_grammar_that_matches_nothing_is_refused(ctx: lloyal.Context) -> None:
+    """A start rule that can match no text (here through a backwards range) is a GrammarError
+    naming the rules, not a fallback: llama.cpp's engine, asked for explicitly, still takes it
+    and gets stuck after ``{``."""
+    text = 'root ::= "{" pair "}"\npair ::= [a-(]+ ":"\n'
+    with pytest.raises(lloyal.GrammarError, match=r"accepts no text: rule \"root\".*pair.*backwards range"):
+        lloyal.Grammar.from_gbnf(ctx, text)
+    with pytest.raises(lloyal.GrammarError, match="accepts no text"):
+        lloyal.Grammar.from_gbnf(ctx, text, engine="llguidance")
+    theirs = lloyal.Grammar.from_gbnf(ctx, text, engine="llama.cpp")
+    theirs.accept(ctx.tokenize("{", add_special=False)[0])
+    logits = np.zeros(ctx.n_vocab, dtype=np.float32)
+    theirs.apply(logits)
+    assert not np.isfinite(logits).any()

@@ -45,6 +45,40 @@ impl Syntax {
     pub fn rule(&self, name: &str) -> Option<&[Vec<Item>]> {
         self.rules.iter().find(|(n, _)| n == name).map(|(_, alts)| alts.as_slice())
     }
+
+    /// The rules that match some text (a fixed point: a rule does when one of its alternatives
+    /// holds only items that do). A rule outside it matches nothing: it needs a character class
+    /// with no characters (a backwards range such as `[z-a]`) or rules that only lead back to it.
+    pub fn matching_rules(&self) -> std::collections::HashSet<&str> {
+        let mut found = std::collections::HashSet::new();
+        loop {
+            let before = found.len();
+            for (name, alts) in &self.rules {
+                if !found.contains(name.as_str()) && sequences_match(alts, &found) {
+                    found.insert(name.as_str());
+                }
+            }
+            if found.len() == before {
+                return found;
+            }
+        }
+    }
+}
+
+fn sequences_match(alts: &[Vec<Item>], rules: &std::collections::HashSet<&str>) -> bool {
+    alts.iter().any(|seq| seq.iter().all(|item| item_matches(item, rules)))
+}
+
+/// Whether `item` matches some text, given the rules that do.
+fn item_matches(item: &Item, rules: &std::collections::HashSet<&str>) -> bool {
+    match item {
+        Item::Literal(_) | Item::Any | Item::Token { .. } => true,
+        Item::Class { negated: false, ranges } => ranges.iter().any(|(lo, hi)| lo <= hi),
+        Item::Class { negated: true, .. } => true,
+        Item::Rule(name) => rules.contains(name.as_str()),
+        Item::Group(alts) => sequences_match(alts, rules),
+        Item::Repeat { item, min, .. } => *min == 0 || item_matches(item, rules),
+    }
 }
 
 /// Read `text`; the reason it cannot be read, by llama.cpp's rules.
@@ -358,6 +392,16 @@ mod tests {
 
     fn lit(s: &str) -> Item {
         Item::Literal(s.chars().map(u32::from).collect())
+    }
+
+    #[test]
+    fn rules_that_match_nothing_are_found() {
+        let g = parse("root ::= \"{\" pair \"}\" | loop\npair ::= [a-(]+ \":\"\nloop ::= \"x\" loop\nok ::= [z-a]* \"y\"\n").unwrap();
+        let found = g.matching_rules();
+        assert!(found.contains("ok"));
+        assert!(!found.contains("pair") && !found.contains("loop") && !found.contains("root"));
+        let fine = parse("root ::= \"a\" root | [b-c] | ( [x-w] | \"z\" )").unwrap();
+        assert!(fine.matching_rules().contains("root"));
     }
 
     #[test]

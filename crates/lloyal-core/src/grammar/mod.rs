@@ -354,6 +354,12 @@ impl Grammar {
 /// The engine for a GBNF `source` and, when `Auto` fell back to llama.cpp's, the reason.
 fn gbnf_engine(model: &Model, source: &GrammarSource) -> Result<(Engine, Option<Arc<str>>)> {
     let llama = || GbnfEngine::new(model, &source.text, &source.root).map(Engine::Gbnf);
+    if source.engine != GbnfEngineChoice::LlamaCpp {
+        if let Some(reason) = matches_nothing(source) {
+            llama()?; // a grammar llama.cpp cannot read gets its reason first
+            return Err(LloyalError::Grammar(reason));
+        }
+    }
     match source.engine {
         GbnfEngineChoice::LlamaCpp => Ok((llama()?, None)),
         GbnfEngineChoice::Llguidance => match translate(model, source) {
@@ -369,6 +375,26 @@ fn gbnf_engine(model: &Model, source: &GrammarSource) -> Result<(Engine, Option<
             Err(reason) => Ok((llama()?, Some(Arc::from(reason)))),
         },
     }
+}
+
+/// Why `source`'s start rule can match no text at all, if it cannot (llguidance then finds no
+/// first token; llama.cpp's engine would take tokens until it is stuck).
+fn matches_nothing(source: &GrammarSource) -> Option<String> {
+    let syntax = gbnf_syntax::parse(&source.text).ok()?;
+    syntax.rule(&source.root)?;
+    let matching = syntax.matching_rules();
+    if matching.contains(source.root.as_str()) {
+        return None;
+    }
+    let empty: Vec<&str> =
+        syntax.rules.iter().map(|(n, _)| n.as_str()).filter(|n| !matching.contains(n)).take(4).collect();
+    Some(format!(
+        "the grammar accepts no text: rule {:?} can match nothing (rules that match nothing: {}); \
+         look for a character class with no characters, such as a backwards range like [z-a], or \
+         rules that only lead back to themselves",
+        source.root,
+        empty.join(", ")
+    ))
 }
 
 /// GBNF on llguidance: read, translated to Lark (`gbnf_lark`), compiled; or why not.
