@@ -31,6 +31,8 @@ fn _lloyal(m: &Bound<'_, PyModule>) -> PyResult<()> {
     // Portable builds pick their CPU backend at run time (feature `portable`, the wheels).
     m.add("PORTABLE", cfg!(feature = "portable"))?;
     m.add("BUILD_CPU", cpu::build_cpu())?;
+    // The backend folder the package set for this process, read before it removes the variable.
+    lloyal_core::backend::backends_dir();
     m.add_class::<model::PyModel>()?;
     m.add_class::<context::PyContext>()?;
     m.add_class::<metrics::PyPerplexityTracker>()?;

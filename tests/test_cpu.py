@@ -203,3 +203,19 @@ def test_host_features_read_from_lloyal_cpuinfo(tmp_path: Path, monkeypatch: pyt
     assert _cpu.host_features() == frozenset({"fpu", "sse4_2", "sse3", "avx2"})
     monkeypatch.setenv("LLOYAL_CPUINFO", str(tmp_path / "absent"))
     assert _cpu.host_features() is None
+
+
+def test_the_backend_folder_lloyal_chose_does_not_reach_child_processes(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A portable wheel's ``LLOYAL_BACKENDS_DIR`` is read by the extension at its import, then
+    removed (a child process picks modules for its own view of the CPU); one the user set stays."""
+    from lloyal import _native
+
+    monkeypatch.setenv("LLOYAL_BACKENDS_DIR", "/somewhere")
+    monkeypatch.setattr(_native, "_set_here", False)
+    _native.release_env()
+    assert os.environ["LLOYAL_BACKENDS_DIR"] == "/somewhere"
+    monkeypatch.setattr(_native, "_set_here", True)
+    _native.release_env()
+    assert "LLOYAL_BACKENDS_DIR" not in os.environ

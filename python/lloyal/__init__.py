@@ -17,7 +17,7 @@ import os
 from typing import Any
 
 # isort: off
-from lloyal import _native  # noqa: F401  (first: the CPU check, a portable wheel's shared llama.cpp)
+from lloyal import _native  # first: the CPU check, a portable wheel's shared llama.cpp
 
 # isort: on
 from lloyal import strategies
@@ -59,6 +59,8 @@ from lloyal.errors import (
 )
 from lloyal.grammar import json_schema_to_grammar
 from lloyal.sampling import Dry, Mirostat, SamplingParams, Xtc
+
+_native.release_env()  # the extension read its backend folder when it was imported above
 
 # The engine thread answers awaits through the event loop; it must stop calling into Python
 # before the interpreter finalizes (CPython would end it with pthread_exit: an abort).

@@ -101,8 +101,21 @@ def preload() -> None:
     libs = [p for p in NATIVE_DIR.iterdir() if ".so" in p.name and not p.name.startswith("libggml-cpu")]
     for lib in sorted(libs, key=lambda p: (_rank(p), p.name)):
         ctypes.CDLL(str(lib), mode=ctypes.RTLD_GLOBAL)
+    global _set_here
     if "LLOYAL_BACKENDS_DIR" not in os.environ:
         os.environ["LLOYAL_BACKENDS_DIR"] = str(backends_dir(NATIVE_DIR, _cpu.host_features()))
+        _set_here = True
+
+
+def release_env() -> None:
+    """Remove the ``LLOYAL_BACKENDS_DIR`` :func:`preload` set, once the extension has read it (at
+    its import): a child process chooses its own modules for its own view of the CPU, and the
+    private folder is this process's (removed at its exit)."""
+    if _set_here:
+        os.environ.pop("LLOYAL_BACKENDS_DIR", None)
+
+
+_set_here = False
 
 
 _cpu.check()

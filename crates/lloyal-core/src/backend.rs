@@ -26,12 +26,21 @@ pub fn backend() -> &'static LlamaBackend {
 /// package sets this to the folder its wheel ships them in, before it imports the extension.
 pub const BACKENDS_DIR_VAR: &str = "LLOYAL_BACKENDS_DIR";
 
+static BACKENDS_DIR: OnceLock<Option<String>> = OnceLock::new();
+
+/// [`BACKENDS_DIR_VAR`] as it was at the first call, which the extension's module init makes:
+/// the folder the package chose for this process holds after the package removes the variable
+/// again (so that child processes choose their own folder for their own CPU).
+pub fn backends_dir() -> Option<&'static str> {
+    BACKENDS_DIR.get_or_init(|| std::env::var(BACKENDS_DIR_VAR).ok()).as_deref()
+}
+
 /// Portable builds (feature `portable`) ship llama.cpp's CPU backend once per x86-64 level (or
 /// Arm version) as a module and load here the best one this CPU runs: ggml scores each module by
 /// the CPU features it was built for. Native builds link one CPU backend and load nothing.
 #[cfg(feature = "portable")]
 fn load_cpu_backends() {
-    let dir = std::env::var(BACKENDS_DIR_VAR).ok().or(llama_cpp_sys_2::BACKENDS_DIR.map(String::from));
+    let dir = backends_dir().map(String::from).or(llama_cpp_sys_2::BACKENDS_DIR.map(String::from));
     let Some(dir) = dir.and_then(|d| std::ffi::CString::new(d).ok()) else {
         return;
     };
