@@ -205,3 +205,12 @@ def test_a_grammar_that_matches_nothing_is_refused(ctx: lloyal.Context) -> None:
     logits = np.zeros(ctx.n_vocab, dtype=np.float32)
     theirs.apply(logits)
     assert not np.isfinite(logits).any()
+
+
+@pytest.mark.parametrize("engine", ["auto", "llguidance", "llama.cpp"])
+def test_groups_nested_too_deep_are_refused_on_every_engine(ctx: lloyal.Context, engine: str) -> None:
+    """200,000 nested groups would overflow a recursive parser's stack (lloyal's reader as
+    llama.cpp's): a GrammarError from the pre-flight check on every engine, not a crash."""
+    deep = "root ::= " + "(" * 200_000 + '"a"' + ")" * 200_000
+    with pytest.raises(lloyal.GrammarError, match="nests groups more than"):
+        lloyal.Grammar.from_gbnf(ctx, deep, engine=engine)  # type: ignore[arg-type]

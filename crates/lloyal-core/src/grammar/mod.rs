@@ -126,18 +126,6 @@ impl std::fmt::Debug for Grammar {
 }
 
 impl Grammar {
-    /// Parse GBNF `gbnf` starting at rule `root` (on llguidance when it can express it).
-    /// Invalid rules → `GrammarError` with llama.cpp's reason.
-    pub fn new(model: Arc<Model>, gbnf: &str, root: &str) -> Result<Grammar> {
-        let source = GrammarSource {
-            kind: GrammarKind::Gbnf,
-            text: gbnf.to_string(),
-            root: root.to_string(),
-            engine: GbnfEngineChoice::Auto,
-        };
-        Grammar::compile(model, source)
-    }
-
     /// Compile `source` (every kind on llguidance; GBNF as its `engine` says). Invalid text →
     /// `GrammarError` with the engine's reason.
     pub fn compile(model: Arc<Model>, source: GrammarSource) -> Result<Grammar> {
@@ -354,61 +342,60 @@ impl Grammar {
 /// The engine for a GBNF `source` and, when `Auto` fell back to llama.cpp's, the reason.
 fn gbnf_engine(model: &Model, source: &GrammarSource) -> Result<(Engine, Option<Arc<str>>)> {
     let llama = || GbnfEngine::new(model, &source.text, &source.root).map(Engine::Gbnf);
-    if source.engine != GbnfEngineChoice::LlamaCpp {
-        if let Some(reason) = matches_nothing(source) {
-            llama()?; // a grammar llama.cpp cannot read gets its reason first
-            return Err(LloyalError::Grammar(reason));
-        }
+    if source.engine == GbnfEngineChoice::LlamaCpp {
+        return Ok((llama()?, None));
     }
-    match source.engine {
-        GbnfEngineChoice::LlamaCpp => Ok((llama()?, None)),
-        GbnfEngineChoice::Llguidance => match translate(model, source) {
-            Ok(engine) => Ok((engine, None)),
-            // A grammar llama.cpp refuses too gets llama.cpp's reason, as with `Auto`.
-            Err(reason) => {
-                llama()?;
-                Err(LloyalError::Grammar(format!("llguidance cannot run this GBNF grammar: {reason}")))
-            }
-        },
-        GbnfEngineChoice::Auto => match translate(model, source) {
-            Ok(engine) => Ok((engine, None)),
-            Err(reason) => Ok((llama()?, Some(Arc::from(reason)))),
-        },
+    let syntax = read(source);
+    if let Some(reason) = syntax.as_ref().ok().and_then(|s| matches_nothing(s, &source.root)) {
+        llama()?; // a grammar llama.cpp cannot read gets its reason first
+        return Err(LloyalError::Grammar(reason));
+    }
+    match syntax.and_then(|s| translate(model, &s, &source.root)) {
+        Ok(engine) => Ok((engine, None)),
+        // A grammar llama.cpp refuses too gets llama.cpp's reason.
+        Err(reason) if source.engine == GbnfEngineChoice::Llguidance => {
+            llama()?;
+            Err(LloyalError::Grammar(format!("llguidance cannot run this GBNF grammar: {reason}")))
+        }
+        Err(reason) => Ok((llama()?, Some(Arc::from(reason)))),
     }
 }
 
-/// Why `source`'s start rule can match no text at all, if it cannot (llguidance then finds no
-/// first token; llama.cpp's engine would take tokens until it is stuck).
-fn matches_nothing(source: &GrammarSource) -> Option<String> {
-    let syntax = gbnf_syntax::parse(&source.text).ok()?;
-    syntax.rule(&source.root)?;
+/// `source` read by lloyal's GBNF reader, after the pre-flight check that keeps input which
+/// would overflow a recursive parser's stack (deep nesting) away from it; or why not.
+fn read(source: &GrammarSource) -> std::result::Result<gbnf_syntax::Syntax, String> {
+    if source.text.trim().is_empty() || source.text.contains('\0') || source.root.contains('\0') {
+        return Err("the grammar is empty or has a NUL byte".into());
+    }
+    gbnf_check::check_gbnf(&source.text).map_err(|e| e.to_string())?;
+    gbnf_syntax::parse(&source.text).map_err(|e| format!("the grammar does not parse ({e})"))
+}
+
+/// Why the start rule `root` of `syntax` can match no text at all, if it cannot (llguidance
+/// then finds no first token; llama.cpp's engine would take tokens until it is stuck).
+fn matches_nothing(syntax: &gbnf_syntax::Syntax, root: &str) -> Option<String> {
+    syntax.rule(root)?;
     let matching = syntax.matching_rules();
-    if matching.contains(source.root.as_str()) {
+    if matching.contains(root) {
         return None;
     }
     let empty: Vec<&str> =
         syntax.rules.iter().map(|(n, _)| n.as_str()).filter(|n| !matching.contains(n)).take(4).collect();
     Some(format!(
-        "the grammar accepts no text: rule {:?} can match nothing (rules that match nothing: {}); \
+        "the grammar accepts no text: rule {root:?} can match nothing (rules that match nothing: {}); \
          look for a character class with no characters, such as a backwards range like [z-a], or \
          rules that only lead back to themselves",
-        source.root,
         empty.join(", ")
     ))
 }
 
-/// GBNF on llguidance: read, translated to Lark (`gbnf_lark`), compiled; or why not.
-fn translate(model: &Model, source: &GrammarSource) -> std::result::Result<Engine, String> {
-    if source.text.trim().is_empty() || source.text.contains('\0') || source.root.contains('\0') {
-        return Err("the grammar is empty or has a NUL byte".into());
-    }
-    gbnf_check::check_gbnf(&source.text).map_err(|e| e.to_string())?;
-    let syntax = gbnf_syntax::parse(&source.text).map_err(|e| format!("the grammar does not parse ({e})"))?;
+/// GBNF on llguidance: `syntax` translated to Lark (`gbnf_lark`), compiled; or why not.
+fn translate(model: &Model, syntax: &gbnf_syntax::Syntax, root: &str) -> std::result::Result<Engine, String> {
     let resolve = |text: &str| match model.tokenize(text, false, true).as_slice() {
         [one] => u32::try_from(*one).ok(),
         _ => None,
     };
-    let lark = gbnf_lark::to_lark(&syntax, &source.root, &resolve)?;
+    let lark = gbnf_lark::to_lark(syntax, root, &resolve)?;
     LlgEngine::compile(model, GrammarKind::Lark, &lark)
         .map(|e| Engine::Llg(Box::new(e)))
         .map_err(|e| format!("llguidance refused its translation: {e}"))
