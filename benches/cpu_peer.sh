@@ -12,18 +12,10 @@ set -euo pipefail
 src=${1:?usage: benches/cpu_peer.sh LLAMA_CPP BATCHED_BENCH OUT}
 bench=${2:?BATCHED_BENCH}
 out=${3:?OUT}
-root=$(cd "$(dirname "$0")/.." && pwd)
-mkdir -p "$out"
-rm -rf "$out/llama.cpp" && cp -r "$src" "$out/llama.cpp"
-rm -rf "$out/llama.cpp/tools/batched-bench" && cp -r "$bench" "$out/llama.cpp/tools/batched-bench"
-# Only the bench among the tools (the crate's other tool folders have no sources).
-cat > "$out/llama.cpp/tools/CMakeLists.txt" <<'CMAKE'
-find_package(Threads REQUIRED)
-llama_add_compile_flags()
-add_subdirectory(batched-bench)
-CMAKE
+source "$(dirname "$0")/peer_source.sh"
+peer_source "$src" "$bench" "$out"
 cmake -S "$out/llama.cpp" -B "$out/build" -DCMAKE_BUILD_TYPE=Release -DGGML_NATIVE=ON \
-    -DCMAKE_PROJECT_INCLUDE="$root/llama-build/project_include.cmake" \
+    -DCMAKE_PROJECT_INCLUDE="$PEER_PROJECT_INCLUDE" \
     -DLLAMA_CURL=OFF -DLLAMA_OPENSSL=OFF -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF \
     -DLLAMA_BUILD_SERVER=OFF -DLLAMA_BUILD_APP=OFF
 cmake --build "$out/build" -j "$(nproc)" --target llama-batched-bench

@@ -16,20 +16,14 @@ src=${1:?usage: benches/gpu_backend.sh LLAMA_CPP BATCHED_BENCH OUT [LLOYAL_NATIV
 bench=${2:?BATCHED_BENCH}
 out=${3:?OUT}
 native=${4:-}
-mkdir -p "$out"
-rm -rf "$out/llama.cpp" && cp -r "$src" "$out/llama.cpp"
-rm -rf "$out/llama.cpp/tools/batched-bench" && cp -r "$bench" "$out/llama.cpp/tools/batched-bench"
-# Only the bench among the tools (the crate's other tool folders have no sources).
-cat > "$out/llama.cpp/tools/CMakeLists.txt" <<'CMAKE'
-find_package(Threads REQUIRED)
-llama_add_compile_flags()
-add_subdirectory(batched-bench)
-CMAKE
+source "$(dirname "$0")/peer_source.sh"
+peer_source "$src" "$bench" "$out"
+# lloyal's build additions too: its CPU variants include sapphirerapids (GCC's AMX fix, llama-build/).
 cmake -S "$out/llama.cpp" -B "$out/build" -G Ninja -DCMAKE_BUILD_TYPE=Release \
     -DGGML_CUDA=ON -DCMAKE_CUDA_ARCHITECTURES="${CUDA_ARCH:-90}" \
     -DGGML_NATIVE=OFF -DGGML_CPU_ALL_VARIANTS=ON -DGGML_BACKEND_DL=ON -DBUILD_SHARED_LIBS=ON \
     -DLLAMA_CURL=OFF -DLLAMA_OPENSSL=OFF -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF \
-    -DLLAMA_BUILD_SERVER=OFF -DLLAMA_BUILD_APP=OFF
+    -DLLAMA_BUILD_SERVER=OFF -DLLAMA_BUILD_APP=OFF -DCMAKE_PROJECT_INCLUDE="$PEER_PROJECT_INCLUDE"
 cmake --build "$out/build" -j "$(nproc)" --target ggml-cuda llama-batched-bench
 if [ -n "$native" ]; then
     cp "$out/build/bin/libggml-cuda.so" "$native/"

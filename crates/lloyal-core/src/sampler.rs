@@ -355,17 +355,10 @@ impl Sampler {
         self.candidates.clear();
         if p.top_k > 0 && p.dry.is_none() && p.mirostat.is_none() {
             let top = top_candidates_in(logits, maxima, &repl, p.top_k as usize);
-            self.candidates.extend(top.into_iter().map(|(id, logit)| sys::llama_token_data {
-                id,
-                logit,
-                p: 0.0,
-            }));
+            self.candidates.extend(top.into_iter().map(token_data));
         } else {
-            self.candidates.extend(logits.iter().enumerate().map(|(i, &logit)| sys::llama_token_data {
-                id: i as i32,
-                logit,
-                p: 0.0,
-            }));
+            self.candidates
+                .extend(logits.iter().enumerate().map(|(i, &logit)| token_data((i as i32, logit))));
             for &(i, v) in &repl {
                 self.candidates[i].logit = v;
             }
@@ -404,13 +397,8 @@ impl Sampler {
         if greedy {
             return Some(first);
         }
-        let top = pad_to_k(best, k);
         self.candidates.clear();
-        self.candidates.extend(top.into_iter().map(|(id, logit)| sys::llama_token_data {
-            id,
-            logit,
-            p: 0.0,
-        }));
+        self.candidates.extend(pad_to_k(best, k).into_iter().map(token_data));
         Some(self.draw_candidates(|| first))
     }
 
@@ -537,6 +525,11 @@ pub fn top_candidates_in(
     out.sort_unstable_by(|a, b| b.cmp(a));
     out.truncate(k);
     out.into_iter().map(|c| (c.1, c.0)).collect()
+}
+
+/// A candidate for llama.cpp's chain.
+fn token_data((id, logit): (i32, f32)) -> sys::llama_token_data {
+    sys::llama_token_data { id, logit, p: 0.0 }
 }
 
 /// `(token, value)` of every token of `ids` whose value (`replace` substituted) is finite, best

@@ -1,3 +1,6 @@
+use std::collections::BTreeSet;
+
+use super::conflicts::{prefix_continuations, Dfa};
 use super::*;
 use crate::grammar::gbnf_syntax::parse;
 

@@ -1,0 +1,23 @@
+# Sourced by benches/cpu_peer.sh and benches/gpu_backend.sh: llama.cpp's source with
+# llama-batched-bench as its only tool, ready for cmake.
+#
+#   peer_source LLAMA_CPP BATCHED_BENCH OUT   (makes OUT/llama.cpp)
+#
+# LLAMA_CPP: llama-cpp-sys-2's vendored llama.cpp (the one lloyal compiles); BATCHED_BENCH:
+# llama.cpp's tools/batched-bench (the crate ships tools without sources; take it from
+# llama-cpp-python's sdist, as `make bench-peers-cpp` unpacks it). Both builds also take
+# lloyal's additions to llama.cpp's build: -DCMAKE_PROJECT_INCLUDE="$PEER_PROJECT_INCLUDE".
+PEER_PROJECT_INCLUDE="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)/llama-build/project_include.cmake"
+
+peer_source() {
+    local src=$1 bench=$2 out=$3
+    mkdir -p "$out"
+    rm -rf "$out/llama.cpp" && cp -r "$src" "$out/llama.cpp"
+    rm -rf "$out/llama.cpp/tools/batched-bench" && cp -r "$bench" "$out/llama.cpp/tools/batched-bench"
+    # Only the bench among the tools (the crate's other tool folders have no sources).
+    cat > "$out/llama.cpp/tools/CMakeLists.txt" <<'CMAKE'
+find_package(Threads REQUIRED)
+llama_add_compile_flags()
+add_subdirectory(batched-bench)
+CMAKE
+}
