@@ -1,0 +1,189 @@
+//! The execute phase: a tick's rows decoded in as few `llama_decode` calls as `n_batch`
+//! allows, each logits row copied into its branch; a failed packed decode rolled back and
+//! retried operation by operation, so one bad operation fails only its own caller, with the
+//! same all-or-nothing rollback as a direct call.
+
+use std::time::Instant;
+
+use super::{Flight, Part, Scheduler, TickOutcome};
+use crate::context::ContextState;
+use crate::error::Result;
+use crate::tenancy::Handle;
+
+/// One row of a packed batch.
+#[derive(Debug, Clone, Copy)]
+struct Row {
+    token: i32,
+    pos: i32,
+    seq: i32,
+    handle: Handle,
+    logits: bool,
+}
+
+/// Rows of one flash-attention query tile in ggml's CPU kernel (`GGML_FA_TILE_Q`).
+const FA_QUERY_TILE: usize = 64;
+
+impl Scheduler {
+    /// Decode the tick's `parts` (`rows`: its commit and prefill row counts); each part's
+    /// result, with a failed part's cells removed.
+    pub(super) fn execute(
+        &mut self,
+        s: &mut ContextState,
+        parts: &[Part],
+        (decode_rows, prefill_rows): (usize, usize),
+        max_prefill: Option<usize>,
+        out: &mut TickOutcome,
+    ) -> Vec<Result<()>> {
+        let rows_of: Vec<Vec<Row>> = parts.iter().map(|p| self.rows(p)).collect();
+        let all: Vec<Row> = rows_of.iter().flatten().copied().collect();
+        out.rows = all.len() as u64;
+        out.ops = parts.len() as u64;
+        let split = split_point(s.split_mixed_ticks, decode_rows, prefill_rows);
+        let (result, decodes) = decode(s, &all, split, &mut out.decode_secs);
+        out.decodes += decodes;
+        match result {
+            Ok(()) => {
+                if max_prefill.is_none() {
+                    self.pacer.observe(decode_rows, prefill_rows, out.decode_secs);
+                    self.pacer.ticked(Instant::now(), decode_rows);
+                }
+                vec![Ok(()); parts.len()]
+            }
+            Err(e) => {
+                for rows in &rows_of {
+                    rollback_rows(s, rows);
+                }
+                if parts.len() == 1 {
+                    return vec![Err(e)];
+                }
+                // Isolate the culprit: each operation alone.
+                let mut outcomes = Vec::with_capacity(parts.len());
+                for rows in &rows_of {
+                    let (r, d) = decode(s, rows, None, &mut out.decode_secs);
+                    out.decodes += d;
+                    if r.is_err() {
+                        rollback_rows(s, rows);
+                    }
+                    outcomes.push(r);
+                }
+                outcomes
+            }
+        }
+    }
+
+    fn rows(&self, part: &Part) -> Vec<Row> {
+        let row = |r: &super::CommitRow| Row {
+            token: r.token,
+            pos: r.pos,
+            seq: r.seq,
+            handle: r.handle,
+            logits: true,
+        };
+        match part {
+            Part::Gen(_, g) => vec![row(&g.row)],
+            Part::Commit(_, rows) => rows.iter().map(row).collect(),
+            Part::Prefill(fi, take) => {
+                let mut rows = Vec::new();
+                for (item, &t) in self.flights[*fi].items.iter().zip(take) {
+                    rows.extend((item.done..item.done + t).map(|i| Row {
+                        token: item.tokens[i],
+                        pos: item.pos0 + i as i32,
+                        seq: item.seq,
+                        handle: item.handle,
+                        logits: i + 1 == item.tokens.len(),
+                    }));
+                }
+                rows
+            }
+        }
+    }
+}
+
+/// Where a tick's rows are cut into separate `llama_decode` calls: after the `decode_rows`
+/// commit rows, when `split` (the fast CPU kernels with flash attention), there are at least
+/// two of them (one sequence alone skips like a prefill) and the tick also carries prefill
+/// rows, together reaching a query tile.
+///
+/// ggml's CPU flash attention takes 64 query rows at a time and skips a 64-cell block of
+/// the cache only when it is masked for every row of the tile. Prefill rows of one sequence
+/// skip every other sequence's cells; a tile holding commit rows of N sequences (one row
+/// each) skips almost nothing and runs dense over the whole cache. Decoded apart, the commit
+/// rows (under 64) take the row-by-row kernel, which skips masked cells one by one, and every
+/// prefill tile skips again. Next to 16 streams (~4,300 cells), 16 commit rows with 48 / 128 /
+/// 496 prefill rows took a median 0.51 / 0.74 / 1.57 s in one call and 0.20 / 0.39 / 1.28 s
+/// in two; 4 + 252: 0.61 vs 0.55 s; 1 + 200: the same (docs/performance.md).
+pub(super) fn split_point(split: bool, decode_rows: usize, prefill_rows: usize) -> Option<usize> {
+    let mixed = decode_rows >= 2 && prefill_rows > 0 && decode_rows + prefill_rows >= FA_QUERY_TILE;
+    (split && mixed).then_some(decode_rows)
+}
+
+/// Decode `rows` in calls of at most `n_batch` rows, a call ending at row `split` too,
+/// copying each logits row into its branch's `next_logits`. Returns the result and the
+/// number of `llama_decode` calls made.
+fn decode(s: &mut ContextState, rows: &[Row], split: Option<usize>, secs: &mut f64) -> (Result<()>, u64) {
+    let n_batch = s.shape().n_batch as usize;
+    let mut decodes = 0;
+    let (head, tail) = rows.split_at(split.unwrap_or(0).min(rows.len()));
+    for chunk in head.chunks(n_batch.max(1)).chain(tail.chunks(n_batch.max(1))) {
+        s.batch_mut().clear();
+        for r in chunk {
+            s.batch_mut().push(r.token, r.pos, r.seq, r.logits);
+        }
+        decodes += 1;
+        let t0 = Instant::now();
+        let ran = s.run_batch();
+        *secs += t0.elapsed().as_secs_f64();
+        let result = ran.and_then(|()| {
+            let rows: Vec<(i32, Handle)> = chunk
+                .iter()
+                .enumerate()
+                .filter(|(_, r)| r.logits)
+                .map(|(i, r)| (i as i32, r.handle))
+                .collect();
+            s.fill_next_logits_rows(&rows)
+        });
+        if let Err(e) = result {
+            return (Err(e), decodes);
+        }
+    }
+    (Ok(()), decodes)
+}
+
+/// Remove the cells `rows` wrote (each sequence from its first row's position on).
+fn rollback_rows(s: &mut ContextState, rows: &[Row]) {
+    let mut seen: Vec<i32> = Vec::new();
+    for r in rows {
+        if !seen.contains(&r.seq) {
+            seen.push(r.seq);
+            s.remove_cells(r.seq, r.pos, -1);
+        }
+    }
+}
+
+/// Remove every cell an in-flight prefill wrote (branches still live only: a disposed
+/// branch's cells went with it, and its sequence may have a new owner).
+pub(super) fn rollback_flight(s: &mut ContextState, f: &Flight) {
+    for item in &f.items {
+        if s.is_live(item.handle) {
+            s.remove_cells(item.seq, item.pos0, -1);
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn commit_rows_of_several_branches_are_cut_from_prefill_rows_on_fast_kernels() {
+        assert_eq!(split_point(true, 16, 496), Some(16));
+        assert_eq!(split_point(true, 2, 62), Some(2));
+        // One sequence alone skips like a prefill; under one query tile nothing is tiled.
+        assert_eq!(split_point(true, 1, 511), None);
+        assert_eq!(split_point(true, 16, 47), None);
+        // Nothing to cut, or batch-invariant kernels (row by row).
+        assert_eq!(split_point(true, 16, 0), None);
+        assert_eq!(split_point(true, 0, 512), None);
+        assert_eq!(split_point(false, 16, 496), None);
+    }
+}

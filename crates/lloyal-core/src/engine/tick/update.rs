@@ -1,0 +1,101 @@
+//! The update phase: each decoded part's result published (branches accept, advance and
+//! publish their logits; streams get their items), finished prefills answered (a generation
+//! request's prompt then queues it for its tokens), failed ones rolled back.
+
+use super::{CommitRow, Flight, Part, Scheduler, TickOutcome, Waiting};
+use crate::context::ContextState;
+use crate::engine::gen::{Finish, GenSpec};
+use crate::engine::op::Work;
+use crate::error::Result;
+
+impl Scheduler {
+    /// Publish the tick's `parts` with their decode `outcomes`.
+    pub(super) fn update(
+        &mut self,
+        s: &mut ContextState,
+        parts: Vec<Part>,
+        outcomes: Vec<Result<()>>,
+        ended: &mut Vec<(usize, Result<Finish>)>,
+        out: &mut TickOutcome,
+    ) {
+        let mut flights_ended: Vec<(usize, Result<()>)> = Vec::new();
+        for (part, result) in parts.into_iter().zip(outcomes) {
+            match (part, result) {
+                (Part::Commit(op, rows), Ok(())) => {
+                    let r = finish_commit(s, &rows);
+                    out.reply(op, r);
+                }
+                (Part::Commit(op, _), Err(e)) => out.reply(op, Err(e)),
+                (Part::Gen(gi, row), Ok(())) => self.publish_gen(s, gi, row, ended, out),
+                (Part::Gen(gi, _), Err(e)) => ended.push((gi, Err(e))),
+                (Part::Prefill(fi, take), Ok(())) => {
+                    let f = &mut self.flights[fi];
+                    for (item, t) in f.items.iter_mut().zip(take) {
+                        item.done += t;
+                    }
+                    if f.items.iter().all(|i| i.done == i.tokens.len()) {
+                        flights_ended.push((fi, Ok(())));
+                    }
+                }
+                (Part::Prefill(fi, _), Err(e)) => flights_ended.push((fi, Err(e))),
+            }
+        }
+        self.end_flights(s, flights_ended, out);
+    }
+
+    /// Remove finished and failed flights (highest index first keeps the others' indices)
+    /// and answer them; a generation request's finished prompt queues it for its tokens.
+    fn end_flights(
+        &mut self,
+        s: &mut ContextState,
+        mut ends: Vec<(usize, Result<()>)>,
+        out: &mut TickOutcome,
+    ) {
+        ends.sort_by_key(|e| std::cmp::Reverse(e.0));
+        for (fi, result) in ends {
+            let f = self.flights.remove(fi);
+            if let Err(e) = result {
+                super::execute::rollback_flight(s, &f);
+                out.reply(f.op, Err(e));
+                continue;
+            }
+            match (&f.op.work, finish_prefill(s, &f)) {
+                (Work::Generate(spec), Ok(())) => {
+                    let spec = GenSpec { prompt: Vec::new(), ..(**spec).clone() };
+                    self.waiting.push_back(Waiting::new(f.op, spec));
+                    self.fresh_waiting = true;
+                }
+                (_, r) => {
+                    out.prefills_done += u64::from(r.is_ok());
+                    out.reply(f.op, r)
+                }
+            }
+        }
+    }
+}
+
+/// Publish a decoded commit: accept, advance, publish logits, count cells.
+pub(super) fn finish_commit(s: &mut ContextState, rows: &[CommitRow]) -> Result<()> {
+    for r in rows {
+        let b = s.branch_mut(r.handle)?;
+        b.accept_with(r.token, r.surprisals);
+        b.position += 1;
+        b.publish_logits();
+    }
+    s.grow_cells(rows.len());
+    Ok(())
+}
+
+/// Publish a finished prefill: advance positions, publish logits, count cells.
+fn finish_prefill(s: &mut ContextState, f: &Flight) -> Result<()> {
+    for item in &f.items {
+        if item.tokens.is_empty() {
+            continue;
+        }
+        let b = s.branch_mut(item.handle)?;
+        b.position += item.tokens.len() as i32;
+        b.publish_logits();
+    }
+    s.grow_cells(f.cells);
+    Ok(())
+}
