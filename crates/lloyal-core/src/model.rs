@@ -13,34 +13,8 @@ use llama_cpp_sys_2 as sys;
 use crate::backend::{backend, clear_recent_errors, recent_errors};
 use crate::error::{LloyalError, Result};
 use crate::model_file::check_gguf_file;
+use crate::options::ModelOptions;
 use crate::raw::load_model;
-
-/// How to load weights. Two loads with equal options and the same file share one [`Model`].
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
-pub struct ModelOptions {
-    /// Layers to offload to the GPU (0 = CPU only).
-    pub n_gpu_layers: u32,
-    /// Memory-map the file instead of reading it.
-    pub use_mmap: bool,
-    /// Let llama.cpp repack Q4 weights for its fastest CPU matmul (the default, as in llama.cpp).
-    /// The repacked kernel multiplies rows in groups of 4, so a token's logits then depend on how
-    /// many rows share its decode; batch-invariant contexts need `repack: false`.
-    pub repack: bool,
-}
-
-impl Default for ModelOptions {
-    fn default() -> Self {
-        ModelOptions { n_gpu_layers: 0, use_mmap: true, repack: true }
-    }
-}
-
-impl ModelOptions {
-    /// The weights a context loading its own model should use: repacked (llama.cpp's fastest
-    /// kernels) unless the context asks for batch invariance (`batch_invariant=True`).
-    pub fn for_context(batch_invariant: Option<bool>) -> Self {
-        ModelOptions { repack: batch_invariant != Some(true), ..Default::default() }
-    }
-}
 
 type RegistryKey = (PathBuf, ModelOptions);
 static REGISTRY: Mutex<Option<HashMap<RegistryKey, Weak<Model>>>> = Mutex::new(None);

@@ -2,21 +2,11 @@
 //! prefill, produce_all, retain_only, dispose_all — and KV pressure. Each validates, plans,
 //! executes, then publishes — a failure leaves every branch exactly as it was.
 
-use crate::context::ContextState;
+use crate::context::state::ContextState;
 use crate::error::{LloyalError, Result};
+use crate::ledger::KvPressure;
 use crate::packing::plan;
 use crate::tenancy::Handle;
-
-/// KV occupancy by branches.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct KvPressure {
-    pub n_ctx: u32,
-    pub cells_used: usize,
-    pub remaining: usize,
-    /// Cells of pruned branches parked until the cache fills (batch-invariant contexts only;
-    /// not in `cells_used`: a decode that needs them frees them).
-    pub cells_parked: usize,
-}
 
 impl ContextState {
     /// Free leases.
@@ -31,13 +21,7 @@ impl ContextState {
 
     /// Cells held by branches and what is left of `n_ctx`.
     pub fn kv_pressure(&self) -> KvPressure {
-        let n_ctx = self.shape().n_ctx;
-        KvPressure {
-            n_ctx,
-            cells_used: self.ledger.cells_used(),
-            remaining: (n_ctx as usize).saturating_sub(self.ledger.cells_used()),
-            cells_parked: self.parked,
-        }
+        self.ledger.pressure(self.shape().n_ctx, self.parked)
     }
 
     pub(crate) fn check_room(&self, needed: usize) -> Result<()> {
@@ -79,7 +63,7 @@ impl ContextState {
             }
         }
         self.topology = Default::default();
-        self.reset_ledger(&[], 0);
+        self.ledger.reset(&[], 0);
         self.reclaim_parked();
     }
 
@@ -98,7 +82,7 @@ impl ContextState {
             }
         }
         self.topology.retain_only(winner);
-        self.reset_ledger(&[seq], if p_max >= 0 { (p_max - p_min + 1) as usize } else { 0 });
+        self.ledger.reset(&[seq], if p_max >= 0 { (p_max - p_min + 1) as usize } else { 0 });
         let b = self.branch_mut(winner)?;
         b.fork_head = if p_max >= 0 { p_min } else { b.position };
         if p_max >= 0 && self.batch_invariant {
@@ -176,7 +160,7 @@ impl ContextState {
             b.position += 1;
             b.publish_logits();
         }
-        self.grow_cells(pairs.len());
+        self.ledger.grow_cells(pairs.len());
         Ok(())
     }
 
@@ -235,7 +219,7 @@ impl ContextState {
             b.position += tokens.len() as i32;
             b.publish_logits();
         }
-        self.grow_cells(total);
+        self.ledger.grow_cells(total);
         Ok(())
     }
 }

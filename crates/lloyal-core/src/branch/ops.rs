@@ -5,7 +5,7 @@
 use std::sync::Arc;
 
 use crate::branch::{BranchState, Logits};
-use crate::context::ContextState;
+use crate::context::state::ContextState;
 use crate::error::{LloyalError, Result};
 use crate::grammar::Grammar;
 use crate::metrics::{entropy, Base};
@@ -67,7 +67,7 @@ impl ContextState {
         }
         let model = self.model();
         let sampler = Sampler::new(&model, params)?;
-        let seq = self.take_lease()?;
+        let seq = self.ledger.take_lease(&mut self.raw)?;
         let handle = self.branches.insert(BranchState::new(seq, position, sampler));
         self.topology.add(handle, None);
         Ok(handle)
@@ -92,7 +92,7 @@ impl ContextState {
             Some(a) if a < position => Some(a),
             _ => None,
         };
-        let seq = self.take_lease()?;
+        let seq = self.ledger.take_lease(&mut self.raw)?;
         let made = self.branch(parent).and_then(|p| match at {
             Some(a) => p.fork_at(seq, a),
             None => p.fork(seq, clone_logits),
@@ -100,7 +100,7 @@ impl ContextState {
         let child = match made {
             Ok(c) => c,
             Err(e) => {
-                self.return_lease(seq);
+                self.ledger.return_lease(seq);
                 return Err(e);
             }
         };
@@ -117,8 +117,8 @@ impl ContextState {
             // Its own cells [fork_head, position) are held by no other sequence: park them.
             self.park_cells(b.seq_id, b.fork_head, b.position);
             self.remove_cells(b.seq_id, -1, -1);
-            self.free_cells((b.position - b.fork_head).max(0) as usize);
-            self.return_lease(b.seq_id);
+            self.ledger.free_cells((b.position - b.fork_head).max(0) as usize);
+            self.ledger.return_lease(b.seq_id);
             self.topology.remove(handle);
         }
     }

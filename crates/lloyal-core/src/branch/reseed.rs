@@ -1,7 +1,7 @@
 //! BlinkKV: rebuild a sequence from attention sinks plus a recent tail, so a stream can run
 //! past `n_ctx` (`clear_and_reseed` on the flat path, `reseed` per branch).
 
-use crate::context::ContextState;
+use crate::context::state::ContextState;
 use crate::error::{LloyalError, Result};
 use crate::tenancy::Handle;
 
@@ -54,8 +54,11 @@ impl ContextState {
             });
         }
         // Parking keeps the old cells occupied while the new ones are written.
-        let parking =
-            if self.ledger.cells_used() + tokens.len() <= n_ctx { self.take_lease().ok() } else { None };
+        let parking = if self.ledger.cells_used() + tokens.len() <= n_ctx {
+            self.ledger.take_lease(&mut self.raw).ok()
+        } else {
+            None
+        };
         if let Some(p) = parking {
             self.copy_seq(seq, p);
         }
@@ -66,7 +69,7 @@ impl ContextState {
             b.position = 0;
             b.fork_head = 0;
         }
-        self.free_cells(own);
+        self.ledger.free_cells(own);
         let result = self.prefill(&[(handle, tokens.clone())]);
         if let Err(e) = result {
             self.remove_cells(seq, -1, -1);
@@ -76,17 +79,17 @@ impl ContextState {
                 b.fork_head = fork_head;
                 b.logits = old_logits;
                 self.copy_seq(p, seq);
-                self.grow_cells(own);
+                self.ledger.grow_cells(own);
             }
             if let Some(p) = parking {
                 self.remove_cells(p, -1, -1);
-                self.return_lease(p);
+                self.ledger.return_lease(p);
             }
             return Err(e);
         }
         if let Some(p) = parking {
             self.remove_cells(p, -1, -1);
-            self.return_lease(p);
+            self.ledger.return_lease(p);
         }
         Ok(tokens.len() as i32)
     }

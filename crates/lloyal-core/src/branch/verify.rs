@@ -4,7 +4,7 @@
 //! sampler chose instead (the bonus) is committed.
 
 use crate::branch::Logits;
-use crate::context::ContextState;
+use crate::context::state::ContextState;
 use crate::error::{LloyalError, Result};
 use crate::tenancy::Handle;
 
@@ -65,7 +65,7 @@ impl ContextState {
             Err(e) => {
                 self.remove_cells(seq, pos, -1);
                 // The walk may have counted accepted drafts before failing.
-                self.free_cells(self.ledger.cells_used() - cells_before);
+                self.ledger.free_cells(self.ledger.cells_used() - cells_before);
                 *self.branch_mut(handle)? = saved;
                 Err(e)
             }
@@ -97,7 +97,7 @@ impl ContextState {
             b.publish_logits();
             accepted += 1;
         };
-        self.grow_cells(accepted);
+        self.ledger.grow_cells(accepted);
         self.remove_cells(seq, pos + accepted as i32, -1);
         self.commit(&[(handle, bonus)])?;
         Ok(Verified { accepted, bonus })

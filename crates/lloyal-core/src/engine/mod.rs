@@ -22,10 +22,10 @@ use std::time::{Duration, Instant};
 
 pub use op::{Done, Reply, Waiter, Work};
 
-use crate::context::Context;
+use crate::context::state::ContextState;
 use crate::error::{LloyalError, Result};
 use op::Op;
-use tick::Scheduler;
+use tick::{Scheduler, TickOutcome};
 
 /// How often the engine looks for room while generation requests wait for it.
 const WAIT_POLL: Duration = Duration::from_millis(5);
@@ -35,6 +35,13 @@ const WAIT_POLL: Duration = Duration::from_millis(5);
 /// tick that started without them holds the context lock for the whole prompt (their
 /// `Branch.create` waits, and their prompts miss the tick).
 const BURST_GATHER: Duration = Duration::from_millis(5);
+
+/// What the engine ticks on: a context's state behind its lock ([`crate::context::Context`]).
+pub trait Host: Send + Sync + 'static {
+    /// Run `f` on the open state under the lock, then release the lock fairly (a thread
+    /// waiting for it goes before the engine's next tick); `ContextClosed` once closed.
+    fn with_fair<T>(&self, f: impl FnOnce(&mut ContextState) -> Result<T>) -> Result<T>;
+}
 
 /// Counters of a context's engine.
 #[derive(Debug, Clone, Copy, Default, PartialEq)]
@@ -180,7 +187,7 @@ impl Drop for Engine {
 
 impl Engine {
     /// Queue `work` for `ctx`; `done` receives its result on the engine thread.
-    pub(crate) fn submit(&self, ctx: &Arc<Context>, work: Work, done: Done) -> Result<Ticket> {
+    pub(crate) fn submit<H: Host>(&self, ctx: &Arc<H>, work: Work, done: Done) -> Result<Ticket> {
         let cancelled = Arc::new(AtomicBool::new(false));
         let mut q = self.shared.lock();
         if q.shutdown || q.closing {
@@ -300,124 +307,29 @@ fn set_idle(shared: &Shared) {
     shared.cv.notify_all();
 }
 
-fn engine_loop(ctx: Weak<Context>, shared: Arc<Shared>) {
+fn engine_loop<H: Host>(ctx: Weak<H>, shared: Arc<Shared>) {
     // The decodes run here: this thread's OpenMP pool also takes the rows' host work.
     crate::omp::mark_engine_thread();
     let mut sched = Scheduler::default();
     loop {
-        let (ops, max_prefill): (Vec<Op>, Option<usize>) = {
-            let mut q = shared.lock();
-            loop {
-                if q.shutdown {
-                    let ops: Vec<Op> = q.ops.drain(..).collect();
-                    q.stats.queue_depth = 0;
-                    drop(q);
-                    let mut replies = sched.fail_all(&LloyalError::ContextClosed);
-                    replies.extend(ops.into_iter().map(|op| (op.reply, Err(LloyalError::ContextClosed))));
-                    answer(&shared, replies);
-                    return;
-                }
-                if !q.paused && (!q.ops.is_empty() || sched.has_work()) {
-                    break;
-                }
-                if !q.paused && sched.waiting() + sched.lease_waiting() > 0 {
-                    // Generation requests wait for room that a prune (not an engine call) may
-                    // free: look again every few milliseconds.
-                    q = shared.cv.wait_timeout(q, WAIT_POLL).unwrap_or_else(|p| p.into_inner()).0;
-                    if !q.paused && !q.shutdown {
-                        break;
-                    }
-                    continue;
-                }
-                q = shared.cv.wait(q).unwrap_or_else(|p| p.into_inner());
-            }
-            // Gather: give the previous tick's callers a moment to come back, so they share
-            // this tick instead of splitting into a one-caller tick and the rest. A caller
-            // whose prefill just finished usually forks it next, with a direct call that needs
-            // the context lock: the whole window leaves it room to do so before this tick
-            // takes the lock (else it waited a whole tick, ~0.8 s for a 512-token chunk).
-            let burst = q.idle && sched.generating() == 0 && q.ops.iter().any(|op| op.work.has_prompt());
-            let gather = Duration::from_secs_f64(q.stats.gather);
-            let gather = if burst && q.stats.gather > 0.0 { gather.max(BURST_GATHER) } else { gather };
-            let deadline = Instant::now() + gather;
-            let settle = q.last_tick_prefills > 0 || burst;
-            while (settle || q.ops.len() + sched.ready() < q.last_tick_ops) && !q.shutdown && !q.paused {
-                let now = Instant::now();
-                if now >= deadline {
-                    break;
-                }
-                q = shared.cv.wait_timeout(q, deadline - now).unwrap_or_else(|p| p.into_inner()).0;
-            }
-            if q.shutdown || q.paused {
-                continue;
-            }
-            q.stats.queue_depth = 0;
-            q.idle = false;
-            (q.ops.drain(..).collect(), q.prefill_chunk)
+        let Some((ops, max_prefill)) = take_ops(&shared, &mut sched) else {
+            return;
         };
         let started = Instant::now();
         let Some(context) = ctx.upgrade() else {
             shared.lock().shutdown = true;
             continue;
         };
-        let mut pending = Some(ops);
-        let ran = catch_unwind(AssertUnwindSafe(|| {
-            context.with_fair(|s| Ok(sched.tick(s, pending.take().unwrap_or_default(), max_prefill)))
-        }));
-        drop(context);
-        let outcome = match ran {
-            Ok(Ok(outcome)) => outcome,
-            Ok(Err(e)) => {
-                // The context was closed: answer everything.
-                let mut replies = sched.fail_all(&e);
-                replies.extend(
-                    pending.take().unwrap_or_default().into_iter().map(|op| (op.reply, Err(e.clone()))),
-                );
-                answer(&shared, replies);
-                set_idle(&shared);
-                continue;
-            }
-            Err(_) => {
-                // A panic (a bug): the dropped replies of the tick answered their callers;
-                // fail the prefills in flight too rather than resume from an unknown state.
-                let err = LloyalError::Backend(
-                    "internal error in lloyal's engine (please report it); the operation failed".into(),
-                );
-                answer(&shared, sched.fail_all(&err));
-                set_idle(&shared);
-                continue;
-            }
+        let Some(mut outcome) = run_tick(&*context, &shared, &mut sched, ops, max_prefill) else {
+            set_idle(&shared);
+            continue;
         };
-        {
-            let mut q = shared.lock();
-            let st = &mut q.stats;
-            if outcome.ops > 0 {
-                st.ticks += 1;
-                st.decode_calls += outcome.decodes;
-                st.rows += outcome.rows;
-                if outcome.ops > 1 {
-                    st.ops_coalesced += outcome.ops;
-                }
-                st.max_ops_per_tick = st.max_ops_per_tick.max(outcome.ops);
-                st.decode_seconds += outcome.decode_secs;
-                st.sample_seconds += outcome.sample_secs;
-                st.prefill_cap = outcome.prefill_cap;
-            }
-            st.in_flight = sched.in_flight();
-            st.generating = sched.generating();
-            st.waiting = sched.waiting();
-            st.lease_waiting = sched.lease_waiting();
-            q.last_tick_ops = outcome.commits as usize;
-            q.last_tick_prefills = outcome.prefills_done;
-            for op in outcome.deferred.into_iter().rev() {
-                q.ops.push_front(op);
-            }
-            q.stats.queue_depth = q.ops.len();
-        }
+        drop(context);
+        record(&shared, &sched, &mut outcome);
+        let decoded = outcome.ops > 0;
         for (stream, event) in outcome.events {
             stream.deliver(event);
         }
-        let decoded = outcome.ops > 0;
         answer(&shared, outcome.replies);
         let mut q = shared.lock();
         if decoded {
@@ -429,4 +341,127 @@ fn engine_loop(ctx: Weak<Context>, shared: Arc<Shared>) {
             shared.cv.notify_all();
         }
     }
+}
+
+/// Wait for work, gather the tick's operations and take them with the prefill cap; `None`
+/// when the engine shut down (everything it held is answered).
+fn take_ops(shared: &Shared, sched: &mut Scheduler) -> Option<(Vec<Op>, Option<usize>)> {
+    loop {
+        let mut q = shared.lock();
+        loop {
+            if q.shutdown {
+                let ops: Vec<Op> = q.ops.drain(..).collect();
+                q.stats.queue_depth = 0;
+                drop(q);
+                let mut replies = sched.fail_all(&LloyalError::ContextClosed);
+                replies.extend(ops.into_iter().map(|op| (op.reply, Err(LloyalError::ContextClosed))));
+                answer(shared, replies);
+                return None;
+            }
+            if !q.paused && (!q.ops.is_empty() || sched.has_work()) {
+                break;
+            }
+            if !q.paused && sched.waiting() + sched.lease_waiting() > 0 {
+                // Generation requests wait for room that a prune (not an engine call) may
+                // free: look again every few milliseconds.
+                q = shared.cv.wait_timeout(q, WAIT_POLL).unwrap_or_else(|p| p.into_inner()).0;
+                if !q.paused && !q.shutdown {
+                    break;
+                }
+                continue;
+            }
+            q = shared.cv.wait(q).unwrap_or_else(|p| p.into_inner());
+        }
+        q = gather(shared, q, sched);
+        if q.shutdown || q.paused {
+            continue;
+        }
+        q.stats.queue_depth = 0;
+        q.idle = false;
+        return Some((q.ops.drain(..).collect(), q.prefill_chunk));
+    }
+}
+
+/// Gather: give the previous tick's callers a moment to come back, so they share this tick
+/// instead of splitting into a one-caller tick and the rest. A caller whose prefill just
+/// finished usually forks it next, with a direct call that needs the context lock: the whole
+/// window leaves it room to do so before this tick takes the lock (else it waited a whole
+/// tick, ~0.8 s for a 512-token chunk).
+fn gather<'a>(shared: &'a Shared, mut q: MutexGuard<'a, Queue>, sched: &Scheduler) -> MutexGuard<'a, Queue> {
+    let burst = q.idle && sched.generating() == 0 && q.ops.iter().any(|op| op.work.has_prompt());
+    let gather = Duration::from_secs_f64(q.stats.gather);
+    let gather = if burst && q.stats.gather > 0.0 { gather.max(BURST_GATHER) } else { gather };
+    let deadline = Instant::now() + gather;
+    let settle = q.last_tick_prefills > 0 || burst;
+    while (settle || q.ops.len() + sched.ready() < q.last_tick_ops) && !q.shutdown && !q.paused {
+        let now = Instant::now();
+        if now >= deadline {
+            break;
+        }
+        q = shared.cv.wait_timeout(q, deadline - now).unwrap_or_else(|p| p.into_inner()).0;
+    }
+    q
+}
+
+/// Run one tick on the locked context; `None` when it failed as a whole (the context was
+/// closed, or a panic), with every operation answered.
+fn run_tick<H: Host>(
+    context: &H,
+    shared: &Shared,
+    sched: &mut Scheduler,
+    ops: Vec<Op>,
+    max_prefill: Option<usize>,
+) -> Option<TickOutcome> {
+    let mut pending = Some(ops);
+    let ran = catch_unwind(AssertUnwindSafe(|| {
+        context.with_fair(|s| Ok(sched.tick(s, pending.take().unwrap_or_default(), max_prefill)))
+    }));
+    match ran {
+        Ok(Ok(outcome)) => Some(outcome),
+        Ok(Err(e)) => {
+            // The context was closed: answer everything.
+            let mut replies = sched.fail_all(&e);
+            replies
+                .extend(pending.take().unwrap_or_default().into_iter().map(|op| (op.reply, Err(e.clone()))));
+            answer(shared, replies);
+            None
+        }
+        Err(_) => {
+            // A panic (a bug): the dropped replies of the tick answered their callers;
+            // fail the prefills in flight too rather than resume from an unknown state.
+            let err = LloyalError::Backend(
+                "internal error in lloyal's engine (please report it); the operation failed".into(),
+            );
+            answer(shared, sched.fail_all(&err));
+            None
+        }
+    }
+}
+
+/// Count a tick in the engine's statistics and queue its deferred operations again.
+fn record(shared: &Shared, sched: &Scheduler, outcome: &mut TickOutcome) {
+    let mut q = shared.lock();
+    let st = &mut q.stats;
+    if outcome.ops > 0 {
+        st.ticks += 1;
+        st.decode_calls += outcome.decodes;
+        st.rows += outcome.rows;
+        if outcome.ops > 1 {
+            st.ops_coalesced += outcome.ops;
+        }
+        st.max_ops_per_tick = st.max_ops_per_tick.max(outcome.ops);
+        st.decode_seconds += outcome.decode_secs;
+        st.sample_seconds += outcome.sample_secs;
+        st.prefill_cap = outcome.prefill_cap;
+    }
+    st.in_flight = sched.in_flight();
+    st.generating = sched.generating();
+    st.waiting = sched.waiting();
+    st.lease_waiting = sched.lease_waiting();
+    q.last_tick_ops = outcome.commits as usize;
+    q.last_tick_prefills = outcome.prefills_done;
+    for op in std::mem::take(&mut outcome.deferred).into_iter().rev() {
+        q.ops.push_front(op);
+    }
+    q.stats.queue_depth = q.ops.len();
 }

@@ -15,10 +15,11 @@ use std::sync::Arc;
 use serde_json::{json, Value};
 
 use crate::branch::{BranchState, Logits};
-use crate::context::ContextState;
+use crate::context::state::ContextState;
 use crate::error::{LloyalError, Result};
 use crate::grammar::{GbnfEngineChoice, Grammar, GrammarKind, GrammarSource};
 use crate::metrics::PerplexityTracker;
+use crate::model::Model;
 use crate::sampler::Sampler;
 use crate::sampling::{Dry, Mirostat, SamplingParams, Xtc};
 use crate::state::envelope::{self, fnv1a64};
@@ -255,31 +256,7 @@ impl ContextState {
     }
 
     fn parse_branch_state(&self, data: &[u8]) -> Result<Parsed> {
-        if data.len() < MAGIC.len() + 4 + 8 || &data[..MAGIC.len()] != MAGIC {
-            return Err(bad("not a lloyal branch state (bad magic); pass bytes from Branch.save_state()"));
-        }
-        let (body, sum) = data.split_at(data.len() - 8);
-        let mut r = Reader { data: body, at: MAGIC.len() };
-        let version = u32::from_le_bytes(r.take(4)?.try_into().map_err(|_| bad("truncated data"))?);
-        if version != VERSION {
-            return Err(bad(format!("format version {version}, this lloyal reads version {VERSION}")));
-        }
-        if u64::from_le_bytes(sum.try_into().map_err(|_| bad("truncated data"))?) != fnv1a64(body) {
-            return Err(bad("checksum mismatch (the data is corrupt or truncated)"));
-        }
-        let meta_len = r.len()?;
-        let meta: Value =
-            serde_json::from_slice(r.take(meta_len)?).map_err(|e| bad(format!("bad metadata ({e})")))?;
-        let n_logits = r.len()?;
-        let raw = r.take(n_logits.checked_mul(4).ok_or_else(|| bad("section too large"))?)?;
-        let logits: Vec<f32> =
-            raw.chunks_exact(4).map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]])).collect();
-        let kv_len = r.len()?;
-        let kv = r.take(kv_len)?.to_vec();
-        if r.at != body.len() {
-            return Err(bad("trailing bytes"));
-        }
-
+        let (meta, logits, kv) = read_sections(data)?;
         let model = self.model();
         if !logits.is_empty() && logits.len() != model.n_vocab() as usize {
             return Err(bad(format!(
@@ -298,26 +275,7 @@ impl ContextState {
         let rng: u64 =
             meta.get("rng").and_then(Value::as_str).and_then(|s| s.parse().ok()).ok_or_else(|| bad("rng"))?;
         let sampler = Sampler::restore(&model, params, history, rng).map_err(bad)?;
-        let grammar = match meta.get("grammar").filter(|g| !g.is_null()) {
-            None => None,
-            Some(g) => {
-                let text =
-                    |k: &str| g.get(k).and_then(Value::as_str).map(str::to_string).ok_or_else(|| bad(k));
-                // States saved before llguidance hold GBNF under "gbnf" and no "kind".
-                let kind = match g.get("kind").and_then(Value::as_str) {
-                    None => GrammarKind::Gbnf,
-                    Some(name) => GrammarKind::parse(name).ok_or_else(|| bad("grammar kind"))?,
-                };
-                let text_key = if g.get("text").is_some() { "text" } else { "gbnf" };
-                let engine = match g.get("engine").and_then(Value::as_str) {
-                    None => GbnfEngineChoice::Auto,
-                    Some(name) => GbnfEngineChoice::parse(name).ok_or_else(|| bad("grammar engine"))?,
-                };
-                let source = GrammarSource { kind, text: text(text_key)?, root: text("root")?, engine };
-                let accepted = tokens_of(g, "accepted")?;
-                Some(Grammar::restore(model.clone(), &source, &accepted).map_err(bad)?)
-            }
-        };
+        let grammar = grammar_of(&meta, &model)?;
         let logit_bias = pairs_of(&meta, "logit_bias")?;
         let steer = pairs_of(&meta, "steer")?;
         for &(t, _) in logit_bias.iter().chain(&steer) {
@@ -345,11 +303,11 @@ impl ContextState {
     pub fn branch_load(&mut self, data: &[u8]) -> Result<Handle> {
         let p = self.parse_branch_state(data)?;
         self.check_room(p.cells)?;
-        let seq = self.take_lease()?;
+        let seq = self.ledger.take_lease(&mut self.raw)?;
         self.remove_cells(seq, -1, -1);
         if let Err(e) = self.kv_load_unchecked(seq, &p.kv) {
             self.remove_cells(seq, -1, -1);
-            self.return_lease(seq);
+            self.ledger.return_lease(seq);
             return Err(e);
         }
         let mut b = BranchState::new(seq, p.position, p.sampler);
@@ -362,7 +320,59 @@ impl ContextState {
         b.logits = Arc::new(Logits::new(p.logits));
         let handle = self.branches.insert(b);
         self.topology.add(handle, None);
-        self.grow_cells(p.cells);
+        self.ledger.grow_cells(p.cells);
         Ok(handle)
     }
+}
+
+/// The sections of a saved branch state, checked: its metadata, logits and KV envelope.
+fn read_sections(data: &[u8]) -> Result<(Value, Vec<f32>, Vec<u8>)> {
+    if data.len() < MAGIC.len() + 4 + 8 || &data[..MAGIC.len()] != MAGIC {
+        return Err(bad("not a lloyal branch state (bad magic); pass bytes from Branch.save_state()"));
+    }
+    let (body, sum) = data.split_at(data.len() - 8);
+    let mut r = Reader { data: body, at: MAGIC.len() };
+    let version = u32::from_le_bytes(r.take(4)?.try_into().map_err(|_| bad("truncated data"))?);
+    if version != VERSION {
+        return Err(bad(format!("format version {version}, this lloyal reads version {VERSION}")));
+    }
+    if u64::from_le_bytes(sum.try_into().map_err(|_| bad("truncated data"))?) != fnv1a64(body) {
+        return Err(bad("checksum mismatch (the data is corrupt or truncated)"));
+    }
+    let meta_len = r.len()?;
+    let meta: Value =
+        serde_json::from_slice(r.take(meta_len)?).map_err(|e| bad(format!("bad metadata ({e})")))?;
+    let n_logits = r.len()?;
+    let raw = r.take(n_logits.checked_mul(4).ok_or_else(|| bad("section too large"))?)?;
+    let logits: Vec<f32> =
+        raw.chunks_exact(4).map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]])).collect();
+    let kv_len = r.len()?;
+    let kv = r.take(kv_len)?.to_vec();
+    if r.at != body.len() {
+        return Err(bad("trailing bytes"));
+    }
+    Ok((meta, logits, kv))
+}
+
+/// The grammar of a saved branch state (`None` when it had none), replayed to where it was.
+fn grammar_of(meta: &Value, model: &Arc<Model>) -> Result<Option<Grammar>> {
+    Ok(match meta.get("grammar").filter(|g| !g.is_null()) {
+        None => None,
+        Some(g) => {
+            let text = |k: &str| g.get(k).and_then(Value::as_str).map(str::to_string).ok_or_else(|| bad(k));
+            // States saved before llguidance hold GBNF under "gbnf" and no "kind".
+            let kind = match g.get("kind").and_then(Value::as_str) {
+                None => GrammarKind::Gbnf,
+                Some(name) => GrammarKind::parse(name).ok_or_else(|| bad("grammar kind"))?,
+            };
+            let text_key = if g.get("text").is_some() { "text" } else { "gbnf" };
+            let engine = match g.get("engine").and_then(Value::as_str) {
+                None => GbnfEngineChoice::Auto,
+                Some(name) => GbnfEngineChoice::parse(name).ok_or_else(|| bad("grammar engine"))?,
+            };
+            let source = GrammarSource { kind, text: text(text_key)?, root: text("root")?, engine };
+            let accepted = tokens_of(g, "accepted")?;
+            Some(Grammar::restore(model.clone(), &source, &accepted).map_err(bad)?)
+        }
+    })
 }

@@ -3,7 +3,7 @@
 //! empty and every other sequence untouched.
 
 use crate::backend::{clear_recent_errors, recent_errors};
-use crate::context::ContextState;
+use crate::context::state::ContextState;
 use crate::error::{LloyalError, Result};
 use crate::model::Model;
 use crate::state::envelope::{self, Fingerprint, SavedState};

@@ -7,7 +7,7 @@ use std::sync::Arc;
 use std::time::Instant;
 
 use super::{Budget, CommitRow, Flight, Gen, Item, Part, Scheduler, TickOutcome, Waiting};
-use crate::context::ContextState;
+use crate::context::state::ContextState;
 use crate::engine::gen::GenSpec;
 use crate::engine::op::{Op, Work};
 use crate::error::{LloyalError, Result};

@@ -6,7 +6,7 @@
 use std::time::Instant;
 
 use super::{Flight, Part, Scheduler, TickOutcome};
-use crate::context::ContextState;
+use crate::context::state::ContextState;
 use crate::error::Result;
 use crate::tenancy::Handle;
 

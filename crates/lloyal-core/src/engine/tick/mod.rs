@@ -23,7 +23,7 @@ use super::gen::{Event, Finish, GenSpec, GenStream, StopMatcher};
 use super::op::{Op, Reply};
 use super::pace::Pacer;
 use super::plan::plan_tick;
-use crate::context::ContextState;
+use crate::context::state::ContextState;
 use crate::error::{LloyalError, Result};
 use crate::tenancy::Handle;
 use crate::text::Utf8Stream;
@@ -235,7 +235,7 @@ impl Scheduler {
         self.end_gens(sched.ended, &mut out);
         // Tell the ledger which branches have prefill cells written ahead of their position.
         let written = self.flights.iter().flat_map(|f| f.items.iter().map(|i| (i.handle, i.done)));
-        s.note_in_flight(written.collect());
+        s.ledger.note_in_flight(written.collect());
         out
     }
 

@@ -7,7 +7,7 @@ use std::time::Instant;
 
 use super::admit::admit_commit;
 use super::{Budget, CommitRow, Gen, Part, Scheduler, TickOutcome};
-use crate::context::ContextState;
+use crate::context::state::ContextState;
 use crate::engine::gen::{logprobs, Event, Finish, GenItem};
 use crate::error::{LloyalError, Result};
 

@@ -3,7 +3,7 @@
 //! request's prompt then queues it for its tokens), failed ones rolled back.
 
 use super::{CommitRow, Flight, Part, Scheduler, TickOutcome, Waiting};
-use crate::context::ContextState;
+use crate::context::state::ContextState;
 use crate::engine::gen::{Finish, GenSpec};
 use crate::engine::op::Work;
 use crate::error::Result;
@@ -82,7 +82,7 @@ pub(super) fn finish_commit(s: &mut ContextState, rows: &[CommitRow]) -> Result<
         b.position += 1;
         b.publish_logits();
     }
-    s.grow_cells(rows.len());
+    s.ledger.grow_cells(rows.len());
     Ok(())
 }
 
@@ -96,6 +96,6 @@ fn finish_prefill(s: &mut ContextState, f: &Flight) -> Result<()> {
         b.position += item.tokens.len() as i32;
         b.publish_logits();
     }
-    s.grow_cells(f.cells);
+    s.ledger.grow_cells(f.cells);
     Ok(())
 }

@@ -1,0 +1,296 @@
+//! A llama.cpp context behind one lock (released fairly): [`Context`], the handle shared by
+//! Python objects and the engine, and [`state::ContextState`], what the lock guards. The
+//! flat decode path and raw KV ops are in `flat.rs`, logits rows in `rows.rs`; branch
+//! accounting lives in `ledger.rs`, llama.cpp calls in `raw.rs`.
+
+mod flat;
+mod rows;
+pub mod state;
+
+use std::collections::HashMap;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
+
+use parking_lot::{Mutex, MutexGuard};
+
+use crate::backend::{clear_recent_errors, recent_errors};
+use crate::engine::gen::GenSpec;
+use crate::engine::{Done, Engine, EngineStats, Host, Ticket, Work};
+use crate::error::{LloyalError, Result};
+use crate::ledger::{KvPressure, Ledger};
+use crate::model::Model;
+use crate::options::ContextOptions;
+use crate::raw::{Batch, RawContext};
+use crate::tenancy::Slots;
+use crate::topology::Topology;
+use state::{ContextState, InterruptCheck};
+
+/// Sizes fixed at creation (readable without the lock).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct ContextShape {
+    pub n_ctx: u32,
+    pub n_batch: u32,
+    pub n_seq_max: u32,
+    pub n_vocab: i32,
+    pub n_threads: i32,
+    pub embeddings: bool,
+}
+
+/// A context handle shared by its Python objects. All work goes through [`Context::with`],
+/// which serialises callers on one mutex; `close()` waits for the running call.
+pub struct Context {
+    model: Arc<Model>,
+    shape: ContextShape,
+    options: ContextOptions,
+    state: Mutex<Option<ContextState>>,
+    closed: AtomicBool,
+    engine: Engine,
+    /// Free leases and KV occupancy as of the last call that released the context lock
+    /// ([`Context::occupancy`]): held only to copy it, so readers never wait for a tick (a
+    /// scheduler deciding whether a request fits waited up to a prefill chunk's ~0.8 s).
+    occupancy: Mutex<(u32, KvPressure)>,
+}
+
+impl std::fmt::Debug for Context {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Context").field("shape", &self.shape).finish()
+    }
+}
+
+impl Context {
+    /// Create a context for `model` (validated options; llama.cpp failures explained).
+    pub fn new(model: Arc<Model>, options: ContextOptions) -> Result<Arc<Context>> {
+        let options =
+            options.with_model_pooling(model.pooling()).resolve(&model.options(), model.float_weights())?;
+        let params = options.to_llama()?;
+        clear_recent_errors();
+        let raw = RawContext::new(model.clone(), params).ok_or_else(|| {
+            LloyalError::Backend(format!(
+                "llama.cpp could not create the context ({}); try a smaller n_ctx or other cache types",
+                recent_errors()
+            ))
+        })?;
+        let (n_ctx, n_batch, n_seq_all) = raw.sizes();
+        let parks = options.parks_freed_cells();
+        // The hidden parking sequence is the last id; users and leases see the ones before it.
+        let n_seq_max = n_seq_all - u32::from(parks);
+        let shape = ContextShape {
+            n_ctx,
+            n_batch,
+            n_seq_max,
+            n_vocab: model.n_vocab(),
+            n_threads: params.n_threads,
+            embeddings: options.embeddings,
+        };
+        let state = ContextState {
+            batch: Batch::new(n_batch as usize),
+            raw,
+            shape,
+            logits: Vec::new(),
+            sampler: None,
+            branches: Slots::default(),
+            topology: Topology::default(),
+            ledger: Ledger::new(n_seq_max),
+            park_seq: parks.then_some(n_seq_max as i32),
+            parked: 0,
+            kv_cell_bytes: model.kv_bytes_per_cell(params.type_k, params.type_v),
+            batch_invariant: options.is_batch_invariant(),
+            split_mixed_ticks: !options.is_batch_invariant()
+                && options.flash_attn
+                && model.options().n_gpu_layers == 0,
+            encoded: HashMap::new(),
+            interrupt: None,
+            batches_in_call: 0,
+        };
+        let occupancy = Mutex::new((state.available(), state.kv_pressure()));
+        Ok(Arc::new(Context {
+            model,
+            shape,
+            options,
+            state: Mutex::new(Some(state)),
+            closed: AtomicBool::new(false),
+            engine: Engine::default(),
+            occupancy,
+        }))
+    }
+
+    /// The model this context runs.
+    pub fn model(&self) -> &Arc<Model> {
+        &self.model
+    }
+
+    /// Sizes fixed at creation.
+    pub fn shape(&self) -> ContextShape {
+        self.shape
+    }
+
+    /// The options the context was created with (`batch_invariant` and `type_k` settled).
+    pub fn options(&self) -> &ContextOptions {
+        &self.options
+    }
+
+    fn guard(&self) -> MutexGuard<'_, Option<ContextState>> {
+        // parking_lot's lock is not poisoned by a panic: a panic while holding it cannot leave
+        // llama.cpp half-updated in a way the next call could observe more than any failed
+        // call could, so keep going.
+        self.state.lock()
+    }
+
+    /// Run `f` on the open context state, holding the context lock.
+    ///
+    /// The lock is released unfairly: a caller making several calls in a row (the server's
+    /// fork, then sampler, bias and grammar of a new request) usually takes it again before
+    /// the engine wakes, so the sequence waits for one engine tick, not one tick per call
+    /// (before: up to 2.4 s with prefill ticks of ~0.8 s, the event loop blocked all along).
+    /// parking_lot still hands the lock to a waiter after at most ~0.5 ms of that.
+    pub fn with<T>(&self, f: impl FnOnce(&mut ContextState) -> Result<T>) -> Result<T> {
+        self.locked(None, false, f)
+    }
+
+    /// Like [`Context::with`], but `check` runs between the n_batch-sized decodes of a long
+    /// call (prefill of many tokens, a commit of more than n_batch branches); when it returns
+    /// `true` the call stops there, rolls back everything it wrote and returns
+    /// [`LloyalError::Interrupted`]. The Python glue uses it to honour Ctrl-C. The lock is
+    /// released fairly.
+    pub fn with_interrupt<T>(
+        &self,
+        check: InterruptCheck,
+        f: impl FnOnce(&mut ContextState) -> Result<T>,
+    ) -> Result<T> {
+        self.locked(Some(check), true, f)
+    }
+
+    /// The body of the `with*` calls: `f` under the lock with `interrupt` installed, then the
+    /// ledger check and the published occupancy, then the lock released (`fair`: handed to a
+    /// waiting thread).
+    fn locked<T>(
+        &self,
+        interrupt: Option<InterruptCheck>,
+        fair: bool,
+        f: impl FnOnce(&mut ContextState) -> Result<T>,
+    ) -> Result<T> {
+        let mut guard = self.guard();
+        let state = guard.as_mut().ok_or(LloyalError::ContextClosed)?;
+        state.batches_in_call = 0;
+        state.interrupt = interrupt;
+        let result = f(state);
+        state.interrupt = None;
+        check_ledger(state);
+        *self.occupancy.lock() = (state.available(), state.kv_pressure());
+        if fair {
+            MutexGuard::unlock_fair(guard);
+        } else {
+            drop(guard);
+        }
+        result
+    }
+
+    /// Queue decode-bearing `work` on this context's engine (started on first use); `done`
+    /// receives the result on the engine thread. Returns a ticket to cancel it, or
+    /// `ContextClosed` (then `done` is never called).
+    pub fn submit(self: &Arc<Self>, work: Work, done: Done) -> Result<Ticket> {
+        self.check_open()?;
+        self.engine.submit(self, work, done)
+    }
+
+    /// Queue a generation request ([`crate::engine::gen`]); its tokens, end or error arrive
+    /// on `spec.stream`. Returns a ticket that cancels it (freed at the next tick).
+    pub fn generate(self: &Arc<Self>, spec: GenSpec) -> Result<Ticket> {
+        spec.validate(self.model())?;
+        let stream = Arc::clone(&spec.stream);
+        let done: Done = Box::new(move |r| {
+            if let Err(e) = r {
+                stream.fail(e);
+            }
+        });
+        self.submit(Work::Generate(Box::new(spec)), done)
+    }
+
+    /// Wake the engine: a generation stream asked for its next token.
+    pub fn notify_engine(&self) {
+        self.engine.notify();
+    }
+
+    /// The engine's counters.
+    pub fn engine_stats(&self) -> EngineStats {
+        self.engine.stats()
+    }
+
+    /// Hold the engine's ticks (queued operations wait) until [`Context::resume_engine`].
+    pub fn pause_engine(&self) {
+        self.engine.pause();
+    }
+
+    /// Let the engine tick again.
+    pub fn resume_engine(&self) {
+        self.engine.resume();
+    }
+
+    /// Cap the prefill tokens of one engine tick (`Some(0)`: fill the tick's batch; `None`:
+    /// paced next to running streams, the default; see [`crate::engine::pace`]).
+    pub fn set_engine_prefill_chunk(&self, tokens: Option<usize>) {
+        self.engine.set_prefill_chunk(tokens);
+    }
+
+    /// The engine's prefill cap per tick (`Some(0)`: none; `None`: paced).
+    pub fn engine_prefill_chunk(&self) -> Option<usize> {
+        self.engine.prefill_chunk()
+    }
+
+    /// Set the engine's gather window in seconds (0 to 1).
+    pub fn set_engine_gather(&self, seconds: f64) -> Result<()> {
+        self.engine.set_gather(seconds)
+    }
+
+    /// Free the llama.cpp context (waits for a running call, and for the engine to finish
+    /// the operations already submitted to it). Idempotent.
+    pub fn close(&self) {
+        self.engine.close();
+        let mut guard = self.guard();
+        self.closed.store(true, Ordering::Release);
+        let state = guard.take();
+        drop(guard);
+        drop(state);
+    }
+
+    /// Free leases and the branches' KV occupancy as of the last call that finished, without
+    /// the context lock (so without waiting for the engine's tick in progress).
+    pub fn occupancy(&self) -> Result<(u32, KvPressure)> {
+        self.check_open()?;
+        Ok(*self.occupancy.lock())
+    }
+
+    /// Whether `close()` ran (lock-free).
+    pub fn is_closed(&self) -> bool {
+        self.closed.load(Ordering::Acquire)
+    }
+
+    /// `ContextClosed` once `close()` ran (lock-free).
+    pub fn check_open(&self) -> Result<()> {
+        if self.is_closed() {
+            Err(LloyalError::ContextClosed)
+        } else {
+            Ok(())
+        }
+    }
+}
+
+/// The ledger check after a context call (see [`crate::ledger`]): a mismatch is a bug in
+/// lloyal, reported loudly rather than left to corrupt later calls.
+fn check_ledger(state: &mut ContextState) {
+    if crate::ledger::checking() {
+        if let Err(e) = state.ledger.check(&state.branches, &mut state.raw) {
+            panic!("KV ledger out of step with llama.cpp after a context call: {e}");
+        }
+    }
+}
+
+impl Host for Context {
+    /// [`Context::with`] for the engine's ticks: the lock is released fairly, so a thread
+    /// waiting for it (a reader of `kv_seq_pos_max` while the engine runs a long chunked
+    /// prefill) gets it before the engine's next tick, and a busy engine never starves
+    /// other callers.
+    fn with_fair<T>(&self, f: impl FnOnce(&mut ContextState) -> Result<T>) -> Result<T> {
+        self.locked(None, true, f)
+    }
+}
