@@ -15,7 +15,7 @@ from typing import Any
 
 import pytest
 from conftest import THREADS
-from interleave import interleaved
+from interleave import interleaved, median_figures
 from llama_peer import RawLoop, high_level
 
 import lloyal
@@ -82,20 +82,33 @@ def _ns(full: bool, n: int) -> int:
     return 64 if full else 2
 
 
+def _best_of(benchmark, full: bool, n: int) -> int:
+    """Puts the benchmark in the best-of-``n`` group (its N's implementations side by side):
+    the steps per branch."""
+    benchmark.group = f"best-of-{n}"
+    return _ns(full, n)
+
+
+def _context(model_path: Path, n: int, invariant: bool = False) -> lloyal.Context:
+    """A context for best-of-``n``: the prompt's sequence and one per branch."""
+    return lloyal.Context(
+        model_path, n_ctx=4096, n_seq_max=n + 1, n_threads=THREADS, batch_invariant=invariant
+    )
+
+
+def _timed(benchmark, run: Callable[[], list[int]], full: bool) -> list[int]:
+    """``run`` timed by pytest-benchmark: ROUNDS rounds after one warm-up round (one round
+    and no warm-up in the smoke run)."""
+    return benchmark.pedantic(run, rounds=ROUNDS if full else 1, iterations=1, warmup_rounds=1 if full else 0)
+
+
 def _batched(
     benchmark, model_path: Path, prompt_tokens: list[int], full: bool, n: int, invariant: bool
 ) -> None:
-    steps = _ns(full, n)
-    benchmark.group = f"best-of-{n}"
-    with lloyal.Context(
-        model_path, n_ctx=4096, n_seq_max=n + 1, n_threads=THREADS, batch_invariant=invariant
-    ) as ctx:
+    steps = _best_of(benchmark, full, n)
+    with _context(model_path, n, invariant) as ctx:
         assert ctx.batch_invariant is invariant
-        run = lloyal_batched_run(ctx, prompt_tokens, n, steps)
-
-        counts = benchmark.pedantic(
-            run, rounds=ROUNDS if full else 1, iterations=1, warmup_rounds=1 if full else 0
-        )
+        counts = _timed(benchmark, lloyal_batched_run(ctx, prompt_tokens, n, steps), full)
     assert counts == [steps] * n
 
 
@@ -117,11 +130,8 @@ def test_best_of_n_invariant(
 def test_best_of_n_sequential(
     benchmark, model_path: Path, prompt_tokens: list[int], full: bool, n: int
 ) -> None:
-    steps = _ns(full, n)
-    benchmark.group = f"best-of-{n}"
-    with lloyal.Context(
-        model_path, n_ctx=4096, n_seq_max=n + 1, n_threads=THREADS, batch_invariant=False
-    ) as ctx:
+    steps = _best_of(benchmark, full, n)
+    with _context(model_path, n) as ctx:
 
         def run() -> list[int]:
             with lloyal.Branch.create(ctx, 0, PARAMS) as root:
@@ -135,9 +145,7 @@ def test_best_of_n_sequential(
                     counts.append(k.position - len(prompt_tokens))
                 return counts
 
-        counts = benchmark.pedantic(
-            run, rounds=ROUNDS if full else 1, iterations=1, warmup_rounds=1 if full else 0
-        )
+        counts = _timed(benchmark, run, full)
     assert counts == [steps] * n
 
 
@@ -161,12 +169,9 @@ def llama_cpp_python_run(llm: Any, prompt_tokens: list[int], n: int, steps: int)
 def test_best_of_n_llama_cpp_python(
     benchmark, model_path: Path, prompt_tokens: list[int], full: bool, n: int
 ) -> None:
-    steps = _ns(full, n)
-    benchmark.group = f"best-of-{n}"
+    steps = _best_of(benchmark, full, n)
     run = llama_cpp_python_run(high_level(model_path, 1024, THREADS), prompt_tokens, n, steps)
-    counts = benchmark.pedantic(
-        run, rounds=ROUNDS if full else 1, iterations=1, warmup_rounds=1 if full else 0
-    )
+    counts = _timed(benchmark, run, full)
     assert all(1 <= c <= steps for c in counts)
 
 
@@ -174,16 +179,10 @@ def test_best_of_n_llama_cpp_python(
 def test_best_of_n_raw_batched(
     benchmark, model_path: Path, prompt_tokens: list[int], full: bool, n: int
 ) -> None:
-    steps = _ns(full, n)
-    benchmark.group = f"best-of-{n}"
+    steps = _best_of(benchmark, full, n)
     raw = RawLoop(model_path, 4096, n + 1, THREADS)
-
-    run = raw_batched_run(raw, prompt_tokens, n, steps)
-
     try:
-        counts = benchmark.pedantic(
-            run, rounds=ROUNDS if full else 1, iterations=1, warmup_rounds=1 if full else 0
-        )
+        counts = _timed(benchmark, raw_batched_run(raw, prompt_tokens, n, steps), full)
     finally:
         raw.close()
     assert counts == [steps] * n
@@ -202,9 +201,7 @@ def test_best_of_n_paired(benchmark, model_path: Path, prompt_tokens: list[int],
     raw = RawLoop(model_path, 4096, n + 1, THREADS)
     llm = high_level(model_path, 1024, THREADS)
     try:
-        with lloyal.Context(
-            model_path, n_ctx=4096, n_seq_max=n + 1, n_threads=THREADS, batch_invariant=False
-        ) as ctx:
+        with _context(model_path, n) as ctx:
             runs = {
                 "raw": raw_batched_run(raw, prompt_tokens, n, steps),
                 "llama_cpp_python": llama_cpp_python_run(llm, prompt_tokens, n, steps),
@@ -214,13 +211,7 @@ def test_best_of_n_paired(benchmark, model_path: Path, prompt_tokens: list[int],
     finally:
         raw.close()
     benchmark.extra_info.update(
-        n=n,
-        rounds=rounds,
-        raw_median_s=round(med["raw"], 4),
-        lloyal_median_s=round(med["lloyal"], 4),
-        llama_cpp_python_median_s=round(med["llama_cpp_python"], 4),
-        lloyal_vs_raw=round(med["raw"] / med["lloyal"], 3),
-        lloyal_vs_llama_cpp_python=round(med["llama_cpp_python"] / med["lloyal"], 3),
+        n=n, rounds=rounds, **median_figures(med, ("lloyal", "raw"), ("lloyal", "llama_cpp_python"))
     )
     assert counts["raw"] == counts["lloyal"] == [steps] * n
     assert all(1 <= c <= steps for c in counts["llama_cpp_python"])

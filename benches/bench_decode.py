@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 from conftest import THREADS
-from interleave import interleaved
+from interleave import interleaved, median_figures
 from llama_peer import RawLoop, high_level
 
 import lloyal
@@ -162,12 +162,5 @@ def test_paired_branch_vs_raw(benchmark, model_path: Path, prompt_tokens: list[i
             medians, outputs = interleaved(benchmark, runs, rounds)
     finally:
         raw.close()
-    benchmark.extra_info.update(
-        rounds=rounds,
-        raw_median_s=round(medians["raw"], 4),
-        flat_median_s=round(medians["flat"], 4),
-        branch_median_s=round(medians["branch"], 4),
-        branch_vs_raw=round(medians["raw"] / medians["branch"], 3),
-        flat_vs_raw=round(medians["raw"] / medians["flat"], 3),
-    )
+    benchmark.extra_info.update(rounds=rounds, **median_figures(medians, ("branch", "raw"), ("flat", "raw")))
     assert all(len(out) == n for out in outputs.values())

@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pytest
 from conftest import THREADS
-from interleave import interleaved
+from interleave import interleaved, median_figures
 from llama_peer import RawLoop
 
 import lloyal
@@ -162,11 +162,5 @@ def test_prefill_mixed_paired(benchmark, model_path: Path, full: bool) -> None:
             med, calls = interleaved(benchmark, runs, rounds)
     finally:
         raw.close()
-    benchmark.extra_info.update(
-        tokens=sum(lengths),
-        rounds=rounds,
-        raw_median_s=round(med["raw"], 4),
-        lloyal_median_s=round(med["lloyal"], 4),
-        lloyal_vs_raw=round(med["raw"] / med["lloyal"], 3),
-    )
+    benchmark.extra_info.update(tokens=sum(lengths), rounds=rounds, **median_figures(med, ("lloyal", "raw")))
     assert calls == {"raw": -(-sum(lengths) // N_BATCH), "lloyal": -(-sum(lengths) // N_BATCH)}

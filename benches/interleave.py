@@ -41,3 +41,11 @@ def interleaved(
     assert {len(v) for v in times.values()} == {rounds}
     medians = {k: statistics.median(v[1:] if len(v) > 1 else v) for k, v in times.items()}
     return medians, outputs
+
+
+def median_figures(medians: dict[str, float], *versus: tuple[str, str]) -> dict[str, float]:
+    """For ``benchmark.extra_info``: ``<name>_median_s`` for every entry of ``medians`` and, for
+    each ``(a, b)`` of ``versus``, ``<a>_vs_<b>``, b's median over a's (how many times faster a ran)."""
+    figures = {f"{name}_median_s": round(m, 4) for name, m in medians.items()}
+    figures.update({f"{a}_vs_{b}": round(medians[b] / medians[a], 3) for a, b in versus})
+    return figures

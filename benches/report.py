@@ -25,9 +25,31 @@ KINDS = {
 }
 
 
+def _group(data: dict[str, Any], group: str) -> list[dict[str, Any]]:
+    """The benchmarks of ``group``, in run order."""
+    return [b for b in data["benchmarks"] if b["group"] == group]
+
+
+def _table(columns: list[str], rows: list[list[str]], note: str = "") -> str:
+    """A Markdown table, and ``note`` as a paragraph below it."""
+    lines = ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
+    lines += ["| " + " | ".join(row) + " |" for row in rows]
+    if note:
+        lines.append("\n" + note)
+    return "\n".join(lines)
+
+
+def _secs(seconds: float) -> str:
+    return f"{seconds:.3f}"
+
+
+def _times(ratio: float) -> str:
+    return f"{ratio:.2f}x"
+
+
 def grammar_table(data: dict[str, Any]) -> str:
     """Markdown table for the json-schema group: tokens/s from each run's token count."""
-    rows = [b for b in data["benchmarks"] if b["group"] == "json-schema"]
+    rows = _group(data, "json-schema")
     if not rows:
         return ""
     lines = ["| run | tokens | mean s | tokens/s | grammar resamples |", "|---|---|---|---|---|"]
@@ -47,17 +69,17 @@ def grammar_table(data: dict[str, Any]) -> str:
 
 def group_table(data: dict[str, Any], group: str) -> str:
     """Plain table (name, mean, ratio to the group's fastest, extra info) for one group."""
-    rows = [b for b in data["benchmarks"] if b["group"] == group]
+    rows = _group(data, group)
     if not rows:
         return ""
     best = min(float(b["stats"]["mean"]) for b in rows)
-    lines = ["| benchmark | mean | x fastest | info |", "|---|---|---|---|"]
+    cells = []
     for b in rows:
         mean = float(b["stats"]["mean"])
         unit = f"{mean * 1e6:.1f} us" if mean < 1e-2 else f"{mean:.3f} s"
         info = ", ".join(f"{k}={v}" for k, v in b.get("extra_info", {}).items())
-        lines.append(f"| {b['name']} | {unit} | {mean / best:.2f} | {info} |")
-    return "\n".join(lines)
+        cells.append([b["name"], unit, f"{mean / best:.2f}", info])
+    return _table(["benchmark", "mean", "x fastest", "info"], cells)
 
 
 def _means(data: dict[str, Any]) -> dict[str, float]:
@@ -105,73 +127,86 @@ def single_stream_table(means: dict[str, float]) -> str:
         "test_llama_cpp_raw_loop": "raw llama.cpp loop (C API via llama-cpp-python)",
     }
     raw = means.get("test_llama_cpp_raw_loop")
-    lines = ["| implementation | mean s | speed vs raw loop |", "|---|---|---|"]
-    for key, label in names.items():
-        if key in means:
-            ratio = f"{raw / means[key]:.2f}x" if raw else "-"
-            lines.append(f"| {label} | {means[key]:.3f} | {ratio} |")
-    return "\n".join(lines)
+    rows = [
+        [label, f"{means[key]:.3f}", f"{raw / means[key]:.2f}x" if raw else "-"]
+        for key, label in names.items()
+        if key in means
+    ]
+    return _table(["implementation", "mean s", "speed vs raw loop"], rows)
 
 
 def paired_table(data: dict[str, Any]) -> str:
     """Markdown table for the interleaved single-stream comparison (medians of its rounds)."""
-    rows = [b for b in data["benchmarks"] if b["group"] == "decode-single-stream-paired"]
+    rows = _group(data, "decode-single-stream-paired")
     if not rows:
         return ""
     info = rows[0]["extra_info"]
-    branch, flat = info["branch_median_s"], info["flat_median_s"]
-    return "\n".join(
+    return _table(
+        ["implementation", "median s", "speed vs raw loop"],
         [
-            "| implementation | median s | speed vs raw loop |",
-            "|---|---|---|",
-            f"| lloyal Branch (produce/commit) | {branch:.3f} | {info['branch_vs_raw']:.2f}x |",
-            f"| lloyal flat path (Context.decode/sample) | {flat:.3f} | {info['flat_vs_raw']:.2f}x |",
-            f"| raw llama.cpp loop (C API via llama-cpp-python) | {info['raw_median_s']:.3f} | 1.00x |",
-            f"\n{info['rounds']} interleaved rounds of each (raw, flat, Branch, raw, ...); medians"
-            " without the first (warm-up) round.",
-        ]
+            ["lloyal Branch (produce/commit)", _secs(info["branch_median_s"]), _times(info["branch_vs_raw"])],
+            [
+                "lloyal flat path (Context.decode/sample)",
+                _secs(info["flat_median_s"]),
+                _times(info["flat_vs_raw"]),
+            ],
+            ["raw llama.cpp loop (C API via llama-cpp-python)", _secs(info["raw_median_s"]), "1.00x"],
+        ],
+        f"{info['rounds']} interleaved rounds of each (raw, flat, Branch, raw, ...); medians"
+        " without the first (warm-up) round.",
     )
 
 
 def paired_best_of_n_table(data: dict[str, Any]) -> str:
     """Markdown table for the interleaved best-of-N rounds (lloyal batched vs both peers)."""
-    rows = [b for b in data["benchmarks"] if b["group"] == "best-of-n-paired"]
+    rows = _group(data, "best-of-n-paired")
     if not rows:
         return ""
-    lines = [
-        "| N | lloyal batched: median s | raw C-API batched loop: median s | llama-cpp-python sequential:"
-        " median s | lloyal vs raw | lloyal vs llama-cpp-python |",
-        "|---|---|---|---|---|---|",
-    ]
+    cells = []
     for b in sorted(rows, key=lambda b: int(b["extra_info"]["n"])):
         i = b["extra_info"]
-        lines.append(
-            f"| {i['n']} | {i['lloyal_median_s']:.3f} | {i['raw_median_s']:.3f}"
-            f" | {i['llama_cpp_python_median_s']:.3f} | {i['lloyal_vs_raw']:.2f}x"
-            f" | {i['lloyal_vs_llama_cpp_python']:.2f}x |"
+        cells.append(
+            [
+                str(i["n"]),
+                _secs(i["lloyal_median_s"]),
+                _secs(i["raw_median_s"]),
+                _secs(i["llama_cpp_python_median_s"]),
+                _times(i["lloyal_vs_raw"]),
+                _times(i["lloyal_vs_llama_cpp_python"]),
+            ]
         )
-    rounds = rows[0]["extra_info"]["rounds"]
-    lines.append(
-        f"\n{rounds} interleaved rounds of each (raw, llama-cpp-python, lloyal, raw, ...);"
-        " medians without the first."
+    return _table(
+        [
+            "N",
+            "lloyal batched: median s",
+            "raw C-API batched loop: median s",
+            "llama-cpp-python sequential: median s",
+            "lloyal vs raw",
+            "lloyal vs llama-cpp-python",
+        ],
+        cells,
+        f"{rows[0]['extra_info']['rounds']} interleaved rounds of each"
+        " (raw, llama-cpp-python, lloyal, raw, ...); medians without the first.",
     )
-    return "\n".join(lines)
 
 
 def paired_prefill_table(data: dict[str, Any]) -> str:
     """One line for the interleaved packed-prefill rounds."""
-    rows = [b for b in data["benchmarks"] if b["group"] == "prefill-mixed-paired"]
+    rows = _group(data, "prefill-mixed-paired")
     if not rows:
         return ""
     i = rows[0]["extra_info"]
-    return "\n".join(
+    return _table(
+        ["tokens", "lloyal store.prefill: median s", "raw loop: median s", "lloyal vs raw"],
         [
-            "| tokens | lloyal store.prefill: median s | raw loop: median s | lloyal vs raw |",
-            "|---|---|---|---|",
-            f"| {i['tokens']} | {i['lloyal_median_s']:.3f} | {i['raw_median_s']:.3f}"
-            f" | {i['lloyal_vs_raw']:.2f}x |",
-            f"\n{i['rounds']} interleaved rounds of each (raw, lloyal, raw, ...); medians without the first.",
-        ]
+            [
+                str(i["tokens"]),
+                _secs(i["lloyal_median_s"]),
+                _secs(i["raw_median_s"]),
+                _times(i["lloyal_vs_raw"]),
+            ]
+        ],
+        f"{i['rounds']} interleaved rounds of each (raw, lloyal, raw, ...); medians without the first.",
     )
 
 

@@ -5,17 +5,35 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
+import socket
 import subprocess
 import sys
+import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 from types import ModuleType
 from typing import Any
 
+import numpy as np
+import pytest
+
 import lloyal
 
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
+GREEDY = lloyal.SamplingParams(temperature=0)
+
+
+def context_fixture(**options: Any) -> Any:
+    """A fixture (function scope) giving a context on the session model made with ``options``,
+    closed at teardown; a test module assigns it to the fixture's name:
+    ``ctx4 = context_fixture(n_ctx=512, n_seq_max=4)``."""
+
+    @pytest.fixture
+    def context(make_context: Callable[..., lloyal.Context]) -> lloyal.Context:
+        return make_context(**options)
+
+    return context
 
 
 def load_example(name: str) -> ModuleType:
@@ -74,3 +92,169 @@ def wait_until(cond: Callable[[], bool], timeout: float = 30.0) -> None:
     while not cond():
         assert time.monotonic() < deadline, "timed out waiting for the engine"
         time.sleep(0.001)
+
+
+def prefilled(
+    ctx: lloyal.Context, prompt: str, params: lloyal.SamplingParams = GREEDY, **options: Any
+) -> lloyal.Branch:
+    """A new branch at position 0 (``Branch.create``'s ``options``, e.g. ``grammar``) with
+    ``prompt`` prefilled."""
+    branch = lloyal.Branch.create(ctx, 0, params, **options)
+    branch.prefill(ctx.tokenize(prompt))
+    return branch
+
+
+def greedy_steps(
+    branches: list[lloyal.Branch],
+    out: list[list[int]],
+    steps: int,
+    batched: bool,
+    *,
+    forbid_stop: bool = False,
+) -> None:
+    """``steps`` greedy tokens for every branch, appended to ``out``: one batched commit per
+    step, or one branch at a time. With ``forbid_stop`` a stop token fails the test."""
+    store = lloyal.BranchStore(branches[0].context) if batched else None
+    for _ in range(steps):
+        if store is not None:
+            produced = store.produce_all(branches)
+            assert not (forbid_stop and any(p.is_stop for p in produced)), "test prompt hit a stop token"
+            store.commit([(b, p.token) for b, p in zip(branches, produced, strict=True)])
+            for o, p in zip(out, produced, strict=True):
+                o.append(p.token)
+        else:
+            for o, b in zip(out, branches, strict=True):
+                o.extend(produce_commit(b, 1, forbid_stop=forbid_stop))
+
+
+def lockstep(branches: list[lloyal.Branch], max_steps: int) -> tuple[list[list[int]], list[int]]:
+    """Step ``branches`` together (one ``produce_all`` and one commit per step) until each has
+    produced a stop token or ``max_steps`` steps ran: the tokens each committed, and the indices
+    of the branches still going."""
+    store = lloyal.BranchStore(branches[0].context)
+    out: list[list[int]] = [[] for _ in branches]
+    live = list(range(len(branches)))
+    for _ in range(max_steps):
+        produced = store.produce_all([branches[i] for i in live])
+        step = [(i, p) for i, p in zip(live, produced, strict=True) if not p.is_stop]
+        live = [i for i, _ in step]
+        if not live:
+            break
+        store.commit([(branches[i], p.token) for i, p in step])
+        for i, p in step:
+            out[i].append(p.token)
+    return out, live
+
+
+def assert_grammar_refuses(branch: lloyal.Branch, bad: int) -> None:
+    """``branch``'s grammar forbids ``bad``: its commit, a BranchStore commit of it and its
+    accept each raise GrammarError, and none changes the branch's position, logits or KV."""
+    ctx = branch.context
+    pos, logits = branch.position, branch.logits
+    with pytest.raises(lloyal.GrammarError, match="not allowed"):
+        branch.commit(bad)
+    with pytest.raises(lloyal.GrammarError, match="not allowed"):
+        lloyal.BranchStore(ctx).commit([(branch, bad)])
+    with pytest.raises(lloyal.GrammarError):
+        branch.accept(bad)
+    assert branch.position == pos and np.array_equal(branch.logits, logits)
+    assert ctx.kv_seq_pos_max(branch.seq_id) == pos - 1
+
+
+def flat_constrained(
+    ctx: lloyal.Context, grammar: lloyal.Grammar, prompt: str, max_tokens: int, pick: Callable[[], int]
+) -> tuple[list[int], bool]:
+    """The flat path under ``grammar``: decode ``prompt`` from position 0, then at most
+    ``max_tokens`` times ``pick()`` a token; a stop token ends the loop, any other is accepted
+    into the grammar and decoded. The tokens, and whether a stop token ended them."""
+    tokens = ctx.tokenize(prompt)
+    ctx.decode(tokens, 0)
+    pos, out = len(tokens), []
+    for _ in range(max_tokens):
+        token = pick()
+        if ctx.is_stop_token(token):
+            return out, True
+        grammar.accept(token)
+        out.append(token)
+        ctx.decode([token], pos)
+        pos += 1
+    return out, False
+
+
+def greedy_completion(ctx: lloyal.Context, prompt: list[int], n: int, stop: Iterable[int] = ()) -> list[int]:
+    """The greedy continuation of ``prompt`` by the library itself: at most ``n`` tokens, up to
+    (without) a stop token or one of ``stop``."""
+    stops = frozenset(stop)
+    with lloyal.Branch.create(ctx, 0, GREEDY) as b:
+        b.prefill(prompt)
+        out: list[int] = []
+        for _ in range(n):
+            p = b.produce()
+            if p.is_stop or p.token in stops:
+                break
+            out.append(p.token)
+            b.commit(p.token)
+        return out
+
+
+def stream_with_usage(create: Callable[..., Any], **request: Any) -> Any:
+    """The stream of an OpenAI client's ``completions.create`` or ``chat.completions.create``
+    for ``request``, its last chunk carrying the usage."""
+    return create(stream=True, stream_options={"include_usage": True}, **request)
+
+
+def free_port() -> int:
+    """A TCP port free on 127.0.0.1 now."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def person_schema(
+    *, max_name: int = 12, max_age: int = 150, cities: list[str] | None = None
+) -> dict[str, Any]:
+    """A JSON schema for ``{"name": str, "age": int}`` (and ``"city"``, one of ``cities``, when
+    given), no other keys."""
+    properties: dict[str, Any] = {
+        "name": {"type": "string", "maxLength": max_name},
+        "age": {"type": "integer", "minimum": 0, "maximum": max_age},
+    }
+    if cities is not None:
+        properties["city"] = {"enum": cities}
+    return {
+        "type": "object",
+        "properties": properties,
+        "required": list(properties),
+        "additionalProperties": False,
+    }
+
+
+def in_threads(calls: list[Callable[[], object]]) -> tuple[list[threading.Thread], list[BaseException]]:
+    """Start one thread per call: the threads, and the list the calls' exceptions go to."""
+    errors: list[BaseException] = []
+
+    def guard(call: Callable[[], object]) -> None:
+        try:
+            call()
+        except BaseException as e:
+            errors.append(e)
+
+    threads = [threading.Thread(target=guard, args=(c,)) for c in calls]
+    for t in threads:
+        t.start()
+    return threads, errors
+
+
+def run_queued(
+    ctx: lloyal.Context, calls: list[Callable[[], object]], queued: int
+) -> tuple[lloyal.EngineStats, lloyal.EngineStats, list[BaseException]]:
+    """Pause ``ctx``'s engine, run ``calls`` in threads, wait until they queued ``queued``
+    operations, resume and join: the engine stats before and after, and the calls' errors."""
+    ctx.pause_engine()
+    before = ctx.engine_stats()
+    threads, errors = in_threads(calls)
+    wait_until(lambda: ctx.engine_stats().queue_depth == queued)
+    ctx.resume_engine()
+    for t in threads:
+        t.join()
+    return before, ctx.engine_stats(), errors

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from helpers import person_schema
+
 S = {"type": "string", "maxLength": 6}
 SMALL_INT = {"type": "integer", "minimum": 0, "maximum": 99}
 CLOSED = {"additionalProperties": False}
@@ -153,16 +155,7 @@ CORPUS: dict[str, dict[str, Any]] = {
         "additionalProperties": False,
         "maxProperties": 2,
     },
-    "issue-person": {
-        "type": "object",
-        "properties": {
-            "name": {"type": "string", "maxLength": 10},
-            "age": {"type": "integer", "minimum": 0, "maximum": 120},
-            "city": {"enum": ["Paris", "London", "Tokyo"]},
-        },
-        "required": ["name", "age", "city"],
-        "additionalProperties": False,
-    },
+    "issue-person": person_schema(max_name=10, max_age=120, cities=["Paris", "London", "Tokyo"]),
     "nested-people": {
         "type": "array",
         "items": {

@@ -17,7 +17,7 @@ from collections.abc import Callable
 
 import numpy as np
 import pytest
-from helpers import produce_commit
+from helpers import greedy_steps, produce_commit
 
 import lloyal
 from lloyal import Branch, BranchStore, SamplingParams
@@ -41,21 +41,6 @@ STORY = (
 )
 
 MakeContext = Callable[..., lloyal.Context]
-
-
-def greedy_steps(branches: list[Branch], out: list[list[int]], steps: int, batched: bool) -> None:
-    """``steps`` greedy tokens for every branch, appended to ``out``: one batched commit per
-    step, or one branch at a time."""
-    store = BranchStore(branches[0].context) if batched else None
-    for _ in range(steps):
-        if store is not None:
-            produced = store.produce_all(branches)
-            store.commit([(b, p.token) for b, p in zip(branches, produced, strict=True)])
-            for o, p in zip(out, produced, strict=True):
-                o.append(p.token)
-        else:
-            for o, b in zip(out, branches, strict=True):
-                o.extend(produce_commit(b, 1))
 
 
 def run_branches(

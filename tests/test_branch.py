@@ -9,7 +9,7 @@ import math
 
 import numpy as np
 import pytest
-from helpers import produce_commit
+from helpers import context_fixture, prefilled, produce_commit
 
 import lloyal
 from lloyal import Branch, BranchStore, SamplingParams
@@ -18,16 +18,12 @@ GREEDY = SamplingParams(temperature=0)
 PROMPT = "The quick brown fox jumps over the lazy dog. Then the fox"
 
 
-@pytest.fixture
-def ctx(make_context):
-    return make_context(n_ctx=512, n_seq_max=4)
+ctx = context_fixture(n_ctx=512, n_seq_max=4)
 
 
 @pytest.fixture
 def root(ctx):
-    b = Branch.create(ctx, 0, GREEDY)
-    b.prefill(ctx.tokenize(PROMPT))
-    return b
+    return prefilled(ctx, PROMPT)
 
 
 def greedy(branch: Branch, n: int) -> list[int]:

@@ -3,27 +3,22 @@
 from __future__ import annotations
 
 import pytest
-from helpers import produce_commit
+from helpers import context_fixture, prefilled, produce_commit
 
 import lloyal
-from lloyal import Branch, BranchStore, SamplingParams
+from lloyal import Branch, BranchStore
 
-GREEDY = SamplingParams(temperature=0)
 PROMPT = "The quick brown fox jumps over the lazy dog. The quick brown fox"
 # A character the default tokenizer spells with four byte-fallback tokens.
 SPLIT_CHAR = "\U0001d518"  # MATHEMATICAL FRAKTUR CAPITAL U
 
 
-@pytest.fixture
-def ctx(make_context):
-    return make_context(n_ctx=512, n_seq_max=4)
+ctx = context_fixture(n_ctx=512, n_seq_max=4)
 
 
 @pytest.fixture
 def root(ctx):
-    b = Branch.create(ctx, 0, GREEDY)
-    b.prefill(ctx.tokenize(PROMPT))
-    return b
+    return prefilled(ctx, PROMPT)
 
 
 def reference_greedy(branch: Branch, n: int) -> list[int]:

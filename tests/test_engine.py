@@ -8,13 +8,12 @@ the queue holds all N, ``resume_engine()``; the engine then runs exactly one tic
 from __future__ import annotations
 
 import asyncio
-import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 
 import numpy as np
 import pytest
-from helpers import wait_until
+from helpers import context_fixture, in_threads, prefilled, run_queued, wait_until
 
 import lloyal
 from lloyal import Branch, BranchStore, SamplingParams
@@ -23,47 +22,19 @@ GREEDY = SamplingParams(temperature=0)
 PROMPT = "The three most important inventions of the last century were"
 
 
-@pytest.fixture
-def ctx8(model: lloyal.Model) -> Iterator[lloyal.Context]:
-    c = lloyal.Context(model, n_ctx=1024, n_batch=64, n_seq_max=8)
-    try:
-        yield c
-    finally:
-        c.close()
+ctx8 = context_fixture(n_ctx=1024, n_batch=64, n_seq_max=8)
 
 
 def forks(ctx: lloyal.Context, n: int, prompt: str = PROMPT) -> tuple[Branch, list[Branch]]:
-    root = Branch.create(ctx, 0, GREEDY)
-    root.prefill(ctx.tokenize(prompt))
+    root = prefilled(ctx, prompt)
     return root, [root.fork() for _ in range(n)]
-
-
-def in_threads(calls: list[Callable[[], object]]) -> tuple[list[threading.Thread], list[BaseException]]:
-    errors: list[BaseException] = []
-
-    def guard(call: Callable[[], object]) -> None:
-        try:
-            call()
-        except BaseException as e:
-            errors.append(e)
-
-    threads = [threading.Thread(target=guard, args=(c,)) for c in calls]
-    for t in threads:
-        t.start()
-    return threads, errors
 
 
 def test_threads_committing_their_own_branch_share_one_decode(ctx8: lloyal.Context) -> None:
     root, kids = forks(ctx8, 6)
     tokens = [k.produce().token for k in kids]
-    ctx8.pause_engine()
-    before = ctx8.engine_stats()
-    threads, errors = in_threads([lambda k=k, t=t: k.commit(t) for k, t in zip(kids, tokens, strict=True)])
-    wait_until(lambda: ctx8.engine_stats().queue_depth == 6)
-    ctx8.resume_engine()
-    for t in threads:
-        t.join()
-    after = ctx8.engine_stats()
+    calls = [lambda k=k, t=t: k.commit(t) for k, t in zip(kids, tokens, strict=True)]
+    before, after, errors = run_queued(ctx8, calls, 6)
     assert errors == []
     assert after.ticks - before.ticks == 1
     assert after.decode_calls - before.decode_calls == 1
@@ -99,8 +70,6 @@ def test_asyncio_tasks_share_one_decode_and_never_block_the_loop(ctx8: lloyal.Co
 def test_threads_and_asyncio_tasks_mix_in_one_tick(ctx8: lloyal.Context) -> None:
     root, kids = forks(ctx8, 6)
     sync_kids, async_kids = kids[:3], kids[3:]
-    ctx8.pause_engine()
-    before = ctx8.engine_stats()
 
     async def tasks() -> None:
         await asyncio.gather(*(k.acommit(k.produce().token) for k in async_kids))
@@ -109,12 +78,7 @@ def test_threads_and_asyncio_tasks_mix_in_one_tick(ctx8: lloyal.Context) -> None
     calls: list[Callable[[], object]] = [lambda k=k: k.commit(k.produce().token) for k in sync_kids[:2]]
     calls.append(lambda: store.commit([(sync_kids[2], sync_kids[2].produce().token)]))
     calls.append(lambda: asyncio.run(tasks()))
-    threads, errors = in_threads(calls)
-    wait_until(lambda: ctx8.engine_stats().queue_depth == 6)
-    ctx8.resume_engine()
-    for t in threads:
-        t.join()
-    after = ctx8.engine_stats()
+    before, after, errors = run_queued(ctx8, calls, 6)
     assert errors == []
     assert (after.ticks - before.ticks, after.decode_calls - before.decode_calls) == (1, 1)
     assert [k.position for k in kids] == [root.position + 1] * 6

@@ -6,14 +6,15 @@ frees a closed or abandoned request at the next tick."""
 from __future__ import annotations
 
 import asyncio
+import functools
 import gc
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 
 import numpy as np
 import pytest
-from helpers import wait_until
+from helpers import context_fixture, prefilled, run_queued, wait_until
 
 import lloyal
 from lloyal import Branch, BranchStore, SamplingParams
@@ -22,20 +23,12 @@ GREEDY = SamplingParams(temperature=0)
 PROMPT = "The three most important inventions of the last century were"
 
 
-@pytest.fixture
-def ctx9(model: lloyal.Model) -> Iterator[lloyal.Context]:
-    c = lloyal.Context(model, n_ctx=1024, n_batch=64, n_seq_max=10)
-    try:
-        yield c
-    finally:
-        c.close()
+ctx9 = context_fixture(n_ctx=1024, n_batch=64, n_seq_max=10)
 
 
 @pytest.fixture
 def root(ctx9: lloyal.Context) -> Branch:
-    r = Branch.create(ctx9, 0, GREEDY)
-    r.prefill(ctx9.tokenize(PROMPT))
-    return r
+    return prefilled(ctx9, PROMPT)
 
 
 def hand_loop(branch: Branch, n: int) -> list[int]:
@@ -161,24 +154,12 @@ def test_eight_generators_in_threads_share_one_decode_per_tick(ctx9: lloyal.Cont
     twin.prune()
     ctx9.engine_gather = 0.05  # a loaded machine: give every thread time to ask again
     results: dict[int, list[int]] = {}
-    errors: list[BaseException] = []
 
     def run(i: int, b: Branch) -> None:
-        try:
-            results[i] = [t.token for t in b.generate(6)]
-        except BaseException as e:
-            errors.append(e)
+        results[i] = [t.token for t in b.generate(6)]
 
-    ctx9.pause_engine()
-    before = ctx9.engine_stats()
-    threads = [threading.Thread(target=run, args=(i, b)) for i, b in enumerate(kids)]
-    for t in threads:
-        t.start()
-    wait_until(lambda: ctx9.engine_stats().queue_depth == 8)
-    ctx9.resume_engine()
-    for t in threads:
-        t.join()
-    after = ctx9.engine_stats()
+    calls = [functools.partial(run, i, b) for i, b in enumerate(kids)]
+    before, after, errors = run_queued(ctx9, calls, 8)
     assert errors == []
     assert results == {i: want for i in range(8)}
     assert after.rows - before.rows == 48
@@ -306,13 +287,7 @@ def test_grammar_constrained_generation(ctx9: lloyal.Context) -> None:
 # --------------------------------------------------------------------------- backpressure
 
 
-@pytest.fixture
-def small(model: lloyal.Model) -> Iterator[lloyal.Context]:
-    c = lloyal.Context(model, n_ctx=256, n_batch=64, n_seq_max=4)
-    try:
-        yield c
-    finally:
-        c.close()
+small = context_fixture(n_ctx=256, n_batch=64, n_seq_max=4)
 
 
 def next_in_thread(it: lloyal.TokenIterator, out: list[object]) -> threading.Thread:
@@ -415,8 +390,7 @@ def test_a_packed_decode_llama_cpp_rejects_is_isolated_to_its_culprit(model: llo
 
 
 def isolate(small: lloyal.Context) -> None:
-    root = Branch.create(small, 0, GREEDY)
-    root.prefill(small.tokenize(PROMPT))
+    root = prefilled(small, PROMPT)
     a, g, bad = root.fork(), root.fork(), root.fork()
     n_ctx = BranchStore(small).kv_pressure.n_ctx
     filler = small.tokenize(" hello world", add_special=False) * n_ctx
@@ -440,20 +414,12 @@ def isolate(small: lloyal.Context) -> None:
         results["gen_iter"] = it  # kept open: dropping it would cancel (and count) the request
         return next(it)
 
-    small.pause_engine()
-    before = small.engine_stats()
-    threads = [
-        threading.Thread(target=run, args=("commit", lambda: a.commit(token))),
-        threading.Thread(target=run, args=("gen", first_token)),
-        threading.Thread(target=run, args=("prefill", lambda: bad.prefill(filler[:30]))),
+    calls = [
+        functools.partial(run, "commit", lambda: a.commit(token)),
+        functools.partial(run, "gen", first_token),
+        functools.partial(run, "prefill", lambda: bad.prefill(filler[:30])),
     ]
-    for t in threads:
-        t.start()
-    wait_until(lambda: small.engine_stats().queue_depth == 3)
-    small.resume_engine()
-    for t in threads:
-        t.join()
-    after = small.engine_stats()
+    before, after, _ = run_queued(small, calls, 3)
     assert isinstance(results["prefill"], lloyal.KvCacheFullError), results
     assert results["commit"] is None
     assert isinstance(results["gen"], lloyal.Token) and results["gen"].token == token

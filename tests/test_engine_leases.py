@@ -7,10 +7,9 @@ from __future__ import annotations
 import asyncio
 import threading
 import time
-from collections.abc import Iterator
 
 import pytest
-from helpers import produce_commit, wait_until
+from helpers import context_fixture, produce_commit, wait_until
 
 import lloyal
 from lloyal import Branch, BranchStore, SamplingParams
@@ -19,13 +18,7 @@ GREEDY = SamplingParams(temperature=0)
 PROMPT = "The three most important inventions of the last century were"
 
 
-@pytest.fixture
-def ctx3(model: lloyal.Model) -> Iterator[lloyal.Context]:
-    c = lloyal.Context(model, n_ctx=1024, n_batch=64, n_seq_max=3)
-    try:
-        yield c
-    finally:
-        c.close()
+ctx3 = context_fixture(n_ctx=1024, n_batch=64, n_seq_max=3)
 
 
 def test_no_timeout_fails_at_once_and_bad_timeouts_are_refused(ctx3: lloyal.Context) -> None:

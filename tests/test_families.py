@@ -18,7 +18,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 from gguf_families import FAMILIES, Family, family_path, token_id, vocab
-from helpers import run_example_jsonl
+from helpers import prefilled, run_example_jsonl
 
 import lloyal
 from lloyal import Branch, BranchStore, SamplingParams
@@ -190,22 +190,29 @@ def test_fork_commit_prune_retain_only_counts(ctx: lloyal.Context) -> None:
     assert (store.available, store.kv_pressure.cells_used) == (4, 0)
 
 
-def test_batched_commit_equals_single_commits(ctx: lloyal.Context) -> None:
-    tokens = ctx.tokenize(PROMPT)
-    root = Branch.create(ctx, 0, GREEDY)
-    root.prefill(tokens)
+def batched_and_single_logits(ctx: lloyal.Context) -> list[tuple[np.ndarray, np.ndarray]]:
+    """Three forks of a greedy root on PROMPT commit one word each: per word, its logits when the
+    three are committed in one batch, and when its fork is committed alone."""
+    root = prefilled(ctx, PROMPT)
     nexts = [ctx.tokenize(w, add_special=False)[0] for w in (" cat", " dog", " fox")]
     batched = [root.fork() for _ in nexts]
     BranchStore(ctx).commit(list(zip(batched, nexts, strict=True)))
     rows = [b.logits for b in batched]
     for b in batched:
         b.prune()
+    pairs = []
     for t, row in zip(nexts, rows, strict=True):
         single = root.fork()
         single.commit(t)
-        assert np.array_equal(single.logits, row)  # bit for bit
+        pairs.append((row, single.logits))
         single.prune()
     root.prune()
+    return pairs
+
+
+def test_batched_commit_equals_single_commits(ctx: lloyal.Context) -> None:
+    for batched, single in batched_and_single_logits(ctx):
+        assert np.array_equal(single, batched)  # bit for bit
 
 
 def test_greedy_output_does_not_depend_on_n_batch(fam: Fam, ctx: lloyal.Context) -> None:
@@ -368,20 +375,7 @@ def test_float_weights_are_not_batch_invariant() -> None:
         lloyal.Context(fam.model, n_ctx=256, batch_invariant=True)
     with lloyal.Context(fam.model, n_ctx=256, n_batch=64, n_seq_max=4) as c:
         assert not c.batch_invariant and c.type_k == "f16"
-        root = Branch.create(c, 0, GREEDY)
-        root.prefill(c.tokenize(PROMPT))
-        nexts = [c.tokenize(w, add_special=False)[0] for w in (" cat", " dog", " fox")]
-        batched = [root.fork() for _ in nexts]
-        BranchStore(c).commit(list(zip(batched, nexts, strict=True)))
-        rows = [b.logits for b in batched]
-        for b in batched:
-            b.prune()
-        differs = []
-        for t, row in zip(nexts, rows, strict=True):
-            alone = root.fork()
-            alone.commit(t)
-            differs.append(not np.array_equal(alone.logits, row))
-            assert np.allclose(alone.logits, row, atol=1e-4)  # the same maths, other rounding
-            alone.prune()
-        assert any(differs)
-        root.prune()
+        pairs = batched_and_single_logits(c)
+        for batched, alone in pairs:
+            assert np.allclose(alone, batched, atol=1e-4)  # the same maths, other rounding
+        assert any(not np.array_equal(alone, batched) for batched, alone in pairs)

@@ -3,29 +3,19 @@
 from __future__ import annotations
 
 import json
-from collections.abc import Callable
 from typing import Any
 
 import numpy as np
 import pytest
+from helpers import assert_grammar_refuses, context_fixture, flat_constrained, lockstep, person_schema
 
 import lloyal
 
-PERSON = {
-    "type": "object",
-    "properties": {
-        "name": {"type": "string", "maxLength": 12},
-        "age": {"type": "integer", "minimum": 0, "maximum": 150},
-    },
-    "required": ["name", "age"],
-    "additionalProperties": False,
-}
+PERSON = person_schema()
 YES_NO = 'root ::= "yes" | "no"'
 
 
-@pytest.fixture
-def ctx4(make_context: Callable[..., lloyal.Context]) -> lloyal.Context:
-    return make_context(n_ctx=2048, n_seq_max=4)
+ctx4 = context_fixture(n_ctx=2048, n_seq_max=4)
 
 
 def _matches_person(doc: Any) -> bool:
@@ -130,16 +120,7 @@ def test_completed_grammar_ends_the_branch_cleanly(ctx: lloyal.Context) -> None:
 def test_forbidden_commit_raises_and_changes_nothing(ctx: lloyal.Context) -> None:
     with lloyal.Branch.create(ctx, 0, grammar=YES_NO) as b:
         b.prefill(ctx.tokenize("Answer:"))
-        pos, logits = b.position, b.logits
-        bad = ctx.tokenize(" maybe", add_special=False)[0]
-        with pytest.raises(lloyal.GrammarError, match="not allowed"):
-            b.commit(bad)
-        with pytest.raises(lloyal.GrammarError):
-            lloyal.BranchStore(ctx).commit([(b, bad)])
-        with pytest.raises(lloyal.GrammarError):
-            b.accept(bad)
-        assert b.position == pos and np.array_equal(b.logits, logits)
-        assert ctx.kv_seq_pos_max(b.seq_id) == pos - 1
+        assert_grammar_refuses(b, ctx.tokenize(" maybe", add_special=False)[0])
 
 
 def test_set_grammar_none_removes_the_constraint(ctx4: lloyal.Context) -> None:
@@ -169,24 +150,13 @@ def test_bad_grammar_argument_takes_no_lease(ctx4: lloyal.Context) -> None:
 
 def test_json_schema_root_forked_into_three_reseeded_children(ctx4: lloyal.Context) -> None:
     gbnf = lloyal.json_schema_to_grammar(PERSON)
-    store = lloyal.BranchStore(ctx4)
     params = lloyal.SamplingParams(temperature=0.8, top_k=40, top_p=0.95, seed=3)
     root = lloyal.Branch.create(ctx4, 0, params, grammar=gbnf)
     root.prefill(ctx4.tokenize("Describe a person as JSON with a name and an age:\n"))
     kids = [root.fork() for _ in range(3)]
     for i, k in enumerate(kids):
         k.reseed_sampler(100 + i)
-    out: list[list[int]] = [[] for _ in kids]
-    live = list(range(3))
-    for _ in range(80):
-        produced = store.produce_all([kids[i] for i in live])
-        step = [(i, p) for i, p in zip(live, produced, strict=True) if not p.is_stop]
-        live = [i for i, _ in step]
-        if not step:
-            break
-        store.commit([(kids[i], p.token) for i, p in step])
-        for i, p in step:
-            out[i].append(p.token)
+    out, live = lockstep(kids, 80)
     texts = [ctx4.detokenize(o) for o in out]
     assert not live, f"every child finished its JSON document within 80 tokens: {texts}"
     docs = [json.loads(t) for t in texts]
@@ -216,23 +186,15 @@ def _flat_constrained(ctx: lloyal.Context, grammar: lloyal.Grammar, *, via_logit
     the grammar, sample from the masked copy, accept the token into the grammar, decode it."""
     ctx.kv_cache_clear()
     ctx.reset_sampler()
-    prompt = ctx.tokenize("A person as JSON:")
-    ctx.decode(prompt, 0)
-    pos, out = len(prompt), []
-    for _ in range(60):
+
+    def pick() -> int:
         if via_logits:
             logits = ctx.get_logits().copy()
             grammar.apply(logits)
-            token = ctx.sample(logits=logits, temperature=0)
-        else:
-            token = ctx.sample(grammar=grammar, temperature=0)
-        if ctx.is_stop_token(token):
-            break
-        grammar.accept(token)
-        out.append(token)
-        ctx.decode([token], pos)
-        pos += 1
-    return out
+            return ctx.sample(logits=logits, temperature=0)
+        return ctx.sample(grammar=grammar, temperature=0)
+
+    return flat_constrained(ctx, grammar, "A person as JSON:", 60, pick)[0]
 
 
 def test_flat_path_constrained_sampling_ports_the_original_example(ctx: lloyal.Context) -> None:

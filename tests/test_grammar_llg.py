@@ -12,26 +12,24 @@ from typing import Any
 
 import numpy as np
 import pytest
+from helpers import (
+    assert_grammar_refuses,
+    context_fixture,
+    flat_constrained,
+    lockstep,
+    person_schema,
+    prefilled,
+)
 
 import lloyal
 
-PERSON = {
-    "type": "object",
-    "properties": {
-        "name": {"type": "string", "maxLength": 12},
-        "age": {"type": "integer", "minimum": 0, "maximum": 150},
-        "city": {"enum": ["Paris", "Rome", "Oslo"]},
-    },
-    "required": ["name", "age", "city"],
-    "additionalProperties": False,
-}
+PERSON = person_schema(cities=["Paris", "Rome", "Oslo"])
+PERSON_PROMPT = "A person as JSON:\n"
 GREEDY = lloyal.SamplingParams(temperature=0.0)
 UNSATISFIABLE = {"type": "integer", "minimum": 5, "maximum": 1}
 
 
-@pytest.fixture
-def ctx4(make_context: Callable[..., lloyal.Context]) -> lloyal.Context:
-    return make_context(n_ctx=2048, n_seq_max=4)
+ctx4 = context_fixture(n_ctx=2048, n_seq_max=4)
 
 
 def _person(text: str) -> dict[str, Any]:
@@ -41,6 +39,11 @@ def _person(text: str) -> dict[str, Any]:
     assert isinstance(doc["age"], int) and 0 <= doc["age"] <= 150, text
     assert doc["city"] in ("Paris", "Rome", "Oslo"), text
     return doc
+
+
+def _person_branch(ctx: lloyal.Context) -> lloyal.Branch:
+    """A greedy branch under PERSON with PERSON_PROMPT prefilled."""
+    return prefilled(ctx, PERSON_PROMPT, GREEDY, grammar=lloyal.Grammar.from_json_schema(ctx, PERSON))
 
 
 def _run(b: lloyal.Branch, n: int = 64) -> list[int]:
@@ -162,9 +165,7 @@ def test_lark_and_regex_on_a_branch(ctx: lloyal.Context) -> None:
 
 
 def test_fork_mid_document_copies_the_parse_state(ctx4: lloyal.Context) -> None:
-    g = lloyal.Grammar.from_json_schema(ctx4, PERSON)
-    with lloyal.Branch.create(ctx4, 0, GREEDY, grammar=g) as root:
-        root.prefill(ctx4.tokenize("A person as JSON:\n"))
+    with _person_branch(ctx4) as root:
         head = [t.token for t in root.generate(4)]
         child = root.fork()
         child.set_sampler_params(temperature=1.0, seed=9)
@@ -177,9 +178,7 @@ def test_fork_mid_document_copies_the_parse_state(ctx4: lloyal.Context) -> None:
 
 
 def test_save_and_load_mid_document_resumes_the_grammar(ctx4: lloyal.Context) -> None:
-    g = lloyal.Grammar.from_json_schema(ctx4, PERSON)
-    with lloyal.Branch.create(ctx4, 0, GREEDY, grammar=g) as b:
-        b.prefill(ctx4.tokenize("A person as JSON:\n"))
+    with _person_branch(ctx4) as b:
         head = [t.token for t in b.generate(5)]
         data = b.save_state()
         with lloyal.Branch.load_state(ctx4, data) as restored:
@@ -190,38 +189,25 @@ def test_save_and_load_mid_document_resumes_the_grammar(ctx4: lloyal.Context) ->
 
 
 def test_verify_keeps_allowed_drafts_and_replaces_a_forbidden_one(ctx4: lloyal.Context) -> None:
-    g = lloyal.Grammar.from_json_schema(ctx4, PERSON)
-    with lloyal.Branch.create(ctx4, 0, GREEDY, grammar=g) as b:
-        b.prefill(ctx4.tokenize("A person as JSON:\n"))
+    with _person_branch(ctx4) as b:
         with b.fork() as probe:
             greedy = [t.token for t in probe.generate(6)]
         bad = ctx4.tokenize(" hello", add_special=False)[0]
         assert b.verify([*greedy[:3], bad]) == 3
         assert b.last_token == greedy[3]
-        assert b.position == len(ctx4.tokenize("A person as JSON:\n")) + 4
+        assert b.position == len(ctx4.tokenize(PERSON_PROMPT)) + 4
         _person(ctx4.detokenize(greedy[:4] + _run(b)))
 
 
 def test_produce_all_over_reseeded_forks_gives_valid_distinct_documents(ctx4: lloyal.Context) -> None:
     g = lloyal.Grammar.from_json_schema(ctx4, PERSON)
-    store = lloyal.BranchStore(ctx4)
     params = lloyal.SamplingParams(temperature=1.0, seed=1)
     with lloyal.Branch.create(ctx4, 0, params, grammar=g) as root:
         root.prefill(ctx4.tokenize("Once upon a time"))
         kids = [root.fork() for _ in range(3)]
         for i, k in enumerate(kids):
             k.reseed_sampler(50 + i)
-        out: list[list[int]] = [[] for _ in kids]
-        live = list(range(3))
-        for _ in range(64):
-            step = [(i, p) for i, p in zip(live, store.produce_all([kids[i] for i in live]), strict=True)]
-            step = [(i, p) for i, p in step if not p.is_stop]
-            live = [i for i, _ in step]
-            if not live:
-                break
-            store.commit([(kids[i], p.token) for i, p in step])
-            for i, p in step:
-                out[i].append(p.token)
+        out, live = lockstep(kids, 64)
         assert not live
         docs = [_person(ctx4.detokenize(o)) for o in out]
         assert len({json.dumps(d) for d in docs}) > 1
@@ -230,21 +216,14 @@ def test_produce_all_over_reseeded_forks_gives_valid_distinct_documents(ctx4: ll
 
 def test_flat_path_apply_accept_loop(ctx: lloyal.Context) -> None:
     g = lloyal.Grammar.from_json_schema(ctx, PERSON)
-    prompt = ctx.tokenize("Once upon a time")
-    ctx.decode(prompt, 0)
-    pos, out = len(prompt), []
-    for _ in range(64):
+
+    def pick() -> int:
         logits = ctx.get_logits().copy()
         g.apply(logits)
-        tok = int(np.argmax(logits))
-        if ctx.is_stop_token(tok):
-            break
-        g.accept(tok)
-        out.append(tok)
-        ctx.decode([tok], pos)
-        pos += 1
-    else:
-        pytest.fail("the document did not end within 64 tokens")
+        return int(np.argmax(logits))
+
+    out, ended = flat_constrained(ctx, g, "Once upon a time", 64, pick)
+    assert ended, "the document did not end within 64 tokens"
     _person(ctx.detokenize(out))
 
 
@@ -252,14 +231,8 @@ def test_commit_of_a_forbidden_token_changes_nothing(ctx: lloyal.Context) -> Non
     g = lloyal.Grammar.from_json_schema(ctx, PERSON)
     with lloyal.Branch.create(ctx, 0, grammar=g) as b:
         b.prefill(ctx.tokenize("Once upon a time"))
-        pos, logits = b.position, b.logits
-        bad = ctx.tokenize(" there", add_special=False)[0]
-        with pytest.raises(lloyal.GrammarError, match="not allowed"):
-            b.commit(bad)
-        with pytest.raises(lloyal.GrammarError, match="not allowed"):
-            lloyal.BranchStore(ctx).commit([(b, bad)])
-        assert b.position == pos and np.array_equal(b.logits, logits)
-        assert ctx.kv_seq_pos_max(b.seq_id) == pos - 1
+        pos = b.position
+        assert_grammar_refuses(b, ctx.tokenize(" there", add_special=False)[0])
         b.commit(ctx.tokenize("{", add_special=False)[0])
         assert b.position == pos + 1
 
@@ -305,7 +278,7 @@ def test_masked_draw_equals_a_draw_from_the_masked_row(
     ):
         a.set_logit_bias(bias)
         twin.set_logit_bias(bias)
-        a.prefill(ctx4.tokenize("A person as JSON:\n"))
+        a.prefill(ctx4.tokenize(PERSON_PROMPT))
         made = []
         for _ in range(40):
             masked = a.logits.copy()

@@ -11,6 +11,7 @@ from typing import Any
 
 import jsonschema
 import pytest
+from helpers import lockstep
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from json_schema_corpus import CORPUS
@@ -38,18 +39,7 @@ def test_corpus_size() -> None:
 def _run(ctx: lloyal.Context, branches: list[lloyal.Branch]) -> list[str | None]:
     """Step every branch in lockstep (one produce_all and one commit per step) to its end; a
     branch still going after MAX_TOKENS gives None."""
-    store = lloyal.BranchStore(ctx)
-    out: list[list[int]] = [[] for _ in branches]
-    live = list(range(len(branches)))
-    for _ in range(MAX_TOKENS + 1):
-        produced = store.produce_all([branches[i] for i in live])
-        step = [(i, p) for i, p in zip(live, produced, strict=True) if not p.is_stop]
-        live = [i for i, _ in step]
-        if not live:
-            break
-        store.commit([(branches[i], p.token) for i, p in step])
-        for i, p in step:
-            out[i].append(p.token)
+    out, live = lockstep(branches, MAX_TOKENS + 1)
     return [None if i in live else ctx.detokenize(o) for i, o in enumerate(out)]
 
 

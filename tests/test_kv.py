@@ -2,23 +2,16 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-
 import numpy as np
 import pytest
+from helpers import context_fixture
 
 import lloyal
 
 PROMPT = "The capital of France is Paris. The capital of Germany is"
 
 
-@pytest.fixture
-def ctx4(model: lloyal.Model) -> Iterator[lloyal.Context]:
-    c = lloyal.Context(model, n_ctx=512, n_seq_max=4)
-    try:
-        yield c
-    finally:
-        c.close()
+ctx4 = context_fixture(n_ctx=512, n_seq_max=4)
 
 
 def test_copy_then_keep(ctx4: lloyal.Context) -> None:

@@ -8,10 +8,10 @@ cache are checked for exactness, not just for running.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import math
 import re
-import socket
 import threading
 import time
 from collections.abc import Iterator
@@ -22,6 +22,7 @@ import httpx
 import jsonschema
 import numpy as np
 import pytest
+from helpers import free_port, greedy_completion, person_schema, stream_with_usage
 
 import lloyal
 
@@ -34,10 +35,22 @@ KEY = "sk-test-key"
 N_CTX = 1024
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+@contextlib.contextmanager
+def _serving(app: Any) -> Iterator[str]:
+    """``app`` served by uvicorn in a thread on a free loopback port: its base URL. Stopped and
+    joined on exit."""
+    port = free_port()
+    srv = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
+    t = threading.Thread(target=srv.run, daemon=True)
+    t.start()
+    deadline = time.monotonic() + 60
+    while not srv.started:
+        assert t.is_alive() and time.monotonic() < deadline, "the server did not start"
+        time.sleep(0.05)
+    yield f"http://127.0.0.1:{port}"
+    srv.should_exit = True
+    t.join(30)
+    assert not t.is_alive()
 
 
 @pytest.fixture(scope="module")
@@ -52,18 +65,8 @@ def server(model_path: str) -> Iterator[str]:
         n_threads=2,
         batch_invariant=True,
     )
-    port = _free_port()
-    srv = uvicorn.Server(uvicorn.Config(create_app(cfg), host="127.0.0.1", port=port, log_level="warning"))
-    t = threading.Thread(target=srv.run, daemon=True)
-    t.start()
-    deadline = time.monotonic() + 60
-    while not srv.started:
-        assert t.is_alive() and time.monotonic() < deadline, "the server did not start"
-        time.sleep(0.05)
-    yield f"http://127.0.0.1:{port}"
-    srv.should_exit = True
-    t.join(30)
-    assert not t.is_alive()
+    with _serving(create_app(cfg)) as url:
+        yield url
 
 
 @pytest.fixture(scope="module")
@@ -83,20 +86,6 @@ def ref(model_path: str) -> Iterator[lloyal.Context]:
     """A context of our own, to compute what the server should answer."""
     with lloyal.Context(model_path, n_ctx=N_CTX, n_seq_max=2, n_threads=2, batch_invariant=True) as ctx:
         yield ctx
-
-
-def greedy(ctx: lloyal.Context, prompt: list[int], n: int, stop: set[int] = frozenset()) -> list[int]:  # type: ignore[assignment]
-    """The greedy continuation of ``prompt`` by the library itself."""
-    with lloyal.Branch.create(ctx, 0, lloyal.SamplingParams(temperature=0)) as b:
-        b.prefill(prompt)
-        out: list[int] = []
-        for _ in range(n):
-            p = b.produce()
-            if p.is_stop or p.token in stop:
-                break
-            out.append(p.token)
-            b.commit(p.token)
-        return out
 
 
 AUTH = {"authorization": f"Bearer {KEY}"}
@@ -126,7 +115,7 @@ def test_models_health_tokenize(server: str, client: openai.OpenAI, name: str, r
 
 
 def test_completion_greedy_equals_library(client: openai.OpenAI, name: str, ref: lloyal.Context) -> None:
-    want = greedy(ref, ref.tokenize(PROMPT), 12)
+    want = greedy_completion(ref, ref.tokenize(PROMPT), 12)
     r = client.completions.create(model=name, prompt=PROMPT, max_tokens=12, temperature=0)
     assert r.choices[0].text == ref.detokenize(want)
     assert r.choices[0].finish_reason == "length"
@@ -141,7 +130,7 @@ def test_completion_greedy_equals_library(client: openai.OpenAI, name: str, ref:
 
 
 def test_echo_and_stop(client: openai.OpenAI, name: str, ref: lloyal.Context) -> None:
-    full = ref.detokenize(greedy(ref, ref.tokenize(PROMPT), 16))
+    full = ref.detokenize(greedy_completion(ref, ref.tokenize(PROMPT), 16))
     stop = full[5:9]
     assert stop.strip(), full
     r = client.completions.create(model=name, prompt=PROMPT, max_tokens=16, temperature=0, stop=[stop])
@@ -154,14 +143,7 @@ def test_echo_and_stop(client: openai.OpenAI, name: str, ref: lloyal.Context) ->
 def test_stream_equals_non_stream_with_usage(client: openai.OpenAI, name: str) -> None:
     r = client.completions.create(model=name, prompt=PROMPT, max_tokens=10, temperature=0)
     chunks = list(
-        client.completions.create(
-            model=name,
-            prompt=PROMPT,
-            max_tokens=10,
-            temperature=0,
-            stream=True,
-            stream_options={"include_usage": True},
-        )
+        stream_with_usage(client.completions.create, model=name, prompt=PROMPT, max_tokens=10, temperature=0)
     )
     text = "".join(c.choices[0].text for c in chunks if c.choices)
     assert text == r.choices[0].text
@@ -191,7 +173,7 @@ def test_logprobs(client: openai.OpenAI, name: str) -> None:
 
 
 def test_logit_bias_bans_the_greedy_token(client: openai.OpenAI, name: str, ref: lloyal.Context) -> None:
-    first = greedy(ref, ref.tokenize(PROMPT), 1)[0]
+    first = greedy_completion(ref, ref.tokenize(PROMPT), 1)[0]
     r = client.completions.create(
         model=name, prompt=PROMPT, max_tokens=1, temperature=0, logit_bias={str(first): -100}, logprobs=0
     )
@@ -236,7 +218,7 @@ def test_chat_greedy_equals_library_and_stream(client: openai.OpenAI, name: str,
     msgs = [{"role": "user", "content": "Name one colour."}]
     fc = ref.format_chat(msgs)
     prompt = ref.tokenize(fc.prompt, add_special=False, parse_special=True)
-    want = ref.detokenize(greedy(ref, prompt, 20, set(fc.stop_tokens)))
+    want = ref.detokenize(greedy_completion(ref, prompt, 20, fc.stop_tokens))
     r = client.chat.completions.create(model=name, messages=msgs, max_tokens=20, temperature=0)
     assert r.choices[0].message.content == want
     assert r.choices[0].message.role == "assistant"
@@ -260,7 +242,7 @@ def test_multi_turn_prefills_only_the_new_turn(client: openai.OpenAI, name: str,
     # and the answer is the cold answer
     fc = ref.format_chat(convo)
     prompt = ref.tokenize(fc.prompt, add_special=False, parse_special=True)
-    assert r2.choices[0].message.content == ref.detokenize(greedy(ref, prompt, 8, set(fc.stop_tokens)))
+    assert r2.choices[0].message.content == ref.detokenize(greedy_completion(ref, prompt, 8, fc.stop_tokens))
 
 
 def test_shared_system_prompt_is_reused_across_users(
@@ -275,18 +257,10 @@ def test_shared_system_prompt_is_reused_across_users(
     r = client.chat.completions.create(model=name, messages=asks[1], max_tokens=6, temperature=0)
     assert r.usage.prompt_tokens_details.cached_tokens == common  # forked at the divergence point
     fc = ref.format_chat(asks[1])
-    assert r.choices[0].message.content == ref.detokenize(greedy(ref, other, 6, set(fc.stop_tokens)))
+    assert r.choices[0].message.content == ref.detokenize(greedy_completion(ref, other, 6, fc.stop_tokens))
 
 
-SCHEMA = {
-    "type": "object",
-    "properties": {
-        "name": {"type": "string", "maxLength": 12},
-        "age": {"type": "integer", "minimum": 0, "maximum": 150},
-    },
-    "required": ["name", "age"],
-    "additionalProperties": False,
-}
+SCHEMA = person_schema()
 
 
 def test_response_format_json_schema(client: openai.OpenAI, name: str) -> None:
@@ -368,7 +342,7 @@ def test_tools_are_rendered_and_parsed(client: openai.OpenAI, name: str) -> None
 
 def test_concurrent_requests_share_decode_steps(server: str, name: str, ref: lloyal.Context) -> None:
     prompts = [f"Fact number {i}:" for i in range(6)]
-    want = [ref.detokenize(greedy(ref, ref.tokenize(p), 10)) for p in prompts]
+    want = [ref.detokenize(greedy_completion(ref, ref.tokenize(p), 10)) for p in prompts]
     steps0 = metric(server, "lloyal_decode_steps_total")
     tokens0 = metric(server, "lloyal_generation_tokens_total")
     calls0 = metric(server, "lloyal_engine_decode_calls_total")
@@ -507,18 +481,6 @@ def test_errors_are_openai_shaped(server: str, client: openai.OpenAI, name: str)
 # A second server with tight limits: 2 completions at once, 1 request may wait, 2.5 s per request.
 
 
-def _run_server(app: Any) -> tuple[str, uvicorn.Server, threading.Thread]:
-    port = _free_port()
-    srv = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
-    t = threading.Thread(target=srv.run, daemon=True)
-    t.start()
-    deadline = time.monotonic() + 60
-    while not srv.started:
-        assert t.is_alive() and time.monotonic() < deadline, "the server did not start"
-        time.sleep(0.05)
-    return f"http://127.0.0.1:{port}", srv, t
-
-
 TIMEOUT = 2.5
 
 
@@ -535,11 +497,8 @@ def tight(model_path: str) -> Iterator[tuple[str, Any]]:
         prefill_chunk=16,
     )
     app = create_app(cfg)
-    url, srv, t = _run_server(app)
-    yield url, app
-    srv.should_exit = True
-    t.join(30)
-    assert not t.is_alive()
+    with _serving(app) as url:
+        yield url, app
 
 
 def _endless(ref: lloyal.Context) -> dict[str, Any]:

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -19,6 +18,7 @@ from typing import Any
 
 import httpx
 import pytest
+from helpers import free_port, greedy_completion, stream_with_usage
 
 import lloyal
 
@@ -29,17 +29,11 @@ N_CTX = 1024
 GRACE = 300  # seconds: long enough for the stream in flight on a loaded 2-core machine
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 @pytest.fixture(scope="module")
 def proc(
     model_path: str, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[tuple[str, subprocess.Popen[bytes]]]:
-    port = _free_port()
+    port = free_port()
     cmd = [sys.executable, "-m", "lloyal.cli", "--model", str(model_path), "serve", "--port", str(port)]
     cmd += ["--n-ctx", str(N_CTX), "--parallel", "4", "-t", "2", "--shutdown-grace", str(GRACE)]
     cmd += ["--batch-invariant"]  # the tests compare its tokens with a context of their own
@@ -81,22 +75,9 @@ def ref(model_path: str) -> Iterator[lloyal.Context]:
         yield ctx
 
 
-def _greedy(ctx: lloyal.Context, prompt: list[int], n: int, stop: frozenset[int] = frozenset()) -> list[int]:
-    with lloyal.Branch.create(ctx, 0, lloyal.SamplingParams(temperature=0)) as b:
-        b.prefill(prompt)
-        out: list[int] = []
-        for _ in range(n):
-            p = b.produce()
-            if p.is_stop or p.token in stop:
-                break
-            out.append(p.token)
-            b.commit(p.token)
-        return out
-
-
 def test_completion(client: openai.OpenAI, name: str, ref: lloyal.Context) -> None:
     prompt = "The capital of France is"
-    want = ref.detokenize(_greedy(ref, ref.tokenize(prompt), 8))
+    want = ref.detokenize(greedy_completion(ref, ref.tokenize(prompt), 8))
     r = client.completions.create(model=name, prompt=prompt, max_tokens=8, temperature=0)
     assert r.choices[0].text == want
     assert (r.usage.prompt_tokens, r.usage.completion_tokens) == (len(ref.tokenize(prompt)), 8)
@@ -106,17 +87,9 @@ def test_chat_streaming(client: openai.OpenAI, name: str, ref: lloyal.Context) -
     msgs = [{"role": "user", "content": "Name one colour."}]
     fc = ref.format_chat(msgs)
     prompt = ref.tokenize(fc.prompt, add_special=False, parse_special=True)
-    want = _greedy(ref, prompt, 12, frozenset(fc.stop_tokens))
-    chunks = list(
-        client.chat.completions.create(
-            model=name,
-            messages=msgs,
-            max_tokens=12,
-            temperature=0,
-            stream=True,
-            stream_options={"include_usage": True},
-        )
-    )
+    want = greedy_completion(ref, prompt, 12, fc.stop_tokens)
+    request = {"model": name, "messages": msgs, "max_tokens": 12, "temperature": 0}
+    chunks = list(stream_with_usage(client.chat.completions.create, **request))
     assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == ref.detokenize(want)
     assert chunks[-1].usage is not None and chunks[-1].usage.completion_tokens == len(want)
 
@@ -127,14 +100,13 @@ def test_sigterm_finishes_the_stream_in_flight_then_exits_0(
     """Last in this module: it stops the server."""
     url, p = proc
     max_tokens = 200  # ~1-2 s on an idle machine: still running when the refusal is seen
-    stream = client.completions.create(
+    stream = stream_with_usage(
+        client.completions.create,
         model=name,
         prompt="Count: 1, 2,",
         max_tokens=max_tokens,
         temperature=0,
         logit_bias={str(ref.eog_token): -100},  # runs to max_tokens
-        stream=True,
-        stream_options={"include_usage": True},
     )
     it = iter(stream)
     first = next(it)

@@ -13,7 +13,7 @@ import textwrap
 
 import numpy as np
 import pytest
-from helpers import produce_commit
+from helpers import context_fixture, greedy_steps, prefilled, produce_commit
 
 import lloyal
 from lloyal import Branch, BranchStore, SamplingParams
@@ -47,9 +47,7 @@ def make_ctx(model, **kw):
     return lloyal.Context(model, **kw)
 
 
-@pytest.fixture
-def ctx(make_context):
-    return make_context(n_ctx=512, n_seq_max=4)
+ctx = context_fixture(n_ctx=512, n_seq_max=4)
 
 
 def greedy(branch: Branch, n: int) -> list[int]:
@@ -95,16 +93,7 @@ def _run_generation(model, n_branches: int, batched: bool, steps: int = 6):
             b.prefill(ctx.tokenize(p))
         tokens: list[list[int]] = [[] for _ in branches]
         used0 = store.kv_pressure.cells_used
-        for _ in range(steps):
-            if batched:
-                produced = store.produce_all(branches)
-                assert not any(p.is_stop for p in produced)
-                store.commit([(b, p.token) for b, p in zip(branches, produced, strict=False)])
-                for t, p in zip(tokens, produced, strict=False):
-                    t.append(p.token)
-            else:
-                for t, b in zip(tokens, branches, strict=False):
-                    t.extend(greedy(b, 1))
+        greedy_steps(branches, tokens, steps, batched, forbid_stop=True)
         assert store.kv_pressure.cells_used == used0 + steps * n_branches
         return (
             tokens,
@@ -186,8 +175,7 @@ def test_store_prefill_variable_lengths_positions_and_logits(model, n_batch):
 
 def test_empty_commit_and_prefill_are_noops(ctx):
     store = BranchStore(ctx)
-    root = Branch.create(ctx, 0, GREEDY)
-    root.prefill(ctx.tokenize(PROMPTS[0]))
+    root = prefilled(ctx, PROMPTS[0])
     before = snapshot(root)
     pressure = store.kv_pressure
     store.commit([])
@@ -200,8 +188,7 @@ def test_empty_commit_and_prefill_are_noops(ctx):
 
 def test_duplicate_branch_in_one_call_is_rejected(ctx):
     store = BranchStore(ctx)
-    root = Branch.create(ctx, 0, GREEDY)
-    root.prefill(ctx.tokenize(PROMPTS[0]))
+    root = prefilled(ctx, PROMPTS[0])
     other = root.fork()
     before = snapshot(root)
     other_before = snapshot(other)
@@ -217,8 +204,7 @@ def test_duplicate_branch_in_one_call_is_rejected(ctx):
 
 def test_invalid_token_in_batch_changes_nothing(ctx):
     store = BranchStore(ctx)
-    root = Branch.create(ctx, 0, GREEDY)
-    root.prefill(ctx.tokenize(PROMPTS[0]))
+    root = prefilled(ctx, PROMPTS[0])
     a, b = root.fork(), root.fork()
     snaps = [snapshot(x) for x in (root, a, b)]
     pressure = store.kv_pressure
@@ -277,8 +263,7 @@ def test_lease_exhaustion_and_recycling(ctx):
     store = BranchStore(ctx)
     n = ctx.n_seq_max
     assert n == 4 and store.available == 4
-    root = Branch.create(ctx, 0, GREEDY)
-    root.prefill(ctx.tokenize(PROMPTS[0]))
+    root = prefilled(ctx, PROMPTS[0])
     kids = [root.fork() for _ in range(n - 1)]
     assert store.available == 0
     assert len({b.seq_id for b in [root, *kids]}) == n
@@ -465,8 +450,7 @@ def test_kv_full_inside_llama_decode_rolls_back(model):
     try:
         store = BranchStore(ctx)
         n_ctx = store.kv_pressure.n_ctx
-        root = Branch.create(ctx, 0, GREEDY)
-        root.prefill(ctx.tokenize(PROMPTS[1]))
+        root = prefilled(ctx, PROMPTS[1])
         kids = [root.fork() for _ in range(6)]
         branches = [root, *kids]
         free_seq = next(s for s in range(8) if s not in {b.seq_id for b in branches})
@@ -524,8 +508,7 @@ def test_packed_prefill_failing_in_a_later_decode_rolls_back(model):
 
 def test_stop_token_on_one_branch_sibling_continues(ctx):
     store = BranchStore(ctx)
-    root = Branch.create(ctx, 0, GREEDY)
-    root.prefill(ctx.tokenize(PROMPTS[0]))
+    root = prefilled(ctx, PROMPTS[0])
     p0 = root.position
     a, b = root.fork(), root.fork()
     eog = ctx.eog_token

@@ -6,7 +6,7 @@ import hashlib
 import itertools
 import os
 import re
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import gguf
@@ -48,28 +48,43 @@ class Family:
     extra: dict[str, int] = field(default_factory=dict)
 
 
+LLAMA3 = Family(
+    "llama3",
+    "llama",
+    "llama-bpe",
+    templates.LLAMA3,
+    (
+        "<|begin_of_text|>",
+        "<|end_of_text|>",
+        "<|start_header_id|>",
+        "<|end_header_id|>",
+        "<|eot_id|>",
+        "<|eom_id|>",
+        "<|python_tag|>",
+    ),
+    bos="<|begin_of_text|>",
+    eos="<|end_of_text|>",
+    eot="<|eot_id|>",
+    rope_base=500000.0,
+)
+QWEN_SPECIALS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
+QWEN2 = Family(
+    "qwen2",
+    "qwen2",
+    "qwen2",
+    templates.QWEN2,
+    QWEN_SPECIALS,
+    bos="<|endoftext|>",
+    eos="<|im_end|>",
+    eot="<|im_end|>",
+    add_bos=False,
+    rope_base=1000000.0,
+)
+
 FAMILIES: dict[str, Family] = {
     f.name: f
     for f in [
-        Family(
-            "llama3",
-            "llama",
-            "llama-bpe",
-            templates.LLAMA3,
-            (
-                "<|begin_of_text|>",
-                "<|end_of_text|>",
-                "<|start_header_id|>",
-                "<|end_header_id|>",
-                "<|eot_id|>",
-                "<|eom_id|>",
-                "<|python_tag|>",
-            ),
-            bos="<|begin_of_text|>",
-            eos="<|end_of_text|>",
-            eot="<|eot_id|>",
-            rope_base=500000.0,
-        ),
+        LLAMA3,
         Family(
             "mistral",
             "llama",
@@ -79,29 +94,13 @@ FAMILIES: dict[str, Family] = {
             bos="<s>",
             eos="</s>",
         ),
-        Family(
-            "qwen2",
-            "qwen2",
-            "qwen2",
-            templates.QWEN2,
-            ("<|endoftext|>", "<|im_start|>", "<|im_end|>"),
-            bos="<|endoftext|>",
-            eos="<|im_end|>",
-            eot="<|im_end|>",
-            add_bos=False,
-            rope_base=1000000.0,
-        ),
-        Family(
-            "qwen3",
-            "qwen3",
-            "qwen2",
-            templates.QWEN3,
-            ("<|endoftext|>", "<|im_start|>", "<|im_end|>", "<think>", "</think>"),
-            bos="<|endoftext|>",
-            eos="<|im_end|>",
-            eot="<|im_end|>",
-            add_bos=False,
-            rope_base=1000000.0,
+        QWEN2,
+        replace(
+            QWEN2,
+            name="qwen3",
+            arch="qwen3",
+            template=templates.QWEN3,
+            specials=(*QWEN_SPECIALS, "<think>", "</think>"),
         ),
         Family(
             "phi3",
@@ -115,32 +114,14 @@ FAMILIES: dict[str, Family] = {
             eos="<|endoftext|>",
             eot="<|end|>",
         ),
-        Family(  # Llama 3 with float weights: llama.cpp multiplies them with batch-size-dependent kernels
-            "llama3-f32",
-            "llama",
-            "llama-bpe",
-            templates.LLAMA3,
-            (
-                "<|begin_of_text|>",
-                "<|end_of_text|>",
-                "<|start_header_id|>",
-                "<|end_header_id|>",
-                "<|eot_id|>",
-                "<|eom_id|>",
-                "<|python_tag|>",
-            ),
-            bos="<|begin_of_text|>",
-            eos="<|end_of_text|>",
-            eot="<|eot_id|>",
-            qtype=gguf.GGMLQuantizationType.F32,
-            rope_base=500000.0,
-        ),
+        # Llama 3 with float weights: llama.cpp multiplies them with batch-size-dependent kernels
+        replace(LLAMA3, name="llama3-f32", qtype=gguf.GGMLQuantizationType.F32),
         Family(
             "qwen3-embed",
             "qwen3",
             "qwen2",
             None,
-            ("<|endoftext|>", "<|im_start|>", "<|im_end|>"),
+            QWEN_SPECIALS,
             bos="<|endoftext|>",
             eos="<|endoftext|>",
             add_bos=False,

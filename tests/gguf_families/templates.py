@@ -33,15 +33,30 @@ PHI3 = (
     "{% if add_generation_prompt %}{{ '<|assistant|>\\n' }}{% else %}{{ eos_token }}{% endif %}"
 )
 
+# The tool list both Qwen templates write into the system turn (a Jinja block, indented as there).
 _QWEN_TOOLS = (
-    '"# Tools\\n\\nYou may call one or more functions to assist with the user query.\\n\\n'
-    'You are provided with function signatures within <tools></tools> XML tags:\\n<tools>"'
+    """    {{- "# Tools\\n\\nYou may call one or more functions to assist with the user query.\\n\\n"""
+    """You are provided with function signatures within <tools></tools> XML tags:\\n<tools>" }}
+    {%- for tool in tools %}
+        {{- "\\n" }}
+        {{- tool | tojson }}
+    {%- endfor %}
+    {{- "\\n</tools>\\n\\nFor each function call, return a json object with function name and arguments """
+    """within <tool_call></tool_call> XML tags:\\n<tool_call>\\n{\\"name\\": <function-name>, """
+    """\\"arguments\\": <args-json-object>}\\n</tool_call><|im_end|>\\n" }}
+"""
 )
-_QWEN_TOOLS_END = (
-    '"\\n</tools>\\n\\nFor each function call, return a json object with function name and arguments '
-    'within <tool_call></tool_call> XML tags:\\n<tool_call>\\n{\\"name\\": <function-name>, '
-    '\\"arguments\\": <args-json-object>}\\n</tool_call><|im_end|>\\n"'
-)
+
+# Both end a tool turn, the message loop and open the generation prompt alike.
+_QWEN_TOOL_TURN_END = """        {{- '\\n</tool_response>' }}
+        {%- if loop.last or (messages[loop.index0 + 1].role != "tool") %}
+            {{- '<|im_end|>\\n' }}
+        {%- endif %}
+    {%- endif %}
+{%- endfor %}
+{%- if add_generation_prompt %}
+    {{- '<|im_start|>assistant\\n' }}
+"""
 
 # Qwen/Qwen2.5-7B-Instruct
 QWEN2 = (
@@ -53,17 +68,9 @@ QWEN2 = (
         {{- 'You are Qwen, created by Alibaba Cloud. You are a helpful assistant.' }}
     {%- endif %}
     {{- "\\n\\n" }}
-    {{- """
+"""
     + _QWEN_TOOLS
-    + """ }}
-    {%- for tool in tools %}
-        {{- "\\n" }}
-        {{- tool | tojson }}
-    {%- endfor %}
-    {{- """
-    + _QWEN_TOOLS_END
-    + """ }}
-{%- else %}
+    + """{%- else %}
     {%- if messages[0]['role'] == 'system' %}
         {{- '<|im_start|>system\\n' + messages[0]['content'] + '<|im_end|>\\n' }}
     {%- else %}
@@ -95,15 +102,9 @@ QWEN2 = (
         {%- endif %}
         {{- '\\n<tool_response>\\n' }}
         {{- message.content }}
-        {{- '\\n</tool_response>' }}
-        {%- if loop.last or (messages[loop.index0 + 1].role != "tool") %}
-            {{- '<|im_end|>\\n' }}
-        {%- endif %}
-    {%- endif %}
-{%- endfor %}
-{%- if add_generation_prompt %}
-    {{- '<|im_start|>assistant\\n' }}
-{%- endif %}
+"""
+    + _QWEN_TOOL_TURN_END
+    + """{%- endif %}
 """
 )
 
@@ -114,17 +115,9 @@ QWEN3 = (
     {%- if messages[0].role == 'system' %}
         {{- messages[0].content + '\\n\\n' }}
     {%- endif %}
-    {{- """
+"""
     + _QWEN_TOOLS
-    + """ }}
-    {%- for tool in tools %}
-        {{- "\\n" }}
-        {{- tool | tojson }}
-    {%- endfor %}
-    {{- """
-    + _QWEN_TOOLS_END
-    + """ }}
-{%- else %}
+    + """{%- else %}
     {%- if messages[0].role == 'system' %}
         {{- '<|im_start|>system\\n' + messages[0].content + '<|im_end|>\\n' }}
     {%- endif %}
@@ -190,15 +183,9 @@ QWEN3 = (
         {%- endif %}
         {{- '\\n<tool_response>\\n' }}
         {{- content }}
-        {{- '\\n</tool_response>' }}
-        {%- if loop.last or (messages[loop.index0 + 1].role != "tool") %}
-            {{- '<|im_end|>\\n' }}
-        {%- endif %}
-    {%- endif %}
-{%- endfor %}
-{%- if add_generation_prompt %}
-    {{- '<|im_start|>assistant\\n' }}
-    {%- if enable_thinking is defined and enable_thinking is false %}
+"""
+    + _QWEN_TOOL_TURN_END
+    + """    {%- if enable_thinking is defined and enable_thinking is false %}
         {{- '<think>\\n\\n</think>\\n\\n' }}
     {%- endif %}
 {%- endif %}"""

@@ -9,22 +9,34 @@ from __future__ import annotations
 import time
 from collections import deque
 from collections.abc import Iterator
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
 if TYPE_CHECKING:
-    from .app import _State
+    import lloyal
 
-__all__ = ["Metrics"]
+    from .scheduler import Scheduler
+
+__all__ = ["Metrics", "MetricsSource"]
+
+
+class MetricsSource(Protocol):
+    """What the metrics read at scrape time: the server's scheduler and its context."""
+
+    @property
+    def scheduler(self) -> Scheduler: ...
+
+    @property
+    def ctx(self) -> lloyal.Context: ...
 
 
 class Metrics(Collector):
     """One server's metrics (its own registry, so several apps can live in one process)."""
 
-    def __init__(self, state: _State) -> None:
+    def __init__(self, state: MetricsSource) -> None:
         self._state = state
         self._requests: dict[tuple[str, int], int] = {}
         self._rate: deque[tuple[float, int]] = deque(maxlen=64)  # (time, tokens generated so far)

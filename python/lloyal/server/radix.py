@@ -84,8 +84,8 @@ class RadixTree(Generic[V]):
 
     def get(self, key: Sequence[int]) -> V | None:
         """The value stored under exactly ``key``, or None."""
-        node = self._find(key)
-        return node.value if node is not None and node.has_value else None
+        path = self._path(key)
+        return path[-1].value if path is not None and path[-1].has_value else None
 
     def longest_prefix(self, key: Sequence[int]) -> tuple[int, V | None]:
         """``(length, value)`` of the longest stored key that is a prefix of ``key`` (``(0, None)``)."""
@@ -126,16 +126,10 @@ class RadixTree(Generic[V]):
 
     def remove(self, key: Sequence[int]) -> bool:
         """Drop the value stored under ``key``; False when there was none."""
-        path: list[_Node[V]] = [self._root]
-        node, i = self._root, 0
-        while i < len(key):
-            child = node.children.get(key[i])
-            if child is None or _common(key, i, child.edge) < len(child.edge):
-                return False
-            node, i = child, i + len(child.edge)
-            path.append(node)
-        if not node.has_value or node is self._root:
+        path = self._path(key)
+        if path is None or len(path) == 1 or not path[-1].has_value:
             return False
+        node = path[-1]
         node.has_value, node.value = False, None
         self._len -= 1
         # Prune empty leaves and merge single-child pass-through nodes.
@@ -162,11 +156,14 @@ class RadixTree(Generic[V]):
                 yield key, node.value  # type: ignore[misc]
             stack.extend((c, key) for c in node.children.values())
 
-    def _find(self, key: Sequence[int]) -> _Node[V] | None:
-        node, i = self._root, 0
+    def _path(self, key: Sequence[int]) -> list[_Node[V]] | None:
+        """The nodes from the root down to the one whose edges spell exactly ``key``; None when
+        no node ends there."""
+        path, i = [self._root], 0
         while i < len(key):
-            child = node.children.get(key[i])
+            child = path[-1].children.get(key[i])
             if child is None or _common(key, i, child.edge) < len(child.edge):
                 return None
-            node, i = child, i + len(child.edge)
-        return node
+            path.append(child)
+            i += len(child.edge)
+        return path
