@@ -14,100 +14,80 @@ use crate::detach::{on_main_thread, without_gil};
 use crate::error::to_py;
 
 /// Counters of a context's engine (``Context.engine_stats()``).
-#[pyclass(name = "EngineStats", module = "lloyal._lloyal", frozen, get_all, eq)]
+#[pyclass(name = "EngineStats", module = "lloyal._lloyal", frozen, eq)]
 #[derive(Clone, PartialEq)]
-pub struct PyEngineStats {
+pub struct PyEngineStats(pub EngineStats);
+
+/// The Python class's read-only properties: each reads the core value's field of that name
+/// (the text is the property's docstring).
+macro_rules! engine_stats_getters {
+    ($($(#[doc = $doc:expr])* $name:ident: $ty:ty,)*) => {
+        #[pymethods]
+        impl PyEngineStats {
+            $(
+                $(#[doc = $doc])*
+                #[getter]
+                fn $name(&self) -> $ty {
+                    self.0.$name
+                }
+            )*
+
+            fn __repr__(&self) -> String {
+                let s = &self.0;
+                format!(
+                    "EngineStats(ticks={}, decode_calls={}, rows={}, ops_submitted={}, ops_completed={}, \
+                     ops_failed={}, ops_coalesced={}, max_ops_per_tick={}, queue_depth={}, in_flight={}, \
+                     generating={}, waiting={}, paused={}, gather={})",
+                    s.ticks, s.decode_calls, s.rows, s.ops_submitted, s.ops_completed, s.ops_failed,
+                    s.ops_coalesced, s.max_ops_per_tick, s.queue_depth, s.in_flight, s.generating,
+                    s.waiting, if s.paused { "True" } else { "False" }, s.gather
+                )
+            }
+        }
+    };
+}
+
+engine_stats_getters! {
     /// Ticks run (each one pass over the queue that decoded something).
-    pub ticks: u64,
+    ticks: u64,
     /// ``llama_decode`` calls made by the engine.
-    pub decode_calls: u64,
+    decode_calls: u64,
     /// Rows (tokens) decoded.
-    pub rows: u64,
+    rows: u64,
     /// Operations submitted.
-    pub ops_submitted: u64,
+    ops_submitted: u64,
     /// Operations answered with success.
-    pub ops_completed: u64,
+    ops_completed: u64,
     /// Operations answered with an error (validation, decode, cancellation, close).
-    pub ops_failed: u64,
+    ops_failed: u64,
     /// Operations whose rows shared a tick with another operation's.
-    pub ops_coalesced: u64,
+    ops_coalesced: u64,
     /// The most operations one tick decoded together.
-    pub max_ops_per_tick: u64,
+    max_ops_per_tick: u64,
     /// Operations waiting for the next tick.
-    pub queue_depth: usize,
+    queue_depth: usize,
     /// Prefills in flight across ticks.
-    pub in_flight: usize,
+    in_flight: usize,
     /// Generation requests running (``Branch.generate`` iterators).
-    pub generating: usize,
+    generating: usize,
     /// Generation requests waiting (FIFO) for room in the cache.
-    pub waiting: usize,
+    waiting: usize,
     /// Seconds spent in ticks that decoded something (validation, packing, decode, sampling,
     /// publishing and waking callers).
-    pub tick_seconds: f64,
+    tick_seconds: f64,
     /// Seconds of those spent in ``llama_decode``.
-    pub decode_seconds: f64,
+    decode_seconds: f64,
     /// Seconds of those spent sampling generation requests.
-    pub sample_seconds: f64,
+    sample_seconds: f64,
     /// ``Branch.create`` / ``fork`` calls waiting (first come, first served) for a lease.
-    pub lease_waiting: usize,
+    lease_waiting: usize,
     /// The prefill cap of the last tick (0: the whole batch; with the paced default, what
     /// the engine allowed next to the running streams).
-    pub prefill_cap: usize,
+    prefill_cap: usize,
     /// Whether the engine is paused (``Context.pause_engine``).
-    pub paused: bool,
+    paused: bool,
     /// Seconds a tick waits for as many commits as the previous tick decoded.
-    pub gather: f64,
-}
-
-impl From<EngineStats> for PyEngineStats {
-    fn from(s: EngineStats) -> Self {
-        PyEngineStats {
-            ticks: s.ticks,
-            decode_calls: s.decode_calls,
-            rows: s.rows,
-            ops_submitted: s.ops_submitted,
-            ops_completed: s.ops_completed,
-            ops_failed: s.ops_failed,
-            ops_coalesced: s.ops_coalesced,
-            max_ops_per_tick: s.max_ops_per_tick,
-            queue_depth: s.queue_depth,
-            in_flight: s.in_flight,
-            generating: s.generating,
-            waiting: s.waiting,
-            tick_seconds: s.tick_seconds,
-            decode_seconds: s.decode_seconds,
-            sample_seconds: s.sample_seconds,
-            lease_waiting: s.lease_waiting,
-            prefill_cap: s.prefill_cap,
-            paused: s.paused,
-            gather: s.gather,
-        }
-    }
-}
-
-#[pymethods]
-impl PyEngineStats {
-    fn __repr__(&self) -> String {
-        format!(
-            "EngineStats(ticks={}, decode_calls={}, rows={}, ops_submitted={}, ops_completed={}, \
-             ops_failed={}, ops_coalesced={}, max_ops_per_tick={}, queue_depth={}, in_flight={}, \
-             generating={}, waiting={}, paused={}, gather={})",
-            self.ticks,
-            self.decode_calls,
-            self.rows,
-            self.ops_submitted,
-            self.ops_completed,
-            self.ops_failed,
-            self.ops_coalesced,
-            self.max_ops_per_tick,
-            self.queue_depth,
-            self.in_flight,
-            self.generating,
-            self.waiting,
-            if self.paused { "True" } else { "False" },
-            self.gather
-        )
-    }
+    gather: f64,
 }
 
 /// Submit `work` to `ctx`'s engine and block (GIL released) until its tick answers.

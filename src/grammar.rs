@@ -230,3 +230,15 @@ impl PyGrammar {
 pub fn json_schema_to_grammar(py: Python<'_>, schema: String) -> PyResult<String> {
     detached(py, move || lloyal_core::json_schema_to_grammar(&schema))
 }
+
+/// `Context.create_grammar`, next to the class it makes.
+#[pymethods]
+impl PyContext {
+    /// Parse GBNF rules into a :class:`Grammar` handle (``GrammarError`` if invalid).
+    #[pyo3(signature = (gbnf, root="root"))]
+    fn create_grammar(&self, py: Python<'_>, gbnf: String, root: &str) -> PyResult<PyGrammar> {
+        self.check_open()?;
+        let model = self.inner.model().clone();
+        Ok(PyGrammar::from_core(PyGrammar::parse(py, model, gbnf, root.to_string(), Default::default())?))
+    }
+}

@@ -8,7 +8,6 @@ use pyo3::exceptions::PyValueError;
 use pyo3::prelude::*;
 use pyo3::types::{PyCFunction, PyTuple};
 
-use crate::branch::PyBranch;
 use crate::context::PyContext;
 use crate::detach::run;
 use crate::engine;
@@ -54,15 +53,16 @@ pub fn wait(
 }
 
 /// For `lloyal.aio.lease_call`: queue `make`, settle `fut` when granted; returns
-/// `(cancel, take)` callables (cancel withdraws and prunes a branch granted meanwhile).
+/// `(cancel, take)` callables (cancel withdraws and prunes a branch granted meanwhile; take
+/// returns the granted branch as `wrap` makes it).
 pub fn submit_async<'py>(
     py: Python<'py>,
     ctx: &Py<PyContext>,
     parent: Option<Handle>,
     timeout: Option<f64>,
     make: MakeBranch,
-    lp: Bound<'py, PyAny>,
-    fut: Bound<'py, PyAny>,
+    wrap: impl Fn(Python<'_>, &Py<PyContext>, Handle) -> PyResult<Py<PyAny>> + Send + Sync + 'static,
+    (lp, fut): (Bound<'py, PyAny>, Bound<'py, PyAny>),
 ) -> PyResult<Bound<'py, PyTuple>> {
     let core = ctx.get().inner.clone();
     let (work, slot) = LeaseWork::new(parent, timeout, make);
@@ -75,9 +75,9 @@ pub fn submit_async<'py>(
         Ok(())
     })?;
     let ctx = ctx.clone_ref(py);
-    let take = PyCFunction::new_closure(py, None, None, move |args, _kwargs| -> PyResult<PyBranch> {
+    let take = PyCFunction::new_closure(py, None, None, move |args, _kwargs| -> PyResult<Py<PyAny>> {
         let handle = slot.take().ok_or_else(lost)?;
-        Ok(PyBranch { ctx: ctx.clone_ref(args.py()), handle })
+        wrap(args.py(), &ctx, handle)
     })?;
     PyTuple::new(py, [cancel.into_any(), take.into_any()])
 }

@@ -13,6 +13,7 @@ mod embeddings;
 mod engine;
 mod error;
 mod exit;
+mod generate;
 mod grammar;
 mod lease;
 mod metrics;
@@ -39,8 +40,8 @@ fn _lloyal(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<text::PyTextStream>()?;
     m.add_class::<branch::PyBranch>()?;
     m.add_class::<branch::PyProduced>()?;
-    m.add_class::<branch::PyToken>()?;
-    m.add_class::<branch::PyTokenIter>()?;
+    m.add_class::<generate::PyToken>()?;
+    m.add_class::<generate::PyTokenIter>()?;
     #[cfg(unix)]
     m.add_class::<waker::PyLoopWaker>()?;
     m.add_class::<store::PyBranchStore>()?;

@@ -1,0 +1,115 @@
+//! `Branch`'s tokens: sample, accept, commit and prefill (sync and awaited), verify a
+//! draft, reseed.
+
+use lloyal_core::Work;
+use pyo3::prelude::*;
+
+use super::{PyBranch, PyProduced};
+use crate::aio;
+use crate::context::to_i32;
+use crate::engine;
+use crate::error::IntoPyResult;
+
+#[pymethods]
+impl PyBranch {
+    /// Sample the next token without writing anything (idempotent until state changes).
+    fn produce(&self, py: Python<'_>) -> PyResult<PyProduced> {
+        let token = self.call(py, |s, h| s.branch_produce(h))?;
+        Ok(Self::produced(self.core(), token))
+    }
+
+    /// The token ``produce()`` would return.
+    fn sample(&self, py: Python<'_>) -> PyResult<i32> {
+        self.call(py, |s, h| s.branch_produce(h))
+    }
+
+    /// Record ``token`` in the sampler history, grammar and metrics without decoding it.
+    fn accept(&self, py: Python<'_>, token: i64) -> PyResult<()> {
+        let token = self.core().model().check_token(token).py()?;
+        self.call(py, move |s, h| s.branch_accept(h, token))
+    }
+
+    /// Accept ``token``, decode it, and capture the new logits; on failure nothing changes.
+    ///
+    /// Runs on the context's engine: commits and prefills that other threads or tasks
+    /// submit meanwhile share its ``llama_decode``.
+    fn commit(&self, py: Python<'_>, token: i64) -> PyResult<()> {
+        let token = self.core().model().check_token(token).py()?;
+        engine::wait(py, self.core(), Work::Commit(vec![(self.handle, token)]))
+    }
+
+    /// Speculative check of ``draft_tokens`` in one decode; returns how many were accepted.
+    ///
+    /// Keeps the longest prefix of the drafts that this branch's sampler agrees with, removes
+    /// the rejected drafts' cells, and commits the sampler's own next token (the bonus, see
+    /// ``last_token``). Greedy output equals plain greedy decoding.
+    fn verify(&self, py: Python<'_>, draft_tokens: Vec<i64>) -> PyResult<usize> {
+        let drafts = to_i32(self.core().model(), &draft_tokens)?;
+        Ok(self.call(py, move |s, h| s.branch_verify(h, &drafts))?.accepted)
+    }
+
+    /// The most recently accepted token (``None`` before any).
+    #[getter]
+    fn last_token(&self, py: Python<'_>) -> PyResult<Option<i32>> {
+        self.call(py, |s, h| s.branch_last_token(h))
+    }
+
+    /// Write ``tokens`` to this branch's KV (not accepted into penalties/perplexity).
+    ///
+    /// Runs on the context's engine in chunks of at most ``n_batch`` tokens per tick, each
+    /// sharing its ``llama_decode`` with other callers' commits.
+    fn prefill(&self, py: Python<'_>, tokens: Vec<i64>) -> PyResult<()> {
+        let tokens = to_i32(self.core().model(), &tokens)?;
+        engine::wait(py, self.core(), Work::Prefill(vec![(self.handle, tokens)]))
+    }
+
+    /// Await ``prefill(tokens)``: queued on the context's engine, the event loop keeps running.
+    fn aprefill<'py>(slf: &Bound<'py, Self>, tokens: Bound<'py, PyAny>) -> PyResult<Bound<'py, PyAny>> {
+        aio::engine_call(slf.py(), slf.getattr("_submit_prefill")?, vec![tokens])
+    }
+
+    /// Await ``commit(token)``: queued on the context's engine, the event loop keeps running.
+    fn acommit<'py>(slf: &Bound<'py, Self>, token: Bound<'py, PyAny>) -> PyResult<Bound<'py, PyAny>> {
+        aio::engine_call(slf.py(), slf.getattr("_submit_commit")?, vec![token])
+    }
+
+    fn _submit_commit<'py>(
+        &self,
+        py: Python<'py>,
+        lp: Bound<'py, PyAny>,
+        fut: Bound<'py, PyAny>,
+        token: i64,
+    ) -> PyResult<Bound<'py, PyAny>> {
+        let token = self.core().model().check_token(token).py()?;
+        engine::submit_async(py, self.core(), Work::Commit(vec![(self.handle, token)]), lp, fut)
+    }
+
+    fn _submit_prefill<'py>(
+        &self,
+        py: Python<'py>,
+        lp: Bound<'py, PyAny>,
+        fut: Bound<'py, PyAny>,
+        tokens: Vec<i64>,
+    ) -> PyResult<Bound<'py, PyAny>> {
+        let tokens = to_i32(self.core().model(), &tokens)?;
+        engine::submit_async(py, self.core(), Work::Prefill(vec![(self.handle, tokens)]), lp, fut)
+    }
+
+    /// BlinkKV: replace this branch's sequence with ``sinks + tail``; returns the new position.
+    ///
+    /// The tokens go to positions ``0..len(sinks) + len(tail)``; sampler history and metrics are
+    /// kept. Needs ``len(sinks) + len(tail)`` free cells once this branch's own cells are freed
+    /// (``KvCacheFullError`` up front otherwise, nothing changed), so it works on a full
+    /// cache. When a lease and enough cells are free to keep the old cells until the new
+    /// ones are written, a failed decode restores the branch; otherwise it leaves the
+    /// branch empty at position 0.
+    ///
+    /// Example:
+    ///     >>> branch.reseed(tokens[:4], tokens[-8:])  # sinks + recent tail
+    ///     12
+    fn reseed(&self, py: Python<'_>, sinks: Vec<i64>, tail: Vec<i64>) -> PyResult<i32> {
+        let model = self.core().model();
+        let (sinks, tail) = (to_i32(model, &sinks)?, to_i32(model, &tail)?);
+        self.call(py, move |s, h| s.branch_reseed(h, &sinks, &tail))
+    }
+}

@@ -1,0 +1,423 @@
+//! `lloyal.Branch`: a handle to one branch of a context (KV sequence + sampler + metrics):
+//! creation, forks, pruning, the tree and generation here; its sampling settings and logits
+//! in `sampling.rs`; sampling, committing and prefilling tokens in `decode.rs`.
+
+mod decode;
+mod sampling;
+
+use std::sync::Arc;
+
+use lloyal_core::{Context, ContextState, Handle};
+use pyo3::prelude::*;
+use pyo3::types::{PyBytes, PyTuple, PyType};
+
+use crate::aio;
+use crate::context::PyContext;
+use crate::convert::clamp_i32;
+use crate::detach::run;
+use crate::error::IntoPyResult;
+use crate::generate::{GenArgs, PyTokenIter};
+use crate::lease;
+use crate::sampling::extract_params;
+use sampling::grammar_arg;
+
+/// A sampled-but-not-written token.
+#[pyclass(name = "Produced", module = "lloyal._lloyal", frozen, get_all, eq)]
+#[derive(Clone, PartialEq)]
+pub struct PyProduced {
+    /// Token id.
+    pub token: i32,
+    /// The token's text (may be a partial UTF-8 character).
+    pub text: String,
+    /// Whether the token ends generation.
+    pub is_stop: bool,
+}
+
+#[pymethods]
+impl PyProduced {
+    fn __repr__(&self) -> String {
+        format!("Produced(token={}, text={:?}, is_stop={})", self.token, self.text, self.is_stop)
+    }
+}
+
+/// A leased KV sequence with its own sampler, logits snapshot, metrics and tree links.
+///
+/// Example:
+///     >>> with Context(default_model_path(), n_seq_max=4) as ctx:
+///     ...     root = Branch.create(ctx, 0, SamplingParams(temperature=0))
+///     ...     root.prefill(ctx.tokenize("Hello"))
+///     ...     child = root.fork()
+///     ...     child.commit(child.produce().token)
+#[pyclass(name = "Branch", module = "lloyal._lloyal", frozen)]
+pub struct PyBranch {
+    pub(crate) ctx: Py<PyContext>,
+    pub(crate) handle: Handle,
+}
+
+impl PyBranch {
+    pub(crate) fn core(&self) -> &Arc<Context> {
+        &self.ctx.get().inner
+    }
+
+    fn call<T: Send>(
+        &self,
+        py: Python<'_>,
+        f: impl FnOnce(&mut ContextState, Handle) -> lloyal_core::Result<T> + Send,
+    ) -> PyResult<T> {
+        let h = self.handle;
+        run(py, self.core(), move |s| f(s, h))
+    }
+
+    fn wrap(&self, py: Python<'_>, handle: Handle) -> PyBranch {
+        PyBranch { ctx: self.ctx.clone_ref(py), handle }
+    }
+
+    pub(crate) fn produced(ctx: &Context, token: i32) -> PyProduced {
+        let model = ctx.model();
+        let bytes = model.token_bytes(token, false).unwrap_or_default();
+        PyProduced { token, text: String::from_utf8_lossy(&bytes).into_owned(), is_stop: model.is_eog(token) }
+    }
+}
+
+#[pymethods]
+impl PyBranch {
+    /// Create a root branch on ``ctx`` at ``position`` (takes a lease; its sequence starts empty).
+    ///
+    /// ``grammar`` (GBNF text with a ``root`` rule, or a :class:`Grammar` whose state is
+    /// copied) constrains every sampled token; forks inherit a copy of its state. Sequence ids
+    /// holding flat-path cells (``Context.decode``) are skipped, never wiped.
+    ///
+    /// ``timeout`` (seconds) waits for a lease when none is free: 0 (the default) does not
+    /// wait, None waits as long as it takes. Waiting calls are served first come, first
+    /// served by the context's engine, with the GIL released (Ctrl-C gives up).
+    ///
+    /// Raises:
+    ///     LeaseExhaustedError: every sequence id of the context is leased or holds flat-path
+    ///         cells (and stayed so for ``timeout`` seconds).
+    ///     ValueError: a negative ``timeout``.
+    #[classmethod]
+    #[pyo3(
+        signature = (ctx, position=0, params=None, *, grammar=None, timeout=Some(0.0)),
+        text_signature = "($cls, ctx, position=0, params=None, *, grammar=None, timeout=0.0)"
+    )]
+    fn create(
+        _cls: &Bound<'_, PyType>,
+        py: Python<'_>,
+        ctx: Py<PyContext>,
+        position: i64,
+        params: Option<&Bound<'_, PyAny>>,
+        grammar: Option<&Bound<'_, PyAny>>,
+        timeout: Option<f64>,
+    ) -> PyResult<PyBranch> {
+        let timeout = lease::check_timeout(timeout)?;
+        let params = extract_params(params, None)?;
+        let core = ctx.get().inner.clone();
+        core.check_open().py()?;
+        let grammar = grammar_arg(py, core.model().clone(), grammar)?;
+        let position = clamp_i32(position);
+        let make = move |s: &mut ContextState| {
+            let h = s.branch_create(position, params)?;
+            if grammar.is_some() {
+                s.branch_set_grammar(h, grammar)?;
+            }
+            Ok(h)
+        };
+        let handle = if timeout == Some(0.0) {
+            run(py, &core, make)?
+        } else {
+            lease::wait(py, &core, None, timeout, Box::new(make))?
+        };
+        Ok(PyBranch { ctx, handle })
+    }
+
+    /// The branch as bytes: KV cells, position, sampler (parameters, history, RNG), grammar,
+    /// metrics, biases and logits; ``Branch.load_state`` resumes it in any process.
+    fn save_state<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyBytes>> {
+        let data = self.call(py, |s, h| s.branch_save(h))?;
+        Ok(PyBytes::new(py, &data))
+    }
+
+    /// A new root branch on ``ctx`` from ``Branch.save_state()`` bytes (takes a lease).
+    /// Corrupt, truncated or foreign data raises ``StateError`` and changes nothing.
+    #[staticmethod]
+    fn load_state(py: Python<'_>, ctx: Py<PyContext>, data: Vec<u8>) -> PyResult<PyBranch> {
+        let core = ctx.get().inner.clone();
+        let handle = run(py, &core, move |s| s.branch_load(&data))?;
+        Ok(PyBranch { ctx, handle })
+    }
+
+    /// A child sharing this branch's KV prefix (no tensor copy); sampler, metrics, logit bias
+    /// and (if ``clone_logits``) logits are cloned. Takes a lease.
+    ///
+    /// ``at`` (``1 <= at <= position``) shares only the first ``at`` positions: the child
+    /// starts at position ``at`` with no logits (prefill before sampling), no grammar and fresh
+    /// metrics; its sampler, penalty history and logit bias are cloned. A prefix cache uses it
+    /// to reuse the common part of a cached sequence.
+    ///
+    /// ``timeout`` (seconds) waits for a lease when none is free: 0 (the default) does not
+    /// wait, None waits as long as it takes; waiting forks and creates are served first come,
+    /// first served (a fork also waits for this branch's prefill in flight).
+    ///
+    /// Raises:
+    ///     LeaseExhaustedError: no lease is free (within ``timeout``).
+    #[pyo3(
+        signature = (clone_logits=true, *, at=None, timeout=Some(0.0)),
+        text_signature = "($self, clone_logits=True, *, at=None, timeout=0.0)"
+    )]
+    fn fork(
+        &self,
+        py: Python<'_>,
+        clone_logits: bool,
+        at: Option<i32>,
+        timeout: Option<f64>,
+    ) -> PyResult<PyBranch> {
+        let timeout = lease::check_timeout(timeout)?;
+        let child = if timeout == Some(0.0) {
+            self.call(py, move |s, h| s.branch_fork_at(h, clone_logits, at))?
+        } else {
+            self.core().check_open().py()?;
+            let h = self.handle;
+            let make = Box::new(move |s: &mut ContextState| s.branch_fork_at(h, clone_logits, at));
+            lease::wait(py, self.core(), Some(h), timeout, make)?
+        };
+        Ok(self.wrap(py, child))
+    }
+
+    /// Await ``fork(clone_logits, timeout=timeout)`` without blocking the event loop; a
+    /// waiting fork is an engine request (cancelling the task withdraws it).
+    #[pyo3(
+        signature = (clone_logits=true, *, timeout=Some(0.0)),
+        text_signature = "($self, clone_logits=True, *, timeout=0.0)"
+    )]
+    fn afork<'py>(
+        slf: &Bound<'py, Self>,
+        clone_logits: bool,
+        timeout: Option<f64>,
+    ) -> PyResult<Bound<'py, PyAny>> {
+        let py = slf.py();
+        let timeout = lease::check_timeout(timeout)?;
+        if timeout == Some(0.0) {
+            let arg = clone_logits.into_pyobject(py)?.to_owned().into_any();
+            return aio::in_thread(py, slf.getattr("fork")?, vec![arg]);
+        }
+        let args = vec![
+            clone_logits.into_pyobject(py)?.to_owned().into_any(),
+            timeout.into_pyobject(py)?.into_any(),
+        ];
+        aio::lease_call(py, slf.getattr("_submit_fork_lease")?, args)
+    }
+
+    fn _submit_fork_lease<'py>(
+        &self,
+        py: Python<'py>,
+        lp: Bound<'py, PyAny>,
+        fut: Bound<'py, PyAny>,
+        clone_logits: bool,
+        timeout: Option<f64>,
+    ) -> PyResult<Bound<'py, PyTuple>> {
+        self.core().check_open().py()?;
+        let h = self.handle;
+        let make = Box::new(move |s: &mut ContextState| s.branch_fork_at(h, clone_logits, None));
+        let wrap = |py: Python<'_>, ctx: &Py<PyContext>, handle| {
+            Ok(Py::new(py, PyBranch { ctx: ctx.clone_ref(py), handle })?.into_any())
+        };
+        lease::submit_async(py, &self.ctx, Some(h), timeout, make, wrap, (lp, fut))
+    }
+
+    /// Await ``prune()`` off the event loop.
+    fn aprune<'py>(slf: &Bound<'py, Self>) -> PyResult<Bound<'py, PyAny>> {
+        aio::in_thread(slf.py(), slf.getattr("prune")?, vec![])
+    }
+
+    /// Await ``prune_subtree()`` off the event loop.
+    fn aprune_subtree<'py>(slf: &Bound<'py, Self>) -> PyResult<Bound<'py, PyAny>> {
+        aio::in_thread(slf.py(), slf.getattr("prune_subtree")?, vec![])
+    }
+
+    /// Dispose this branch (RESTRICT: ``TopologyError`` while children live). Idempotent.
+    fn prune(&self, py: Python<'_>) -> PyResult<()> {
+        self.call(py, |s, h| s.branch_prune(h))
+    }
+
+    /// Dispose this branch and every descendant (CASCADE). Idempotent.
+    fn prune_subtree(&self, py: Python<'_>) -> PyResult<()> {
+        self.call(py, |s, h| s.branch_prune_subtree(h))
+    }
+
+    /// Generate until a stop (not yielded) or ``max_tokens``, committing each token before
+    /// yielding it. The engine samples and commits in Rust, batched with every other
+    /// generation and commit on the context; one token per ``next()`` (``lookahead=k``: up to
+    /// ``k`` tokens ahead of the reader).
+    ///
+    /// Args:
+    ///     max_tokens: Most tokens to yield (None: until a stop).
+    ///     prompt: Tokens the engine prefills first, as part of the request (chunked with
+    ///         the other requests' steps); None: the branch's prompt is already written.
+    ///     stop: Strings that end generation; matched on the detokenized text across token
+    ///         boundaries and never yielded (text that may begin one is held back).
+    ///     stop_tokens: Token ids that end generation (not committed), besides the model's
+    ///         end-of-generation tokens.
+    ///     logprobs: Give each Token its ``logprob``.
+    ///     top_logprobs: Give each Token its ``top_logprobs`` most likely tokens (0 to 20).
+    ///     timeout: Seconds the request may wait (FIFO) for room in the KV cache for its
+    ///         ``max_tokens`` before failing; None waits as long as it takes.
+    ///     lookahead: Tokens the engine may generate before they are read (1: each one when
+    ///         asked for). With ``k > 1`` the next token decodes while the reader handles this
+    ///         one, and a reader that stops early leaves the branch up to ``k - 1`` tokens past
+    ///         the last it read.
+    ///     reserve: Hold ``max_tokens`` KV cells for the request from its start (it waits for
+    ///         them). False: it starts when one cell is free and takes one per token, and a
+    ///         token that finds the cache full raises ``KvCacheFullError`` at its ``next()``
+    ///         (the tokens before it were yielded).
+    ///
+    /// Raises:
+    ///     InvalidTokenError: A stop or prompt token is out of the vocabulary.
+    ///     KvCacheFullError: At the first ``next()``: ``max_tokens`` can never fit next to the
+    ///         branch's cells, or no room came within ``timeout``; later, with
+    ///         ``reserve=False``, when the cache filled up.
+    ///     ValueError: An empty stop string, ``top_logprobs`` out of range or another iterator
+    ///         of this branch still generating (at the first ``next()``), a negative
+    ///         ``timeout`` or a ``lookahead`` below 1.
+    #[pyo3(signature = (max_tokens=None, *, prompt=None, stop=None, stop_tokens=None, logprobs=false, top_logprobs=0, timeout=None, lookahead=1, reserve=true))]
+    #[allow(clippy::too_many_arguments)]
+    fn generate(
+        &self,
+        max_tokens: Option<usize>,
+        prompt: Option<Vec<i64>>,
+        stop: Option<Vec<String>>,
+        stop_tokens: Option<Vec<i64>>,
+        logprobs: bool,
+        top_logprobs: usize,
+        timeout: Option<f64>,
+        lookahead: usize,
+        reserve: bool,
+    ) -> PyResult<PyTokenIter> {
+        let args = GenArgs::parse(
+            self.core().model(),
+            max_tokens,
+            prompt,
+            (stop, stop_tokens),
+            (logprobs, top_logprobs),
+            timeout,
+            lookahead,
+            reserve,
+        )?;
+        Ok(PyTokenIter::new(self.core(), self.handle, args))
+    }
+
+    fn __iter__(&self) -> PyTokenIter {
+        PyTokenIter::new(self.core(), self.handle, GenArgs::default())
+    }
+
+    fn __aiter__(&self) -> PyTokenIter {
+        PyTokenIter::new(self.core(), self.handle, GenArgs::default())
+    }
+
+    /// Next position to write.
+    #[getter]
+    fn position(&self, py: Python<'_>) -> PyResult<i32> {
+        self.call(py, |s, h| Ok(s.branch(h)?.position))
+    }
+
+    /// Position where this branch diverged from its parent.
+    #[getter]
+    fn fork_head(&self, py: Python<'_>) -> PyResult<i32> {
+        self.call(py, |s, h| Ok(s.branch(h)?.fork_head))
+    }
+
+    /// Model perplexity ``exp(mean surprisal)`` of accepted tokens; ``inf`` before any.
+    #[getter]
+    fn perplexity(&self, py: Python<'_>) -> PyResult<f64> {
+        self.call(py, |s, h| Ok(s.branch(h)?.perplexity()))
+    }
+
+    /// Perplexity under the sampling distribution (penalties, biases, temperature).
+    #[getter]
+    fn sampling_perplexity(&self, py: Python<'_>) -> PyResult<f64> {
+        self.call(py, |s, h| Ok(s.branch(h)?.sampling_perplexity()))
+    }
+
+    /// The parent branch, or None for a root.
+    #[getter]
+    fn parent(&self, py: Python<'_>) -> PyResult<Option<PyBranch>> {
+        let p = self.call(py, |s, h| Ok(s.branch_info(h)?.parent))?;
+        Ok(p.map(|p| self.wrap(py, p)))
+    }
+
+    /// Live children in fork order.
+    #[getter]
+    fn children(&self, py: Python<'_>) -> PyResult<Vec<PyBranch>> {
+        let c = self.call(py, |s, h| Ok(s.branch_info(h)?.children))?;
+        Ok(c.into_iter().map(|c| self.wrap(py, c)).collect())
+    }
+
+    /// Whether the branch has no live children.
+    #[getter]
+    fn is_leaf(&self, py: Python<'_>) -> PyResult<bool> {
+        self.call(py, |s, h| Ok(s.branch_info(h)?.children.is_empty()))
+    }
+
+    /// Whether the branch is live (holds a lease).
+    #[getter]
+    fn is_active(&self, py: Python<'_>) -> bool {
+        self.call(py, |s, h| Ok(s.is_live(h))).unwrap_or(false)
+    }
+
+    /// Whether the branch was pruned, retained away, or its context closed.
+    #[getter]
+    fn disposed(&self, py: Python<'_>) -> bool {
+        !self.is_active(py)
+    }
+
+    /// Stable identity; never reused for another branch.
+    #[getter]
+    fn handle(&self) -> Handle {
+        self.handle
+    }
+
+    /// The leased sequence id (read-only; for interop with the flat path).
+    #[getter]
+    fn seq_id(&self, py: Python<'_>) -> PyResult<i32> {
+        self.call(py, |s, h| Ok(s.branch(h)?.seq_id))
+    }
+
+    /// The context this branch lives in.
+    #[getter]
+    fn context(&self, py: Python<'_>) -> Py<PyContext> {
+        self.ctx.clone_ref(py)
+    }
+
+    fn __enter__(slf: Py<Self>) -> Py<Self> {
+        slf
+    }
+
+    #[pyo3(signature = (*_exc))]
+    fn __exit__(&self, py: Python<'_>, _exc: &Bound<'_, PyTuple>) -> PyResult<bool> {
+        if self.core().is_closed() {
+            return Ok(false);
+        }
+        self.prune_subtree(py)?;
+        Ok(false)
+    }
+
+    fn __eq__(&self, other: &Bound<'_, PyAny>) -> bool {
+        other.cast::<PyBranch>().is_ok_and(|o| {
+            let o = o.get();
+            o.handle == self.handle && Arc::ptr_eq(o.core(), self.core())
+        })
+    }
+
+    fn __hash__(&self) -> u64 {
+        self.handle ^ (Arc::as_ptr(self.core()) as u64).rotate_left(17)
+    }
+
+    fn __repr__(&self, py: Python<'_>) -> String {
+        match self.call(py, |s, h| s.branch_info(h)) {
+            Ok(i) => format!(
+                "Branch(handle={}, seq_id={}, position={}, perplexity={:.3})",
+                self.handle, i.seq_id, i.position, i.perplexity
+            ),
+            Err(_) => format!("Branch(handle={}, disposed)", self.handle),
+        }
+    }
+}

@@ -1,0 +1,170 @@
+//! `Branch`'s sampling settings (sampler, grammar, biases, steering) and its logits.
+
+use std::collections::HashMap;
+use std::sync::Arc;
+
+use lloyal_core::Base;
+use numpy::{PyArray1, PyReadonlyArray1};
+use pyo3::prelude::*;
+use pyo3::types::PyDict;
+
+use super::PyBranch;
+use crate::convert::narrow;
+use crate::error::IntoPyResult;
+use crate::grammar::PyGrammar;
+use crate::sampling::{extract_params, extract_params_onto};
+
+/// A grammar from GBNF text (start rule ``root``) or a copy of a `Grammar` handle's state.
+pub(super) fn grammar_arg(
+    py: Python<'_>,
+    model: Arc<lloyal_core::Model>,
+    grammar: Option<&Bound<'_, PyAny>>,
+) -> PyResult<Option<lloyal_core::Grammar>> {
+    let Some(g) = grammar.filter(|g| !g.is_none()) else { return Ok(None) };
+    if let Ok(handle) = g.cast::<PyGrammar>() {
+        return Ok(Some(handle.get().lock().try_clone().py()?));
+    }
+    let gbnf: String = g.extract().map_err(|_| {
+        pyo3::exceptions::PyTypeError::new_err("grammar must be GBNF text (str), a Grammar, or None")
+    })?;
+    Ok(Some(PyGrammar::parse(py, model, gbnf, "root".into(), Default::default())?))
+}
+
+/// Token ids (range-checked) and biases from a `{token: bias}` dict.
+fn bias_list(model: &lloyal_core::Model, bias: &Bound<'_, PyDict>) -> PyResult<Vec<(i32, f32)>> {
+    let map: HashMap<i64, f32> = bias.extract()?;
+    let mut v: Vec<(i32, f32)> = map
+        .into_iter()
+        .map(|(t, b)| Ok((model.check_token(t)?, b)))
+        .collect::<lloyal_core::Result<_>>()
+        .py()?;
+    v.sort_by_key(|x| x.0);
+    Ok(v)
+}
+
+#[pymethods]
+impl PyBranch {
+    /// Constrain sampling with a grammar (GBNF text or a :class:`Grammar`, whose state is
+    /// copied), or remove it with ``None``. Forks inherit a copy.
+    #[pyo3(signature = (grammar))]
+    fn set_grammar(&self, py: Python<'_>, grammar: Option<&Bound<'_, PyAny>>) -> PyResult<()> {
+        self.core().check_open().py()?;
+        let grammar = grammar_arg(py, self.core().model().clone(), grammar)?;
+        self.call(py, move |s, h| s.branch_set_grammar(h, grammar))
+    }
+
+    /// Sampled tokens a GBNF grammar rejected so far (each cost a full vocabulary mask); always 0
+    /// under llguidance grammars, which mask before sampling.
+    #[getter]
+    fn grammar_resamples(&self, py: Python<'_>) -> PyResult<u64> {
+        self.call(py, |s, h| s.branch_grammar_resamples(h))
+    }
+
+    /// Restart the sampler's RNG with ``seed`` (history kept).
+    fn reseed_sampler(&self, py: Python<'_>, seed: i64) -> PyResult<()> {
+        let seed: u32 = narrow("seed", seed, "in 0..=4294967295")?;
+        self.call(py, move |s, h| s.branch_reseed_sampler(h, seed))
+    }
+
+    /// Replace the sampling parameters (penalty history and RNG kept).
+    ///
+    /// A ``SamplingParams`` replaces all of them (keyword overrides then apply on top);
+    /// keyword overrides alone change only those fields of the current parameters. Nothing
+    /// is rebuilt when the parameters are unchanged.
+    ///
+    /// Example:
+    ///     >>> branch.set_sampler_params(temperature=0.2)  # top_k, top_p... unchanged
+    #[pyo3(signature = (params=None, **overrides))]
+    fn set_sampler_params(
+        &self,
+        py: Python<'_>,
+        params: Option<&Bound<'_, PyAny>>,
+        overrides: Option<&Bound<'_, PyDict>>,
+    ) -> PyResult<()> {
+        let params = match params.filter(|p| !p.is_none()) {
+            Some(p) => extract_params(Some(p), overrides)?,
+            None => extract_params_onto(self.call(py, |s, h| s.branch_params(h))?, None, overrides)?,
+        };
+        self.call(py, move |s, h| s.branch_set_params(h, params))
+    }
+
+    /// Replace the whole sampling setup in one call (one wait for the context while the
+    /// engine is busy, instead of one per setter): the parameters, the logit bias (None: no
+    /// bias) and the grammar (GBNF text or a :class:`Grammar`; None: none); ``seed`` restarts
+    /// the RNG (None: kept). Everything is checked first: on an error nothing changes.
+    ///
+    /// Example:
+    ///     >>> branch.set_sampling(SamplingParams(temperature=0.0), seed=7, logit_bias={})
+    #[pyo3(signature = (params, *, seed=None, logit_bias=None, grammar=None))]
+    fn set_sampling(
+        &self,
+        py: Python<'_>,
+        params: &Bound<'_, PyAny>,
+        seed: Option<i64>,
+        logit_bias: Option<&Bound<'_, PyDict>>,
+        grammar: Option<&Bound<'_, PyAny>>,
+    ) -> PyResult<()> {
+        self.core().check_open().py()?;
+        let params = extract_params(Some(params), None)?;
+        let seed: Option<u32> = seed.map(|s| narrow("seed", s, "in 0..=4294967295")).transpose()?;
+        let bias = match logit_bias {
+            Some(b) => bias_list(self.core().model(), b)?,
+            None => Vec::new(),
+        };
+        let grammar = grammar_arg(py, self.core().model().clone(), grammar)?;
+        self.call(py, move |s, h| {
+            // Every argument is checked above: these fail only on a disposed branch, at the first.
+            s.branch_set_grammar(h, grammar)?;
+            s.branch_set_params(h, params)?;
+            if let Some(seed) = seed {
+                s.branch_reseed_sampler(h, seed)?;
+            }
+            s.branch_set_logit_bias(h, bias)
+        })
+    }
+
+    /// Set ``{token: bias}`` added to the logits before sampling; inherited by forks; ``-inf`` bans.
+    fn set_logit_bias(&self, py: Python<'_>, bias: &Bound<'_, PyDict>) -> PyResult<()> {
+        let bias = bias_list(self.core().model(), bias)?;
+        self.call(py, move |s, h| s.branch_set_logit_bias(h, bias))
+    }
+
+    /// Set per-branch steering ``{token: bias}`` (not inherited by forks).
+    fn steer(&self, py: Python<'_>, bias: &Bound<'_, PyDict>) -> PyResult<()> {
+        let bias = bias_list(self.core().model(), bias)?;
+        self.call(py, move |s, h| s.branch_steer(h, bias))
+    }
+
+    /// Remove steering.
+    fn clear_steer(&self, py: Python<'_>) -> PyResult<()> {
+        self.call(py, |s, h| s.branch_steer(h, Vec::new()))
+    }
+
+    /// A float32 copy of the current logits, shape ``(n_vocab,)``.
+    #[getter]
+    fn logits<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyArray1<f32>>> {
+        let v = self.call(py, |s, h| Ok(s.branch(h)?.logits()?.to_vec()))?;
+        Ok(PyArray1::from_vec(py, v))
+    }
+
+    /// Replace the logits snapshot (shape ``(n_vocab,)``).
+    fn set_logits(&self, py: Python<'_>, logits: PyReadonlyArray1<'_, f32>) -> PyResult<()> {
+        let v = logits.as_array().to_vec();
+        self.call(py, move |s, h| s.branch_set_logits(h, v))
+    }
+
+    /// Entropy of the next-token distribution in ``"nats"`` or ``"bits"``.
+    #[pyo3(signature = (base="nats"))]
+    fn model_entropy(&self, py: Python<'_>, base: &str) -> PyResult<f64> {
+        let base = Base::parse(base).py()?;
+        self.call(py, move |s, h| s.branch_entropy(h, base))
+    }
+
+    /// Surprisal of ``token`` under the current logits.
+    #[pyo3(signature = (token, base="nats"))]
+    fn model_surprisal(&self, py: Python<'_>, token: i64, base: &str) -> PyResult<f64> {
+        let base = Base::parse(base).py()?;
+        let token = self.core().model().check_token(token).py()?;
+        self.call(py, move |s, h| s.branch_surprisal(h, token, base))
+    }
+}
