@@ -23,7 +23,6 @@ pub mod model;
 pub mod model_file;
 pub mod omp;
 pub mod options;
-pub mod packing;
 pub mod raw;
 pub mod sampler;
 pub mod sampling;

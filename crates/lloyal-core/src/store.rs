@@ -1,11 +1,10 @@
-//! `BranchStore`: operations over many branches of a locked context — batched commit, packed
-//! prefill, produce_all, retain_only, dispose_all — and KV pressure. Each validates, plans,
-//! executes, then publishes — a failure leaves every branch exactly as it was.
+//! `BranchStore`'s operations over many branches of a locked context — produce_all,
+//! retain_only, dispose_all — and room in the cache. Commit and prefill run on the engine's
+//! path (`engine::tick`). Each validates first: a failure leaves every branch as it was.
 
 use crate::context::state::ContextState;
 use crate::error::{LloyalError, Result};
 use crate::ledger::KvPressure;
-use crate::packing::plan;
 use crate::tenancy::Handle;
 
 impl ContextState {
@@ -113,113 +112,6 @@ impl ContextState {
                 w[0]
             )));
         }
-        Ok(())
-    }
-
-    /// `BranchStore.commit`: accept + decode one token per branch in one `llama_decode`
-    /// (more only when N > n_batch), capturing each branch's logits. All-or-nothing.
-    pub fn commit(&mut self, pairs: &[(Handle, i32)]) -> Result<()> {
-        if pairs.is_empty() {
-            return Ok(());
-        }
-        let model = self.model();
-        for &(h, t) in pairs {
-            self.branch(h)?;
-            model.check_token(i64::from(t))?;
-        }
-        Self::check_unique(pairs.iter().map(|p| p.0))?;
-        for &(h, t) in pairs {
-            self.branch_mut(h)?.check_grammar(t)?;
-        }
-        self.check_room(pairs.len())?;
-
-        let n_batch = self.shape().n_batch as usize;
-        let mut surprisals = Vec::with_capacity(pairs.len());
-        for (c, chunk) in pairs.chunks(n_batch).enumerate() {
-            self.batch_mut().clear();
-            for &(h, t) in chunk {
-                let b = self.branch(h)?;
-                let (seq, pos) = (b.seq_id, b.position);
-                self.batch_mut().push(t, pos, seq, true);
-            }
-            if let Err(e) = self.run_batch() {
-                for &(h, _) in &pairs[..c * n_batch] {
-                    let (seq, pos) = self.branch(h).map(|b| (b.seq_id, b.position))?;
-                    self.remove_cells(seq, pos, -1);
-                }
-                return Err(e);
-            }
-            for (row, &(h, t)) in chunk.iter().enumerate() {
-                surprisals.push(self.branch(h)?.surprisals(t));
-                self.fill_next_logits(row as i32, h)?;
-            }
-        }
-        for (&(h, t), s) in pairs.iter().zip(surprisals) {
-            let b = self.branch_mut(h)?;
-            b.accept_with(t, s);
-            b.position += 1;
-            b.publish_logits();
-        }
-        self.ledger.grow_cells(pairs.len());
-        Ok(())
-    }
-
-    /// `BranchStore.prefill`: write each branch's tokens (no accept), packed into
-    /// `ceil(total / n_batch)` decodes, logits kept for each branch's last token. All-or-nothing.
-    pub fn prefill(&mut self, items: &[(Handle, Vec<i32>)]) -> Result<()> {
-        let model = self.model();
-        for (h, tokens) in items {
-            self.branch(*h)?;
-            model.check_tokens(tokens)?;
-        }
-        Self::check_unique(items.iter().map(|i| i.0))?;
-        let lens: Vec<usize> = items.iter().map(|(_, t)| t.len()).collect();
-        let total: usize = lens.iter().sum();
-        if total == 0 {
-            return Ok(());
-        }
-        self.check_room(total)?;
-        let starts: Vec<(i32, i32)> = items
-            .iter()
-            .map(|(h, _)| self.branch(*h).map(|b| (b.seq_id, b.position)))
-            .collect::<Result<_>>()?;
-
-        for chunk in plan(&lens, self.shape().n_batch as usize) {
-            self.batch_mut().clear();
-            let mut logit_rows = Vec::new();
-            for piece in &chunk {
-                let (seq, pos0) = starts[piece.item];
-                let tokens = &items[piece.item].1;
-                for i in piece.start..piece.end {
-                    let last = i + 1 == tokens.len();
-                    if last {
-                        logit_rows.push((self.batch_mut().len() as i32, items[piece.item].0));
-                    }
-                    self.batch_mut().push(tokens[i], pos0 + i as i32, seq, last);
-                }
-            }
-            let result = self.run_batch().and_then(|()| {
-                for &(row, h) in &logit_rows {
-                    self.fill_next_logits(row, h)?;
-                }
-                Ok(())
-            });
-            if let Err(e) = result {
-                for &(seq, pos0) in &starts {
-                    self.remove_cells(seq, pos0, -1);
-                }
-                return Err(e);
-            }
-        }
-        for ((h, tokens), _) in items.iter().zip(&starts) {
-            if tokens.is_empty() {
-                continue;
-            }
-            let b = self.branch_mut(*h)?;
-            b.position += tokens.len() as i32;
-            b.publish_logits();
-        }
-        self.ledger.grow_cells(total);
         Ok(())
     }
 }

@@ -29,15 +29,11 @@ impl ContextState {
         Ok(())
     }
 
-    /// Copy logits row `row` of the last decode into branch `handle`'s `next_logits` (its
-    /// buffer reused), summarised in the same pass (`Logits::fill_from`).
-    pub(crate) fn fill_next_logits(&mut self, row: i32, handle: Handle) -> Result<()> {
-        self.fill_next_logits_rows(&[(row, handle)])
-    }
-
-    /// [`Self::fill_next_logits`] for each `(row, branch)`, the rows shared among the decode's
-    /// threads (on an engine thread: `omp::parallel_for`). Each branch's snapshot also gets the
-    /// log-sum-exp of its sampling distribution's scale (sampling perplexity at commit).
+    /// For each `(row, branch)`: copy logits row `row` of the last decode into the branch's
+    /// `next_logits` (its buffer reused), summarised in the same pass (`Logits::fill_from`),
+    /// the rows shared among the decode's threads (on an engine thread: `omp::parallel_for`).
+    /// Each branch's snapshot also gets the log-sum-exp of its sampling distribution's scale
+    /// (sampling perplexity at commit).
     pub(crate) fn fill_next_logits_rows(&mut self, rows: &[(i32, Handle)]) -> Result<()> {
         let mut jobs = Vec::with_capacity(rows.len());
         for &(_, handle) in rows {

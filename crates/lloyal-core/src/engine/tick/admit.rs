@@ -293,7 +293,7 @@ pub(super) fn admit_commit(
 }
 
 /// Validate a prefill; its items and cell count, or the error for its caller.
-fn admit_prefill(
+pub(super) fn admit_prefill(
     s: &mut ContextState,
     items: &[(Handle, Vec<i32>)],
     reserved: usize,

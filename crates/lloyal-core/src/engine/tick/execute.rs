@@ -5,14 +5,14 @@
 
 use std::time::Instant;
 
-use super::{Flight, Part, Scheduler, TickOutcome};
+use super::{CommitRow, Flight, Item, Part, Scheduler, TickOutcome};
 use crate::context::state::ContextState;
 use crate::error::Result;
 use crate::tenancy::Handle;
 
 /// One row of a packed batch.
 #[derive(Debug, Clone, Copy)]
-struct Row {
+pub(super) struct Row {
     token: i32,
     pos: i32,
     seq: i32,
@@ -72,31 +72,52 @@ impl Scheduler {
     }
 
     fn rows(&self, part: &Part) -> Vec<Row> {
-        let row = |r: &super::CommitRow| Row {
-            token: r.token,
-            pos: r.pos,
-            seq: r.seq,
-            handle: r.handle,
-            logits: true,
-        };
         match part {
-            Part::Gen(_, g) => vec![row(&g.row)],
-            Part::Commit(_, rows) => rows.iter().map(row).collect(),
+            Part::Gen(_, g) => vec![Row::commit(&g.row)],
+            Part::Commit(_, rows) => rows.iter().map(Row::commit).collect(),
             Part::Prefill(fi, take) => {
-                let mut rows = Vec::new();
-                for (item, &t) in self.flights[*fi].items.iter().zip(take) {
-                    rows.extend((item.done..item.done + t).map(|i| Row {
-                        token: item.tokens[i],
-                        pos: item.pos0 + i as i32,
-                        seq: item.seq,
-                        handle: item.handle,
-                        logits: i + 1 == item.tokens.len(),
-                    }));
-                }
-                rows
+                let items = self.flights[*fi].items.iter().zip(take);
+                items.flat_map(|(item, &t)| Row::prefill(item, item.done..item.done + t)).collect()
             }
         }
     }
+}
+
+impl Row {
+    /// A commit's row (logits kept).
+    fn commit(r: &CommitRow) -> Row {
+        Row { token: r.token, pos: r.pos, seq: r.seq, handle: r.handle, logits: true }
+    }
+
+    /// The rows of `item`'s tokens `range` (logits kept for its last token only).
+    fn prefill(item: &Item, range: std::ops::Range<usize>) -> impl Iterator<Item = Row> + '_ {
+        range.map(move |i| Row {
+            token: item.tokens[i],
+            pos: item.pos0 + i as i32,
+            seq: item.seq,
+            handle: item.handle,
+            logits: i + 1 == item.tokens.len(),
+        })
+    }
+}
+
+/// Decode one operation's `rows` at once (the direct path); on failure its cells are removed.
+pub(super) fn decode_now(s: &mut ContextState, rows: &[Row]) -> Result<()> {
+    let (result, _) = decode(s, rows, None, &mut 0.0);
+    if result.is_err() {
+        rollback_rows(s, rows);
+    }
+    result
+}
+
+/// The rows of a whole commit.
+pub(super) fn commit_rows(rows: &[CommitRow]) -> Vec<Row> {
+    rows.iter().map(Row::commit).collect()
+}
+
+/// The rows of a whole prefill.
+pub(super) fn prefill_rows(items: &[Item]) -> Vec<Row> {
+    items.iter().flat_map(|item| Row::prefill(item, 0..item.tokens.len())).collect()
 }
 
 /// Where a tick's rows are cut into separate `llama_decode` calls: after the `decode_rows`

@@ -11,6 +11,7 @@
 //! 4. **update** ([`update`]): publish each operation's result.
 
 mod admit;
+mod direct;
 mod execute;
 mod step;
 mod update;

@@ -2,7 +2,7 @@
 //! publish their logits; streams get their items), finished prefills answered (a generation
 //! request's prompt then queues it for its tokens), failed ones rolled back.
 
-use super::{CommitRow, Flight, Part, Scheduler, TickOutcome, Waiting};
+use super::{CommitRow, Item, Part, Scheduler, TickOutcome, Waiting};
 use crate::context::state::ContextState;
 use crate::engine::gen::{Finish, GenSpec};
 use crate::engine::op::Work;
@@ -59,7 +59,7 @@ impl Scheduler {
                 out.reply(f.op, Err(e));
                 continue;
             }
-            match (&f.op.work, finish_prefill(s, &f)) {
+            match (&f.op.work, finish_prefill(s, &f.items, f.cells)) {
                 (Work::Generate(spec), Ok(())) => {
                     let spec = GenSpec { prompt: Vec::new(), ..(**spec).clone() };
                     self.waiting.push_back(Waiting::new(f.op, spec));
@@ -87,8 +87,8 @@ pub(super) fn finish_commit(s: &mut ContextState, rows: &[CommitRow]) -> Result<
 }
 
 /// Publish a finished prefill: advance positions, publish logits, count cells.
-fn finish_prefill(s: &mut ContextState, f: &Flight) -> Result<()> {
-    for item in &f.items {
+pub(super) fn finish_prefill(s: &mut ContextState, items: &[Item], cells: usize) -> Result<()> {
+    for item in items {
         if item.tokens.is_empty() {
             continue;
         }
@@ -96,6 +96,6 @@ fn finish_prefill(s: &mut ContextState, f: &Flight) -> Result<()> {
         b.position += item.tokens.len() as i32;
         b.publish_logits();
     }
-    s.ledger.grow_cells(f.cells);
+    s.ledger.grow_cells(cells);
     Ok(())
 }
