@@ -10,49 +10,42 @@ fn aio(py: Python<'_>) -> PyResult<&Bound<'_, PyModule>> {
     Ok(AIO.get_or_try_init(py, || py.import("lloyal.aio").map(Bound::unbind))?.bind(py))
 }
 
-/// `lloyal.aio.<name>(first, *args)`: the coroutine it returns.
-fn call<'py>(
-    py: Python<'py>,
-    name: &str,
-    first: Bound<'py, PyAny>,
-    args: Vec<Bound<'py, PyAny>>,
-) -> PyResult<Bound<'py, PyAny>> {
-    let mut all = vec![first];
-    all.extend(args);
-    aio(py)?.getattr(name)?.call1(PyTuple::new(py, all)?)
+/// The coroutines of `lloyal.aio` that the `a*` methods return.
+#[derive(Clone, Copy)]
+pub enum Coroutine {
+    /// `run_in_thread(callable, *args)`: `callable(*args)` in a worker thread.
+    InThread,
+    /// `stream_next(iterator)`: the next token of a generation stream (`TokenIterator._poll`).
+    StreamNext,
+    /// `engine_call(submit, *args)`: an engine operation; `submit(loop, future, *args)`
+    /// queues it.
+    EngineCall,
+    /// `lease_call(submit, *args)`: a lease request; `submit(loop, future, *args)` queues it
+    /// and returns `(cancel, take)`; the coroutine returns `take()`.
+    LeaseCall,
 }
 
-/// A coroutine that runs `callable(*args)` in a worker thread.
-pub fn in_thread<'py>(
-    py: Python<'py>,
-    callable: Bound<'py, PyAny>,
-    args: Vec<Bound<'py, PyAny>>,
-) -> PyResult<Bound<'py, PyAny>> {
-    call(py, "run_in_thread", callable, args)
-}
+impl Coroutine {
+    fn name(self) -> &'static str {
+        match self {
+            Coroutine::InThread => "run_in_thread",
+            Coroutine::StreamNext => "stream_next",
+            Coroutine::EngineCall => "engine_call",
+            Coroutine::LeaseCall => "lease_call",
+        }
+    }
 
-/// A coroutine awaiting the next token of a generation stream (`TokenIterator._poll`).
-pub fn stream_next<'py>(py: Python<'py>, iterator: Bound<'py, PyAny>) -> PyResult<Bound<'py, PyAny>> {
-    call(py, "stream_next", iterator, Vec::new())
-}
-
-/// A coroutine awaiting an engine operation: `submit(loop, future, *args)` queues it.
-pub fn engine_call<'py>(
-    py: Python<'py>,
-    submit: Bound<'py, PyAny>,
-    args: Vec<Bound<'py, PyAny>>,
-) -> PyResult<Bound<'py, PyAny>> {
-    call(py, "engine_call", submit, args)
-}
-
-/// A coroutine awaiting a lease request: `submit(loop, future, *args)` queues it and returns
-/// `(cancel, take)`; the coroutine returns `take()`.
-pub fn lease_call<'py>(
-    py: Python<'py>,
-    submit: Bound<'py, PyAny>,
-    args: Vec<Bound<'py, PyAny>>,
-) -> PyResult<Bound<'py, PyAny>> {
-    call(py, "lease_call", submit, args)
+    /// `lloyal.aio.<coroutine>(first, *args)`: the coroutine it returns.
+    pub fn call<'py>(
+        self,
+        py: Python<'py>,
+        first: Bound<'py, PyAny>,
+        args: Vec<Bound<'py, PyAny>>,
+    ) -> PyResult<Bound<'py, PyAny>> {
+        let mut all = vec![first];
+        all.extend(args);
+        aio(py)?.getattr(self.name())?.call1(PyTuple::new(py, all)?)
+    }
 }
 
 /// `lloyal.aio._settle(future, error)`: set a future's result or exception unless done.

@@ -225,7 +225,7 @@ impl PyTokenIter {
     }
 
     fn __anext__<'py>(slf: &Bound<'py, Self>) -> PyResult<Bound<'py, PyAny>> {
-        aio::stream_next(slf.py(), slf.clone().into_any())
+        aio::Coroutine::StreamNext.call(slf.py(), slf.clone().into_any(), Vec::new())
     }
 
     /// The next token now, or None after arranging for ``future`` to be settled when one

@@ -109,17 +109,17 @@ impl PyBranchStore {
 
     /// Await ``commit(pairs)``: queued on the context's engine, the event loop keeps running.
     fn acommit<'py>(slf: &Bound<'py, Self>, pairs: Bound<'py, PyAny>) -> PyResult<Bound<'py, PyAny>> {
-        aio::engine_call(slf.py(), slf.getattr("_submit_commit")?, vec![pairs])
+        aio::Coroutine::EngineCall.call(slf.py(), slf.getattr("_submit_commit")?, vec![pairs])
     }
 
     /// Await ``retain_only(winner)`` off the event loop.
     fn aretain_only<'py>(slf: &Bound<'py, Self>, winner: Bound<'py, PyAny>) -> PyResult<Bound<'py, PyAny>> {
-        aio::in_thread(slf.py(), slf.getattr("retain_only")?, vec![winner])
+        aio::Coroutine::InThread.call(slf.py(), slf.getattr("retain_only")?, vec![winner])
     }
 
     /// Await ``prefill(items)``: queued on the context's engine, the event loop keeps running.
     fn aprefill<'py>(slf: &Bound<'py, Self>, items: Bound<'py, PyAny>) -> PyResult<Bound<'py, PyAny>> {
-        aio::engine_call(slf.py(), slf.getattr("_submit_prefill")?, vec![items])
+        aio::Coroutine::EngineCall.call(slf.py(), slf.getattr("_submit_prefill")?, vec![items])
     }
 
     /// Queue ``commit(pairs)`` on the engine now; the engine thread settles ``fut`` on

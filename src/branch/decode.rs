@@ -65,12 +65,12 @@ impl PyBranch {
 
     /// Await ``prefill(tokens)``: queued on the context's engine, the event loop keeps running.
     fn aprefill<'py>(slf: &Bound<'py, Self>, tokens: Bound<'py, PyAny>) -> PyResult<Bound<'py, PyAny>> {
-        aio::engine_call(slf.py(), slf.getattr("_submit_prefill")?, vec![tokens])
+        aio::Coroutine::EngineCall.call(slf.py(), slf.getattr("_submit_prefill")?, vec![tokens])
     }
 
     /// Await ``commit(token)``: queued on the context's engine, the event loop keeps running.
     fn acommit<'py>(slf: &Bound<'py, Self>, token: Bound<'py, PyAny>) -> PyResult<Bound<'py, PyAny>> {
-        aio::engine_call(slf.py(), slf.getattr("_submit_commit")?, vec![token])
+        aio::Coroutine::EngineCall.call(slf.py(), slf.getattr("_submit_commit")?, vec![token])
     }
 
     fn _submit_commit<'py>(

@@ -198,13 +198,13 @@ impl PyBranch {
         let timeout = lease::check_timeout(timeout)?;
         if timeout == Some(0.0) {
             let arg = clone_logits.into_pyobject(py)?.to_owned().into_any();
-            return aio::in_thread(py, slf.getattr("fork")?, vec![arg]);
+            return aio::Coroutine::InThread.call(py, slf.getattr("fork")?, vec![arg]);
         }
         let args = vec![
             clone_logits.into_pyobject(py)?.to_owned().into_any(),
             timeout.into_pyobject(py)?.into_any(),
         ];
-        aio::lease_call(py, slf.getattr("_submit_fork_lease")?, args)
+        aio::Coroutine::LeaseCall.call(py, slf.getattr("_submit_fork_lease")?, args)
     }
 
     fn _submit_fork_lease<'py>(
@@ -226,12 +226,12 @@ impl PyBranch {
 
     /// Await ``prune()`` off the event loop.
     fn aprune<'py>(slf: &Bound<'py, Self>) -> PyResult<Bound<'py, PyAny>> {
-        aio::in_thread(slf.py(), slf.getattr("prune")?, vec![])
+        aio::Coroutine::InThread.call(slf.py(), slf.getattr("prune")?, vec![])
     }
 
     /// Await ``prune_subtree()`` off the event loop.
     fn aprune_subtree<'py>(slf: &Bound<'py, Self>) -> PyResult<Bound<'py, PyAny>> {
-        aio::in_thread(slf.py(), slf.getattr("prune_subtree")?, vec![])
+        aio::Coroutine::InThread.call(slf.py(), slf.getattr("prune_subtree")?, vec![])
     }
 
     /// Dispose this branch (RESTRICT: ``TopologyError`` while children live). Idempotent.

@@ -206,18 +206,24 @@ impl ContextState {
 
     /// Set the inherited logit bias (replaces the previous one).
     pub fn branch_set_logit_bias(&mut self, handle: Handle, bias: Vec<(i32, f32)>) -> Result<()> {
-        self.check_bias(&bias)?;
-        let b = self.branch_mut(handle)?;
-        b.logit_bias = bias;
-        b.invalidate();
-        Ok(())
+        self.set_bias(handle, bias, |b| &mut b.logit_bias)
     }
 
     /// Set per-branch steering (not inherited by forks).
     pub fn branch_steer(&mut self, handle: Handle, bias: Vec<(i32, f32)>) -> Result<()> {
+        self.set_bias(handle, bias, |b| &mut b.steer)
+    }
+
+    /// Check `bias` and put it in the branch's bias list `which`.
+    fn set_bias(
+        &mut self,
+        handle: Handle,
+        bias: Vec<(i32, f32)>,
+        which: fn(&mut BranchState) -> &mut Vec<(i32, f32)>,
+    ) -> Result<()> {
         self.check_bias(&bias)?;
         let b = self.branch_mut(handle)?;
-        b.steer = bias;
+        *which(b) = bias;
         b.invalidate();
         Ok(())
     }

@@ -27,9 +27,12 @@ const MACROS: &str = r#"
 {%- endmacro -%}
 "#;
 
-/// Gemma 1-3: roles `user`/`model`; a leading system message (and the tool list) is
-/// folded into the first user turn, since Gemma has no system role.
-const GEMMA_BODY: &str = r#"
+/// The start of the Gemma and Mistral bodies: after one BOS, a leading system message and
+/// the tool list become `ns.prefix`, folded into the first user turn (neither has a system
+/// role); `ns.start` skips the system message.
+macro_rules! fold_system_and_tools {
+    () => {
+        r#"
 {%- set ns = namespace(prefix="", start=0) -%}
 {%- if not continuation -%}
 {{ bos_token }}
@@ -44,7 +47,15 @@ const GEMMA_BODY: &str = r#"
 {%- endif -%}
 {%- endif -%}
 {%- for m in messages[ns.start:] -%}
-{%- if m.role == "assistant" or m.role == "model" -%}
+"#
+    };
+}
+
+/// Gemma 1-3: roles `user`/`model`; a leading system message (and the tool list) is
+/// folded into the first user turn, since Gemma has no system role.
+const GEMMA_BODY: &str = concat!(
+    fold_system_and_tools!(),
+    r#"{%- if m.role == "assistant" or m.role == "model" -%}
 <start_of_turn>model{{ "\n" }}{{ text(m.content) }}
 {%- for tc in m.tool_calls or [] -%}<tool_call>{{ call_json(tc, "arguments") }}</tool_call>{%- endfor -%}
 <end_of_turn>{{ "\n" }}
@@ -62,7 +73,8 @@ const GEMMA_BODY: &str = r#"
 <start_of_turn>user{{ "\n" }}{{ ns.prefix }}<end_of_turn>{{ "\n" }}
 {%- endif -%}
 {%- if add_generation_prompt -%}<start_of_turn>model{{ "\n" }}{%- endif -%}
-"#;
+"#
+);
 
 /// ChatML (Qwen, SmolLM...): `<|im_start|>role\n...<|im_end|>\n`; Hermes-style tools.
 const CHATML_BODY: &str = r#"
@@ -160,22 +172,9 @@ You can call these tools. To call one, reply with <tool_call>{"name": <tool name
 /// is folded into the first user turn (so a warm chat's earlier turns never change); tools
 /// are listed there too, calls written as `<tool_call>{json}</tool_call>`, results as a user
 /// turn in `<tool_response>`.
-const MISTRAL_BODY: &str = r#"
-{%- set ns = namespace(prefix="", start=0) -%}
-{%- if not continuation -%}
-{{ bos_token }}
-{%- if messages and messages[0].role == "system" -%}
-{%- set ns.prefix = text(messages[0].content) ~ "\n\n" -%}
-{%- set ns.start = 1 -%}
-{%- endif -%}
-{%- if tools -%}
-{%- set ns.prefix = ns.prefix ~ "You can call these tools. To call one, reply with <tool_call>{\"name\": <tool name>, \"arguments\": <arguments object>}</tool_call> and nothing else.\n<tools>\n" -%}
-{%- for t in tools -%}{%- set ns.prefix = ns.prefix ~ (t|tojson) ~ "\n" -%}{%- endfor -%}
-{%- set ns.prefix = ns.prefix ~ "</tools>\n\n" -%}
-{%- endif -%}
-{%- endif -%}
-{%- for m in messages[ns.start:] -%}
-{%- if m.role == "assistant" -%}
+const MISTRAL_BODY: &str = concat!(
+    fold_system_and_tools!(),
+    r#"{%- if m.role == "assistant" -%}
 {{ text(m.content) }}
 {%- for tc in m.tool_calls or [] -%}<tool_call>{{ call_json(tc, "arguments") }}</tool_call>{%- endfor -%}
 {{ eos_token }}
@@ -192,7 +191,8 @@ const MISTRAL_BODY: &str = r#"
 {%- if ns.prefix -%}
 [INST] {{ ns.prefix }} [/INST]
 {%- endif -%}
-"#;
+"#
+);
 
 /// The built-in template source for `family` (macros + body).
 pub fn builtin_template(family: crate::ChatFamily) -> String {

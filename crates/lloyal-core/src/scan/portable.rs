@@ -2,6 +2,7 @@
 //! 16-lane arrays, which the compiler vectorises for the build's baseline.
 
 use super::{Kernels, SPAN};
+use crate::metrics::max_f32_lanes;
 
 pub(super) const KERNELS: Kernels = Kernels { maxima, exp_sums };
 
@@ -13,16 +14,8 @@ fn maxima(src: &[f32], dst: Option<&mut [f32]>, maxima: &mut [f32]) -> f32 {
     }
     let mut best = f32::NEG_INFINITY;
     for (span, m) in src.chunks(SPAN).zip(maxima.iter_mut()) {
-        let mut acc = [f32::NEG_INFINITY; LANES];
-        let mut lanes = span.chunks_exact(LANES);
-        for c in &mut lanes {
-            for k in 0..LANES {
-                // `max` ignores a NaN operand: a NaN logit never wins.
-                acc[k] = acc[k].max(c[k]);
-            }
-        }
-        let tail = lanes.remainder().iter().copied().fold(f32::NEG_INFINITY, f32::max);
-        *m = acc.iter().copied().fold(tail, f32::max);
+        // `max` ignores a NaN operand: a NaN logit never wins.
+        *m = max_f32_lanes::<LANES>(span);
         best = best.max(*m);
     }
     best

@@ -52,6 +52,53 @@ fn waited_too_long(s: &ContextState, w: &Waiting, need: usize, what: &str, budge
     }
 }
 
+/// A FIFO of waiting generation requests and how to admit from it.
+struct Fifo {
+    /// Cells a request needs before it starts.
+    need: fn(&Waiting) -> usize,
+    /// What it waits room for, for the timeout's message.
+    what: fn(&Waiting) -> String,
+    /// It starts only while no other operation of the tick writes its branch.
+    needs_idle: bool,
+}
+
+impl Fifo {
+    /// Walk `queue` oldest first: answer the cancelled and the gone, `start` each request
+    /// while the cache has room for it (a blocked one holds back the later ones), fail those
+    /// whose timeout passed, keep the rest.
+    fn admit(
+        &self,
+        queue: &mut VecDeque<Waiting>,
+        s: &mut ContextState,
+        budget: &mut Budget,
+        out: &mut TickOutcome,
+        mut start: impl FnMut(Waiting, &mut ContextState, &mut Budget, &mut TickOutcome),
+    ) {
+        let mut keep = VecDeque::with_capacity(queue.len());
+        let mut blocked = false;
+        for w in queue.drain(..) {
+            if let Some(err) = gone(s, &w.op, w.spec.handle) {
+                fail_waiting(out, w, err);
+                continue;
+            }
+            let need = (self.need)(&w);
+            let idle = !self.needs_idle || !budget.busy.contains(&w.spec.handle);
+            if !blocked && need <= free_cells(s, budget) && idle {
+                start(w, s, budget, out);
+                continue;
+            }
+            blocked = true;
+            if w.spec.timeout.is_some_and(|t| w.since.elapsed() >= t) {
+                let err = waited_too_long(s, &w, need, &(self.what)(&w), budget);
+                fail_waiting(out, w, err);
+                continue;
+            }
+            keep.push_back(w);
+        }
+        *queue = keep;
+    }
+}
+
 impl Scheduler {
     /// Admit one queued operation: a commit becomes this tick's part, a prefill a flight, a
     /// generation request and a lease call wait in their queues; an invalid one is answered.
@@ -116,63 +163,34 @@ impl Scheduler {
     /// head's reservation (FIFO: a later request never overtakes an earlier one); fail those
     /// whose timeout passed or whose branch went away.
     pub(super) fn admit_waiting(&mut self, s: &mut ContextState, budget: &mut Budget, out: &mut TickOutcome) {
-        let mut keep = VecDeque::with_capacity(self.waiting.len());
-        let mut blocked = false;
-        for w in self.waiting.drain(..) {
-            if let Some(err) = gone(s, &w.op, w.spec.handle) {
-                fail_waiting(out, w, err);
-                continue;
-            }
-            let need = w.spec.cells();
-            if !blocked && need <= free_cells(s, budget) {
-                budget.reserved += w.spec.reservation(0);
-                self.gens.push(Gen::start(w));
-                continue;
-            }
-            blocked = true;
-            if w.spec.timeout.is_some_and(|t| w.since.elapsed() >= t) {
-                let err = waited_too_long(s, &w, need, "", budget);
-                fail_waiting(out, w, err);
-                continue;
-            }
-            keep.push_back(w);
-        }
-        self.waiting = keep;
+        let gens = &mut self.gens;
+        let queue = Fifo { need: |w| w.spec.cells(), what: |_| String::new(), needs_idle: false };
+        queue.admit(&mut self.waiting, s, budget, out, |w, _, budget, _| {
+            budget.reserved += w.spec.reservation(0);
+            gens.push(Gen::start(w));
+        });
     }
 
     /// Start the prompts of waiting generation requests, oldest first, while the cache has
     /// room for a prompt and its request's tokens; answer the cancelled, the gone and the
     /// timed out.
     pub(super) fn admit_prompts(&mut self, s: &mut ContextState, budget: &mut Budget, out: &mut TickOutcome) {
-        let mut keep = VecDeque::with_capacity(self.prompt_waiting.len());
-        let mut blocked = false;
-        for w in self.prompt_waiting.drain(..) {
-            if let Some(err) = gone(s, &w.op, w.spec.handle) {
-                fail_waiting(out, w, err);
-                continue;
-            }
-            let need = w.spec.prompt.len() + w.spec.cells();
-            if !blocked && need <= free_cells(s, budget) && !budget.busy.contains(&w.spec.handle) {
-                match admit_prefill(s, &[(w.spec.handle, w.spec.prompt.clone())], budget.reserved) {
-                    Ok((items, cells)) => {
-                        budget.reserved += cells;
-                        budget.busy.insert(w.spec.handle);
-                        self.flights.push(Flight { op: w.op, items, cells, arrived: Instant::now() });
-                    }
-                    Err(e) => fail_waiting(out, w, e),
+        let flights = &mut self.flights;
+        let queue = Fifo {
+            need: |w| w.spec.prompt.len() + w.spec.cells(),
+            what: |w| format!(" for its {}-token prompt and its tokens", w.spec.prompt.len()),
+            needs_idle: true,
+        };
+        queue.admit(&mut self.prompt_waiting, s, budget, out, |w, s, budget, out| {
+            match admit_prefill(s, &[(w.spec.handle, w.spec.prompt.clone())], budget.reserved) {
+                Ok((items, cells)) => {
+                    budget.reserved += cells;
+                    budget.busy.insert(w.spec.handle);
+                    flights.push(Flight { op: w.op, items, cells, arrived: Instant::now() });
                 }
-                continue;
+                Err(e) => fail_waiting(out, w, e),
             }
-            blocked = true;
-            if w.spec.timeout.is_some_and(|t| w.since.elapsed() >= t) {
-                let what = format!(" for its {}-token prompt and its tokens", w.spec.prompt.len());
-                let err = waited_too_long(s, &w, need, &what, budget);
-                fail_waiting(out, w, err);
-                continue;
-            }
-            keep.push_back(w);
-        }
-        self.prompt_waiting = keep;
+        });
     }
 
     /// Validate a new generation request: its branch is live and has logits to sample from,
