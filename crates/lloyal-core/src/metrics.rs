@@ -42,29 +42,35 @@ impl Base {
 const LANES: usize = 32;
 const BLOCK: usize = 4096;
 
-/// `exp(x)` for f32, branch-free so the loops below vectorise: round-to-nearest range
-/// reduction `x = n ln2 + r`, |r| <= ln2/2, then a degree-6 polynomial for `e^r`
-/// (relative error < 2e-7). `n` is read from the mantissa of the rounding sum (no float to
-/// int conversion). Inputs below -87 give exactly 0 (so `-inf` logits vanish).
-/// max/min rather than clamp: a NaN logit becomes -87 (contributes ~0) instead of poisoning
-/// the whole sum.
+/// `exp(y)` for `y` in [-87.3, 88] (the callers clamp), branch-free so loops vectorise:
+/// round-to-nearest range reduction `y = n ln2 + r`, |r| <= ln2/2, then a degree-6
+/// polynomial for `e^r` (relative error < 2e-7) scaled by `2^n`. `n` is read from the
+/// mantissa of the rounding sum (no float to int conversion).
+#[inline(always)]
+pub(crate) fn exp_in_range(y: f32) -> f32 {
+    const MAGIC: f32 = 12_582_912.0; // 1.5 * 2^23: adding it rounds to an integer
+    let t = y * std::f32::consts::LOG2_E;
+    let rounded = t + MAGIC;
+    let n = rounded - MAGIC;
+    let r = (t - n) * std::f32::consts::LN_2;
+    let p = 1.0
+        + r * (1.0 + r * (0.5 + r * (1.0 / 6.0 + r * (1.0 / 24.0 + r * (1.0 / 120.0 + r * (1.0 / 720.0))))));
+    // `rounded`'s low mantissa bits hold n (two's complement around MAGIC's bit pattern).
+    let n_int = rounded.to_bits().wrapping_sub(MAGIC.to_bits()) as i32;
+    p * f32::from_bits((n_int.wrapping_add(127) as u32) << 23)
+}
+
+/// `exp(x)` for f32 ([`exp_in_range`]); inputs below -87 give exactly 0 (so `-inf` logits
+/// vanish). max/min rather than clamp: a NaN logit becomes -87 (contributes ~0) instead of
+/// poisoning the whole sum.
 #[inline(always)]
 #[allow(clippy::manual_clamp)]
 fn exp_f32(x: f32) -> f32 {
-    const MAGIC: f32 = 12_582_912.0; // 1.5 * 2^23: adding it rounds to an integer
-    let t = x.max(-87.0).min(88.0) * std::f32::consts::LOG2_E;
-    let rounded = t + MAGIC;
-    let n = rounded - MAGIC;
-    let f = (t - n) * std::f32::consts::LN_2;
-    let p = 1.0
-        + f * (1.0 + f * (0.5 + f * (1.0 / 6.0 + f * (1.0 / 24.0 + f * (1.0 / 120.0 + f * (1.0 / 720.0))))));
-    // `rounded`'s low mantissa bits hold n (two's complement around MAGIC's bit pattern).
-    let n_int = rounded.to_bits().wrapping_sub(MAGIC.to_bits()) as i32;
-    let scale = f32::from_bits((n_int.wrapping_add(127) as u32) << 23);
+    let e = exp_in_range(x.max(-87.0).min(88.0));
     if x < -87.0 {
         0.0
     } else {
-        p * scale
+        e
     }
 }
 

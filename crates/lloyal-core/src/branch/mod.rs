@@ -18,26 +18,6 @@ use crate::metrics::{log_sum_exp_both, replaced_lse, PerplexityTracker};
 use crate::sampler::{top_candidates, Sampler};
 use crate::sampling::adjusted_replacements;
 
-/// `logits` with every token the grammar forbids at `-inf`, as far as sampling with `sampler`
-/// can tell: with top-k active (no DRY/mirostat, which see every candidate) only the best
-/// candidates after penalties and biases are checked, doubling the window until `top_k`
-/// allowed tokens are found (the chain keeps exactly the top-k allowed ones) or the unchecked
-/// rest could only add under 1e-7 of probability mass; otherwise the whole vocabulary is masked.
-fn grammar_masked(
-    grammar: &mut Grammar,
-    logits: &[f32],
-    sampler: &Sampler,
-    biases: &[(i32, f32)],
-) -> Result<Vec<f32>> {
-    let mut masked = allowed_logits(grammar, logits, sampler, biases)?;
-    for &(i, v) in biases {
-        if v == f32::NEG_INFINITY {
-            masked[i as usize] = v;
-        }
-    }
-    Ok(masked)
-}
-
 /// `logits` at the tokens in `keep`, `-inf` everywhere else.
 fn keep_only(logits: &[f32], keep: impl IntoIterator<Item = i32>) -> Vec<f32> {
     let mut masked = vec![f32::NEG_INFINITY; logits.len()];
@@ -47,7 +27,12 @@ fn keep_only(logits: &[f32], keep: impl IntoIterator<Item = i32>) -> Vec<f32> {
     masked
 }
 
-/// `logits` with the tokens the grammar forbids at `-inf` (see [`grammar_masked`]).
+/// `logits` with every token the grammar forbids at `-inf` (the caller also masks the tokens
+/// biased to `-inf`), as far as sampling with `sampler` can tell: with top-k active (no
+/// DRY/mirostat, which see every candidate) only the best candidates after penalties and
+/// biases are checked, doubling the window until `top_k` allowed tokens are found (the chain
+/// keeps exactly the top-k allowed ones) or the unchecked rest could only add under 1e-7 of
+/// probability mass; otherwise the whole vocabulary is masked.
 fn allowed_logits(
     grammar: &mut Grammar,
     logits: &[f32],
@@ -154,7 +139,10 @@ fn draw(
     if grammar.allows(token) {
         return Ok(token);
     }
-    let masked = grammar_masked(grammar, logits, sampler, biases)?;
+    let mut masked = allowed_logits(grammar, logits, sampler, biases)?;
+    for &(i, v) in biases.iter().filter(|b| b.1 == f32::NEG_INFINITY) {
+        masked[i as usize] = v;
+    }
     if masked.iter().all(|&l| l == f32::NEG_INFINITY) {
         return Err(nothing_allowed());
     }

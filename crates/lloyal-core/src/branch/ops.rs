@@ -9,6 +9,7 @@ use crate::context::state::ContextState;
 use crate::error::{LloyalError, Result};
 use crate::grammar::Grammar;
 use crate::metrics::{entropy, Base};
+use crate::model::Model;
 use crate::sampler::Sampler;
 use crate::sampling::SamplingParams;
 use crate::tenancy::Handle;
@@ -175,18 +176,23 @@ impl ContextState {
 
     /// Replace a branch's sampler parameters (history kept; no-op if unchanged).
     pub fn branch_set_params(&mut self, handle: Handle, params: SamplingParams) -> Result<()> {
-        let model = self.model();
-        let b = self.branch_mut(handle)?;
-        b.sampler.set_params(&model, params)?;
-        b.invalidate();
-        Ok(())
+        self.change_sampler(handle, |sampler, model| sampler.set_params(model, params))
     }
 
     /// Restart a branch's RNG with `seed`.
     pub fn branch_reseed_sampler(&mut self, handle: Handle, seed: u32) -> Result<()> {
+        self.change_sampler(handle, |sampler, model| sampler.reseed(model, seed))
+    }
+
+    /// Apply `change` to a branch's sampler; its produced token is drawn again.
+    fn change_sampler(
+        &mut self,
+        handle: Handle,
+        change: impl FnOnce(&mut Sampler, &Model) -> Result<()>,
+    ) -> Result<()> {
         let model = self.model();
         let b = self.branch_mut(handle)?;
-        b.sampler.reseed(&model, seed)?;
+        change(&mut b.sampler, &model)?;
         b.invalidate();
         Ok(())
     }

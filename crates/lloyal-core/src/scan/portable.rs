@@ -2,7 +2,7 @@
 //! 16-lane arrays, which the compiler vectorises for the build's baseline.
 
 use super::{Kernels, SPAN};
-use crate::metrics::max_f32_lanes;
+use crate::metrics::{exp_in_range, max_f32_lanes};
 
 pub(super) const KERNELS: Kernels = Kernels { maxima, exp_sums };
 
@@ -48,22 +48,11 @@ fn exp_sums(src: &[f32], m: f32, scale: Option<f32>, _next: &[f32]) -> (f64, f64
     (a, b)
 }
 
-/// `exp(y)` for `y <= 0` (a value minus the row's maximum), branch-free so loops vectorise:
-/// `y = n ln2 + r`, `|r| <= ln2 / 2`, then a degree-6 polynomial for `e^r` (relative error
-/// < 2e-7) scaled by `2^n`. `y` below -87.3 (and NaN) count as -87.3: ~1e-38, nothing next to
+/// `exp(y)` for `y <= 0` (a value minus the row's maximum), branch-free so loops vectorise
+/// ([`exp_in_range`]). `y` below -87.3 (and NaN) count as -87.3: ~1e-38, nothing next to
 /// the maximum's 1.
 #[inline(always)]
 #[allow(clippy::manual_clamp)]
 pub(super) fn exp_nonpositive(y: f32) -> f32 {
-    const MAGIC: f32 = 12_582_912.0; // 1.5 * 2^23: adding it rounds to an integer
-    let y = y.max(-87.3).min(0.0);
-    let t = y * std::f32::consts::LOG2_E;
-    let rounded = t + MAGIC;
-    let n = rounded - MAGIC;
-    let r = (t - n) * std::f32::consts::LN_2;
-    let p = 1.0
-        + r * (1.0 + r * (0.5 + r * (1.0 / 6.0 + r * (1.0 / 24.0 + r * (1.0 / 120.0 + r * (1.0 / 720.0))))));
-    // `rounded`'s low mantissa bits hold n (two's complement around MAGIC's bit pattern).
-    let n_int = rounded.to_bits().wrapping_sub(MAGIC.to_bits()) as i32;
-    p * f32::from_bits((n_int.wrapping_add(127) as u32) << 23)
+    exp_in_range(y.max(-87.3).min(0.0))
 }

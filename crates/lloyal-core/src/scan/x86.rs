@@ -14,10 +14,10 @@ use super::{Kernels, SPAN};
 /// `avx2_at_most`.
 pub(super) fn kernels(avx2_at_most: bool) -> Option<Kernels> {
     if !avx2_at_most && is_x86_feature_detected!("avx512f") {
-        return Some(Kernels { maxima: maxima_512, exp_sums: exp_sums_512 });
+        return Some(avx512::KERNELS);
     }
     if is_x86_feature_detected!("avx2") && is_x86_feature_detected!("fma") {
-        return Some(Kernels { maxima: maxima_256, exp_sums: exp_sums_256 });
+        return Some(avx2::KERNELS);
     }
     None
 }
@@ -27,10 +27,10 @@ pub(super) fn kernels(avx2_at_most: bool) -> Option<Kernels> {
 pub(super) fn every() -> Vec<(&'static str, Kernels)> {
     let mut out = Vec::new();
     if is_x86_feature_detected!("avx512f") {
-        out.push(("avx512", Kernels { maxima: maxima_512, exp_sums: exp_sums_512 }));
+        out.push(("avx512", avx512::KERNELS));
     }
     if is_x86_feature_detected!("avx2") && is_x86_feature_detected!("fma") {
-        out.push(("avx2", Kernels { maxima: maxima_256, exp_sums: exp_sums_256 }));
+        out.push(("avx2", avx2::KERNELS));
     }
     out
 }
@@ -43,14 +43,14 @@ const FLOOR: f32 = -87.3;
 const POLY: [f32; 7] = [1.0 / 720.0, 1.0 / 120.0, 1.0 / 24.0, 1.0 / 6.0, 0.5, 1.0, 1.0];
 
 /// The rest of a span or block that does not fill a vector: plain Rust.
-fn tail_max(values: &[f32]) -> f32 {
+pub(super) fn tail_max(values: &[f32]) -> f32 {
     values.iter().copied().fold(f32::NEG_INFINITY, f32::max)
 }
 
 /// Ask for the two cache lines of `next[at..at + 32]` (what the exponentials of the same
 /// offset in this block read): the next block arrives while this one computes.
 #[inline]
-fn prefetch(next: &[f32], at: usize) {
+pub(super) fn prefetch(next: &[f32], at: usize) {
     if let Some(line) = next.get(at..(at + 32).min(next.len())) {
         for j in (0..line.len()).step_by(16) {
             // SAFETY: a prefetch only hints the cache; the address is inside `next` anyway.
@@ -59,209 +59,165 @@ fn prefetch(next: &[f32], at: usize) {
     }
 }
 
-fn tail_exp_sums(values: &[f32], m: f32, scale: Option<f32>) -> (f64, f64) {
+pub(super) fn tail_exp_sums(values: &[f32], m: f32, scale: Option<f32>) -> (f64, f64) {
     let e = super::portable::exp_nonpositive;
     let plain = values.iter().map(|&x| f64::from(e(x - m))).sum();
     let scaled = scale.map_or(0.0, |s| values.iter().map(|&x| f64::from(e(x * s - s * m))).sum());
     (plain, scaled)
 }
 
-// ---- AVX-512F ------------------------------------------------------------------------------
+/// The kernels of one instruction set, from the vector type and intrinsics it names: the
+/// same loops over 64-float spans (the maxima, with the copy) and 32-float steps (the
+/// exponential sums, with the prefetch of the next block) for every width.
+macro_rules! width_kernels {
+    (
+        feature: $feature:literal, lanes: $lanes:literal, vector: $v:ty,
+        load: $load:ident, store: $store:ident, splat: $splat:ident, zero: $zero:ident,
+        max: $max:ident, add: $add:ident, sub: $sub:ident, mul: $mul:ident, fmadd: $fmadd:ident,
+        fnmadd: $fnmadd:ident, round: $round:ident, hmax: $hmax:path, pow2: $pow2:path $(,)?
+    ) => {
+        use std::arch::x86_64::*;
 
-fn maxima_512(src: &[f32], dst: Option<&mut [f32]>, maxima: &mut [f32]) -> f32 {
-    // SAFETY: `kernels` hands this out only when the CPU has AVX-512F.
-    unsafe { maxima_avx512(src, dst, maxima) }
-}
+        use super::{prefetch, tail_exp_sums, tail_max, Kernels, FLOOR, LN2_HI, LN2_LO, LOG2E, POLY, SPAN};
 
-fn exp_sums_512(src: &[f32], m: f32, scale: Option<f32>, next: &[f32]) -> (f64, f64) {
-    // SAFETY: `kernels` hands this out only when the CPU has AVX-512F.
-    unsafe {
-        match scale {
-            Some(s) => exp_sums_avx512::<true>(src, m, s, next),
-            None => exp_sums_avx512::<false>(src, m, 1.0, next),
+        pub(super) const KERNELS: Kernels = Kernels { maxima, exp_sums };
+
+        /// Vectors per 64-float span and per 32-float step.
+        const PER_SPAN: usize = SPAN / $lanes;
+        const PER_STEP: usize = 32 / $lanes;
+
+        fn maxima(src: &[f32], dst: Option<&mut [f32]>, maxima: &mut [f32]) -> f32 {
+            // SAFETY: `kernels` hands this module's kernels out only when the CPU has its
+            // `$feature` instruction set.
+            unsafe { maxima_simd(src, dst, maxima) }
         }
-    }
-}
 
-#[target_feature(enable = "avx512f")]
-fn maxima_avx512(src: &[f32], mut dst: Option<&mut [f32]>, maxima: &mut [f32]) -> f32 {
-    let mut best = f32::NEG_INFINITY;
-    for (s, m) in maxima.iter_mut().enumerate() {
-        let at = s * SPAN;
-        let span = &src[at..(at + SPAN).min(src.len())];
-        if span.len() < SPAN {
-            if let Some(dst) = dst.as_deref_mut() {
-                dst[at..].copy_from_slice(span);
-            }
-            *m = tail_max(span);
-        } else {
-            let p = span.as_ptr();
-            // SAFETY: `span` holds SPAN = 64 floats: four 16-float loads from its start.
-            let v = unsafe {
-                [
-                    _mm512_loadu_ps(p),
-                    _mm512_loadu_ps(p.add(16)),
-                    _mm512_loadu_ps(p.add(32)),
-                    _mm512_loadu_ps(p.add(48)),
-                ]
-            };
-            if let Some(dst) = dst.as_deref_mut() {
-                let q = dst[at..at + SPAN].as_mut_ptr();
-                for (i, x) in v.iter().enumerate() {
-                    // SAFETY: `q` points at 64 writable floats; lane group `i` is 16 of them.
-                    unsafe { _mm512_storeu_ps(q.add(16 * i), *x) };
+        fn exp_sums(src: &[f32], m: f32, scale: Option<f32>, next: &[f32]) -> (f64, f64) {
+            // SAFETY: `kernels` hands this module's kernels out only when the CPU has its
+            // `$feature` instruction set.
+            unsafe {
+                match scale {
+                    Some(s) => exp_sums_simd::<true>(src, m, s, next),
+                    None => exp_sums_simd::<false>(src, m, 1.0, next),
                 }
             }
-            // max_ps(x, acc) is `acc` when `x` is NaN: a NaN logit never wins.
-            let acc = v.iter().fold(_mm512_set1_ps(f32::NEG_INFINITY), |acc, &x| _mm512_max_ps(x, acc));
-            *m = _mm512_reduce_max_ps(acc);
         }
-        best = best.max(*m);
-    }
-    best
-}
 
-#[target_feature(enable = "avx512f")]
-fn exp_512(y: __m512) -> __m512 {
-    let y = _mm512_max_ps(y, _mm512_set1_ps(FLOOR));
-    let n = _mm512_roundscale_ps::<{ _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC }>(_mm512_mul_ps(
-        y,
-        _mm512_set1_ps(LOG2E),
-    ));
-    let r = _mm512_fnmadd_ps(n, _mm512_set1_ps(LN2_HI), y);
-    let r = _mm512_fnmadd_ps(n, _mm512_set1_ps(LN2_LO), r);
-    let p = POLY[1..].iter().fold(_mm512_set1_ps(POLY[0]), |p, &c| _mm512_fmadd_ps(p, r, _mm512_set1_ps(c)));
-    _mm512_scalef_ps(p, n)
-}
+        /// `e^y` per lane (see the module notes).
+        #[inline]
+        #[target_feature(enable = $feature)]
+        fn exp(y: $v) -> $v {
+            let y = $max(y, $splat(FLOOR));
+            let n = $round::<{ _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC }>($mul(y, $splat(LOG2E)));
+            let r = $fnmadd(n, $splat(LN2_HI), y);
+            let r = $fnmadd(n, $splat(LN2_LO), r);
+            let p = POLY[1..].iter().fold($splat(POLY[0]), |p, &c| $fmadd(p, r, $splat(c)));
+            $pow2(p, n)
+        }
 
-#[target_feature(enable = "avx512f")]
-fn exp_sums_avx512<const SCALED: bool>(src: &[f32], m: f32, s: f32, next: &[f32]) -> (f64, f64) {
-    let (vm, vs, vsm) = (_mm512_set1_ps(m), _mm512_set1_ps(s), _mm512_set1_ps(-s * m));
-    let zero = _mm512_setzero_ps();
-    let (mut a, mut b) = ([zero; 2], [zero; 2]);
-    let mut pairs = src.chunks_exact(32);
-    for (i, pair) in (&mut pairs).enumerate() {
-        prefetch(next, 32 * i);
-        let p = pair.as_ptr();
-        // SAFETY: `pair` holds 32 floats: two 16-float loads from its start.
-        let x = unsafe { [_mm512_loadu_ps(p), _mm512_loadu_ps(p.add(16))] };
-        for i in 0..2 {
-            a[i] = _mm512_add_ps(a[i], exp_512(_mm512_sub_ps(x[i], vm)));
-            if SCALED {
-                b[i] = _mm512_add_ps(b[i], exp_512(_mm512_fmadd_ps(x[i], vs, vsm)));
+        #[target_feature(enable = $feature)]
+        fn maxima_simd(src: &[f32], mut dst: Option<&mut [f32]>, maxima: &mut [f32]) -> f32 {
+            let mut best = f32::NEG_INFINITY;
+            for (s, m) in maxima.iter_mut().enumerate() {
+                let at = s * SPAN;
+                let span = &src[at..(at + SPAN).min(src.len())];
+                if span.len() < SPAN {
+                    if let Some(dst) = dst.as_deref_mut() {
+                        dst[at..].copy_from_slice(span);
+                    }
+                    *m = tail_max(span);
+                    best = best.max(*m);
+                    continue;
+                }
+                let p = span.as_ptr();
+                let q = dst.as_deref_mut().map(|d| d[at..at + SPAN].as_mut_ptr());
+                let mut x = [$zero(); PER_SPAN];
+                for (i, x) in x.iter_mut().enumerate() {
+                    // SAFETY: `span` holds SPAN floats: PER_SPAN loads of `$lanes` from its start.
+                    *x = unsafe { $load(p.add($lanes * i)) };
+                }
+                if let Some(q) = q {
+                    for (i, x) in x.iter().enumerate() {
+                        // SAFETY: `q` points at SPAN writable floats; lane group `i` is `$lanes` of them.
+                        unsafe { $store(q.add($lanes * i), *x) };
+                    }
+                }
+                // max_ps(x, acc) is `acc` when `x` is NaN: a NaN logit never wins.
+                let acc = x.iter().fold($splat(f32::NEG_INFINITY), |acc, &x| $max(x, acc));
+                *m = $hmax(acc);
+                best = best.max(*m);
             }
+            best
         }
-    }
-    let lanes = |v: [__m512; 2]| {
-        let mut out = [0f32; 32];
-        // SAFETY: `out` holds 32 floats: two 16-float stores.
-        unsafe {
-            _mm512_storeu_ps(out.as_mut_ptr(), v[0]);
-            _mm512_storeu_ps(out.as_mut_ptr().add(16), v[1]);
+
+        #[target_feature(enable = $feature)]
+        fn exp_sums_simd<const SCALED: bool>(src: &[f32], m: f32, s: f32, next: &[f32]) -> (f64, f64) {
+            let (vm, vs, vsm) = ($splat(m), $splat(s), $splat(-s * m));
+            let (mut a, mut b): ([$v; PER_STEP], [$v; PER_STEP]) = ([$zero(); PER_STEP], [$zero(); PER_STEP]);
+            let mut steps = src.chunks_exact(32);
+            for (i, step) in (&mut steps).enumerate() {
+                prefetch(next, 32 * i);
+                let p = step.as_ptr();
+                for k in 0..PER_STEP {
+                    // SAFETY: `step` holds 32 floats: PER_STEP loads of `$lanes` from its start.
+                    let x = unsafe { $load(p.add($lanes * k)) };
+                    a[k] = $add(a[k], exp($sub(x, vm)));
+                    if SCALED {
+                        b[k] = $add(b[k], exp($fmadd(x, vs, vsm)));
+                    }
+                }
+            }
+            let lanes = |v: [$v; PER_STEP]| {
+                let mut out = [0f32; 32];
+                for (k, x) in v.iter().enumerate() {
+                    // SAFETY: `out` holds 32 floats; lane group `k` is `$lanes` of them.
+                    unsafe { $store(out.as_mut_ptr().add($lanes * k), *x) };
+                }
+                out.iter().map(|&x| f64::from(x)).sum::<f64>()
+            };
+            let (ta, tb) = tail_exp_sums(steps.remainder(), m, SCALED.then_some(s));
+            (lanes(a) + ta, if SCALED { lanes(b) + tb } else { 0.0 })
         }
-        out.iter().map(|&x| f64::from(x)).sum::<f64>()
     };
-    let (ta, tb) = tail_exp_sums(pairs.remainder(), m, SCALED.then_some(s));
-    (lanes(a) + ta, if SCALED { lanes(b) + tb } else { 0.0 })
 }
 
-// ---- AVX2 + FMA ----------------------------------------------------------------------------
-
-fn maxima_256(src: &[f32], dst: Option<&mut [f32]>, maxima: &mut [f32]) -> f32 {
-    // SAFETY: `kernels` hands this out only when the CPU has AVX2 and FMA.
-    unsafe { maxima_avx2(src, dst, maxima) }
+// Each width's intrinsics, in the macro's order.
+mod avx512 {
+    width_kernels! { feature: "avx512f", lanes: 16, vector: __m512, load: _mm512_loadu_ps, store: _mm512_storeu_ps,
+    splat: _mm512_set1_ps, zero: _mm512_setzero_ps, max: _mm512_max_ps, add: _mm512_add_ps, sub: _mm512_sub_ps,
+    mul: _mm512_mul_ps, fmadd: _mm512_fmadd_ps, fnmadd: _mm512_fnmadd_ps, round: _mm512_roundscale_ps,
+    hmax: _mm512_reduce_max_ps, pow2: super::pow2_512 }
 }
 
-fn exp_sums_256(src: &[f32], m: f32, scale: Option<f32>, next: &[f32]) -> (f64, f64) {
-    // SAFETY: `kernels` hands this out only when the CPU has AVX2 and FMA.
-    unsafe {
-        match scale {
-            Some(s) => exp_sums_avx2::<true>(src, m, s, next),
-            None => exp_sums_avx2::<false>(src, m, 1.0, next),
-        }
-    }
+mod avx2 {
+    width_kernels! { feature: "avx2,fma", lanes: 8, vector: __m256, load: _mm256_loadu_ps, store: _mm256_storeu_ps,
+    splat: _mm256_set1_ps, zero: _mm256_setzero_ps, max: _mm256_max_ps, add: _mm256_add_ps, sub: _mm256_sub_ps,
+    mul: _mm256_mul_ps, fmadd: _mm256_fmadd_ps, fnmadd: _mm256_fnmadd_ps, round: _mm256_round_ps,
+    hmax: super::hmax_256, pow2: super::pow2_256 }
 }
 
+/// `max` over the lanes of `v`.
+#[inline]
 #[target_feature(enable = "avx2,fma")]
-fn hmax_256(v: __m256) -> f32 {
+pub(super) fn hmax_256(v: __m256) -> f32 {
     let v = _mm256_max_ps(v, _mm256_permute2f128_ps::<1>(v, v));
     let v = _mm256_max_ps(v, _mm256_shuffle_ps::<0b01_00_11_10>(v, v));
     let v = _mm256_max_ps(v, _mm256_shuffle_ps::<0b10_11_00_01>(v, v));
     _mm256_cvtss_f32(v)
 }
 
-#[target_feature(enable = "avx2,fma")]
-fn maxima_avx2(src: &[f32], mut dst: Option<&mut [f32]>, maxima: &mut [f32]) -> f32 {
-    let mut best = f32::NEG_INFINITY;
-    for (s, m) in maxima.iter_mut().enumerate() {
-        let at = s * SPAN;
-        let span = &src[at..(at + SPAN).min(src.len())];
-        if span.len() < SPAN {
-            if let Some(dst) = dst.as_deref_mut() {
-                dst[at..].copy_from_slice(span);
-            }
-            *m = tail_max(span);
-        } else {
-            let p = span.as_ptr();
-            let mut acc = _mm256_set1_ps(f32::NEG_INFINITY);
-            for i in 0..8 {
-                // SAFETY: `span` holds 64 floats: eight 8-float loads from its start.
-                let x = unsafe { _mm256_loadu_ps(p.add(8 * i)) };
-                if let Some(dst) = dst.as_deref_mut() {
-                    // SAFETY: `dst[at..at + 64]` is writable; lane group `i` is 8 of its floats.
-                    unsafe { _mm256_storeu_ps(dst[at..at + SPAN].as_mut_ptr().add(8 * i), x) };
-                }
-                // max_ps(x, acc) is `acc` when `x` is NaN: a NaN logit never wins.
-                acc = _mm256_max_ps(x, acc);
-            }
-            *m = hmax_256(acc);
-        }
-        best = best.max(*m);
-    }
-    best
+/// `p * 2^n` per lane (`n` whole).
+#[inline]
+#[target_feature(enable = "avx512f")]
+pub(super) fn pow2_512(p: __m512, n: __m512) -> __m512 {
+    _mm512_scalef_ps(p, n)
 }
 
+/// `p * 2^n` per lane (`n` whole), from the exponent bits: n >= -126 (y >= -87.3), so `2^n`
+/// is a normal float.
+#[inline]
 #[target_feature(enable = "avx2,fma")]
-fn exp_256(y: __m256) -> __m256 {
-    let y = _mm256_max_ps(y, _mm256_set1_ps(FLOOR));
-    let n = _mm256_round_ps::<{ _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC }>(_mm256_mul_ps(
-        y,
-        _mm256_set1_ps(LOG2E),
-    ));
-    let r = _mm256_fnmadd_ps(n, _mm256_set1_ps(LN2_HI), y);
-    let r = _mm256_fnmadd_ps(n, _mm256_set1_ps(LN2_LO), r);
-    let p = POLY[1..].iter().fold(_mm256_set1_ps(POLY[0]), |p, &c| _mm256_fmadd_ps(p, r, _mm256_set1_ps(c)));
-    // 2^n from the exponent bits: n >= -126 (y >= -87.3), so the result is a normal float.
+pub(super) fn pow2_256(p: __m256, n: __m256) -> __m256 {
     let two_n = _mm256_slli_epi32::<23>(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)));
     _mm256_mul_ps(p, _mm256_castsi256_ps(two_n))
-}
-
-#[target_feature(enable = "avx2,fma")]
-fn exp_sums_avx2<const SCALED: bool>(src: &[f32], m: f32, s: f32, next: &[f32]) -> (f64, f64) {
-    let (vm, vs, vsm) = (_mm256_set1_ps(m), _mm256_set1_ps(s), _mm256_set1_ps(-s * m));
-    let zero = _mm256_setzero_ps();
-    let (mut a, mut b) = ([zero; 4], [zero; 4]);
-    let mut quads = src.chunks_exact(32);
-    for (i, quad) in (&mut quads).enumerate() {
-        prefetch(next, 32 * i);
-        let p = quad.as_ptr();
-        for i in 0..4 {
-            // SAFETY: `quad` holds 32 floats: four 8-float loads from its start.
-            let x = unsafe { _mm256_loadu_ps(p.add(8 * i)) };
-            a[i] = _mm256_add_ps(a[i], exp_256(_mm256_sub_ps(x, vm)));
-            if SCALED {
-                b[i] = _mm256_add_ps(b[i], exp_256(_mm256_fmadd_ps(x, vs, vsm)));
-            }
-        }
-    }
-    let lanes = |v: [__m256; 4]| {
-        let mut out = [0f32; 32];
-        for (i, x) in v.iter().enumerate() {
-            // SAFETY: `out` holds 32 floats; lane group `i` is 8 of them.
-            unsafe { _mm256_storeu_ps(out.as_mut_ptr().add(8 * i), *x) };
-        }
-        out.iter().map(|&x| f64::from(x)).sum::<f64>()
-    };
-    let (ta, tb) = tail_exp_sums(quads.remainder(), m, SCALED.then_some(s));
-    (lanes(a) + ta, if SCALED { lanes(b) + tb } else { 0.0 })
 }

@@ -186,13 +186,7 @@ impl Sets {
         loop {
             let mut changed = false;
             for (r, (_, alts)) in cfg.rules.iter().enumerate() {
-                let mut first = BTreeSet::new();
-                let mut nullable = false;
-                for alt in alts {
-                    let (f, n) = s.seq_first(alt);
-                    first.extend(f);
-                    nullable |= n;
-                }
+                let (first, nullable) = s.alts_first(alts);
                 changed |= first.len() != s.first[r].len() || nullable != s.nullable[r];
                 s.first[r] = first;
                 s.nullable[r] = nullable;
@@ -219,21 +213,24 @@ impl Sets {
         s
     }
 
+    /// FIRST of a choice among `alts`, and whether one of them can match nothing.
+    fn alts_first(&self, alts: &[Vec<Elem>]) -> (BTreeSet<usize>, bool) {
+        let mut first = BTreeSet::new();
+        let mut nullable = false;
+        for alt in alts {
+            let (f, n) = self.seq_first(alt);
+            first.extend(f);
+            nullable |= n;
+        }
+        (first, nullable)
+    }
+
     fn elem_first(&self, e: &Elem) -> (BTreeSet<usize>, bool) {
         match e {
             Elem::Lexeme(l) => ([*l].into(), false),
             Elem::Token(_) => (BTreeSet::new(), false),
             Elem::Rule(r) => (self.first[*r].clone(), self.nullable[*r]),
-            Elem::Group(alts) => {
-                let mut first = BTreeSet::new();
-                let mut nullable = false;
-                for alt in alts {
-                    let (f, n) = self.seq_first(alt);
-                    first.extend(f);
-                    nullable |= n;
-                }
-                (first, nullable)
-            }
+            Elem::Group(alts) => self.alts_first(alts),
             Elem::Repeat(inner, min, _) => {
                 let (f, n) = self.elem_first(inner);
                 (f, n || *min == 0)
