@@ -14,7 +14,7 @@ use crate::backend::{backend, clear_recent_errors, recent_errors};
 use crate::error::{LloyalError, Result};
 use crate::model_file::check_gguf_file;
 use crate::options::ModelOptions;
-use crate::raw::load_model;
+use crate::raw::{load_model, Weights};
 
 type RegistryKey = (PathBuf, ModelOptions);
 static REGISTRY: Mutex<Option<HashMap<RegistryKey, Weak<Model>>>> = Mutex::new(None);
@@ -286,5 +286,15 @@ impl Model {
         build: impl FnOnce() -> std::result::Result<Arc<llguidance::ParserFactory>, String>,
     ) -> std::result::Result<Arc<llguidance::ParserFactory>, String> {
         self.llg_factory.get_or_init(build).clone()
+    }
+}
+
+impl Weights for Model {
+    fn llama(&self) -> &LlamaModel {
+        Model::llama(self)
+    }
+
+    fn n_vocab(&self) -> i32 {
+        Model::n_vocab(self)
     }
 }

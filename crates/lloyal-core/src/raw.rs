@@ -15,8 +15,6 @@ use std::sync::Arc;
 use llama_cpp_2::model::LlamaModel;
 use llama_cpp_sys_2 as sys;
 
-use crate::model::Model;
-
 // `LlamaModel` is `#[repr(transparent)]` over a `NonNull<llama_model>` (llama-cpp-2 0.1.160,
 // pinned with `=`); fail the build if that ever changes size.
 const _: () = assert!(std::mem::size_of::<LlamaModel>() == std::mem::size_of::<*mut sys::llama_model>());
@@ -75,10 +73,18 @@ pub fn vocab_ptr(model: &LlamaModel) -> *const sys::llama_vocab {
     unsafe { sys::llama_model_get_vocab(model_ptr(model)) }
 }
 
+/// What a context's weights are held by (lloyal's `Model`): a context keeps it alive.
+pub trait Weights: Send + Sync {
+    /// The llama-cpp-2 model.
+    fn llama(&self) -> &LlamaModel;
+    /// Tokens in its vocabulary (the width of a logits row).
+    fn n_vocab(&self) -> i32;
+}
+
 /// An owned `llama_context*` that keeps its model alive (field order: context dropped first).
 pub struct RawContext {
     ptr: NonNull<sys::llama_context>,
-    model: Arc<Model>,
+    model: Arc<dyn Weights>,
     n_seq: i32,
     n_vocab: usize,
 }
@@ -89,19 +95,14 @@ unsafe impl Send for RawContext {}
 
 impl RawContext {
     /// Create a context; `None` when llama.cpp refuses (its log says why).
-    pub fn new(model: Arc<Model>, params: sys::llama_context_params) -> Option<Self> {
+    pub fn new(model: Arc<dyn Weights>, params: sys::llama_context_params) -> Option<Self> {
         // SAFETY: the model pointer is valid while `model` (kept in self) lives.
         let ptr = unsafe { sys::llama_init_from_model(model_ptr(model.llama()), params) };
         let ptr = NonNull::new(ptr)?;
         // SAFETY: valid context pointer.
         let n_seq = unsafe { sys::llama_n_seq_max(ptr.as_ptr()) } as i32;
-        let n_vocab = model.n_vocab() as usize;
+        let n_vocab = model.n_vocab().max(0) as usize;
         Some(RawContext { ptr, model, n_seq, n_vocab })
-    }
-
-    /// The model this context runs.
-    pub fn model(&self) -> &Arc<Model> {
-        &self.model
     }
 
     /// `(n_ctx, n_batch, n_seq_max)` as llama.cpp settled them.
@@ -341,7 +342,7 @@ mod tests {
     // FFI wrappers (omp.rs: libgomp's GOMP_parallel), and scan/x86.rs: the SIMD kernels' loads
     // and stores (intrinsics take raw pointers).
     const FFI_WRAPPERS: [&str; 6] =
-        ["raw.rs", "sampler.rs", "grammar/gbnf.rs", "backend.rs", "omp.rs", "scan/x86.rs"];
+        ["raw.rs", "sampler/mod.rs", "grammar/gbnf.rs", "backend.rs", "omp.rs", "scan/x86.rs"];
 
     fn rust_files(dir: &Path, out: &mut Vec<std::path::PathBuf>) {
         for entry in std::fs::read_dir(dir).unwrap() {

@@ -82,7 +82,7 @@ impl ContextState {
 
     /// Surprisal of `token` under the flat path's last logits.
     pub fn model_surprisal(&self, token: i32, base: Base) -> Result<f64> {
-        self.raw.model().check_token(i64::from(token))?;
+        self.model.check_token(i64::from(token))?;
         Ok(surprisal(self.logits()?, token as usize, base))
     }
 

@@ -83,6 +83,7 @@ impl Context {
             embeddings: options.embeddings,
         };
         let state = ContextState {
+            model: model.clone(),
             batch: Batch::new(n_batch as usize),
             raw,
             shape,

@@ -18,6 +18,8 @@ use crate::topology::Topology;
 
 /// The mutable state behind the lock: the llama.cpp context and the flat path's snapshot.
 pub struct ContextState {
+    /// The model the context runs.
+    pub(super) model: Arc<Model>,
     pub(crate) raw: RawContext,
     pub(super) batch: Batch,
     pub(super) shape: ContextShape,
@@ -65,7 +67,7 @@ impl ContextState {
 
     /// The model.
     pub fn model(&self) -> Arc<Model> {
-        self.raw.model().clone()
+        Arc::clone(&self.model)
     }
 
     /// Bytes of KV cache memory (cells x per-cell K+V size over all layers).
@@ -116,7 +118,7 @@ impl ContextState {
     /// token's logits. All-or-nothing: a failure removes the cells written by this call.
     pub fn decode(&mut self, tokens: &[i32], pos: i32, seq_id: i32) -> Result<()> {
         self.check_flat_seq(seq_id)?;
-        self.raw.model().check_tokens(tokens)?;
+        self.model.check_tokens(tokens)?;
         if tokens.is_empty() {
             return Ok(());
         }

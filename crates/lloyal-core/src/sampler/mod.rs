@@ -1,5 +1,9 @@
 //! A sampler chain owned at the llama.cpp sys level: built from SamplingParams, cloneable
-//! (RNG and DRY history included), applied to a logits snapshot.
+//! (RNG and DRY history included), applied to a logits snapshot. The final draw's RNG is in
+//! `rng.rs`, the choice of candidates from a row in `candidates.rs`.
+
+mod candidates;
+mod rng;
 
 use std::ffi::CString;
 use std::ptr::NonNull;
@@ -7,10 +11,12 @@ use std::ptr::NonNull;
 use llama_cpp_sys_2 as sys;
 
 use crate::error::{LloyalError, Result};
-use crate::metrics::{max_f32, max_f32_lanes};
 use crate::model::Model;
 use crate::sampling::{adjusted_replacements, SamplingParams};
-use crate::scan::SPAN;
+use candidates::{allowed_finite, best_allowed_in_windows, pad_to_k, token_data};
+pub use candidates::{argmax, greedy_token, top_candidates, top_candidates_in};
+pub use rng::Rng;
+use rng::{draw, rng_for};
 
 /// llama.cpp's LLAMA_DEFAULT_SEED: draw a random seed.
 const RANDOM_SEED: u32 = 0xFFFF_FFFF;
@@ -49,74 +55,6 @@ impl RawChain {
         unsafe { sys::llama_sampler_chain_add(self.0.as_ptr(), smpl) };
         Ok(())
     }
-}
-
-/// The random stream of the final draw: SplitMix64 (64 bits of state, so a branch's RNG can
-/// be cloned on fork and written into a saved state exactly).
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct Rng(u64);
-
-impl Rng {
-    /// A stream determined by `seed`.
-    pub fn seeded(seed: u32) -> Rng {
-        Rng(u64::from(seed) ^ 0x5851_F42D_4C95_7F2D)
-    }
-
-    /// A stream from the OS-seeded hasher (no seed given).
-    pub fn random() -> Rng {
-        use std::hash::BuildHasher;
-        Rng(std::collections::hash_map::RandomState::new().hash_one(std::time::SystemTime::now()))
-    }
-
-    /// Rebuild from [`Rng::state`].
-    pub fn from_state(state: u64) -> Rng {
-        Rng(state)
-    }
-
-    /// The whole state.
-    pub fn state(self) -> u64 {
-        self.0
-    }
-
-    fn next_u64(&mut self) -> u64 {
-        self.0 = self.0.wrapping_add(0x9E37_79B9_7F4A_7C15);
-        let mut z = self.0;
-        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
-        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
-        z ^ (z >> 31)
-    }
-
-    /// Uniform in `[0, 1)` with 53 bits.
-    pub fn next_f64(&mut self) -> f64 {
-        (self.next_u64() >> 11) as f64 * (1.0 / (1u64 << 53) as f64)
-    }
-}
-
-fn rng_for(params: &SamplingParams) -> Rng {
-    params.seed.map(Rng::seeded).unwrap_or_else(Rng::random)
-}
-
-/// Draw from softmax(logit) over `cands` with `u` in [0, 1); `None` if nothing is finite.
-fn draw(cands: &[sys::llama_token_data], u: f64) -> Option<i32> {
-    let max = cands.iter().map(|c| c.logit).fold(f32::NEG_INFINITY, f32::max);
-    if !max.is_finite() {
-        return None;
-    }
-    let weight = |c: &sys::llama_token_data| f64::from(c.logit - max).exp();
-    let total: f64 = cands.iter().map(weight).sum();
-    let mut target = u * total;
-    let mut last = None;
-    for c in cands {
-        let w = weight(c);
-        if w > 0.0 {
-            last = Some(c.id);
-            if target < w {
-                return Some(c.id);
-            }
-            target -= w;
-        }
-    }
-    last
 }
 
 /// One sequence's sampling machinery: the llama.cpp chain plus the Rust-side token history
@@ -451,211 +389,6 @@ impl Sampler {
             candidates: Vec::new(),
         })
     }
-}
-
-#[derive(Clone, Copy, PartialEq)]
-struct Cand(f32, i32);
-
-impl Eq for Cand {}
-
-impl PartialOrd for Cand {
-    fn partial_cmp(&self, other: &Self) -> Option<std::cmp::Ordering> {
-        Some(self.cmp(other))
-    }
-}
-
-impl Ord for Cand {
-    /// By value, then lower id first (so ties prefer the lower token id, like argmax).
-    fn cmp(&self, other: &Self) -> std::cmp::Ordering {
-        self.0.total_cmp(&other.0).then(other.1.cmp(&self.1))
-    }
-}
-
-/// The `k` highest `(token, value)` pairs of `logits` with `replace` entries substituted,
-/// best first. Exact: the true top-k is contained in the top-(k + |replace|) of the
-/// unreplaced values plus the replaced entries. NaN values are never selected.
-///
-/// On a large vocabulary the maximum of every [`SPAN`] values is taken first; the `cap`-th
-/// largest of them is a lower bound of the `cap`-th largest value (those `cap` spans each hold a
-/// value at least that big), so only spans reaching it are scanned with the bounded heap. For
-/// k = 40 over 262,144 logits that visits a few thousand values.
-pub fn top_candidates(logits: &[f32], replace: &[(usize, f32)], k: usize) -> Vec<(i32, f32)> {
-    top_candidates_in(logits, &[], replace, k)
-}
-
-/// [`top_candidates`] with the span maxima of `logits` given (a snapshot's summary: no pass
-/// over the row to find them); empty `maxima` are computed when the row is large.
-pub fn top_candidates_in(
-    logits: &[f32],
-    maxima: &[f32],
-    replace: &[(usize, f32)],
-    k: usize,
-) -> Vec<(i32, f32)> {
-    let cap = (k + replace.len()).min(logits.len()).max(1);
-    let mut heap = TopHeap::new(cap);
-    if logits.len() >= cap * SPAN * 4 {
-        let owned: Vec<f32>;
-        let maxima = if maxima.len() == logits.len().div_ceil(SPAN) {
-            maxima
-        } else {
-            owned = logits.chunks(SPAN).map(max_f32_lanes::<16>).collect();
-            &owned
-        };
-        let bound = nth_largest(maxima, cap);
-        for (b, (span, &span_max)) in logits.chunks(SPAN).zip(maxima).enumerate() {
-            if span_max >= bound {
-                let base = b * SPAN;
-                for (j, &x) in span.iter().enumerate() {
-                    if x >= bound {
-                        heap.offer(Cand(x, (base + j) as i32));
-                    }
-                }
-            }
-        }
-    } else {
-        for (i, &x) in logits.iter().enumerate() {
-            if !x.is_nan() {
-                heap.offer(Cand(x, i as i32));
-            }
-        }
-    }
-    let mut out: Vec<Cand> = heap.into_vec();
-    out.retain(|c| !replace.iter().any(|&(i, _)| i as i32 == c.1));
-    out.extend(replace.iter().filter(|(i, _)| *i < logits.len()).map(|&(i, v)| Cand(v, i as i32)));
-    out.sort_unstable_by(|a, b| b.cmp(a));
-    out.truncate(k);
-    out.into_iter().map(|c| (c.1, c.0)).collect()
-}
-
-/// A candidate for llama.cpp's chain.
-fn token_data((id, logit): (i32, f32)) -> sys::llama_token_data {
-    sys::llama_token_data { id, logit, p: 0.0 }
-}
-
-/// `(token, value)` of every token of `ids` whose value (`replace` substituted) is finite, best
-/// first (the order of [`top_candidates`]).
-fn allowed_finite(logits: &[f32], replace: &[(usize, f32)], ids: &[i32]) -> Vec<(i32, f32)> {
-    let value =
-        |t: i32| replace.iter().find(|&&(i, _)| i as i32 == t).map(|&(_, v)| v).unwrap_or(logits[t as usize]);
-    let mut out: Vec<Cand> = ids
-        .iter()
-        .filter(|&&t| t >= 0 && (t as usize) < logits.len())
-        .map(|&t| Cand(value(t), t))
-        .filter(|c| c.0.is_finite())
-        .collect();
-    out.sort_unstable_by(|a, b| b.cmp(a));
-    out.into_iter().map(|c| (c.1, c.0)).collect()
-}
-
-/// The `k` best tokens that `allowed` accepts with a finite value, from windows of the row's
-/// best tokens growing ×4 (256 first, 16,384 at most): exact, since a token outside a window
-/// ranks below every token in it. `None` when no window holds `k`.
-fn best_allowed_in_windows(
-    logits: &[f32],
-    maxima: &[f32],
-    replace: &[(usize, f32)],
-    k: usize,
-    allowed: &dyn Fn(i32) -> bool,
-) -> Option<Vec<(i32, f32)>> {
-    let mut window = (4 * k).max(256);
-    while window <= 16_384 {
-        let w = window.min(logits.len());
-        let top = top_candidates_in(logits, maxima, replace, w);
-        let best: Vec<(i32, f32)> =
-            top.iter().filter(|c| c.1.is_finite() && allowed(c.0)).take(k).copied().collect();
-        if best.len() == k {
-            return Some(best);
-        }
-        if w >= logits.len() || top.len() < w {
-            return None;
-        }
-        window *= 4;
-    }
-    None
-}
-
-/// `best` (every finite candidate when there are fewer than `k`) cut or padded to `k`: the
-/// padding is what top-k of the masked row adds, `-inf` tokens by lowest id.
-fn pad_to_k(mut best: Vec<(i32, f32)>, k: usize) -> Vec<(i32, f32)> {
-    if best.len() >= k {
-        best.truncate(k);
-        return best;
-    }
-    let mut taken: Vec<i32> = best.iter().map(|c| c.0).collect();
-    taken.sort_unstable();
-    let mut id = 0;
-    while best.len() < k {
-        if taken.binary_search(&id).is_err() {
-            best.push((id, f32::NEG_INFINITY));
-        }
-        id += 1;
-    }
-    best
-}
-
-/// The `n`-th largest of `values` (`1 <= n <= values.len()`), by a bounded min-heap: one
-/// comparison for most values when `n` is small.
-fn nth_largest(values: &[f32], n: usize) -> f32 {
-    let mut heap = std::collections::BinaryHeap::with_capacity(n + 1);
-    for &v in values {
-        let v = std::cmp::Reverse(Cand(v, 0));
-        if heap.len() < n {
-            heap.push(v);
-        } else if heap.peek().is_some_and(|floor| v < *floor) {
-            heap.pop();
-            heap.push(v);
-        }
-    }
-    heap.peek().map_or(f32::NEG_INFINITY, |r| r.0 .0)
-}
-
-/// The `cap` best candidates seen so far (a min-heap on [`Cand`] order).
-struct TopHeap {
-    heap: std::collections::BinaryHeap<std::cmp::Reverse<Cand>>,
-    cap: usize,
-}
-
-impl TopHeap {
-    fn new(cap: usize) -> Self {
-        TopHeap { heap: std::collections::BinaryHeap::with_capacity(cap + 1), cap }
-    }
-
-    fn offer(&mut self, c: Cand) {
-        if self.heap.len() < self.cap {
-            self.heap.push(std::cmp::Reverse(c));
-        } else if self.heap.peek().is_some_and(|floor| c > floor.0) {
-            self.heap.pop();
-            self.heap.push(std::cmp::Reverse(c));
-        }
-    }
-
-    fn into_vec(self) -> Vec<Cand> {
-        self.heap.into_iter().map(|r| r.0).collect()
-    }
-}
-
-/// The greedy choice: the highest value once `replace` entries are substituted, the lower id
-/// on ties (as [`top_candidates`] with `k = 1`). Without replacements this is [`argmax`].
-pub fn greedy_token(logits: &[f32], replace: &[(usize, f32)]) -> i32 {
-    if replace.is_empty() {
-        return argmax(logits);
-    }
-    top_candidates(logits, replace, 1).first().map(|c| c.0).unwrap_or(0)
-}
-
-/// Index of the largest value (first on ties); 0 for an empty slice, or when nothing beats
-/// negative infinity (NaN never wins).
-///
-/// Two passes over the slice: a lane-wise maximum the compiler turns into SIMD `max`
-/// instructions ([`max_f32`]), then the first position holding it. On a 262,144-token
-/// vocabulary this is several times faster than a compare-and-branch scan (greedy decoding
-/// runs it every step).
-pub fn argmax(values: &[f32]) -> i32 {
-    let best = max_f32(values);
-    if best == f32::NEG_INFINITY {
-        return 0;
-    }
-    values.iter().position(|&v| v == best).unwrap_or(0) as i32
 }
 
 #[cfg(test)]
