@@ -5,7 +5,7 @@
 //! copies), so the context and batch are owned here at the sys level; the model stays a
 //! llama-cpp-2 value. Every `unsafe` block for these calls lives in this file, each range
 //! check (sequence ids, rows, buffer sizes) inside the wrapper that needs it; callers hold no
-//! raw pointers. The other FFI wrapper files are `sampler.rs` (sampler chains),
+//! raw pointers. The other FFI wrapper files are `sampler/mod.rs` (sampler chains),
 //! `grammar/gbnf.rs` (llama.cpp's grammar sampler) and `backend.rs` (the log callback); the
 //! test at the bottom keeps `unsafe` out of every other file.
 
