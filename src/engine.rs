@@ -18,36 +18,33 @@ use crate::error::to_py;
 #[derive(Clone, PartialEq)]
 pub struct PyEngineStats(pub EngineStats);
 
-/// The Python class's read-only properties: each reads the core value's field of that name
-/// (the text is the property's docstring).
-macro_rules! engine_stats_getters {
-    ($($(#[doc = $doc:expr])* $name:ident: $ty:ty,)*) => {
-        #[pymethods]
-        impl PyEngineStats {
-            $(
-                $(#[doc = $doc])*
-                #[getter]
-                fn $name(&self) -> $ty {
-                    self.0.$name
-                }
-            )*
-
-            fn __repr__(&self) -> String {
-                let s = &self.0;
-                format!(
-                    "EngineStats(ticks={}, decode_calls={}, rows={}, ops_submitted={}, ops_completed={}, \
-                     ops_failed={}, ops_coalesced={}, max_ops_per_tick={}, queue_depth={}, in_flight={}, \
-                     generating={}, waiting={}, paused={}, gather={})",
-                    s.ticks, s.decode_calls, s.rows, s.ops_submitted, s.ops_completed, s.ops_failed,
-                    s.ops_coalesced, s.max_ops_per_tick, s.queue_depth, s.in_flight, s.generating,
-                    s.waiting, if s.paused { "True" } else { "False" }, s.gather
-                )
-            }
-        }
-    };
+#[pymethods]
+impl PyEngineStats {
+    fn __repr__(&self) -> String {
+        let s = &self.0;
+        format!(
+            "EngineStats(ticks={}, decode_calls={}, rows={}, ops_submitted={}, ops_completed={}, \
+             ops_failed={}, ops_coalesced={}, max_ops_per_tick={}, queue_depth={}, in_flight={}, \
+             generating={}, waiting={}, paused={}, gather={})",
+            s.ticks,
+            s.decode_calls,
+            s.rows,
+            s.ops_submitted,
+            s.ops_completed,
+            s.ops_failed,
+            s.ops_coalesced,
+            s.max_ops_per_tick,
+            s.queue_depth,
+            s.in_flight,
+            s.generating,
+            s.waiting,
+            if s.paused { "True" } else { "False" },
+            s.gather
+        )
+    }
 }
 
-engine_stats_getters! {
+crate::wrap::field_getters! { PyEngineStats {
     /// Ticks run (each one pass over the queue that decoded something).
     ticks: u64,
     /// ``llama_decode`` calls made by the engine.
@@ -88,7 +85,7 @@ engine_stats_getters! {
     paused: bool,
     /// Seconds a tick waits for as many commits as the previous tick decoded.
     gather: f64,
-}
+}}
 
 /// Submit `work` to `ctx`'s engine and block (GIL released) until its tick answers.
 ///

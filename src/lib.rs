@@ -22,6 +22,7 @@ mod sampling;
 mod store;
 mod text;
 mod waker;
+mod wrap;
 
 use pyo3::prelude::*;
 

@@ -2,7 +2,7 @@
 
 use std::sync::Arc;
 
-use lloyal_core::{Context, Handle, Work};
+use lloyal_core::{Context, Handle, KvPressure, Work};
 use pyo3::exceptions::PyValueError;
 use pyo3::prelude::*;
 
@@ -14,28 +14,31 @@ use crate::engine;
 use crate::error::IntoPyResult;
 
 /// KV occupancy by branches.
-#[pyclass(name = "KvPressure", module = "lloyal._lloyal", frozen, get_all, eq)]
+#[pyclass(name = "KvPressure", module = "lloyal._lloyal", frozen, eq)]
 #[derive(Clone, PartialEq)]
-pub struct PyKvPressure {
-    /// Total cells.
-    pub n_ctx: u32,
-    /// Cells held by branches.
-    pub cells_used: usize,
-    /// Cells left.
-    pub remaining: usize,
-    /// Cells of pruned branches parked until the cache fills (batch-invariant contexts only).
-    pub cells_parked: usize,
-}
+pub struct PyKvPressure(pub KvPressure);
 
 #[pymethods]
 impl PyKvPressure {
     fn __repr__(&self) -> String {
+        let p = &self.0;
         format!(
             "KvPressure(n_ctx={}, cells_used={}, remaining={}, cells_parked={})",
-            self.n_ctx, self.cells_used, self.remaining, self.cells_parked
+            p.n_ctx, p.cells_used, p.remaining, p.cells_parked
         )
     }
 }
+
+crate::wrap::field_getters! { PyKvPressure {
+    /// Total cells.
+    n_ctx: u32,
+    /// Cells held by branches.
+    cells_used: usize,
+    /// Cells left.
+    remaining: usize,
+    /// Cells of pruned branches parked until the cache fills (batch-invariant contexts only).
+    cells_parked: usize,
+}}
 
 /// Multi-branch operations on one context: one ``llama_decode`` for N branches.
 #[pyclass(name = "BranchStore", module = "lloyal._lloyal", frozen)]
@@ -155,13 +158,7 @@ impl PyBranchStore {
     /// KV cells used by branches (as of the last call that finished, like ``available``).
     #[getter]
     fn kv_pressure(&self) -> PyResult<PyKvPressure> {
-        let p = self.core().occupancy().py()?.1;
-        Ok(PyKvPressure {
-            n_ctx: p.n_ctx,
-            cells_used: p.cells_used,
-            remaining: p.remaining,
-            cells_parked: p.cells_parked,
-        })
+        Ok(PyKvPressure(self.core().occupancy().py()?.1))
     }
 
     /// The context.
