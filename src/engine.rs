@@ -13,79 +13,51 @@ use crate::aio;
 use crate::detach::{on_main_thread, without_gil};
 use crate::error::to_py;
 
-/// Counters of a context's engine (``Context.engine_stats()``).
-#[pyclass(name = "EngineStats", module = "lloyal._lloyal", frozen, eq)]
-#[derive(Clone, PartialEq)]
-pub struct PyEngineStats(pub EngineStats);
-
-#[pymethods]
-impl PyEngineStats {
-    fn __repr__(&self) -> String {
-        let s = &self.0;
-        format!(
-            "EngineStats(ticks={}, decode_calls={}, rows={}, ops_submitted={}, ops_completed={}, \
-             ops_failed={}, ops_coalesced={}, max_ops_per_tick={}, queue_depth={}, in_flight={}, \
-             generating={}, waiting={}, paused={}, gather={})",
-            s.ticks,
-            s.decode_calls,
-            s.rows,
-            s.ops_submitted,
-            s.ops_completed,
-            s.ops_failed,
-            s.ops_coalesced,
-            s.max_ops_per_tick,
-            s.queue_depth,
-            s.in_flight,
-            s.generating,
-            s.waiting,
-            if s.paused { "True" } else { "False" },
-            s.gather
-        )
+crate::wrap::wrapper_class! {
+    /// Counters of a context's engine (``Context.engine_stats()``).
+    "EngineStats" PyEngineStats(EngineStats) {
+        /// Ticks run (each one pass over the queue that decoded something).
+        ticks: u64,
+        /// ``llama_decode`` calls made by the engine.
+        decode_calls: u64,
+        /// Rows (tokens) decoded.
+        rows: u64,
+        /// Operations submitted.
+        ops_submitted: u64,
+        /// Operations answered with success.
+        ops_completed: u64,
+        /// Operations answered with an error (validation, decode, cancellation, close).
+        ops_failed: u64,
+        /// Operations whose rows shared a tick with another operation's.
+        ops_coalesced: u64,
+        /// The most operations one tick decoded together.
+        max_ops_per_tick: u64,
+        /// Operations waiting for the next tick.
+        queue_depth: usize,
+        /// Prefills in flight across ticks.
+        in_flight: usize,
+        /// Generation requests running (``Branch.generate`` iterators).
+        generating: usize,
+        /// Generation requests waiting (FIFO) for room in the cache.
+        waiting: usize,
+        /// Seconds spent in ticks that decoded something (validation, packing, decode, sampling,
+        /// publishing and waking callers).
+        tick_seconds: f64,
+        /// Seconds of those spent in ``llama_decode``.
+        decode_seconds: f64,
+        /// Seconds of those spent sampling generation requests.
+        sample_seconds: f64,
+        /// ``Branch.create`` / ``fork`` calls waiting (first come, first served) for a lease.
+        lease_waiting: usize,
+        /// The prefill cap of the last tick (0: the whole batch; with the paced default, what
+        /// the engine allowed next to the running streams).
+        prefill_cap: usize,
+        /// Whether the engine is paused (``Context.pause_engine``).
+        paused: bool,
+        /// Seconds a tick waits for as many commits as the previous tick decoded.
+        gather: f64,
     }
 }
-
-crate::wrap::field_getters! { PyEngineStats {
-    /// Ticks run (each one pass over the queue that decoded something).
-    ticks: u64,
-    /// ``llama_decode`` calls made by the engine.
-    decode_calls: u64,
-    /// Rows (tokens) decoded.
-    rows: u64,
-    /// Operations submitted.
-    ops_submitted: u64,
-    /// Operations answered with success.
-    ops_completed: u64,
-    /// Operations answered with an error (validation, decode, cancellation, close).
-    ops_failed: u64,
-    /// Operations whose rows shared a tick with another operation's.
-    ops_coalesced: u64,
-    /// The most operations one tick decoded together.
-    max_ops_per_tick: u64,
-    /// Operations waiting for the next tick.
-    queue_depth: usize,
-    /// Prefills in flight across ticks.
-    in_flight: usize,
-    /// Generation requests running (``Branch.generate`` iterators).
-    generating: usize,
-    /// Generation requests waiting (FIFO) for room in the cache.
-    waiting: usize,
-    /// Seconds spent in ticks that decoded something (validation, packing, decode, sampling,
-    /// publishing and waking callers).
-    tick_seconds: f64,
-    /// Seconds of those spent in ``llama_decode``.
-    decode_seconds: f64,
-    /// Seconds of those spent sampling generation requests.
-    sample_seconds: f64,
-    /// ``Branch.create`` / ``fork`` calls waiting (first come, first served) for a lease.
-    lease_waiting: usize,
-    /// The prefill cap of the last tick (0: the whole batch; with the paced default, what
-    /// the engine allowed next to the running streams).
-    prefill_cap: usize,
-    /// Whether the engine is paused (``Context.pause_engine``).
-    paused: bool,
-    /// Seconds a tick waits for as many commits as the previous tick decoded.
-    gather: f64,
-}}
 
 /// Submit `work` to `ctx`'s engine and block (GIL released) until its tick answers.
 ///

@@ -13,32 +13,19 @@ use crate::detach::run;
 use crate::engine;
 use crate::error::IntoPyResult;
 
-/// KV occupancy by branches.
-#[pyclass(name = "KvPressure", module = "lloyal._lloyal", frozen, eq)]
-#[derive(Clone, PartialEq)]
-pub struct PyKvPressure(pub KvPressure);
-
-#[pymethods]
-impl PyKvPressure {
-    fn __repr__(&self) -> String {
-        let p = &self.0;
-        format!(
-            "KvPressure(n_ctx={}, cells_used={}, remaining={}, cells_parked={})",
-            p.n_ctx, p.cells_used, p.remaining, p.cells_parked
-        )
+crate::wrap::wrapper_class! {
+    /// KV occupancy by branches.
+    "KvPressure" PyKvPressure(KvPressure) {
+        /// Total cells.
+        n_ctx: u32,
+        /// Cells held by branches.
+        cells_used: usize,
+        /// Cells left.
+        remaining: usize,
+        /// Cells of pruned branches parked until the cache fills (batch-invariant contexts only).
+        cells_parked: usize,
     }
 }
-
-crate::wrap::field_getters! { PyKvPressure {
-    /// Total cells.
-    n_ctx: u32,
-    /// Cells held by branches.
-    cells_used: usize,
-    /// Cells left.
-    remaining: usize,
-    /// Cells of pruned branches parked until the cache fills (batch-invariant contexts only).
-    cells_parked: usize,
-}}
 
 /// Multi-branch operations on one context: one ``llama_decode`` for N branches.
 #[pyclass(name = "BranchStore", module = "lloyal._lloyal", frozen)]

@@ -1,10 +1,49 @@
-//! Python classes that wrap a core value (`PyEngineStats(EngineStats)`): their read-only
-//! properties read the core value's fields, so the struct is written once, in the core.
+//! Python classes that wrap a core value (`PyEngineStats(EngineStats)`): the struct is written
+//! once, in the core; the class's read-only properties read its fields and its `repr` lists
+//! them as a dataclass's does.
 
-/// `field_getters! { PyType { /// doc \n field: Type, ... } }`: a `#[getter]` per field of
-/// the wrapped value `self.0`, with the doc text as the property's docstring.
-macro_rules! field_getters {
-    ($class:ident { $($(#[doc = $doc:expr])* $name:ident: $ty:ty,)* }) => {
+/// A field's value as Python's `repr` writes it.
+pub(crate) trait PyRepr {
+    fn py_repr(&self) -> String;
+}
+
+impl PyRepr for bool {
+    fn py_repr(&self) -> String {
+        (if *self { "True" } else { "False" }).to_string()
+    }
+}
+
+macro_rules! display_repr {
+    ($($t:ty),*) => {
+        $(impl PyRepr for $t {
+            fn py_repr(&self) -> String {
+                self.to_string()
+            }
+        })*
+    };
+}
+
+display_repr!(u32, u64, usize);
+
+impl PyRepr for f64 {
+    fn py_repr(&self) -> String {
+        format!("{self:?}")
+    }
+}
+
+/// `wrapper_class! { /// doc \n "Name" PyType(CoreType) { /// doc \n field: Type, ... } }`: a
+/// frozen `lloyal._lloyal.Name` class holding the core value, a `#[getter]` per field (the
+/// doc text is the property's docstring) and a `repr` of every field.
+macro_rules! wrapper_class {
+    (
+        $(#[doc = $class_doc:expr])*
+        $py_name:literal $class:ident($core:ty) { $($(#[doc = $doc:expr])* $name:ident: $ty:ty,)* }
+    ) => {
+        $(#[doc = $class_doc])*
+        #[pyclass(name = $py_name, module = "lloyal._lloyal", frozen, eq)]
+        #[derive(Clone, PartialEq)]
+        pub struct $class(pub $core);
+
         #[pymethods]
         impl $class {
             $(
@@ -14,8 +53,15 @@ macro_rules! field_getters {
                     self.0.$name
                 }
             )*
+
+            fn __repr__(&self) -> String {
+                use $crate::wrap::PyRepr;
+                let fields: Vec<String> =
+                    vec![$(format!("{}={}", stringify!($name), self.0.$name.py_repr())),*];
+                format!("{}({})", $py_name, fields.join(", "))
+            }
         }
     };
 }
 
-pub(crate) use field_getters;
+pub(crate) use wrapper_class;
