@@ -1,0 +1,167 @@
+"""``POST /v1/completions`` and ``POST /v1/chat/completions``: a request checked, translated to
+scheduler specs (:mod:`.translate`), run, and answered whole or streamed (:mod:`.streaming`).
+
+Streamed requests are checked against the scheduler (:meth:`~.scheduler.Scheduler.check`) before
+the stream starts, so a refusal gets its status rather than an error inside a 200 stream.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import uuid
+from collections.abc import Sequence
+from typing import Any
+
+from fastapi import FastAPI
+from fastapi.responses import Response
+
+import lloyal
+
+from .generation import run_all
+from .protocol import ApiError, ChatRequest, CompletionRequest
+from .replies import assistant_message, chat_logprobs, completion_logprobs, usage
+from .scheduler import Done, TokenEvent
+from .state import ServerState, StateGetter
+from .streaming import chat_chunks, completion_chunks, sse
+from .translate import check_model, gen_spec, message_dict, request_grammar, token_lists
+
+__all__ = ["add_routes", "answer_chat", "answer_completion"]
+
+
+def add_routes(app: FastAPI, state: StateGetter) -> None:
+    """Register the two routes on ``app``; they answer from the running state ``state()`` returns."""
+
+    @app.post("/v1/completions", response_model=None)
+    async def completions(body: CompletionRequest) -> Response | dict[str, Any]:
+        return await answer_completion(state(), body)
+
+    @app.post("/v1/chat/completions", response_model=None)
+    async def chat(body: ChatRequest) -> Response | dict[str, Any]:
+        return await answer_chat(state(), body)
+
+
+async def answer_completion(st: ServerState, body: CompletionRequest) -> Response | dict[str, Any]:
+    """``/v1/completions``: ``n`` of ``best_of`` choices per prompt (several prompts run at once)."""
+    ctx = st.ctx
+    check_model(body.model, st.cfg)
+    best_of = _completion_best_of(body)
+    prompts = token_lists(ctx, body.prompt, add_special=True, param="prompt")
+    max_tokens = body.max_tokens or 16
+    grammar = await asyncio.to_thread(request_grammar, ctx, None, body.grammar)
+    specs = [gen_spec(ctx, body, p, best_of, max_tokens, body.logprobs, (), grammar) for p in prompts]
+    cid = f"cmpl-{uuid.uuid4().hex}"
+    created = int(time.time())
+    echoes = [ctx.detokenize(p, special=False) if body.echo else "" for p in prompts]
+    if body.stream:
+        for spec in specs:
+            st.scheduler.check(spec)  # refused now with a status, not inside a 200 stream
+        include_usage = bool(body.stream_options and body.stream_options.include_usage)
+        return sse(completion_chunks(st, specs, cid, created, st.cfg.name, body.n, echoes, include_usage))
+    dones, tokens = await run_all(st, specs)
+    return {
+        "id": cid,
+        "object": "text_completion",
+        "created": created,
+        "model": st.cfg.name,
+        "choices": _completion_choices(ctx, body, echoes, dones, tokens),
+        "usage": usage(dones),
+    }
+
+
+def _completion_best_of(body: CompletionRequest) -> int:
+    """``best_of`` (default ``n``), after refusing what this server does not do: ``suffix``,
+    ``best_of`` < ``n``, streamed ``best_of`` > ``n``, ``echo`` with ``logprobs``."""
+    if body.suffix:
+        raise ApiError("suffix (fill-in-the-middle) is not supported by this server", param="suffix")
+    best_of = body.best_of or body.n
+    if best_of < body.n:
+        raise ApiError(f"best_of ({best_of}) must be >= n ({body.n})", param="best_of")
+    if body.stream and best_of != body.n:
+        raise ApiError("best_of > n cannot be streamed: set stream=false or best_of=n", param="best_of")
+    if body.echo and body.logprobs is not None:
+        raise ApiError(
+            "echo with logprobs (prompt logprobs) is not supported: drop one of them", param="echo"
+        )
+    return best_of
+
+
+def _completion_choices(
+    ctx: lloyal.Context,
+    body: CompletionRequest,
+    echoes: Sequence[str],
+    dones: Sequence[Done],
+    tokens: Sequence[Sequence[Sequence[TokenEvent]]],
+) -> list[dict[str, Any]]:
+    """The finished choices, ``n`` per prompt in prompt order (index ``p * n + j``)."""
+    choices = []
+    for p, (done, evs) in enumerate(zip(dones, tokens, strict=True)):
+        for j, i in enumerate(done.choices):
+            choices.append(
+                {
+                    "index": p * body.n + j,
+                    "text": echoes[p] + done.texts[i],
+                    "logprobs": completion_logprobs(ctx, evs[i]) if body.logprobs is not None else None,
+                    "finish_reason": done.finish_reasons[i],
+                }
+            )
+    return choices
+
+
+async def answer_chat(st: ServerState, body: ChatRequest) -> Response | dict[str, Any]:
+    """``/v1/chat/completions``: the messages through the model's chat template, ``n`` choices,
+    tool calls parsed from the output when the request offers tools."""
+    ctx = st.ctx
+    check_model(body.model, st.cfg)
+    if body.top_logprobs is not None and not body.logprobs:
+        raise ApiError("top_logprobs needs logprobs=true", param="top_logprobs")
+    tools = _chat_tools(body)
+    messages = [message_dict(m.model_dump(exclude_none=True)) for m in body.messages]
+    fc = ctx.format_chat(messages, add_generation_prompt=True, tools=tools)
+    prompt = ctx.tokenize(fc.prompt, add_special=False, parse_special=True)
+    grammar = await asyncio.to_thread(request_grammar, ctx, body.response_format, body.grammar)
+    max_tokens = body.max_completion_tokens or body.max_tokens or max(1, ctx.n_ctx - len(prompt))
+    k = (body.top_logprobs or 0) if body.logprobs else None
+    spec = gen_spec(ctx, body, prompt, body.n, max_tokens, k, fc.stop_tokens, grammar)
+    cid = f"chatcmpl-{uuid.uuid4().hex}"
+    created = int(time.time())
+    if body.stream:
+        st.scheduler.check(spec)  # refused now with a status, not inside a 200 stream
+        include_usage = bool(body.stream_options and body.stream_options.include_usage)
+        return sse(chat_chunks(st, spec, cid, created, st.cfg.name, tools is not None, include_usage))
+    dones, tokens = await run_all(st, [spec])
+    return {
+        "id": cid,
+        "object": "chat.completion",
+        "created": created,
+        "model": st.cfg.name,
+        "choices": _chat_choices(ctx, body, tools is not None, dones[0], tokens[0]),
+        "usage": usage(dones),
+    }
+
+
+def _chat_tools(body: ChatRequest) -> list[dict[str, Any]] | None:
+    """The tools the model is offered: none with ``tool_choice="none"``; forcing a call is refused."""
+    if body.tool_choice not in (None, "auto", "none"):
+        raise ApiError(
+            "tool_choice must be 'auto' or 'none' on this server (forced tool calls are not supported)",
+            param="tool_choice",
+        )
+    return None if body.tool_choice == "none" else body.tools
+
+
+def _chat_choices(
+    ctx: lloyal.Context,
+    body: ChatRequest,
+    with_tools: bool,
+    done: Done,
+    evs: Sequence[Sequence[TokenEvent]],
+) -> list[dict[str, Any]]:
+    """The finished choices as assistant messages, with their logprobs when asked for."""
+    choices = []
+    for j, i in enumerate(done.choices):
+        message, reason = assistant_message(done.texts[i], done.finish_reasons[i], with_tools)
+        choice: dict[str, Any] = {"index": j, "message": message, "finish_reason": reason}
+        choice["logprobs"] = {"content": chat_logprobs(ctx, evs[i])} if body.logprobs else None
+        choices.append(choice)
+    return choices

@@ -1,0 +1,76 @@
+"""Every error answered in OpenAI's JSON shape: the app's exception handlers, and the scheduler's
+refusals (:class:`~.scheduler.QueueFull`, :class:`~.scheduler.ShuttingDown`) as API errors."""
+
+from __future__ import annotations
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+
+import lloyal
+
+from .protocol import ApiError, error_body
+from .scheduler import QueueFull, ShuttingDown
+
+__all__ = ["RETRY_AFTER", "add_error_handlers", "scheduler_error"]
+
+RETRY_AFTER = {"Retry-After": "1"}
+
+
+def scheduler_error(exc: QueueFull | ShuttingDown) -> ApiError:
+    """A scheduler refusal as the API error it is answered with (429 or 503)."""
+    if isinstance(exc, QueueFull):
+        return ApiError(str(exc), status=429, type="rate_limit_error", code="queue_full", headers=RETRY_AFTER)
+    return ApiError(str(exc), status=503, type="unavailable_error", code="shutting_down")
+
+
+async def api_error(_r: Request, exc: ApiError) -> JSONResponse:
+    """An :class:`ApiError` with its status, type, param, code and headers."""
+    body = error_body(exc.message, exc.type, exc.param, exc.code)
+    return JSONResponse(body, status_code=exc.status, headers=exc.headers)
+
+
+async def queue_full(r: Request, exc: QueueFull) -> JSONResponse:
+    """Too many requests waiting: 429 with ``Retry-After``."""
+    return await api_error(r, scheduler_error(exc))
+
+
+async def shutting_down(r: Request, exc: ShuttingDown) -> JSONResponse:
+    """Refused while draining: 503."""
+    return await api_error(r, scheduler_error(exc))
+
+
+async def validation_error(_r: Request, exc: RequestValidationError) -> JSONResponse:
+    """Malformed JSON is a 400; a body that parses but breaks the schema is a 422."""
+    errs = exc.errors()
+    first = errs[0] if errs else {}
+    loc = ".".join(str(x) for x in first.get("loc", ()) if x != "body")
+    msg = f"{loc}: {first.get('msg', 'invalid request')}" if loc else str(first.get("msg", "invalid"))
+    if first.get("type") == "json_invalid":
+        body = error_body(f"the body is not valid JSON ({msg})", "invalid_request_error", code="json_invalid")
+        return JSONResponse(body, status_code=400)
+    return JSONResponse(
+        error_body(msg, "invalid_request_error", loc or None, code="invalid_schema"), status_code=422
+    )
+
+
+async def lloyal_error(_r: Request, exc: lloyal.LloyalError) -> JSONResponse:
+    """The core's errors: 400 for the caller's (tokens, grammar, chat template), else 500."""
+    user = isinstance(exc, lloyal.InvalidTokenError | lloyal.GrammarError | lloyal.ChatTemplateError)
+    status, kind = (400, "invalid_request_error") if user else (500, "server_error")
+    return JSONResponse(error_body(str(exc), kind, code=type(exc).__name__), status_code=status)
+
+
+async def value_error(_r: Request, exc: ValueError) -> JSONResponse:
+    """A ``ValueError`` from a request's values: 400."""
+    return JSONResponse(error_body(str(exc), "invalid_request_error"), status_code=400)
+
+
+def add_error_handlers(app: FastAPI) -> None:
+    """Register the handlers above on ``app``."""
+    app.exception_handler(ApiError)(api_error)
+    app.exception_handler(QueueFull)(queue_full)
+    app.exception_handler(ShuttingDown)(shutting_down)
+    app.exception_handler(RequestValidationError)(validation_error)
+    app.exception_handler(lloyal.LloyalError)(lloyal_error)
+    app.exception_handler(ValueError)(value_error)

@@ -1,0 +1,102 @@
+"""Running a request's specs on the scheduler: their events merged into one stream, the request
+timeout (408), and the collected results of a request that is not streamed."""
+
+from __future__ import annotations
+
+import asyncio
+import sys
+from collections.abc import AsyncGenerator, AsyncIterator, Sequence
+
+from .protocol import ApiError
+from .scheduler import Done, GenSpec, TokenEvent
+from .state import ServerState
+
+__all__ = ["merged", "run_all"]
+
+_Item = tuple[int, TokenEvent | Done]
+
+
+async def merged(st: ServerState, specs: Sequence[GenSpec]) -> AsyncIterator[_Item]:
+    """Events of several specs run concurrently, tagged with the spec's index; the request is
+    cancelled with a 408 when it runs past ``request_timeout``."""
+    timeout = st.cfg.request_timeout
+    events = _merged_events(st, specs)
+    if not timeout:
+        async for item in events:
+            yield item
+        return
+    loop = asyncio.get_running_loop()
+    end = loop.time() + timeout
+    try:
+        while True:
+            try:
+                item = await _next_by(events, end)
+            except StopAsyncIteration:
+                return
+            except asyncio.TimeoutError:  # wait_for cancelled the request: its branches are pruned
+                raise ApiError(
+                    f"the request did not finish within the server's timeout of {timeout:g} s "
+                    "(--request-timeout) and was cancelled: lower max_tokens or n, or retry later",
+                    status=408,
+                    type="timeout_error",
+                    code="request_timeout",
+                ) from None
+            yield item
+    finally:
+        await events.aclose()
+
+
+async def _next_by(events: AsyncIterator[_Item], end: float) -> _Item:
+    """The next of ``events``, or ``asyncio.TimeoutError`` at loop time ``end`` (the wait is
+    cancelled). On 3.11+ a timer on the current task per item; ``wait_for`` would run each
+    item in a task of its own (one per streamed token)."""
+    if sys.version_info >= (3, 11):
+        async with asyncio.timeout_at(end):
+            return await anext(events)
+    return await asyncio.wait_for(anext(events), max(0.0, end - asyncio.get_running_loop().time()))
+
+
+async def _merged_events(st: ServerState, specs: Sequence[GenSpec]) -> AsyncGenerator[_Item, None]:
+    """The specs' events as they come; several specs each run in a task of their own."""
+    if len(specs) == 1:
+        async for ev in st.scheduler.generate(specs[0]):
+            yield 0, ev
+        return
+    queue: asyncio.Queue[_Item | BaseException] = asyncio.Queue()
+
+    async def pump(k: int, spec: GenSpec) -> None:
+        try:
+            async for ev in st.scheduler.generate(spec):
+                queue.put_nowait((k, ev))
+        except BaseException as exc:
+            queue.put_nowait(exc)
+            raise
+
+    tasks = [asyncio.create_task(pump(k, s)) for k, s in enumerate(specs)]
+    try:
+        left = len(specs)
+        while left:
+            item = await queue.get()
+            if isinstance(item, BaseException):
+                raise item
+            if isinstance(item[1], Done):
+                left -= 1
+            yield item
+    finally:
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+
+async def run_all(
+    st: ServerState, specs: Sequence[GenSpec]
+) -> tuple[list[Done], list[list[list[TokenEvent]]]]:
+    """Run ``specs`` to the end: each spec's :class:`Done`, and each spec's choices' tokens."""
+    dones: list[Done | None] = [None] * len(specs)
+    tokens: list[list[list[TokenEvent]]] = [[[] for _ in range(s.best_of)] for s in specs]
+    async for k, ev in merged(st, specs):
+        if isinstance(ev, Done):
+            dones[k] = ev
+        elif ev.token >= 0:
+            tokens[k][ev.index].append(ev)
+    return [d for d in dones if d is not None], tokens

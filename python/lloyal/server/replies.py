@@ -1,0 +1,74 @@
+"""The response pieces completions and chat completions share, streamed or not: the assistant
+message (tool calls parsed), usage, and logprobs in the completions and chat shapes."""
+
+from __future__ import annotations
+
+import json
+import uuid
+from collections.abc import Sequence
+from typing import Any
+
+import lloyal
+
+from .scheduler import Done, TokenEvent
+
+__all__ = ["assistant_message", "chat_logprobs", "completion_logprobs", "usage"]
+
+
+def assistant_message(text: str, reason: str, with_tools: bool) -> tuple[dict[str, Any], str]:
+    """A choice's text as the assistant message and its finish reason (``tool_calls`` when the
+    request offered tools and the text calls one)."""
+    out = lloyal.parse_chat_output(text)
+    msg: dict[str, Any] = {"role": "assistant", "content": out.content if with_tools else text}
+    if out.reasoning_content is not None and with_tools:
+        msg["reasoning_content"] = out.reasoning_content
+    if with_tools and out.tool_calls:
+        msg["tool_calls"] = [
+            {
+                "id": f"call_{uuid.uuid4().hex[:24]}",
+                "type": "function",
+                "function": {"name": c.name, "arguments": json.dumps(c.arguments)},
+            }
+            for c in out.tool_calls
+        ]
+        msg["content"] = out.content or None
+        return msg, "tool_calls"
+    return msg, reason
+
+
+def usage(dones: Sequence[Done]) -> dict[str, Any]:
+    """Token counts over a request's prompts (cached prompt tokens included)."""
+    p = sum(d.prompt_tokens for d in dones)
+    c = sum(d.completion_tokens for d in dones)
+    cached = sum(d.cached_tokens for d in dones)
+    return {
+        "prompt_tokens": p,
+        "completion_tokens": c,
+        "total_tokens": p + c,
+        "prompt_tokens_details": {"cached_tokens": cached},
+    }
+
+
+def completion_logprobs(ctx: lloyal.Context, evs: Sequence[TokenEvent]) -> dict[str, Any]:
+    """``/v1/completions`` logprobs: tokens, their logprobs, the top alternatives, text offsets."""
+    pieces = [ctx.token_to_text(e.token) for e in evs]
+    offsets, at = [], 0
+    for p in pieces:
+        offsets.append(at)
+        at += len(p)
+    return {
+        "tokens": pieces,
+        "token_logprobs": [e.logprob for e in evs],
+        "top_logprobs": [{t.text: t.logprob for t in e.top} for e in evs],
+        "text_offset": offsets,
+    }
+
+
+def chat_logprobs(ctx: lloyal.Context, evs: Sequence[TokenEvent]) -> list[dict[str, Any]]:
+    """``/v1/chat/completions`` logprobs content: one entry per token, with bytes and the top."""
+    out = []
+    for e in evs:
+        piece = ctx.token_to_text(e.token)
+        top = [{"token": t.text, "logprob": t.logprob, "bytes": list(t.text.encode())} for t in e.top]
+        out.append({"token": piece, "logprob": e.logprob, "bytes": list(piece.encode()), "top_logprobs": top})
+    return out

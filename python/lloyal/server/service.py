@@ -1,0 +1,47 @@
+"""The routes around generation: ``GET /health``, ``GET /metrics`` (Prometheus),
+``GET /v1/models``, and llama-server's ``POST /tokenize`` and ``POST /detokenize``."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from fastapi import FastAPI
+from fastapi.responses import PlainTextResponse, Response
+
+from .protocol import DetokenizeRequest, TokenizeRequest
+from .state import StateGetter
+
+__all__ = ["add_routes"]
+
+
+def add_routes(app: FastAPI, state: StateGetter) -> None:
+    """Register the routes on ``app``; they answer from the running state ``state()`` returns
+    (``/health`` from none)."""
+
+    @app.get("/health")
+    async def health() -> dict[str, str]:
+        return {"status": "ok"}
+
+    @app.get("/metrics")
+    async def prometheus() -> Response:
+        text, ctype = state().metrics.render()
+        return PlainTextResponse(text, media_type=ctype)
+
+    @app.get("/v1/models")
+    async def models() -> dict[str, Any]:
+        st = state()
+        card = {"id": st.cfg.name, "object": "model", "created": st.created, "owned_by": "lloyal"}
+        card["max_model_len"] = st.ctx.n_ctx
+        return {"object": "list", "data": [card]}
+
+    @app.post("/tokenize")
+    async def tokenize(body: TokenizeRequest) -> dict[str, Any]:
+        ctx = state().ctx
+        toks = ctx.tokenize(body.content, add_special=body.add_special, parse_special=True)
+        if body.with_pieces:
+            return {"tokens": [{"id": t, "piece": ctx.token_to_text(t, special=True)} for t in toks]}
+        return {"tokens": toks}
+
+    @app.post("/detokenize")
+    async def detokenize(body: DetokenizeRequest) -> dict[str, Any]:
+        return {"content": state().ctx.detokenize(body.tokens, special=True)}

@@ -1,0 +1,60 @@
+"""The running server's state: the model, its context and scheduler, the embeddings context and
+the metrics. Built when the app starts (its lifespan) and closed when it stops.
+
+``app.state.lloyal`` is a :data:`StateHolder`: ``{"s": state}`` while the app runs, empty before.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Callable
+
+import lloyal
+
+from . import metrics
+from .config import ServerConfig
+from .scheduler import Scheduler
+
+__all__ = ["ServerState", "StateGetter", "StateHolder"]
+
+
+class ServerState:
+    """One app's model, contexts (generation and, with ``cfg.embeddings``, embeddings),
+    scheduler and metrics, and the event loop it runs on."""
+
+    def __init__(self, cfg: ServerConfig) -> None:
+        self.cfg = cfg
+        options = dict(cfg.context_options)
+        if cfg.batch_invariant:
+            options["batch_invariant"] = True
+        self.model = lloyal.Model(cfg.model, repack=options.get("batch_invariant") is not True)
+        # Per running choice: its own sequence, its request's prompt root, and the cached prefix
+        # the root forked from (pinned while the request runs); +2 spare for admissions.
+        n_seq_max = min(256, max(4, 3 * cfg.parallel + 2))
+        self.ctx = lloyal.Context(
+            self.model, n_ctx=cfg.n_ctx, n_seq_max=n_seq_max, n_threads=cfg.n_threads, **options
+        )
+        self.ctx.engine_prefill_chunk = cfg.prefill_chunk
+        self.scheduler = Scheduler(
+            self.ctx, max_running=cfg.parallel, max_queue=cfg.max_queue, cache_cells=cfg.cache_cells
+        )
+        self.embed_ctx = (
+            lloyal.Context(self.model, n_ctx=min(cfg.n_ctx, 2048), embeddings=True, n_seq_max=4)
+            if cfg.embeddings
+            else None
+        )
+        self.embed_lock = asyncio.Lock()
+        self.metrics = metrics.Metrics(self)
+        self.created = int(time.time())
+        self.loop: asyncio.AbstractEventLoop | None = None  # the app's event loop, set at startup
+
+    def close(self) -> None:
+        """Free the contexts (the scheduler is stopped first)."""
+        self.ctx.close()
+        if self.embed_ctx is not None:
+            self.embed_ctx.close()
+
+
+StateHolder = dict[str, ServerState]  # app.state.lloyal: {"s": the running state} once started
+StateGetter = Callable[[], ServerState]  # what the routes call for the running state

@@ -1,0 +1,127 @@
+"""Streamed responses (``stream=true``): server-sent events of completion and chat chunks.
+
+An error after the stream started (the status is already 200) is sent as one more event in
+OpenAI's error shape, before the closing ``[DONE]``.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import AsyncIterator, Sequence
+from typing import Any
+
+from fastapi.responses import StreamingResponse
+
+import lloyal
+
+from .errors import scheduler_error
+from .generation import merged
+from .protocol import ApiError, error_body
+from .replies import assistant_message, chat_logprobs, completion_logprobs, usage
+from .scheduler import Done, GenSpec, QueueFull, ShuttingDown
+from .state import ServerState
+
+__all__ = ["chat_chunks", "completion_chunks", "sse"]
+
+
+def sse(chunks: AsyncIterator[dict[str, Any]]) -> StreamingResponse:
+    """``chunks`` as ``text/event-stream``, ended by ``data: [DONE]``."""
+
+    async def body() -> AsyncIterator[str]:
+        try:
+            async for c in chunks:
+                yield f"data: {json.dumps(c, ensure_ascii=False)}\n\n"
+        except (ApiError, QueueFull, ShuttingDown) as exc:
+            e = exc if isinstance(exc, ApiError) else scheduler_error(exc)
+            yield f"data: {json.dumps(error_body(e.message, e.type, e.param, e.code))}\n\n"
+        except (lloyal.LloyalError, ValueError) as exc:
+            yield f"data: {json.dumps(error_body(str(exc), 'server_error'))}\n\n"
+        yield "data: [DONE]\n\n"
+
+    return StreamingResponse(body(), media_type="text/event-stream")
+
+
+async def completion_chunks(
+    st: ServerState,
+    specs: Sequence[GenSpec],
+    cid: str,
+    created: int,
+    model: str,
+    n: int,
+    echoes: Sequence[str],
+    include_usage: bool,
+) -> AsyncIterator[dict[str, Any]]:
+    """``text_completion`` chunks: the echoed prompts, then each token's text as it comes (choice
+    ``p * n + j`` for prompt ``p``), each choice's finish reason, and optionally the usage."""
+    ctx = st.ctx
+
+    def chunk(index: int, text: str, logprobs: Any, reason: str | None) -> dict[str, Any]:
+        c = {"index": index, "text": text, "logprobs": logprobs, "finish_reason": reason}
+        return {"id": cid, "object": "text_completion", "created": created, "model": model, "choices": [c]}
+
+    for p, e in enumerate(echoes):
+        if e:
+            for j in range(n):
+                yield chunk(p * n + j, e, None, None)
+    dones: list[Done] = []
+    async for k, ev in merged(st, specs):
+        if isinstance(ev, Done):
+            dones.append(ev)
+            for j, i in enumerate(ev.choices):
+                yield chunk(k * n + j, "", None, ev.finish_reasons[i])
+        elif ev.text or ev.token >= 0:
+            lp = completion_logprobs(ctx, [ev]) if ev.logprob is not None else None
+            yield chunk(k * n + ev.index, ev.text, lp, None)
+    if include_usage:
+        yield {"id": cid, "object": "text_completion", "created": created, "model": model, "choices": []} | {
+            "usage": usage(dones)
+        }
+
+
+async def chat_chunks(
+    st: ServerState,
+    spec: GenSpec,
+    cid: str,
+    created: int,
+    model: str,
+    with_tools: bool,
+    include_usage: bool,
+) -> AsyncIterator[dict[str, Any]]:
+    """``chat.completion.chunk`` chunks: the assistant role, content deltas as they come (with
+    tools, the whole parsed message at the end instead), each choice's finish reason, and
+    optionally the usage."""
+    ctx = st.ctx
+    head = {"id": cid, "object": "chat.completion.chunk", "created": created, "model": model}
+
+    def chunk(index: int, delta: dict[str, Any], reason: str | None, logprobs: Any = None) -> dict[str, Any]:
+        return head | {
+            "choices": [{"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": reason}]
+        }
+
+    for j in range(spec.n):
+        yield chunk(j, {"role": "assistant", "content": ""}, None)
+    texts = [""] * spec.best_of
+    done: Done | None = None
+    async for _, ev in merged(st, [spec]):
+        if isinstance(ev, Done):
+            done = ev
+            break
+        texts[ev.index] += ev.text
+        if with_tools:
+            continue  # tool calls are parsed from the whole text at the end
+        lp = {"content": chat_logprobs(ctx, [ev])} if ev.logprob is not None else None
+        if ev.text or lp:
+            yield chunk(ev.index, {"content": ev.text}, None, lp)
+    assert done is not None
+    for j, i in enumerate(done.choices):
+        if with_tools:
+            msg, reason = assistant_message(done.texts[i], done.finish_reasons[i], True)
+            delta = {k: v for k, v in msg.items() if k != "role"}
+            if "tool_calls" in delta:
+                delta["tool_calls"] = [c | {"index": x} for x, c in enumerate(delta["tool_calls"])]
+            yield chunk(j, delta, None)
+        else:
+            reason = done.finish_reasons[i]
+        yield chunk(j, {}, reason)
+    if include_usage:
+        yield head | {"choices": [], "usage": usage([done])}
