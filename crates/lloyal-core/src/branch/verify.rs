@@ -4,6 +4,7 @@
 //! sampler chose instead (the bonus) is committed.
 
 use crate::branch::Logits;
+use crate::context::batches::BatchRow;
 use crate::context::state::ContextState;
 use crate::error::{LloyalError, Result};
 use crate::tenancy::Handle;
@@ -37,24 +38,14 @@ impl ContextState {
         self.check_room(k + 1)?;
 
         let mut rows: Vec<Vec<f32>> = Vec::with_capacity(k);
-        if k > 0 {
-            self.batch_mut().clear();
-            for (i, &t) in drafts.iter().enumerate() {
-                self.batch_mut().push(t, pos + i as i32, seq, true);
+        let batch: Vec<BatchRow> =
+            (0..k).map(|i| BatchRow { token: drafts[i], pos: pos + i as i32, seq, output: true }).collect();
+        self.decode_all(&batch, |s, chunk| {
+            for row in 0..chunk.len() {
+                rows.push(s.copy_logits_row(row as i32)?);
             }
-            let decoded = self.run_batch().and_then(|()| {
-                for row in 0..k {
-                    let mut out = Vec::new();
-                    self.copy_logits_into(row as i32, &mut out)?;
-                    rows.push(out);
-                }
-                Ok(())
-            });
-            if let Err(e) = decoded {
-                self.remove_cells(seq, pos, -1);
-                return Err(e);
-            }
-        }
+            Ok(())
+        })?;
 
         // Walking the drafts and committing the bonus can still fail (a grammar that allows
         // no token, Ctrl-C before the bonus decode): then restore the branch exactly.

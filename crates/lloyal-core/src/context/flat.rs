@@ -1,6 +1,7 @@
 //! The flat path: `ctx.decode` / `ctx.sample` on the last decode's logits, and the raw KV
 //! operations on sequences no branch holds.
 
+use super::batches::BatchRow;
 use super::state::ContextState;
 use crate::error::{LloyalError, Result};
 use crate::grammar::Grammar;
@@ -9,6 +10,45 @@ use crate::sampler::Sampler;
 use crate::sampling::SamplingParams;
 
 impl ContextState {
+    /// Decode `tokens` for `seq_id` starting at `pos`, chunked by n_batch; keeps the last
+    /// token's logits. All-or-nothing: a failure removes the cells written by this call.
+    pub fn decode(&mut self, tokens: &[i32], pos: i32, seq_id: i32) -> Result<()> {
+        self.check_flat_seq(seq_id)?;
+        self.model.check_tokens(tokens)?;
+        if tokens.is_empty() {
+            return Ok(());
+        }
+        if tokens.len() > self.shape.n_ctx as usize {
+            return Err(LloyalError::KvCacheFull {
+                needed: tokens.len(),
+                n_ctx: self.shape.n_ctx,
+                detail: "more tokens than the whole cache holds".into(),
+            });
+        }
+        let pos_max = self.seq_pos_max(seq_id)?;
+        if pos < 0 || (pos_max >= 0 && pos != pos_max + 1) {
+            return Err(LloyalError::invalid(format!(
+                "decode at pos {pos} on seq {seq_id}: the sequence ends at position {pos_max}, so the next \
+                 position must be {}; remove cells with kv_cache_remove to rewrite history",
+                pos_max + 1
+            )));
+        }
+        let rows: Vec<BatchRow> = (0..tokens.len())
+            .map(|i| BatchRow {
+                token: tokens[i],
+                pos: pos + i as i32,
+                seq: seq_id,
+                output: i + 1 == tokens.len(),
+            })
+            .collect();
+        self.decode_all(&rows, |s, chunk| {
+            if chunk.last().is_some_and(|r| r.output) {
+                s.logits = s.copy_logits_row(chunk.len() as i32 - 1)?;
+            }
+            Ok(())
+        })
+    }
+
     /// The flat path's last logits.
     pub fn logits(&self) -> Result<&[f32]> {
         if self.logits.is_empty() {

@@ -3,6 +3,7 @@
 //! flat decode path and raw KV ops are in `flat.rs`, logits rows in `rows.rs`; branch
 //! accounting lives in `ledger.rs`, llama.cpp calls in `raw.rs`.
 
+pub(crate) mod batches;
 mod flat;
 mod rows;
 pub mod state;

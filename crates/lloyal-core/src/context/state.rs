@@ -114,54 +114,6 @@ impl ContextState {
         Ok(self.raw.seq_pos_max(seq_id))
     }
 
-    /// Decode `tokens` for `seq_id` starting at `pos`, chunked by n_batch; keeps the last
-    /// token's logits. All-or-nothing: a failure removes the cells written by this call.
-    pub fn decode(&mut self, tokens: &[i32], pos: i32, seq_id: i32) -> Result<()> {
-        self.check_flat_seq(seq_id)?;
-        self.model.check_tokens(tokens)?;
-        if tokens.is_empty() {
-            return Ok(());
-        }
-        if tokens.len() > self.shape.n_ctx as usize {
-            return Err(LloyalError::KvCacheFull {
-                needed: tokens.len(),
-                n_ctx: self.shape.n_ctx,
-                detail: "more tokens than the whole cache holds".into(),
-            });
-        }
-        let pos_max = self.seq_pos_max(seq_id)?;
-        if pos < 0 || (pos_max >= 0 && pos != pos_max + 1) {
-            return Err(LloyalError::invalid(format!(
-                "decode at pos {pos} on seq {seq_id}: the sequence ends at position {pos_max}, so the next \
-                 position must be {}; remove cells with kv_cache_remove to rewrite history",
-                pos_max + 1
-            )));
-        }
-        let last = self.decode_rows(tokens, pos, seq_id)?;
-        self.logits = self.copy_logits_row(last)?;
-        Ok(())
-    }
-
-    /// Decode one sequence's tokens in n_batch chunks, logits only on the final token.
-    /// Returns the batch row of that final token. Rolls back on failure.
-    fn decode_rows(&mut self, tokens: &[i32], pos: i32, seq_id: i32) -> Result<i32> {
-        let n_batch = self.shape.n_batch as usize;
-        let total = tokens.len();
-        for (c, chunk) in tokens.chunks(n_batch).enumerate() {
-            let start = c * n_batch;
-            self.batch.clear();
-            for (i, &t) in chunk.iter().enumerate() {
-                let at = start + i;
-                self.batch.push(t, pos + at as i32, seq_id, at + 1 == total);
-            }
-            if let Err(e) = self.run_batch() {
-                self.remove_cells(seq_id, pos, -1);
-                return Err(e);
-            }
-        }
-        Ok(self.batch.len() as i32 - 1)
-    }
-
     /// Free a pruned branch's own cells `[p0, p1)` of `seq_id` without making them reusable
     /// yet: they move to the hidden parking sequence, so the survivors' next tokens keep
     /// landing after their own cells (in position order) instead of in the holes. The caller

@@ -9,6 +9,7 @@
 
 use llama_cpp_sys_2 as sys;
 
+use crate::context::batches::BatchRow;
 use crate::context::state::ContextState;
 use crate::error::{LloyalError, Result};
 use crate::model::Model;
@@ -89,24 +90,21 @@ impl ContextState {
     }
 
     fn encode_rows(&mut self, tokens: &[i32], seq_id: i32, pooled: bool, dim: usize) -> Result<Vec<f32>> {
-        let n_batch = self.shape().n_batch as usize;
         let mut values = Vec::with_capacity(if pooled { dim } else { dim * tokens.len() });
-        for (c, chunk) in tokens.chunks(n_batch).enumerate() {
-            let batch = self.batch_mut();
-            batch.clear();
-            for (i, &t) in chunk.iter().enumerate() {
-                batch.push(t, (c * n_batch + i) as i32, seq_id, true);
-            }
-            self.run_batch()?;
+        let rows: Vec<BatchRow> = (0..tokens.len())
+            .map(|i| BatchRow { token: tokens[i], pos: i as i32, seq: seq_id, output: true })
+            .collect();
+        let (result, _) = self.decode_batches(&rows, None, &mut 0.0, |s, chunk| {
             if pooled {
-                values.extend_from_slice(&self.pooled_row(seq_id, dim)?);
+                values.extend_from_slice(&s.pooled_row(seq_id, dim)?);
             } else {
                 for row in 0..chunk.len() {
-                    values.extend_from_slice(&self.token_row(row as i32, dim)?);
+                    values.extend_from_slice(&s.token_row(row as i32, dim)?);
                 }
             }
-        }
-        Ok(values)
+            Ok(())
+        });
+        result.map(|()| values)
     }
 
     fn pooled_row(&mut self, seq_id: i32, dim: usize) -> Result<Vec<f32>> {
@@ -165,17 +163,22 @@ impl ContextState {
         let lens: Vec<usize> = runs.iter().map(Vec::len).collect();
         let mut values = Vec::with_capacity(dim * runs.len());
         for (start, end) in plan_groups(&lens, n_batch, free.len()) {
-            let batch = self.batch_mut();
-            batch.clear();
-            for (run, &seq) in runs[start..end].iter().zip(&free) {
-                for (p, &t) in run.iter().enumerate() {
-                    batch.push(t, p as i32, seq, true);
-                }
-            }
             let used = &free[..end - start];
-            let result = self.run_batch().and_then(|()| {
+            let rows: Vec<BatchRow> = runs[start..end]
+                .iter()
+                .zip(used)
+                .flat_map(|(run, &seq)| {
+                    run.iter().enumerate().map(move |(p, &t)| BatchRow {
+                        token: t,
+                        pos: p as i32,
+                        seq,
+                        output: true,
+                    })
+                })
+                .collect();
+            let (result, _) = self.decode_batches(&rows, None, &mut 0.0, |s, _| {
                 used.iter().try_for_each(|&seq| {
-                    values.extend_from_slice(&self.pooled_row(seq, dim)?);
+                    values.extend_from_slice(&s.pooled_row(seq, dim)?);
                     Ok(())
                 })
             });

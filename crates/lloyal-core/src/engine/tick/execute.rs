@@ -6,6 +6,7 @@
 use std::time::Instant;
 
 use super::{CommitRow, Flight, Item, Part, Scheduler, TickOutcome};
+use crate::context::batches::{AsBatchRow, BatchRow};
 use crate::context::state::ContextState;
 use crate::error::Result;
 use crate::tenancy::Handle;
@@ -83,6 +84,12 @@ impl Scheduler {
     }
 }
 
+impl AsBatchRow for Row {
+    fn batch_row(&self) -> BatchRow {
+        BatchRow { token: self.token, pos: self.pos, seq: self.seq, output: self.logits }
+    }
+}
+
 impl Row {
     /// A commit's row (logits kept).
     fn commit(r: &CommitRow) -> Row {
@@ -103,11 +110,7 @@ impl Row {
 
 /// Decode one operation's `rows` at once (the direct path); on failure its cells are removed.
 pub(super) fn decode_now(s: &mut ContextState, rows: &[Row]) -> Result<()> {
-    let (result, _) = decode(s, rows, None, &mut 0.0);
-    if result.is_err() {
-        rollback_rows(s, rows);
-    }
-    result
+    s.decode_all(rows, fill_logits)
 }
 
 /// The rows of a whole commit.
@@ -138,47 +141,22 @@ pub(super) fn split_point(split: bool, decode_rows: usize, prefill_rows: usize) 
     (split && mixed).then_some(decode_rows)
 }
 
-/// Decode `rows` in calls of at most `n_batch` rows, a call ending at row `split` too,
-/// copying each logits row into its branch's `next_logits`. Returns the result and the
-/// number of `llama_decode` calls made.
+/// Decode `rows` (a call ending at row `split` too), copying each logits row into its
+/// branch's `next_logits`. Returns the result and the number of `llama_decode` calls made.
 fn decode(s: &mut ContextState, rows: &[Row], split: Option<usize>, secs: &mut f64) -> (Result<()>, u64) {
-    let n_batch = s.shape().n_batch as usize;
-    let mut decodes = 0;
-    let (head, tail) = rows.split_at(split.unwrap_or(0).min(rows.len()));
-    for chunk in head.chunks(n_batch.max(1)).chain(tail.chunks(n_batch.max(1))) {
-        s.batch_mut().clear();
-        for r in chunk {
-            s.batch_mut().push(r.token, r.pos, r.seq, r.logits);
-        }
-        decodes += 1;
-        let t0 = Instant::now();
-        let ran = s.run_batch();
-        *secs += t0.elapsed().as_secs_f64();
-        let result = ran.and_then(|()| {
-            let rows: Vec<(i32, Handle)> = chunk
-                .iter()
-                .enumerate()
-                .filter(|(_, r)| r.logits)
-                .map(|(i, r)| (i as i32, r.handle))
-                .collect();
-            s.fill_next_logits_rows(&rows)
-        });
-        if let Err(e) = result {
-            return (Err(e), decodes);
-        }
-    }
-    (Ok(()), decodes)
+    s.decode_batches(rows, split, secs, fill_logits)
+}
+
+/// Copy each logits row of a decoded `chunk` into its branch's `next_logits`.
+fn fill_logits(s: &mut ContextState, chunk: &[Row]) -> Result<()> {
+    let rows: Vec<(i32, Handle)> =
+        chunk.iter().enumerate().filter(|(_, r)| r.logits).map(|(i, r)| (i as i32, r.handle)).collect();
+    s.fill_next_logits_rows(&rows)
 }
 
 /// Remove the cells `rows` wrote (each sequence from its first row's position on).
 fn rollback_rows(s: &mut ContextState, rows: &[Row]) {
-    let mut seen: Vec<i32> = Vec::new();
-    for r in rows {
-        if !seen.contains(&r.seq) {
-            seen.push(r.seq);
-            s.remove_cells(r.seq, r.pos, -1);
-        }
-    }
+    s.remove_rows_cells(rows);
 }
 
 /// Remove every cell an in-flight prefill wrote (branches still live only: a disposed
