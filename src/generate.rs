@@ -277,8 +277,10 @@ impl GenArgs {
         model: &lloyal_core::Model,
         max_tokens: Option<usize>,
         prompt: Option<Vec<i64>>,
-        (stop, stop_tokens): (Option<Vec<String>>, Option<Vec<i64>>),
-        (logprobs, top_logprobs): (bool, usize),
+        stop: Option<Vec<String>>,
+        stop_tokens: Option<Vec<i64>>,
+        logprobs: bool,
+        top_logprobs: usize,
         timeout: Option<f64>,
         lookahead: usize,
         reserve: bool,
@@ -300,7 +302,7 @@ impl GenArgs {
             }
             t => t.map(Duration::from_secs_f64),
         };
-        let args = GenArgs {
+        Ok(GenArgs {
             max_tokens,
             prompt,
             stop: stop.unwrap_or_default(),
@@ -310,7 +312,6 @@ impl GenArgs {
             timeout,
             lookahead,
             reserve,
-        };
-        Ok(args)
+        })
     }
 }

@@ -60,11 +60,6 @@ pub fn checking() -> bool {
 }
 
 impl Ledger {
-    /// Free leases.
-    pub fn available(&self) -> u32 {
-        self.leases.available()
-    }
-
     /// Cells held by branches and what is left of `n_ctx` (`parked`: cells of pruned
     /// branches waiting to be freed).
     pub fn pressure(&self, n_ctx: u32, parked: usize) -> KvPressure {

@@ -23,8 +23,13 @@ impl ContextState {
         self.ledger.pressure(self.shape().n_ctx, self.parked)
     }
 
+    /// Cells of `n_ctx` left after what branches hold and `reserved` more.
+    pub(crate) fn room(&self, reserved: usize) -> usize {
+        (self.shape().n_ctx as usize).saturating_sub(self.ledger.cells_used() + reserved)
+    }
+
     pub(crate) fn check_room(&self, needed: usize) -> Result<()> {
-        let free = (self.shape().n_ctx as usize).saturating_sub(self.ledger.cells_used());
+        let free = self.room(0);
         if needed > free {
             return Err(LloyalError::KvCacheFull {
                 needed,
@@ -40,7 +45,7 @@ impl ContextState {
         if reserved == 0 {
             return self.check_room(needed);
         }
-        let free = (self.shape().n_ctx as usize).saturating_sub(self.ledger.cells_used() + reserved);
+        let free = self.room(reserved);
         if needed > free {
             return Err(LloyalError::KvCacheFull {
                 needed,

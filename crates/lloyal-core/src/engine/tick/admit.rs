@@ -30,11 +30,6 @@ fn fail_waiting(out: &mut TickOutcome, w: Waiting, err: LloyalError) {
     out.end_stream(w.op, &w.spec.stream, Err(err));
 }
 
-/// Free cells of the cache after what branches hold and the tick reserved.
-fn free_cells(s: &ContextState, budget: &Budget) -> usize {
-    (s.shape().n_ctx as usize).saturating_sub(s.ledger.cells_used() + budget.reserved)
-}
-
 /// The error of a request that waited its whole timeout for `need` cells of room for `what`.
 fn waited_too_long(s: &ContextState, w: &Waiting, need: usize, what: &str, budget: &Budget) -> LloyalError {
     let n_ctx = s.shape().n_ctx;
@@ -47,7 +42,7 @@ fn waited_too_long(s: &ContextState, w: &Waiting, need: usize, what: &str, budge
             w.since.elapsed().as_secs_f64(),
             s.ledger.cells_used(),
             budget.reserved,
-            free_cells(s, budget),
+            s.room(budget.reserved),
         ),
     }
 }
@@ -83,7 +78,7 @@ impl Fifo {
             }
             let need = (self.need)(&w);
             let idle = !self.needs_idle || !budget.busy.contains(&w.spec.handle);
-            if !blocked && need <= free_cells(s, budget) && idle {
+            if !blocked && need <= s.room(budget.reserved) && idle {
                 start(w, s, budget, out);
                 continue;
             }

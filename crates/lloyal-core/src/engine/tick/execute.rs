@@ -52,7 +52,7 @@ impl Scheduler {
             }
             Err(e) => {
                 for rows in &rows_of {
-                    rollback_rows(s, rows);
+                    s.remove_rows_cells(rows);
                 }
                 if parts.len() == 1 {
                     return vec![Err(e)];
@@ -63,7 +63,7 @@ impl Scheduler {
                     let (r, d) = decode(s, rows, None, &mut out.decode_secs);
                     out.decodes += d;
                     if r.is_err() {
-                        rollback_rows(s, rows);
+                        s.remove_rows_cells(rows);
                     }
                     outcomes.push(r);
                 }
@@ -75,7 +75,7 @@ impl Scheduler {
     fn rows(&self, part: &Part) -> Vec<Row> {
         match part {
             Part::Gen(_, g) => vec![Row::commit(&g.row)],
-            Part::Commit(_, rows) => rows.iter().map(Row::commit).collect(),
+            Part::Commit(_, rows) => commit_rows(rows),
             Part::Prefill(fi, take) => {
                 let items = self.flights[*fi].items.iter().zip(take);
                 items.flat_map(|(item, &t)| Row::prefill(item, item.done..item.done + t)).collect()
@@ -152,11 +152,6 @@ fn fill_logits(s: &mut ContextState, chunk: &[Row]) -> Result<()> {
     let rows: Vec<(i32, Handle)> =
         chunk.iter().enumerate().filter(|(_, r)| r.logits).map(|(i, r)| (i as i32, r.handle)).collect();
     s.fill_next_logits_rows(&rows)
-}
-
-/// Remove the cells `rows` wrote (each sequence from its first row's position on).
-fn rollback_rows(s: &mut ContextState, rows: &[Row]) {
-    s.remove_rows_cells(rows);
 }
 
 /// Remove every cell an in-flight prefill wrote (branches still live only: a disposed

@@ -100,6 +100,17 @@ enum Part {
     Prefill(usize, Vec<usize>),
 }
 
+impl Part {
+    /// Rows the part decodes.
+    fn row_count(&self) -> usize {
+        match self {
+            Part::Commit(_, rows) => rows.len(),
+            Part::Gen(..) => 1,
+            Part::Prefill(_, take) => take.iter().sum(),
+        }
+    }
+}
+
 /// What a tick did, for the engine's statistics and replies.
 #[derive(Default)]
 pub(crate) struct TickOutcome {
@@ -227,7 +238,7 @@ impl Scheduler {
     pub fn tick(&mut self, s: &mut ContextState, ops: Vec<Op>, max_prefill: Option<usize>) -> TickOutcome {
         let mut out = TickOutcome::default();
         let mut sched = self.schedule(s, ops, max_prefill, &mut out);
-        let decode_rows: usize = sched.parts.iter().map(|p| self.row_count(p)).sum();
+        let decode_rows: usize = sched.parts.iter().map(Part::row_count).sum();
         let prefill_rows = self.plan(s, &mut sched, decode_rows, max_prefill, &mut out);
         if !sched.parts.is_empty() {
             let outcomes = self.execute(s, &sched.parts, (decode_rows, prefill_rows), max_prefill, &mut out);
@@ -312,14 +323,5 @@ impl Scheduler {
             }
         }
         prefill_rows
-    }
-
-    /// Rows a part decodes.
-    fn row_count(&self, part: &Part) -> usize {
-        match part {
-            Part::Commit(_, rows) => rows.len(),
-            Part::Gen(..) => 1,
-            Part::Prefill(_, take) => take.iter().sum(),
-        }
     }
 }
