@@ -26,8 +26,20 @@ macro_rules! display_repr {
 display_repr!(u32, u64, usize);
 
 impl PyRepr for f64 {
+    /// Rust's shortest round-trip form, which switches to an exponent where Python's does;
+    /// the exponent written Python's way (`1e-05`, `1e+16`).
     fn py_repr(&self) -> String {
-        format!("{self:?}")
+        if self.is_nan() {
+            return "nan".into();
+        }
+        let s = format!("{self:?}");
+        match s.split_once('e') {
+            Some((mantissa, exp)) => {
+                let (sign, digits) = exp.strip_prefix('-').map_or(("+", exp), |d| ("-", d));
+                format!("{mantissa}e{sign}{digits:0>2}")
+            }
+            None => s,
+        }
     }
 }
 

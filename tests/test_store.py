@@ -594,3 +594,31 @@ def test_available_and_kv_pressure_do_not_wait_for_a_call_holding_the_context(mo
         t.join()
         assert got == want and still_running
         assert ctx.kv_seq_pos_max(3) == 1199 and (store.available, store.kv_pressure) == want
+
+
+def test_kv_pressure_and_engine_stats_read_the_core_values(ctx):
+    """Both classes wrap the core's value: every field is a property, and ``repr`` lists them
+    all as a dataclass's does (floats and booleans written as Python writes them)."""
+    store = BranchStore(ctx)
+    root = prefilled(ctx, PROMPTS[0])
+    p = store.kv_pressure
+    used = root.position
+    assert (p.n_ctx, p.cells_used, p.remaining, p.cells_parked) == (512, used, 512 - used, 0)
+    assert repr(p) == f"KvPressure(n_ctx=512, cells_used={used}, remaining={512 - used}, cells_parked=0)"
+    stats = ctx.engine_stats()
+    fields = [
+        "ticks", "decode_calls", "rows", "ops_submitted", "ops_completed", "ops_failed",
+        "ops_coalesced", "max_ops_per_tick", "queue_depth", "in_flight", "generating", "waiting",
+        "tick_seconds", "decode_seconds", "sample_seconds", "lease_waiting", "prefill_cap",
+        "paused", "gather",
+    ]  # fmt: skip
+    want = ", ".join(f"{f}={getattr(stats, f)!r}" for f in fields)
+    assert repr(stats) == f"EngineStats({want})"
+    assert stats.decode_calls >= 1 and stats.paused is False
+    before = ctx.engine_gather
+    try:
+        ctx.engine_gather = 1e-05  # a float Python writes with an exponent
+        assert repr(ctx.engine_stats()).endswith("paused=False, gather=1e-05)")
+    finally:
+        ctx.engine_gather = before
+    root.prune()
