@@ -10,6 +10,7 @@
 //! test at the bottom keeps `unsafe` out of every other file.
 
 use std::ptr::NonNull;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 
 use llama_cpp_2::model::LlamaModel;
@@ -87,6 +88,13 @@ pub struct RawContext {
     model: Arc<dyn Weights>,
     n_seq: i32,
     n_vocab: usize,
+    n_ubatch: usize,
+    /// Counts the times llama.cpp may have rewritten its logits buffer: an [`OutputRow`] taken
+    /// before the last count reads as empty.
+    epoch: Arc<AtomicU64>,
+    /// Logits rows llama.cpp's output buffer holds for certain: the most a decode has
+    /// produced (the buffer only grows, and only when a decode needs more).
+    out_rows: usize,
 }
 
 // SAFETY: a llama_context has no thread affinity; lloyal only touches it through &mut under
@@ -102,7 +110,10 @@ impl RawContext {
         // SAFETY: valid context pointer.
         let n_seq = unsafe { sys::llama_n_seq_max(ptr.as_ptr()) } as i32;
         let n_vocab = model.n_vocab().max(0) as usize;
-        Some(RawContext { ptr, model, n_seq, n_vocab })
+        // SAFETY: valid context pointer.
+        let n_ubatch = unsafe { sys::llama_n_ubatch(ptr.as_ptr()) } as usize;
+        let epoch = Arc::new(AtomicU64::new(0));
+        Some(RawContext { ptr, model, n_seq, n_vocab, n_ubatch, epoch, out_rows: 0 })
     }
 
     /// `(n_ctx, n_batch, n_seq_max)` as llama.cpp settled them.
@@ -179,12 +190,51 @@ impl RawContext {
     }
 
     /// `llama_decode` on `batch`: llama.cpp's return code (0 ok, 1 no room, 2 aborted,
-    /// other: error). llama.cpp validates token and sequence ids itself.
+    /// other: error). llama.cpp validates token and sequence ids itself. Every [`OutputRow`]
+    /// taken before reads as empty afterwards, unless the decode failed while
+    /// [`Self::fails_cleanly`] held for it.
     pub fn decode(&mut self, batch: &Batch) -> i32 {
         crate::tiled::note_decode(); // from here on ggml may read its tiled-matmul switch
-                                     // SAFETY: valid context; the batch's arrays hold `n_tokens` initialised rows (Batch
-                                     // only grows through `push`, which checks its capacity).
-        unsafe { sys::llama_decode(self.ptr.as_ptr(), batch.raw()) }
+        let clean = self.fails_cleanly(batch);
+        // SAFETY: valid context; the batch's arrays hold `n_tokens` initialised rows (Batch
+        // only grows through `push`, which checks its capacity).
+        let code = unsafe { sys::llama_decode(self.ptr.as_ptr(), batch.raw()) };
+        if code == 0 {
+            self.out_rows = self.out_rows.max(batch.outputs());
+        }
+        if code == 0 || !clean {
+            self.epoch.fetch_add(1, Ordering::Release);
+        }
+        code
+    }
+
+    /// Whether a failed `decode` of `batch` leaves the logits rows of the decode before it
+    /// where they were. llama.cpp writes a batch's logits after computing each of its
+    /// micro-batches, and moves its output buffer only to grow it (`output_reserve`, before
+    /// the first micro-batch); so a batch that is one micro-batch (at most `n_ubatch` rows,
+    /// one per sequence: both of llama.cpp's splits keep it whole) and needs no more rows
+    /// than the buffer holds fails without writing there (llama.cpp as llama-cpp-sys-2 0.1.160 vendors it,
+    /// `llama_context::decode`).
+    pub fn fails_cleanly(&self, batch: &Batch) -> bool {
+        let seqs = batch.seqs();
+        let mut distinct = seqs.clone();
+        distinct.sort_unstable();
+        distinct.dedup();
+        seqs.len() <= self.n_ubatch && distinct.len() == seqs.len() && batch.outputs() <= self.out_rows
+    }
+
+    /// The logits of batch rows `rows` of the last decode, in order, read where llama.cpp
+    /// keeps them (no copy); `None` when one of them asked for none.
+    pub fn output_rows(&mut self, rows: &[i32]) -> Option<Vec<OutputRow>> {
+        let epoch = self.epoch.load(Ordering::Acquire);
+        let mut out = Vec::with_capacity(rows.len());
+        for &row in rows {
+            // SAFETY: valid context; llama.cpp returns null (not abort) for a row without logits.
+            let ptr = unsafe { sys::llama_get_logits_ith(self.ptr.as_ptr(), row) };
+            let ptr = NonNull::new(ptr)?;
+            out.push(OutputRow { ptr, len: self.n_vocab, epoch, current: Arc::clone(&self.epoch) });
+        }
+        Some(out)
     }
 
     /// The logits of batch row `row` of the last decode; `None` when that row asked for none.
@@ -194,24 +244,6 @@ impl RawContext {
         // SAFETY: llama.cpp guarantees n_vocab floats at a non-null logits row, valid until
         // the next decode (which needs `&mut self`, so the borrow ends first).
         (!ptr.is_null()).then(|| unsafe { std::slice::from_raw_parts(ptr, self.n_vocab) })
-    }
-
-    /// The logits of batch rows `rows` of the last decode, in order; `None` when one of them
-    /// asked for none.
-    pub fn logits_rows(&mut self, rows: &[i32]) -> Option<Vec<&[f32]>> {
-        let mut ptrs = Vec::with_capacity(rows.len());
-        for &row in rows {
-            // SAFETY: valid context; llama.cpp returns null (not abort) for a row without logits.
-            let ptr = unsafe { sys::llama_get_logits_ith(self.ptr.as_ptr(), row) };
-            ptrs.push((!ptr.is_null()).then_some(ptr)?);
-        }
-        // SAFETY: llama.cpp guarantees n_vocab floats at each non-null logits row, valid until
-        // the next decode (which needs `&mut self`, so the borrows end first).
-        Some(
-            ptrs.into_iter()
-                .map(|p| unsafe { std::slice::from_raw_parts(p.cast_const(), self.n_vocab) })
-                .collect(),
-        )
     }
 
     /// The pooled embedding of `seq_id` from the last decode (`dim` floats); `None` when the
@@ -262,8 +294,56 @@ impl RawContext {
 
 impl Drop for RawContext {
     fn drop(&mut self) {
+        self.epoch.fetch_add(1, Ordering::Release);
         // SAFETY: freed exactly once; the model (self.model) is still alive here.
         unsafe { sys::llama_free(self.ptr.as_ptr()) }
+    }
+}
+
+/// One logits row inside llama.cpp's output buffer, read without copying it out. It reads as
+/// empty once llama.cpp may have rewritten that buffer (a later decode, the context freed):
+/// callers copy a row out before then if they still need it.
+pub struct OutputRow {
+    ptr: NonNull<f32>,
+    len: usize,
+    /// The context's decode count when the row was taken, and the count now.
+    epoch: u64,
+    current: Arc<AtomicU64>,
+}
+
+// SAFETY: the row is only read, through `get`, which checks that llama.cpp has not rewritten
+// it; llama.cpp writes the buffer only inside a decode, which needs `&mut RawContext` under
+// the context's lock, where every `OutputRow` lives.
+unsafe impl Send for OutputRow {}
+// SAFETY: as for Send: shared reads of a buffer nothing writes while the row is current.
+unsafe impl Sync for OutputRow {}
+
+impl OutputRow {
+    /// The row's values; empty once llama.cpp may have rewritten them.
+    pub fn get(&self) -> &[f32] {
+        if self.current.load(Ordering::Acquire) != self.epoch {
+            return &[];
+        }
+        // SAFETY: llama.cpp keeps `len` (n_vocab) floats at a non-null logits row until its
+        // next decode or free, both of which advance `current` first (decode) or before the
+        // buffer goes (free); the epoch check above rules both out.
+        unsafe { std::slice::from_raw_parts(self.ptr.as_ptr(), self.len) }
+    }
+}
+
+#[cfg(test)]
+impl OutputRow {
+    /// A row over `values` (leaked), current until `epoch` moves (tests without llama.cpp).
+    pub fn over(values: Vec<f32>, epoch: &Arc<AtomicU64>) -> OutputRow {
+        let len = values.len();
+        let ptr = NonNull::from(Box::leak(values.into_boxed_slice())).cast::<f32>();
+        OutputRow { ptr, len, epoch: epoch.load(Ordering::Acquire), current: Arc::clone(epoch) }
+    }
+}
+
+impl std::fmt::Debug for OutputRow {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "OutputRow({} floats, epoch {})", self.len, self.epoch)
     }
 }
 
@@ -319,6 +399,18 @@ impl Batch {
             *self.raw.logits.add(i) = i8::from(logits);
         }
         self.raw.n_tokens += 1;
+    }
+
+    /// The sequence id of each row.
+    pub fn seqs(&self) -> Vec<i32> {
+        // SAFETY: rows below `len` were written by `push`, each with one seq id.
+        (0..self.len()).map(|i| unsafe { *(*self.raw.seq_id.add(i)) }).collect()
+    }
+
+    /// Rows that keep their outputs.
+    pub fn outputs(&self) -> usize {
+        // SAFETY: rows below `len` were written by `push`.
+        (0..self.len()).filter(|&i| unsafe { *self.raw.logits.add(i) } != 0).count()
     }
 
     /// The raw batch for `llama_decode`.

@@ -87,6 +87,19 @@ impl<T> Slots<T> {
         self.live == 0
     }
 
+    /// The values behind the live handles among `handles`, mutably, in slot order.
+    pub fn get_many_mut(&mut self, handles: &[Handle]) -> Vec<&mut T> {
+        let wanted: Vec<(u32, u32)> = handles.iter().map(|&h| unpack(h)).collect();
+        let slots = self.entries.iter_mut().enumerate();
+        let picked = slots.filter(|(i, s)| wanted.contains(&(*i as u32, s.generation)));
+        picked.filter_map(|(_, s)| s.value.as_mut()).collect()
+    }
+
+    /// Every live value, mutably.
+    pub fn values_mut(&mut self) -> impl Iterator<Item = &mut T> {
+        self.entries.iter_mut().filter_map(|s| s.value.as_mut())
+    }
+
     /// Handles of every live value.
     pub fn handles(&self) -> Vec<Handle> {
         self.entries

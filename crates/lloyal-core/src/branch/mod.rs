@@ -173,8 +173,10 @@ pub struct BranchState {
     pub(crate) pending: Option<(i32, Drawn)>,
     pub(crate) model_ppl: PerplexityTracker,
     pub(crate) sampling_ppl: PerplexityTracker,
-    /// Logits after the last decode (empty before any). Shared with forks until either side
-    /// decodes again: a fork copies no logits (262,144 floats, 1 MiB, for Gemma 3).
+    /// Logits after the last decode (empty before any), read in place in llama.cpp's output
+    /// buffer until a decode may overwrite it ([`Logits`]). Shared with forks until either
+    /// side decodes again: forks of one branch copy its row (262,144 floats, 1 MiB, for
+    /// Gemma 3) out of that buffer once between them.
     pub(crate) logits: Arc<Logits>,
     /// Where a decode writes new logits before they are published.
     pub(crate) next_logits: Logits,
@@ -219,7 +221,7 @@ impl BranchState {
             pending: None,
             model_ppl: self.model_ppl.clone(),
             sampling_ppl: self.sampling_ppl.clone(),
-            logits: if clone_logits { Arc::clone(&self.logits) } else { Arc::default() },
+            logits: if clone_logits { Logits::share(&self.logits) } else { Arc::default() },
             next_logits: Logits::default(),
             logit_bias: self.logit_bias.clone(),
             steer: Vec::new(),
@@ -244,7 +246,7 @@ impl BranchState {
             pending,
             model_ppl: self.model_ppl.clone(),
             sampling_ppl: self.sampling_ppl.clone(),
-            logits: Arc::clone(&self.logits),
+            logits: Logits::share(&self.logits),
             next_logits: Logits::default(),
             logit_bias: self.logit_bias.clone(),
             steer: self.steer.clone(),
@@ -337,7 +339,7 @@ impl BranchState {
 
     /// Surprisals (model, sampling) of `token` under the current snapshot, in nats.
     /// `None` before any logits exist. O(penalties + biases) when the snapshot's pass summed the
-    /// sampling scale (a decode's row, [`Logits::fill_from`]); one pass over the row otherwise.
+    /// sampling scale (a decode's row, [`Logits::fill_in_place`]); one pass over the row otherwise.
     pub(crate) fn surprisals(&self, token: i32) -> Option<(f64, f64)> {
         if self.logits.is_empty() {
             return None;
@@ -396,7 +398,7 @@ impl BranchState {
     pub(crate) fn publish_logits(&mut self) {
         let fresh = Arc::new(std::mem::take(&mut self.next_logits));
         let old = std::mem::replace(&mut self.logits, fresh);
-        self.next_logits = Arc::try_unwrap(old).unwrap_or_default();
+        self.next_logits = Arc::try_unwrap(old).map(Logits::recycle).unwrap_or_default();
         self.pending = None;
     }
 

@@ -4,6 +4,8 @@
 
 use std::sync::Arc;
 
+use parking_lot::Mutex;
+
 use crate::branch::{BranchState, Logits};
 use crate::context::state::ContextState;
 use crate::error::{LloyalError, Result};
@@ -157,6 +159,18 @@ impl ContextState {
     /// `produce()`: the token this branch would sample now (no state change; idempotent).
     pub fn branch_produce(&mut self, handle: Handle) -> Result<i32> {
         self.branch_mut(handle)?.produce()
+    }
+
+    /// `produce()` on each of `handles`' branches, on the decode's threads when called on an
+    /// engine thread: the tokens are cached for the `produce` calls that follow (errors are
+    /// not: those calls meet them again).
+    pub(crate) fn produce_ahead(&mut self, handles: &[Handle]) {
+        let threads = usize::try_from(self.shape().n_threads).unwrap_or(1);
+        let branches: Vec<Mutex<&mut BranchState>> =
+            self.branches.get_many_mut(handles).into_iter().map(Mutex::new).collect();
+        crate::omp::parallel_for(branches.len(), threads, &|i| {
+            let _ = branches[i].lock().produce();
+        });
     }
 
     /// `accept(token)`: update sampler history and metrics without decoding.

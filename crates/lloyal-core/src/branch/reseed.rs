@@ -1,6 +1,7 @@
 //! BlinkKV: rebuild a sequence from attention sinks plus a recent tail, so a stream can run
 //! past `n_ctx` (`clear_and_reseed` on the flat path, `reseed` per branch).
 
+use super::logits::Logits;
 use crate::context::state::ContextState;
 use crate::error::{LloyalError, Result};
 use crate::tenancy::Handle;
@@ -63,7 +64,8 @@ impl ContextState {
             self.copy_seq(seq, p);
         }
         self.remove_cells(seq, -1, -1);
-        let old_logits = std::mem::take(&mut self.branch_mut(handle)?.logits);
+        // Kept across the prefill below, so copied out of llama.cpp's buffer first.
+        let old_logits = Logits::share(&std::mem::take(&mut self.branch_mut(handle)?.logits));
         {
             let b = self.branch_mut(handle)?;
             b.position = 0;

@@ -18,6 +18,12 @@ pub(crate) struct BatchRow {
 /// What the decode loop reads of a caller's row type.
 pub(crate) trait AsBatchRow {
     fn batch_row(&self) -> BatchRow;
+
+    /// Whether this row's logits become its branch's snapshot as soon as its decode succeeds
+    /// (a commit's row; the snapshot it replaces need not be copied out first).
+    fn replaces_snapshot(&self) -> bool {
+        false
+    }
 }
 
 impl AsBatchRow for BatchRow {
@@ -42,6 +48,9 @@ impl ContextState {
         let n_batch = (self.shape().n_batch as usize).max(1);
         let mut calls = 0;
         let (head, tail) = rows.split_at(split.unwrap_or(0).min(rows.len()));
+        // A snapshot replaced by a call's logits stays in place only when that call is the
+        // last: a failure of a later one would need it back.
+        let one_call = head.len().div_ceil(n_batch) + tail.len().div_ceil(n_batch) == 1;
         for chunk in head.chunks(n_batch).chain(tail.chunks(n_batch)) {
             self.batch_mut().clear();
             for r in chunk {
@@ -49,8 +58,12 @@ impl ContextState {
                 self.batch_mut().push(r.token, r.pos, r.seq, r.output);
             }
             calls += 1;
+            let replacing: Vec<i32> = match one_call {
+                true => chunk.iter().filter(|r| r.replaces_snapshot()).map(|r| r.batch_row().seq).collect(),
+                false => Vec::new(),
+            };
             let t0 = std::time::Instant::now();
-            let ran = self.run_batch();
+            let ran = self.run_batch(&replacing);
             *secs += t0.elapsed().as_secs_f64();
             if let Err(e) = ran.and_then(|()| after(self, chunk)) {
                 return (Err(e), calls);

@@ -148,10 +148,14 @@ impl ContextState {
 
     /// Run `llama_decode` on the current batch, mapping its return codes. When no cells are
     /// free for it but some are parked, the parked cells are reclaimed and the decode retried.
-    pub(crate) fn run_batch(&mut self) -> Result<()> {
+    /// `replacing`: the sequences of branches whose snapshots the batch's logits replace
+    /// when it succeeds (rows read in place elsewhere are copied out first).
+    pub(crate) fn run_batch(&mut self, replacing: &[i32]) -> Result<()> {
         if self.batches_in_call > 0 && self.interrupt.as_ref().is_some_and(|check| check()) {
             return Err(LloyalError::Interrupted);
         }
+        let keep = if self.raw.fails_cleanly(&self.batch) { replacing } else { &[] };
+        self.keep_output_rows(keep);
         self.batches_in_call += 1;
         clear_recent_errors();
         let n = self.batch.len();

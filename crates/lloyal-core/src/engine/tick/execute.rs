@@ -19,6 +19,8 @@ pub(super) struct Row {
     seq: i32,
     handle: Handle,
     logits: bool,
+    /// A commit's row: its logits replace the branch's snapshot.
+    commit: bool,
 }
 
 /// Rows of one flash-attention query tile in ggml's CPU kernel (`GGML_FA_TILE_Q`).
@@ -88,12 +90,16 @@ impl AsBatchRow for Row {
     fn batch_row(&self) -> BatchRow {
         BatchRow { token: self.token, pos: self.pos, seq: self.seq, output: self.logits }
     }
+
+    fn replaces_snapshot(&self) -> bool {
+        self.commit
+    }
 }
 
 impl Row {
     /// A commit's row (logits kept).
     fn commit(r: &CommitRow) -> Row {
-        Row { token: r.token, pos: r.pos, seq: r.seq, handle: r.handle, logits: true }
+        Row { token: r.token, pos: r.pos, seq: r.seq, handle: r.handle, logits: true, commit: true }
     }
 
     /// The rows of `item`'s tokens `range` (logits kept for its last token only).
@@ -104,6 +110,7 @@ impl Row {
             seq: item.seq,
             handle: item.handle,
             logits: i + 1 == item.tokens.len(),
+            commit: false,
         })
     }
 }

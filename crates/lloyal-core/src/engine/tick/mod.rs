@@ -72,6 +72,11 @@ impl Gen {
         Gen { op: w.op, spec: w.spec, generated: 0, utf8: Utf8Stream::new(), stops }
     }
 
+    /// Whether the token being committed now is its last by `max_tokens`.
+    fn ends_by_length_next(&self) -> bool {
+        self.spec.max_tokens.is_some_and(|m| self.generated + 1 >= m)
+    }
+
     /// Cells still reserved for this request's future tokens (0 when unbounded or not reserving).
     fn reserved(&self) -> usize {
         self.spec.reservation(self.generated)

@@ -10,6 +10,7 @@ use super::{Budget, CommitRow, Gen, Part, Scheduler, TickOutcome};
 use crate::context::state::ContextState;
 use crate::engine::gen::{logprobs, Event, Finish, GenItem};
 use crate::error::{LloyalError, Result};
+use crate::tenancy::Handle;
 
 /// A generation request's token this tick, with its logprobs when asked.
 pub(super) struct GenRow {
@@ -55,28 +56,36 @@ impl Scheduler {
         }
     }
 
-    /// Publish a generation request's decoded token: its stream's item, and its end when
-    /// the token ends it.
-    pub(super) fn publish_gen(
+    /// Publish the generation requests' decoded tokens: each stream's item, and its end when
+    /// the token ends it. Their branches' next tokens are drawn first, on the decode's threads
+    /// (each item peeks at its next token).
+    pub(super) fn publish_gens(
         &mut self,
         s: &mut ContextState,
-        gi: usize,
-        row: GenRow,
+        rows: Vec<(usize, GenRow)>,
         ended: &mut Vec<(usize, Result<Finish>)>,
         out: &mut TickOutcome,
     ) {
-        let g = &mut self.gens[gi];
-        if let Err(e) = super::update::finish_commit(s, std::slice::from_ref(&row.row)) {
-            ended.push((gi, Err(e)));
-            return;
+        let mut published = Vec::with_capacity(rows.len());
+        for (gi, row) in rows {
+            match super::update::finish_commit(s, std::slice::from_ref(&row.row)) {
+                Ok(()) => published.push((gi, row)),
+                Err(e) => ended.push((gi, Err(e))),
+            }
         }
         let t0 = Instant::now();
-        let (item, end) = gen_item(s, g, row);
-        out.sample_secs += t0.elapsed().as_secs_f64();
-        out.events.push((Arc::clone(&g.spec.stream), Event::Item(item)));
-        if let Some(finish) = end {
-            ended.push((gi, Ok(finish)));
+        let going_on = published.iter().filter(|(gi, _)| !self.gens[*gi].ends_by_length_next());
+        let handles: Vec<Handle> = going_on.map(|(_, row)| row.row.handle).collect();
+        s.produce_ahead(&handles);
+        for (gi, row) in published {
+            let g = &mut self.gens[gi];
+            let (item, end) = gen_item(s, g, row);
+            out.events.push((Arc::clone(&g.spec.stream), Event::Item(item)));
+            if let Some(finish) = end {
+                ended.push((gi, Ok(finish)));
+            }
         }
+        out.sample_secs += t0.elapsed().as_secs_f64();
     }
 
     /// Remove ended generation requests (highest index first) and answer them.

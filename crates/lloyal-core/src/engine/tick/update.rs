@@ -19,6 +19,7 @@ impl Scheduler {
         out: &mut TickOutcome,
     ) {
         let mut flights_ended: Vec<(usize, Result<()>)> = Vec::new();
+        let mut gens = Vec::new();
         for (part, result) in parts.into_iter().zip(outcomes) {
             match (part, result) {
                 (Part::Commit(op, rows), Ok(())) => {
@@ -26,7 +27,7 @@ impl Scheduler {
                     out.reply(op, r);
                 }
                 (Part::Commit(op, _), Err(e)) => out.reply(op, Err(e)),
-                (Part::Gen(gi, row), Ok(())) => self.publish_gen(s, gi, row, ended, out),
+                (Part::Gen(gi, row), Ok(())) => gens.push((gi, row)),
                 (Part::Gen(gi, _), Err(e)) => ended.push((gi, Err(e))),
                 (Part::Prefill(fi, take), Ok(())) => {
                     let f = &mut self.flights[fi];
@@ -40,6 +41,7 @@ impl Scheduler {
                 (Part::Prefill(fi, _), Err(e)) => flights_ended.push((fi, Err(e))),
             }
         }
+        self.publish_gens(s, gens, ended, out);
         self.end_flights(s, flights_ended, out);
     }
 
