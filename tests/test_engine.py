@@ -399,3 +399,20 @@ def test_a_fork_right_after_its_prefill_does_not_wait_for_the_next_tick(model: l
         # the fork came before the second.
         n = a.position
         assert (written, ticks) == (64 - n, (400 + n + 63) // 64)
+
+
+def test_a_prompt_after_the_stepping_branches_are_pruned_fills_the_batch(model: lloyal.Model) -> None:
+    """Right after a branch's commits, a prompt is paced as if that stream would come back
+    (the next commit is usually milliseconds away); once the branch is pruned it cannot, and
+    the next prefill runs as one ``llama_decode``."""
+    with lloyal.Context(model, n_ctx=2048, n_batch=512, n_seq_max=2) as ctx:
+        store = lloyal.BranchStore(ctx)
+        prompt = [1000 + (i * 7) % 3000 for i in range(512)]
+        b = lloyal.Branch.create(ctx, 0, lloyal.SamplingParams(temperature=0))
+        b.prefill(prompt[:16])
+        for step in range(8):
+            store.commit([(b, 2000 + step)])
+        b.prune()
+        before = ctx.engine_stats().decode_calls
+        lloyal.Branch.create(ctx, 0, lloyal.SamplingParams(temperature=0)).prefill(prompt)
+        assert ctx.engine_stats().decode_calls - before == 1

@@ -16,7 +16,8 @@
 //! waited before they started (a burst of requests arriving together, the first of which
 //! already decodes) fills the batch, as it would have had it gone first. With no decode rows
 //! there is nothing to protect either; a tick whose streams have not come back yet (a gap of
-//! less than [`ACTIVE_GAP`] since the last tick with decode rows) is paced as if they had.
+//! less than [`ACTIVE_GAP`] since the last tick with decode rows) is paced as if they had,
+//! unless their branches are gone ([`Pacer::streams_gone`]).
 
 use std::time::{Duration, Instant};
 
@@ -84,6 +85,12 @@ impl Pacer {
     /// before the running streams started, or none is running.
     pub fn goes_first(&self, arrived: Instant) -> bool {
         self.active_since.is_none_or(|since| arrived <= since)
+    }
+
+    /// The branches the last decode rows stepped are all gone (pruned): no stream will come
+    /// back, so the next prompt need not wait for one.
+    pub fn streams_gone(&mut self) {
+        self.last_decode = None;
     }
 
     /// Note the end (`now`) of a tick with `decode_rows` commit rows.
@@ -216,6 +223,18 @@ mod tests {
         assert_eq!(p.plan(ms(1000), 0, Some(ms(125)), 512), 0);
         // They start again after the prompt arrived: the prompt goes first.
         assert_eq!(p.plan(ms(1100), 4, Some(ms(125)), 512), 0);
+    }
+
+    #[test]
+    fn streams_whose_branches_are_gone_are_not_waited_for() {
+        let t0 = Instant::now();
+        let ms = |n: u64| t0 + Duration::from_millis(n);
+        let mut p = Pacer::default();
+        assert_eq!(p.plan(ms(0), 4, None, 512), 8);
+        p.ticked(ms(20), 4);
+        assert_eq!(p.plan(ms(30), 0, Some(ms(25)), 512), 8, "between ticks: paced");
+        p.streams_gone();
+        assert_eq!(p.plan(ms(30), 0, Some(ms(25)), 512), 0, "pruned: the prompt fills the batch");
     }
 
     #[test]

@@ -106,6 +106,15 @@ enum Part {
 }
 
 impl Part {
+    /// The branches a commit or generation part steps (none for a prefill).
+    fn handles(&self) -> Vec<Handle> {
+        match self {
+            Part::Commit(_, rows) => rows.iter().map(|r| r.handle).collect(),
+            Part::Gen(_, g) => vec![g.row.handle],
+            Part::Prefill(..) => Vec::new(),
+        }
+    }
+
     /// Rows the part decodes.
     fn row_count(&self) -> usize {
         match self {
@@ -185,6 +194,8 @@ pub(crate) struct Scheduler {
     prompt_waiting: VecDeque<Waiting>,
     /// Prompt rows of a burst prefilled since the generation requests last stepped.
     burst_rows: usize,
+    /// The branches the last tick with decode rows stepped (the streams the pacer protects).
+    last_streams: Vec<Handle>,
 }
 
 /// Prompt rows a burst prefills between two steps of the running generation requests.
@@ -313,7 +324,14 @@ impl Scheduler {
             self.flights.iter().flat_map(|f| f.items.iter().map(|i| i.tokens.len() - i.done)).collect();
         let cap = match max_prefill {
             Some(cap) => cap,
-            None => self.pacer.plan(Instant::now(), decode_rows, sched.oldest, n_batch),
+            None => {
+                if decode_rows > 0 {
+                    self.last_streams = sched.parts.iter().flat_map(Part::handles).collect();
+                } else if !self.last_streams.iter().any(|&h| s.is_live(h)) {
+                    self.pacer.streams_gone();
+                }
+                self.pacer.plan(Instant::now(), decode_rows, sched.oldest, n_batch)
+            }
         };
         out.prefill_cap = cap;
         let plan = plan_tick(decode_rows, &lefts, n_batch, cap);
