@@ -100,9 +100,8 @@ def test_the_cache_budget_follows_reuse_and_a_trimmed_entry_that_is_missed_count
         sched = Scheduler(ctx, max_running=1)
         cache = sched.cache
         assert cache.reuse == 1.0 and sched.cache_budget() == 512  # keeps all until prompts miss
-        for i in range(30):  # prompts that share nothing, one after another
+        for i in range(30):  # prompts that share nothing
             cache.record(0, [i + 1] * 40)
-            cache.finished([i + 1] * 40)
         assert cache.reuse < 0.05 and sched.cache_budget() < 26
         # an entry trimmed away is remembered: a prompt it would have served counts as reuse
         tokens = ctx.tokenize("A conversation that goes on for a while, turn after turn, with more")
@@ -115,7 +114,6 @@ def test_the_cache_budget_follows_reuse_and_a_trimmed_entry_that_is_missed_count
         low = cache.reuse
         turn2 = tokens + ctx.tokenize(" and then more")
         cache.record(0, turn2)
-        cache.finished(turn2)
         assert cache.reuse == pytest.approx(low + 0.1 * (len(tokens) / len(turn2) - low))
         cache.record(0, [7] * 40)  # a miss no ghost covers
         assert cache.reuse < 0.9 * (low + 0.1)
@@ -128,28 +126,3 @@ def test_the_cache_budget_follows_reuse_and_a_trimmed_entry_that_is_missed_count
         before = ghosts.reuse
         ghosts.record(0, [1] * 20 + [9])  # the first key was forgotten
         assert ghosts.reuse < before
-
-
-def test_a_prompt_sharing_a_running_prompt_counts_as_reuse(model: lloyal.Model) -> None:
-    """Requests that arrive together with a prefix nobody sent before all miss it; each one
-    after the first shares it with a running request, which the cache budget counts as reuse
-    (else a burst of misses emptied the budget and the prefix was trimmed as its first request
-    finished). Counted until the request finishes."""
-    with lloyal.Context(model, n_ctx=512, n_batch=64, n_seq_max=4) as ctx:
-        cache = PrefixCache(lloyal.BranchStore(ctx))
-        prefix = [5] * 40
-        cache.record(0, [*prefix, 1])  # the first: a plain miss
-        first = cache.reuse
-        assert first == pytest.approx(0.9)
-        cache.record(0, [*prefix, 2])  # shares 40 of 41 tokens with the running first
-        assert cache.reuse == pytest.approx(first + 0.1 * (40 / 41 - first))
-        cache.finished([*prefix, 1])
-        cache.finished([*prefix, 2])
-        before = cache.reuse
-        cache.record(0, [*prefix, 3])  # nothing running shares it now
-        assert cache.reuse == pytest.approx(0.9 * before)
-        cache.record(0, [*prefix, 3])  # the same prompt twice: counted per request
-        cache.finished([*prefix, 3])
-        after_one = cache.reuse
-        cache.record(0, [*prefix, 3, 4])  # the other is still running
-        assert cache.reuse > 0.9 * after_one

@@ -64,7 +64,6 @@ class PrefixCache:
         self._tree: RadixTree[CacheEntry] = RadixTree()
         self.reuse = 1.0  # moving average of the share of a prompt the cache served or would have
         self._ghosts: RadixTree[bool] = RadixTree()  # keys of recently evicted entries
-        self._running: RadixTree[int] = RadixTree()  # prompts of requests running (how many each)
         self._ghost_order: deque[tuple[int, ...]] = deque()
         self.hit_tokens = 0  # prompt tokens served from the cache (for the hit rate)
         self.lookup_tokens = 0  # prompt tokens looked up
@@ -95,23 +94,13 @@ class PrefixCache:
 
     def record(self, hit: int, prompt: Sequence[int]) -> None:
         """Count a request's prompt: ``hit`` of its tokens came from the cache. :attr:`reuse`
-        also counts what a recently evicted entry would have served, and what the prompt shares
-        with one still running (requests that arrive together with a new prefix each miss it,
-        yet it is worth keeping). The prompt is running from here until :meth:`finished`."""
+        also counts what a recently evicted entry would have served."""
         self.hit_tokens += hit
         self.lookup_tokens += len(prompt)
-        ghost, running = _reusable(self._ghosts, prompt), _reusable(self._running, prompt)
-        hit = max(hit, ghost[0] if ghost else 0, running[0] if running else 0)
+        ghost = _reusable(self._ghosts, prompt)
+        if ghost is not None:
+            hit = max(hit, ghost[0])
         self.reuse += REUSE_WEIGHT * (hit / max(1, len(prompt)) - self.reuse)
-        self._running.insert(prompt, (self._running.get(prompt) or 0) + 1)
-
-    def finished(self, prompt: Sequence[int]) -> None:
-        """A request :meth:`record` counted has finished."""
-        left = (self._running.get(prompt) or 1) - 1
-        if left:
-            self._running.insert(prompt, left)
-        else:
-            self._running.remove(prompt)
 
     def add(self, branch: lloyal.Branch, tokens: Sequence[int], cells: int) -> None:
         """Keep ``branch`` (holding ``tokens``, ``cells`` of them its own) as an entry; an older

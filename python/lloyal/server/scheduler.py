@@ -439,8 +439,8 @@ class Scheduler:
 
     def cache_budget(self) -> int:
         """Most KV cells the prefix cache keeps of its own: ``cache_cells`` when given, else
-        ``n_ctx`` times the share of recent prompts the cache served or would have, trimmed
-        less or holding the prompt of a request still running (:attr:`PrefixCache.reuse`).
+        ``n_ctx`` times the share of recent prompts the cache served or, trimmed less, would
+        have (:attr:`PrefixCache.reuse`).
 
         llama.cpp attends over every cell up to the highest in use, so every kept cell slows
         every decode (most of all prompt prefills). A cache that serves prompts (multi-turn
@@ -481,7 +481,6 @@ class Scheduler:
     def _finish(self, req: _Request) -> None:
         spec = req.spec
         self._requests.remove(req)
-        self.cache.finished(spec.prompt)
         self._running = [c for c in self._running if c.req is not req]
         order = list(range(len(req.choices)))
         if spec.best_of > spec.n:
