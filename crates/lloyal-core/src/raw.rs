@@ -216,11 +216,10 @@ impl RawContext {
     /// than the buffer holds fails without writing there (llama.cpp as llama-cpp-sys-2 0.1.160 vendors it,
     /// `llama_context::decode`).
     pub fn fails_cleanly(&self, batch: &Batch) -> bool {
-        let seqs = batch.seqs();
-        let mut distinct = seqs.clone();
-        distinct.sort_unstable();
-        distinct.dedup();
-        seqs.len() <= self.n_ubatch && distinct.len() == seqs.len() && batch.outputs() <= self.out_rows
+        let mut seqs = batch.seqs();
+        seqs.sort_unstable();
+        let one_per_sequence = seqs.windows(2).all(|w| w[0] != w[1]);
+        seqs.len() <= self.n_ubatch && one_per_sequence && batch.outputs() <= self.out_rows
     }
 
     /// The logits of batch rows `rows` of the last decode, in order, read where llama.cpp
