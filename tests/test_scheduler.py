@@ -126,3 +126,112 @@ def test_the_cache_budget_follows_reuse_and_a_trimmed_entry_that_is_missed_count
         before = ghosts.reuse
         ghosts.record(0, [1] * 20 + [9])  # the first key was forgotten
         assert ghosts.reuse < before
+
+
+def greedy_tokens(ctx: lloyal.Context, prompt: list[int], n: int) -> list[int]:
+    b = lloyal.Branch.create(ctx, 0, GREEDY)
+    b.prefill(prompt)
+    out: list[int] = []
+    for _ in range(n):
+        t = b.produce().token
+        b.commit(t)
+        out.append(t)
+    b.prune()
+    return out
+
+
+def test_requests_arriving_together_with_a_new_prefix_prefill_it_once(model: lloyal.Model) -> None:
+    """A burst of prompts sharing a prefix nobody has sent yet: the first writes it, the others
+    wait for its first token and fork it there (each prefills only its own tail)."""
+    with lloyal.Context(model, n_ctx=2048, n_batch=64, n_seq_max=8, batch_invariant=True) as ctx:
+        system = ctx.tokenize("You are a careful assistant who answers in one short sentence. " * 8)
+        prompts = [
+            system + ctx.tokenize(q, add_special=False) for q in (" Why is the sky blue?", " Name a fruit.")
+        ]
+        prompts.append(list(prompts[0]))  # the same prompt again: forks all but its last token
+        want = [greedy_tokens(ctx, p, 6) for p in prompts]
+        common = next(i for i, (x, y) in enumerate(zip(*prompts[:2], strict=False)) if x != y)
+        sched = Scheduler(ctx, max_running=4)
+        rows0 = ctx.engine_stats().rows
+
+        async def main() -> list[tuple[list[int], Done]]:
+            async def one(p: list[int]) -> tuple[list[int], Done]:
+                toks: list[int] = []
+                async for ev in sched.generate(GenSpec(prompt=p, params=GREEDY, max_tokens=6)):
+                    if isinstance(ev, Done):
+                        return toks, ev
+                    toks.append(ev.token)
+                raise AssertionError("no Done")
+
+            return await asyncio.gather(*(one(p) for p in prompts))
+
+        got = asyncio.run(main())
+        assert [t for t, _ in got] == want
+        assert [d.cached_tokens for _, d in got] == [0, common, len(prompts[0]) - 1]
+        # the prefix was written once: each prompt row is decoded once, plus the generated tokens
+        prompt_rows = len(prompts[0]) + (len(prompts[1]) - common) + 1
+        assert ctx.engine_stats().rows - rows0 == prompt_rows + 3 * 6
+        # the first request's branch is the cached parent of the second's; the third's sequence
+        # (the first's again) was pruned once it finished: two entries, two leases, none leaked
+        assert len(sched.cache) == 2 and sched.store.available == ctx.n_seq_max - 2
+        asyncio.run(sched.stop())
+        assert sched.store.kv_pressure.cells_used == 0 and sched.store.available == ctx.n_seq_max
+
+
+def test_a_request_whose_prefix_source_is_cancelled_goes_on(model: lloyal.Model) -> None:
+    """The request a burst waits for is cancelled: before its prompt is written (the waiter
+    prefills it itself), and after the waiter forked it (its branch stays under the fork until
+    that goes, then is pruned)."""
+    with lloyal.Context(model, n_ctx=2048, n_batch=64, n_seq_max=8, batch_invariant=True) as ctx:
+        system = ctx.tokenize("A long shared instruction about colours, shapes and numbers. " * 40)
+        a, b = (
+            system + ctx.tokenize(" First?", add_special=False),
+            system + ctx.tokenize(" Second?", add_special=False),
+        )
+        want = greedy_tokens(ctx, b, 4)
+        common = next(i for i, (x, y) in enumerate(zip(a, b, strict=False)) if x != y)
+        sched = Scheduler(ctx, max_running=4)
+
+        async def main(cancel_early: bool) -> tuple[list[int], Done]:
+            async def drain_a() -> None:
+                async for _ in sched.generate(GenSpec(prompt=a, params=GREEDY, max_tokens=50)):
+                    pass
+
+            async def run_b() -> tuple[list[int], Done]:
+                toks: list[int] = []
+                async for ev in sched.generate(GenSpec(prompt=b, params=GREEDY, max_tokens=4)):
+                    if isinstance(ev, Done):
+                        return toks, ev
+                    toks.append(ev.token)
+                    task_a.cancel()  # b forked a's prompt and is running
+                raise AssertionError("no Done")
+
+            rows0 = ctx.engine_stats().rows
+            task_a = asyncio.create_task(drain_a())
+            while not sched._requests:  # a is admitted: its prompt is in flight
+                await asyncio.sleep(0.001)
+            task_b = asyncio.create_task(run_b())
+            if cancel_early:
+                while sched.waiting == 0:  # b waits for a's prompt
+                    await asyncio.sleep(0.001)
+                assert ctx.engine_stats().rows - rows0 < len(a), "a's prompt is still being written"
+                task_a.cancel()
+            await asyncio.gather(task_a, return_exceptions=True)
+            return await task_b
+
+        async def both() -> None:
+            toks, done = await main(True)
+            assert toks == want and done.cached_tokens == 0  # it wrote the prefix itself
+            assert len(sched.cache) == 1 and sched.store.available == ctx.n_seq_max - 1
+            sched.cache.trim(0)
+            assert sched.store.kv_pressure.cells_used == 0
+
+            toks, done = await main(False)
+            assert toks == want and done.cached_tokens == common
+            # a was cancelled under b's fork: its branch stays (b's entry shares its cells) ...
+            assert len(sched.cache) == 1 and sched.store.available == ctx.n_seq_max - 2
+            sched.cache.trim(0)  # ... and goes with the entry that needed it
+            assert sched.store.available == ctx.n_seq_max and sched.store.kv_pressure.cells_used == 0
+            await sched.stop()
+
+        asyncio.run(both())

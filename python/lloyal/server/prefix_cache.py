@@ -29,7 +29,7 @@ from .radix import RadixTree
 
 V = TypeVar("V")
 
-__all__ = ["GHOSTS", "MIN_SHARED", "REUSE_WEIGHT", "CacheEntry", "PrefixCache"]
+__all__ = ["GHOSTS", "MIN_SHARED", "REUSE_WEIGHT", "CacheEntry", "PrefixCache", "reusable"]
 
 GHOSTS = 64
 """Keys of evicted entries remembered (without their KV): a prompt one of them would have
@@ -53,6 +53,7 @@ class CacheEntry:
     cells: int = 0  # KV cells of its own (after the point it was forked at), freed when pruned
     last_used: float = field(default_factory=time.monotonic)
     pins: int = 0  # running requests about to fork from it
+    holder: object = None  # what else may pin it (``pins``): the request it came from
 
 
 class PrefixCache:
@@ -68,6 +69,7 @@ class PrefixCache:
         self.hit_tokens = 0  # prompt tokens served from the cache (for the hit rate)
         self.lookup_tokens = 0  # prompt tokens looked up
         self.evictions = 0
+        self._orphans: list[tuple[lloyal.Branch, object]] = []  # (branch, holder): see release
 
     def __len__(self) -> int:
         return len(self._tree)
@@ -84,7 +86,7 @@ class PrefixCache:
         (``Branch.fork(at=)``), keeping at least one token to prefill so the fork gets logits.
         Fewer than :data:`MIN_SHARED` shared tokens (unless that is all of ``tokens``) is a miss.
         """
-        found = _reusable(self._tree, tokens)
+        found = reusable(self._tree, tokens)
         if found is None or found[1].branch.disposed:
             return None, 0
         used, entry = found
@@ -97,25 +99,46 @@ class PrefixCache:
         also counts what a recently evicted entry would have served."""
         self.hit_tokens += hit
         self.lookup_tokens += len(prompt)
-        ghost = _reusable(self._ghosts, prompt)
+        ghost = reusable(self._ghosts, prompt)
         if ghost is not None:
             hit = max(hit, ghost[0])
         self.reuse += REUSE_WEIGHT * (hit / max(1, len(prompt)) - self.reuse)
 
-    def add(self, branch: lloyal.Branch, tokens: Sequence[int], cells: int) -> None:
+    def add(self, branch: lloyal.Branch, tokens: Sequence[int], cells: int, holder: object = None) -> None:
         """Keep ``branch`` (holding ``tokens``, ``cells`` of them its own) as an entry; an older
-        entry for the same tokens is pruned."""
+        entry for the same tokens is pruned. ``holder`` (an object with ``pins``) keeps the
+        entry while it has pins, as :meth:`release` does."""
         key = tuple(tokens)
         old = self._tree.get(key)
         if old is not None and old.branch is not branch:
-            if old.pins or not old.branch.is_leaf:
-                branch.prune_subtree()  # keep the one others depend on
+            if not _unpinned(old) or not old.branch.is_leaf:
+                self.release(branch, holder)  # keep the one others depend on
                 old.last_used = time.monotonic()
                 return
             old.branch.prune()
             self.cells -= old.cells
-        self._tree.insert(key, CacheEntry(branch, key, cells))
+        self._tree.insert(key, CacheEntry(branch, key, cells, holder=holder))
         self.cells += cells
+
+    def release(self, branch: lloyal.Branch, holder: object = None) -> None:
+        """Prune ``branch``, which the cache does not keep, as soon as nothing depends on it:
+        now when it is a leaf and ``holder`` (an object with ``pins``, such as a request that
+        is about to fork it) has none, else at a later :meth:`sweep` (live forks of a running
+        request's branch are other requests' choices)."""
+        self._orphans.append((branch, holder))
+        self.sweep()
+
+    def sweep(self) -> None:
+        """Prune released branches that nothing depends on any more."""
+        kept: list[tuple[lloyal.Branch, object]] = []
+        for branch, holder in self._orphans:
+            if branch.disposed:
+                continue
+            if branch.is_leaf and not getattr(holder, "pins", 0):
+                branch.prune()
+            else:
+                kept.append((branch, holder))
+        self._orphans = kept
 
     def trim(self, budget: int) -> None:
         """Prune LRU entries nothing depends on until the cells the entries hold of their own
@@ -129,7 +152,7 @@ class PrefixCache:
 
     def evictable(self) -> list[CacheEntry]:
         """Entries that can go now (unpinned leaves), least recently used first."""
-        out = [e for e in self.entries() if e.pins == 0 and e.branch.is_leaf]
+        out = [e for e in self.entries() if _unpinned(e) and e.branch.is_leaf]
         return sorted(out, key=lambda e: e.last_used)
 
     def evict(self, *, leases: int = 0, cells: int = 0) -> bool:
@@ -151,6 +174,8 @@ class PrefixCache:
         if not entry.branch.disposed:
             entry.branch.prune()
         self.evictions += 1
+        if self._orphans:
+            self.sweep()  # its parent may have been released while it lived
         if self._ghosts.get(entry.tokens) is None:
             self._ghosts.insert(entry.tokens, True)
             self._ghost_order.append(entry.tokens)
@@ -158,7 +183,11 @@ class PrefixCache:
                 self._ghosts.remove(self._ghost_order.popleft())
 
     def clear(self) -> None:
-        """Prune every entry (children first)."""
+        """Prune every entry (children first) and every released branch."""
+        for b, _ in self._orphans:
+            if not b.disposed:
+                b.prune_subtree()
+        self._orphans.clear()
         for e in sorted(self.entries(), key=lambda e: -len(e.tokens)):
             self._tree.remove(e.tokens)
             if not e.branch.disposed:
@@ -166,7 +195,11 @@ class PrefixCache:
         self.cells = 0
 
 
-def _reusable(tree: RadixTree[V], tokens: Sequence[int]) -> tuple[int, V] | None:
+def _unpinned(e: CacheEntry) -> bool:
+    return e.pins == 0 and not getattr(e.holder, "pins", 0)
+
+
+def reusable(tree: RadixTree[V], tokens: Sequence[int]) -> tuple[int, V] | None:
     """``(tokens reused, value)`` of the key in ``tree`` a request for ``tokens`` would fork:
     a whole key that prefixes ``tokens``, or a longer shared run of a diverging key (at least
     one token left to prefill); None below :data:`MIN_SHARED` shared tokens (unless that is

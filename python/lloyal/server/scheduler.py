@@ -7,7 +7,10 @@ to :data:`LOOKAHEAD` tokens ahead of the event loop, so the next step decodes wh
 tokens are turned into events (no hand-off between steps). A request is admitted when a slot is
 free: it forks the longest cached prefix of its prompt (:mod:`lloyal.server.prefix_cache`),
 prefills the rest once (one choice: in its generation request), and forks ``best_of > 1``
-choices from that root (0 new cells for the prompt). Finished requests leave their first choice
+choices from that root (0 new cells for the prompt). A request whose prompt shares a prefix with
+a running request's, neither cached yet, waits until that prompt is written and forks it there
+(:class:`_InFlight`): a burst of requests with a new system prompt prefills it once. Finished
+requests leave their first choice
 (and a ``best_of`` root) in the cache, within :meth:`Scheduler.cache_budget`; everything else is
 pruned. Choices take a KV cell per token (no reservation); the prefix cache is evicted to keep
 :data:`LOOKAHEAD` + 1 cells free per running choice, and a choice that still finds the cache
@@ -29,7 +32,8 @@ import numpy as np
 
 import lloyal
 
-from .prefix_cache import CacheEntry, PrefixCache
+from .prefix_cache import CacheEntry, PrefixCache, reusable
+from .radix import RadixTree
 
 __all__ = [
     "LOOKAHEAD",
@@ -116,6 +120,20 @@ class _Choice:
         self.task: asyncio.Task[None] | None = None
 
 
+class _InFlight:
+    """A running request's prompt, which other requests may fork before it is cached: ``branch``
+    (its one choice, or its ``best_of`` root) holds ``tokens`` once ``ready``; ``pins`` counts
+    requests about to fork it (it is not pruned under them)."""
+
+    __slots__ = ("branch", "pins", "ready", "tokens")
+
+    def __init__(self, tokens: tuple[int, ...]) -> None:
+        self.tokens = tokens
+        self.branch: lloyal.Branch | None = None
+        self.ready = False
+        self.pins = 0
+
+
 class _Request:
     def __init__(self, spec: GenSpec) -> None:
         self.spec = spec
@@ -123,6 +141,7 @@ class _Request:
         self.choices: list[_Choice] = []
         self.root: lloyal.Branch | None = None
         self.root_is_entry = False
+        self.inflight: _InFlight | None = None  # its prompt, while others may fork it
         self.cached_tokens = 0
         self.cancelled = False
 
@@ -142,6 +161,7 @@ class Scheduler:
         self.max_queue = max_queue  # None: unbounded
         self.store = lloyal.BranchStore(ctx)
         self.cache = PrefixCache(self.store)
+        self._inflight: RadixTree[_InFlight] = RadixTree()  # prompts being written, by tokens
         self.cache_cells = cache_cells  # None: the budget follows the cache's reuse
         self.max_running = max_running or ctx.n_seq_max
         self._running: list[_Choice] = []
@@ -262,6 +282,7 @@ class Scheduler:
     async def _admit(self, req: _Request) -> None:
         spec = req.spec
         entry: CacheEntry | None = None
+        source: _InFlight | None = None
         self.waiting += 1
         try:
             async with self._room:
@@ -269,38 +290,56 @@ class Scheduler:
                     if self._closed:
                         raise ShuttingDown(self._cancelled_message())
                     entry, hit = self.cache.lookup(spec.prompt)
+                    source, shared = self._inflight_match(spec.prompt, hit)
+                    if source is not None:  # a running request is writing more of the prompt
+                        if entry is not None:
+                            entry.pins -= 1
+                        entry, hit = None, shared
                     exact = entry is not None and hit == len(entry.tokens) == len(spec.prompt)
                     # one choice is its own branch; best_of choices fork a root (or the entry)
                     leases = 1 if spec.best_of == 1 else spec.best_of + (0 if exact else 1)
                     cells = len(spec.prompt) - hit + 1
                     room = len(self._running) + self._reserved[0] + spec.best_of <= self.max_running
-                    if room and self.cache.evict(
-                        leases=leases + self._reserved[1], cells=cells + self._reserved[2]
+                    if (
+                        (source is None or source.ready)
+                        and room
+                        and self.cache.evict(
+                            leases=leases + self._reserved[1], cells=cells + self._reserved[2]
+                        )
                     ):
                         reserved = (spec.best_of, leases, cells)
                         self._reserve(reserved, +1)
                         break
                     if entry is not None:
                         entry.pins -= 1
-                    await self._room.wait()
+                    await self._room.wait()  # for room, or for the source's prompt to be written
         finally:
             self.waiting -= 1
-        req.cached_tokens = hit if entry else 0
+        req.cached_tokens = hit if entry or source else 0
+        if source is not None:
+            source.pins += 1
+        if not exact:  # others with this prompt fork it once written, instead of writing it again
+            req.inflight = _InFlight(tuple(spec.prompt))
+            if self._inflight.get(req.inflight.tokens) is None:
+                self._inflight.insert(req.inflight.tokens, req.inflight)
+        base = entry.branch if entry else source.branch if source else None
+        at = None if entry is not None and hit == len(entry.tokens) else hit
         made: list[lloyal.Branch] = []  # the new root, once the worker thread made it
         try:
             if spec.best_of == 1:
-                await self._admit_one(req, entry, hit, exact)
+                await self._admit_one(req, base, at, exact)
             else:
-                await self._admit_forks(req, entry, hit, exact, made)
+                await self._admit_forks(req, entry if exact else None, base, at, made)
         except BaseException:  # a bad grammar or bias, a full cache, a cancelled client: undo it all
+            self._forget(req)
             for c in req.choices:
                 self._started(c)
-                c.branch.prune()
+                self.cache.release(c.branch)
             made_root = req.root or (made[0] if made else None)
             if made_root is not None and not req.root_is_entry:
                 if req.root is made_root:
                     # the prompt is prefilled: keep it
-                    self.cache.add(made_root, spec.prompt, len(spec.prompt) - req.cached_tokens)
+                    self.cache.add(made_root, spec.prompt, len(spec.prompt) - req.cached_tokens, req.inflight)
                 else:
                     made_root.prune()
             raise
@@ -308,6 +347,9 @@ class Scheduler:
             self._reserve(reserved, -1)
             if entry is not None:
                 entry.pins -= 1
+            if source is not None:
+                source.pins -= 1
+                self.cache.sweep()  # the source may have finished meanwhile
         self.cache.record(req.cached_tokens, spec.prompt)
         self.prompt_tokens += len(spec.prompt)
         self._running.extend(req.choices)
@@ -316,35 +358,48 @@ class Scheduler:
         # are gone, so an entry may have become evictable.
         self._make_room(retry=True)
 
-    async def _admit_one(self, req: _Request, entry: CacheEntry | None, hit: int, exact: bool) -> None:
-        """One choice: its branch is a fork of the cached prefix (or a new branch), and its
-        generation request prefills the rest of the prompt in the engine and goes straight on
-        to its tokens. Its prompt cells stay promised until its first token."""
+    async def _admit_one(
+        self, req: _Request, base: lloyal.Branch | None, at: int | None, exact: bool
+    ) -> None:
+        """One choice: its branch is a fork of the cached (or in-flight) prefix, or a new
+        branch, and its generation request prefills the rest of the prompt in the engine and
+        goes straight on to its tokens. Its prompt cells stay promised until its first token."""
         spec = req.spec
 
         def make_choice() -> None:  # one thread hop: the engine holds the lock most of the time
-            b = self._prefix_branch(entry, hit, spec.params)
+            b = self._prefix_branch(base, at, spec.params)
             req.choices.append(_Choice(req, 0, b))
             self._setup(b, spec, 0, reseed=exact)
 
         await _off_loop(make_choice)
         c = req.choices[0]
-        c.prompt = spec.prompt[hit:] if not exact else []
+        if req.inflight is not None:
+            req.inflight.branch = c.branch
+        c.prompt = spec.prompt[req.cached_tokens :] if not exact else []
         self._pending_cells += len(c.prompt)
         if self._closed:
             raise ShuttingDown(self._cancelled_message())
 
     async def _admit_forks(
-        self, req: _Request, entry: CacheEntry | None, hit: int, exact: bool, made: list[lloyal.Branch]
+        self,
+        req: _Request,
+        exact: CacheEntry | None,
+        base: lloyal.Branch | None,
+        at: int | None,
+        made: list[lloyal.Branch],
     ) -> None:
-        """``best_of`` choices: the prompt is prefilled once on a root, and each choice forks it."""
+        """``best_of`` choices: the prompt is prefilled once on a root (or is ``exact``ly a
+        cached entry), and each choice forks it."""
         spec = req.spec
-        if entry is not None and exact:
-            req.root, req.root_is_entry = entry.branch, True
+        if exact is not None:
+            req.root, req.root_is_entry = exact.branch, True
         else:
-            await _off_loop(lambda: made.append(self._prefix_branch(entry, hit, spec.params)))
-            await made[0].aprefill(spec.prompt[hit:])
+            await _off_loop(lambda: made.append(self._prefix_branch(base, at, spec.params)))
+            if req.inflight is not None:
+                req.inflight.branch = made[0]
+            await made[0].aprefill(spec.prompt[req.cached_tokens :])
             req.root = made[0]
+            self._written(req)
         if self._closed:
             raise ShuttingDown(self._cancelled_message())
         root = req.root
@@ -358,13 +413,40 @@ class Scheduler:
         await _off_loop(make_choices)
 
     def _prefix_branch(
-        self, entry: CacheEntry | None, hit: int, params: lloyal.SamplingParams
+        self, base: lloyal.Branch | None, at: int | None, params: lloyal.SamplingParams
     ) -> lloyal.Branch:
-        """A fork of the cached prefix (``hit`` tokens of ``entry``: whole, with its logits, or
-        at ``hit``), or a new branch when nothing is cached (``hit`` is 0)."""
-        if entry is None:
+        """A fork of ``base`` (a cached entry whole, with its logits, when ``at`` is None; else
+        its first ``at`` positions), or a new branch when nothing is shared (``base`` is None)."""
+        if base is None:
             return lloyal.Branch.create(self.ctx, 0, params)
-        return entry.branch.fork() if hit == len(entry.tokens) else entry.branch.fork(at=hit)
+        return base.fork() if at is None else base.fork(at=at)
+
+    def _inflight_match(self, prompt: Sequence[int], hit: int) -> tuple[_InFlight | None, int]:
+        """The running request whose prompt shares more of ``prompt`` than the cache's ``hit``
+        tokens (at least :data:`~lloyal.server.prefix_cache.MIN_SHARED`), and how many tokens
+        to fork of it (one at least is left to prefill: the fork has no logits)."""
+        found = reusable(self._inflight, prompt)
+        if found is None:
+            return None, 0
+        shared, source = found
+        shared = min(shared, len(prompt) - 1)
+        if shared <= hit or (source.ready and (source.branch is None or source.branch.disposed)):
+            return None, 0
+        return source, shared
+
+    def _written(self, req: _Request) -> None:
+        """``req``'s prompt is in its branch's KV: requests waiting to fork it may go on."""
+        if req.inflight is not None and not req.inflight.ready:
+            req.inflight.ready = True
+            if self.waiting:
+                asyncio.get_running_loop().create_task(self._notify_room())
+
+    def _forget(self, req: _Request) -> None:
+        """``req``'s prompt can no longer be forked as in flight (it finished, or failed)."""
+        if req.inflight is not None and self._inflight.get(req.inflight.tokens) is req.inflight:
+            self._inflight.remove(req.inflight.tokens)
+            if self.waiting and not req.inflight.ready:  # its waiters look again
+                asyncio.get_running_loop().create_task(self._notify_room())
 
     @staticmethod
     def _setup(b: lloyal.Branch, spec: GenSpec, i: int, *, reseed: bool) -> None:
@@ -388,7 +470,7 @@ class Scheduler:
 
     def _retire_root(self, req: _Request) -> None:
         if req.root is not None and not req.root_is_entry and not req.root.disposed:
-            self.cache.add(req.root, req.spec.prompt, len(req.spec.prompt) - req.cached_tokens)
+            self.cache.add(req.root, req.spec.prompt, len(req.spec.prompt) - req.cached_tokens, req.inflight)
 
     # -- the choices ----------------------------------------------------------------------------
     async def _run_choice(self, c: _Choice) -> None:
@@ -408,7 +490,9 @@ class Scheduler:
         reason = "cancelled"
         try:
             async for tok in it:
-                self._started(c)
+                if c.prompt:
+                    self._started(c)
+                    self._written(c.req)
                 c.generated.append(tok.token)
                 c.text += tok.text
                 self.tokens_generated += 1
@@ -480,6 +564,7 @@ class Scheduler:
 
     def _finish(self, req: _Request) -> None:
         spec = req.spec
+        self._forget(req)
         self._requests.remove(req)
         self._running = [c for c in self._running if c.req is not req]
         order = list(range(len(req.choices)))
@@ -489,12 +574,14 @@ class Scheduler:
         self._retire_root(req)
         first = req.choices[keep[0]]
         for c in req.choices:
+            # a running request may have forked its prompt: it stays while that fork lives
+            holder = req.inflight if req.root is None else None
             if c is first and not req.cancelled and not c.branch.disposed:
                 # its own cells: after the root it forked (best_of), or after the cached prefix
                 own = len(c.generated) + (0 if req.root is not None else len(spec.prompt) - req.cached_tokens)
-                self.cache.add(c.branch, spec.prompt + c.generated, own)
+                self.cache.add(c.branch, spec.prompt + c.generated, own, holder)
             elif not c.branch.disposed:
-                c.branch.prune()
+                self.cache.release(c.branch, holder)
         self._trim_cache()
         done = Done(
             choices=keep,
