@@ -2,7 +2,7 @@
 //! request the engine runs in Rust, and the `Token` it yields.
 
 use std::sync::{Arc, Mutex};
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use lloyal_core::engine::gen::{Finish, GenItem, GenSpec, GenStream, Next};
 use lloyal_core::{Context, Handle, Ticket};
@@ -64,6 +64,7 @@ pub(crate) struct GenArgs {
     timeout: Option<Duration>,
     lookahead: usize,
     reserve: bool,
+    arrived: Option<Instant>,
 }
 
 impl Default for GenArgs {
@@ -78,6 +79,7 @@ impl Default for GenArgs {
             timeout: None,
             lookahead: 1,
             reserve: true,
+            arrived: None,
         }
     }
 }
@@ -125,6 +127,7 @@ impl PyTokenIter {
             top_logprobs: a.top_logprobs,
             timeout: a.timeout,
             reserve: a.reserve,
+            arrived: a.arrived,
             stream: Arc::clone(&stream),
         };
         let ticket = self.core.generate(spec).py();
@@ -284,6 +287,7 @@ impl GenArgs {
         timeout: Option<f64>,
         lookahead: usize,
         reserve: bool,
+        waited: f64,
     ) -> PyResult<Self> {
         if lookahead == 0 {
             return Err(pyo3::exceptions::PyValueError::new_err(
@@ -302,6 +306,13 @@ impl GenArgs {
             }
             t => t.map(Duration::from_secs_f64),
         };
+        if !(waited >= 0.0 && waited.is_finite()) {
+            return Err(pyo3::exceptions::PyValueError::new_err(format!(
+                "waited must be a finite number of seconds >= 0, got {waited}"
+            )));
+        }
+        let arrived =
+            (waited > 0.0).then(|| Instant::now().checked_sub(Duration::from_secs_f64(waited))).flatten();
         Ok(GenArgs {
             max_tokens,
             prompt,
@@ -312,6 +323,7 @@ impl GenArgs {
             timeout,
             lookahead,
             reserve,
+            arrived,
         })
     }
 }

@@ -416,3 +416,44 @@ def test_a_prompt_after_the_stepping_branches_are_pruned_fills_the_batch(model: 
         before = ctx.engine_stats().decode_calls
         lloyal.Branch.create(ctx, 0, lloyal.SamplingParams(temperature=0)).prefill(prompt)
         assert ctx.engine_stats().decode_calls - before == 1
+
+
+def test_a_prompt_that_waited_before_the_streams_started_is_not_paced_behind_them(
+    model: lloyal.Model,
+) -> None:
+    """``generate(waited=)``: a request that waited (in a server's queue) while a stream
+    started is older than that stream, so its prompt fills the batch; without it the prompt
+    is paced next to the stream, a few rows a tick."""
+    import threading
+
+    with lloyal.Context(model, n_ctx=2048, n_batch=512, n_seq_max=3) as ctx:
+        stream = Branch.create(ctx, 0, GREEDY)
+        stream.prefill(ctx.tokenize(PROMPT))
+        stop = threading.Event()
+
+        def run_stream() -> None:
+            it = stream.generate(1500)
+            for _ in it:
+                if stop.is_set():
+                    it.close()
+                    return
+
+        t = threading.Thread(target=run_stream)
+        t.start()
+        try:
+            wait_until(lambda: ctx.engine_stats().ticks > 20)  # the pacer measured the stream
+            prompt = [1000 + (i * 7) % 3000 for i in range(200)]
+            ticks = {}
+            for waited in (0.0, 5.0, 0.0):
+                b = Branch.create(ctx, 0, GREEDY)
+                before = ctx.engine_stats().ticks
+                assert len(list(b.generate(1, prompt=prompt, waited=waited))) == 1
+                ticks[waited] = ctx.engine_stats().ticks - before
+                b.prune()
+        finally:
+            stop.set()
+            t.join()
+        assert ticks[5.0] <= 3 < 10 <= ticks[0.0]  # one prefill tick (and its commit)
+        with pytest.raises(ValueError, match="waited must be"):
+            stream.generate(1, waited=-1.0)
+        stream.prune()

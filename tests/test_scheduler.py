@@ -140,6 +140,20 @@ def greedy_tokens(ctx: lloyal.Context, prompt: list[int], n: int) -> list[int]:
     return out
 
 
+async def together(sched: Scheduler, prompts: list[list[int]], n: int) -> list[tuple[list[int], Done]]:
+    """Greedy requests for ``prompts``, all sent at once: each one's tokens and Done."""
+
+    async def one(p: list[int]) -> tuple[list[int], Done]:
+        toks: list[int] = []
+        async for ev in sched.generate(GenSpec(prompt=p, params=GREEDY, max_tokens=n)):
+            if isinstance(ev, Done):
+                return toks, ev
+            toks.append(ev.token)
+        raise AssertionError("no Done")
+
+    return await asyncio.gather(*(one(p) for p in prompts))
+
+
 def test_requests_arriving_together_with_a_new_prefix_prefill_it_once(model: lloyal.Model) -> None:
     """A burst of prompts sharing a prefix nobody has sent yet: the first writes it, the others
     wait for its first token and fork it there (each prefills only its own tail)."""
@@ -153,19 +167,7 @@ def test_requests_arriving_together_with_a_new_prefix_prefill_it_once(model: llo
         common = next(i for i, (x, y) in enumerate(zip(*prompts[:2], strict=False)) if x != y)
         sched = Scheduler(ctx, max_running=4)
         rows0 = ctx.engine_stats().rows
-
-        async def main() -> list[tuple[list[int], Done]]:
-            async def one(p: list[int]) -> tuple[list[int], Done]:
-                toks: list[int] = []
-                async for ev in sched.generate(GenSpec(prompt=p, params=GREEDY, max_tokens=6)):
-                    if isinstance(ev, Done):
-                        return toks, ev
-                    toks.append(ev.token)
-                raise AssertionError("no Done")
-
-            return await asyncio.gather(*(one(p) for p in prompts))
-
-        got = asyncio.run(main())
+        got = asyncio.run(together(sched, prompts, 6))
         assert [t for t, _ in got] == want
         assert [d.cached_tokens for _, d in got] == [0, common, len(prompts[0]) - 1]
         # the prefix was written once: each prompt row is decoded once, plus the generated tokens
@@ -235,3 +237,24 @@ def test_a_request_whose_prefix_source_is_cancelled_goes_on(model: lloyal.Model)
             await sched.stop()
 
         asyncio.run(both())
+
+
+def test_a_burst_whose_questions_begin_alike_forks_the_first_prompt_written(model: lloyal.Model) -> None:
+    """Two waiting prompts that share a few more tokens with each other than with the prompt
+    being written: neither waits for the other's tail, both fork the first at once."""
+    with lloyal.Context(model, n_ctx=2048, n_batch=64, n_seq_max=8, batch_invariant=True) as ctx:
+        system = ctx.tokenize("You are a careful assistant who answers in one short sentence. " * 8)
+        asks = (
+            " Question 1: what is item one?",
+            " Question 2: what is item two?",
+            " Question 2: what is item six?",
+        )
+        prompts = [system + ctx.tokenize(q, add_special=False) for q in asks]
+        want = [greedy_tokens(ctx, p, 4) for p in prompts]
+        common = next(i for i, (x, y) in enumerate(zip(*prompts[:2], strict=False)) if x != y)
+        assert next(i for i, (x, y) in enumerate(zip(*prompts[1:], strict=False)) if x != y) > common + 2
+        sched = Scheduler(ctx, max_running=4)
+        got = asyncio.run(together(sched, prompts, 4))
+        assert [t for t, _ in got] == want
+        assert [d.cached_tokens for _, d in got] == [0, common, common]
+        asyncio.run(sched.stop())

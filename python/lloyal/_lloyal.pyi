@@ -843,6 +843,7 @@ class Branch:
         timeout: float | None = None,
         lookahead: int = 1,
         reserve: bool = True,
+        waited: float = 0.0,
     ) -> TokenIterator:
         """Generate until a stop (not yielded) or ``max_tokens``, committing each token before
         yielding it. The engine samples and commits in Rust, batched with every other
@@ -869,6 +870,10 @@ class Branch:
                 them). False: it starts when one cell is free and takes one per token, and a
                 token that finds the cache full raises ``KvCacheFullError`` at its ``next()``
                 (the tokens before it were yielded).
+            waited: Seconds the request already waited before this call (in a server's queue).
+                The engine paces a prompt next to running streams (a few rows a step) unless it is
+                older than they are; ``waited`` makes it that much older, so a request that waited
+                while others started prefills at full batch.
 
         Raises:
             InvalidTokenError: A stop or prompt token is out of the vocabulary.
@@ -877,7 +882,7 @@ class Branch:
                 ``reserve=False``, when the cache filled up.
             ValueError: An empty stop string, ``top_logprobs`` out of range or another iterator
                 of this branch still generating (at the first ``next()``), a negative
-                ``timeout`` or a ``lookahead`` below 1.
+                ``timeout`` or ``waited``, or a ``lookahead`` below 1.
         """
     def __iter__(self) -> TokenIterator: ...
     def __aiter__(self) -> TokenIterator: ...

@@ -269,6 +269,10 @@ impl PyBranch {
     ///         them). False: it starts when one cell is free and takes one per token, and a
     ///         token that finds the cache full raises ``KvCacheFullError`` at its ``next()``
     ///         (the tokens before it were yielded).
+    ///     waited: Seconds the request already waited before this call (in a server's queue).
+    ///         The engine paces a prompt next to running streams (a few rows a step) unless it is
+    ///         older than they are; ``waited`` makes it that much older, so a request that waited
+    ///         while others started prefills at full batch.
     ///
     /// Raises:
     ///     InvalidTokenError: A stop or prompt token is out of the vocabulary.
@@ -277,8 +281,8 @@ impl PyBranch {
     ///         ``reserve=False``, when the cache filled up.
     ///     ValueError: An empty stop string, ``top_logprobs`` out of range or another iterator
     ///         of this branch still generating (at the first ``next()``), a negative
-    ///         ``timeout`` or a ``lookahead`` below 1.
-    #[pyo3(signature = (max_tokens=None, *, prompt=None, stop=None, stop_tokens=None, logprobs=false, top_logprobs=0, timeout=None, lookahead=1, reserve=true))]
+    ///         ``timeout`` or ``waited``, or a ``lookahead`` below 1.
+    #[pyo3(signature = (max_tokens=None, *, prompt=None, stop=None, stop_tokens=None, logprobs=false, top_logprobs=0, timeout=None, lookahead=1, reserve=true, waited=0.0))]
     #[allow(clippy::too_many_arguments)]
     fn generate(
         &self,
@@ -291,6 +295,7 @@ impl PyBranch {
         timeout: Option<f64>,
         lookahead: usize,
         reserve: bool,
+        waited: f64,
     ) -> PyResult<PyTokenIter> {
         let args = GenArgs::parse(
             self.core().model(),
@@ -303,6 +308,7 @@ impl PyBranch {
             timeout,
             lookahead,
             reserve,
+            waited,
         )?;
         Ok(PyTokenIter::new(self.core(), self.handle, args))
     }

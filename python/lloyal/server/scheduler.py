@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import asyncio
 import math
+import time
 from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass, field
 
@@ -32,7 +33,7 @@ import numpy as np
 
 import lloyal
 
-from .prefix_cache import CacheEntry, PrefixCache, reusable
+from .prefix_cache import MIN_SHARED, CacheEntry, PrefixCache, reusable
 from .radix import RadixTree
 
 __all__ = [
@@ -125,10 +126,12 @@ class _InFlight:
     (its one choice, or its ``best_of`` root) holds ``tokens`` once ``ready``; ``pins`` counts
     requests about to fork it (it is not pruned under them)."""
 
-    __slots__ = ("branch", "pins", "ready", "tokens")
+    __slots__ = ("base", "branch", "parent", "pins", "ready", "tokens")
 
-    def __init__(self, tokens: tuple[int, ...]) -> None:
+    def __init__(self, tokens: tuple[int, ...], base: int, parent: _InFlight | None) -> None:
         self.tokens = tokens
+        self.base = base  # its first tokens, forked from the cache or from ``parent``
+        self.parent = parent  # the in-flight prompt it forked, if any
         self.branch: lloyal.Branch | None = None
         self.ready = False
         self.pins = 0
@@ -142,6 +145,7 @@ class _Request:
         self.root: lloyal.Branch | None = None
         self.root_is_entry = False
         self.inflight: _InFlight | None = None  # its prompt, while others may fork it
+        self.arrived = time.monotonic()
         self.cached_tokens = 0
         self.cancelled = False
 
@@ -162,6 +166,7 @@ class Scheduler:
         self.store = lloyal.BranchStore(ctx)
         self.cache = PrefixCache(self.store)
         self._inflight: RadixTree[_InFlight] = RadixTree()  # prompts being written, by tokens
+        self._hops = _Hops()
         self.cache_cells = cache_cells  # None: the budget follows the cache's reuse
         self.max_running = max_running or ctx.n_seq_max
         self._running: list[_Choice] = []
@@ -319,7 +324,7 @@ class Scheduler:
         if source is not None:
             source.pins += 1
         if not exact:  # others with this prompt fork it once written, instead of writing it again
-            req.inflight = _InFlight(tuple(spec.prompt))
+            req.inflight = _InFlight(tuple(spec.prompt), req.cached_tokens, source)
             if self._inflight.get(req.inflight.tokens) is None:
                 self._inflight.insert(req.inflight.tokens, req.inflight)
         base = entry.branch if entry else source.branch if source else None
@@ -371,7 +376,7 @@ class Scheduler:
             req.choices.append(_Choice(req, 0, b))
             self._setup(b, spec, 0, reseed=exact)
 
-        await _off_loop(make_choice)
+        await self._hops.run(make_choice)
         c = req.choices[0]
         if req.inflight is not None:
             req.inflight.branch = c.branch
@@ -394,7 +399,7 @@ class Scheduler:
         if exact is not None:
             req.root, req.root_is_entry = exact.branch, True
         else:
-            await _off_loop(lambda: made.append(self._prefix_branch(base, at, spec.params)))
+            await self._hops.run(lambda: made.append(self._prefix_branch(base, at, spec.params)))
             if req.inflight is not None:
                 req.inflight.branch = made[0]
             await made[0].aprefill(spec.prompt[req.cached_tokens :])
@@ -410,7 +415,7 @@ class Scheduler:
                 req.choices.append(_Choice(req, i, b))
                 self._setup(b, spec, i, reseed=True)
 
-        await _off_loop(make_choices)
+        await self._hops.run(make_choices)
 
     def _prefix_branch(
         self, base: lloyal.Branch | None, at: int | None, params: lloyal.SamplingParams
@@ -430,7 +435,11 @@ class Scheduler:
             return None, 0
         shared, source = found
         shared = min(shared, len(prompt) - 1)
-        if shared <= hit or (source.ready and (source.branch is None or source.branch.disposed)):
+        # A prompt still being written that adds only a few tokens to what it forked itself
+        # (a burst's questions that begin alike): fork what it forked instead of waiting.
+        while not source.ready and shared - source.base < MIN_SHARED and source.parent is not None:
+            shared, source = min(shared, source.base), source.parent
+        if shared - hit < (1 if source.ready else MIN_SHARED):
             return None, 0
         return source, shared
 
@@ -486,6 +495,9 @@ class Scheduler:
             top_logprobs=k or 0,
             lookahead=LOOKAHEAD,
             reserve=False,
+            # a request that waited (for a slot, or for a prefix to fork) is older than the
+            # streams that started meanwhile: its prompt is not paced behind them
+            waited=time.monotonic() - c.req.arrived,
         )
         reason = "cancelled"
         try:
@@ -600,17 +612,52 @@ class Scheduler:
             self._room.notify_all()
 
 
-async def _off_loop(fn: Callable[[], None]) -> None:
-    """Run ``fn`` on a worker thread: a direct call waits for the engine's tick in progress
-    (up to a prefill chunk's ~0.8 s), and the event loop keeps serving the other requests
-    meanwhile. A cancelled caller still waits for ``fn`` to finish, so its cleanup sees
-    everything ``fn`` made."""
-    done = asyncio.get_running_loop().run_in_executor(None, fn)
-    try:
-        await asyncio.shield(done)
-    except asyncio.CancelledError:
-        await asyncio.wait([done])
-        raise
+class _Hops:
+    """Runs the admissions' branch calls (forks, creates, sampler changes) on a worker thread,
+    every call queued by then in one hop: a direct call waits for the engine's tick in
+    progress (up to a prefill chunk's ~0.8 s), so a burst of requests that each hopped on
+    their own would be let in a few per tick. The event loop keeps serving meanwhile."""
+
+    def __init__(self) -> None:
+        self._queue: list[tuple[Callable[[], None], asyncio.Future[None]]] = []
+
+    async def run(self, fn: Callable[[], None]) -> None:
+        """Run ``fn`` with the calls queued now. A cancelled caller still waits for ``fn`` to
+        finish, so its cleanup sees everything ``fn`` made."""
+        loop = asyncio.get_running_loop()
+        done: asyncio.Future[None] = loop.create_future()
+        self._queue.append((fn, done))
+        if len(self._queue) == 1:
+            loop.call_soon(self._hop)  # after the other coroutines ready now have queued theirs
+        try:
+            await asyncio.shield(done)
+        except asyncio.CancelledError:
+            await asyncio.wait([done])
+            raise
+
+    def _hop(self) -> None:
+        batch, self._queue = self._queue, []
+        loop = asyncio.get_running_loop()
+
+        def calls() -> list[BaseException | None]:
+            out: list[BaseException | None] = []
+            for fn, _ in batch:
+                try:
+                    fn()
+                    out.append(None)
+                except BaseException as e:  # each call's error goes to its own caller
+                    out.append(e)
+            return out
+
+        def answer(hop: asyncio.Future[list[BaseException | None]]) -> None:
+            errors = hop.result()
+            for (_, done), err in zip(batch, errors, strict=True):
+                if err is None:
+                    done.set_result(None)
+                else:
+                    done.set_exception(err)
+
+        loop.run_in_executor(None, calls).add_done_callback(answer)
 
 
 def _ppl(branch: lloyal.Branch) -> float:

@@ -12,7 +12,7 @@
 
 use std::collections::VecDeque;
 use std::sync::{Arc, Condvar, Mutex, MutexGuard};
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use crate::error::{LloyalError, Result};
 use crate::tenancy::Handle;
@@ -225,6 +225,10 @@ pub struct GenSpec {
     /// Reserve `max_tokens` cells when admitted (`false`: take one cell per step, like an
     /// unbounded request, and end with `KvCacheFull` when a step finds none free).
     pub reserve: bool,
+    /// When the request arrived, if it waited before the engine got it (in a server's queue):
+    /// its prompt is paced as that old, so it goes first past streams that started after it
+    /// (`None`: when its prompt starts).
+    pub arrived: Option<Instant>,
     /// Where the tokens go.
     pub stream: Arc<GenStream>,
 }
@@ -241,6 +245,7 @@ impl std::fmt::Debug for GenSpec {
             .field("top_logprobs", &self.top_logprobs)
             .field("timeout", &self.timeout)
             .field("reserve", &self.reserve)
+            .field("arrived", &self.arrived)
             .finish()
     }
 }
@@ -431,6 +436,7 @@ mod tests {
             top_logprobs: 0,
             timeout: None,
             reserve,
+            arrived: None,
             stream: Arc::new(GenStream::default()),
         };
         assert_eq!((spec(Some(8), true).cells(), spec(Some(8), true).reservation(3)), (8, 5));

@@ -181,7 +181,8 @@ impl Scheduler {
                 Ok((items, cells)) => {
                     budget.reserved += cells;
                     budget.busy.insert(w.spec.handle);
-                    flights.push(Flight { op: w.op, items, cells, arrived: Instant::now() });
+                    let arrived = w.spec.arrived.unwrap_or_else(Instant::now);
+                    flights.push(Flight { op: w.op, items, cells, arrived });
                 }
                 Err(e) => fail_waiting(out, w, e),
             }
