@@ -5,7 +5,7 @@ from __future__ import annotations
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from lloyal.server.radix import RadixTree
+from lloyal.scheduling.radix import RadixTree
 
 keys = st.lists(st.integers(0, 3), min_size=1, max_size=8).map(tuple)
 ops = st.lists(st.tuples(st.sampled_from(["insert", "remove"]), keys), max_size=40)

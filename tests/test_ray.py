@@ -309,3 +309,42 @@ def test_cli_serve_ray_refuses_zero_replicas(capsys: pytest.CaptureFixture[str])
 
     assert main(["serve", "--ray", "--replicas", "0"]) == 1
     assert capsys.readouterr().err == "lloyal: error: --replicas must be >= 1\n"
+
+
+def test_row_generator_runs_rows_on_the_scheduler_sharing_a_prefix_and_ranking(model_path: str) -> None:
+    """The actor behind ``generate``, in process: its rows are the server's generation requests
+    (the same best_of and admission), so rows that share a long prompt prefix prefill it once,
+    and each row's completions come best first with their perplexities."""
+    import numpy as np
+
+    from lloyal.ray.data import RowGenerator
+
+    gen = RowGenerator(
+        model=model_path,
+        prompt_column="prompt",
+        n=3,
+        best_of=3,
+        sampling=lloyal.SamplingParams(temperature=0.8),
+        grammar=None,
+        grammar_column=None,
+        max_tokens=MAX_TOKENS,
+        seed=7,
+        rows_at_once=4,
+        context_options={"n_ctx": 2048, "n_threads": 1},
+    )
+    system = "A long shared instruction about colours, shapes and numbers. " * 20
+    prompts = [system + q for q in ("Name a colour.", "Name a shape.", "Name a number.")]
+    toks = [gen.ctx.tokenize(p) for p in prompts]
+    rows0 = gen.ctx.engine_stats().rows
+    out = gen({"prompt": np.array(prompts, dtype=object)})
+    for i in range(3):
+        assert out["error"][i] is None and len(out["completions"][i]) == 3
+        ppl = out["perplexities"][i]
+        assert ppl == sorted(ppl) and all(p >= 1.0 for p in ppl)
+        assert all(1 <= t <= MAX_TOKENS for t in out["completion_tokens"][i])
+    generated = sum(t for i in range(3) for t in out["completion_tokens"][i])
+    # the first row wrote the shared part; the others forked it and wrote their own tails
+    common = [next(k for k, (x, y) in enumerate(zip(toks[0], t, strict=False)) if x != y) for t in toks[1:]]
+    tails = sum(len(t) - c for t, c in zip(toks[1:], common, strict=True))
+    assert gen.ctx.engine_stats().rows - rows0 == len(toks[0]) + tails + generated
+    assert lloyal.BranchStore(gen.ctx).kv_pressure.cells_used == 0  # nothing kept after the batch

@@ -11,8 +11,8 @@ import lloyal
 
 pytest.importorskip("fastapi", reason="the server extra: pip install 'lloyal[server]'")
 
-from lloyal.server.prefix_cache import GHOSTS, PrefixCache
-from lloyal.server.scheduler import Done, GenSpec, Scheduler, TokenEvent
+from lloyal.scheduling.prefix_cache import GHOSTS, PrefixCache
+from lloyal.scheduling.scheduler import Done, GenSpec, Scheduler, TokenEvent
 
 GREEDY = lloyal.SamplingParams(temperature=0.0)
 

@@ -1,9 +1,10 @@
 """Batch generation on Ray Data: :func:`generate` expands every prompt of a dataset with
 ``n``/``best_of`` completions on a pool of actors, each holding one model and one engine.
 
-Each actor runs the rows of a batch concurrently, one asyncio task per row (one per candidate
-inside it), so the engine decodes every running candidate of every row in one
-``llama_decode`` per step. A row waits for leases and KV cells rather than failing; a row that
+Each actor runs the rows of a batch as requests of one :class:`lloyal.scheduling.Scheduler`
+(the server's: the same admission and ``n``/``best_of``), so the engine decodes every running
+candidate of every row in one ``llama_decode`` per step, and rows that share a prompt prefix
+prefill it once. A row waits for leases and KV cells rather than failing; a row that
 can never fit (prompt plus ``best_of * max_tokens`` beyond ``n_ctx``) or carries an invalid
 grammar gets its message in the ``error`` column and empty outputs, and the job goes on. An
 actor that dies is recreated by Ray and its batch retried on the new actor (``max_restarts``
@@ -24,6 +25,7 @@ import ray
 import ray.data
 
 import lloyal
+from lloyal.scheduling import Done, GenSpec, Scheduler
 
 __all__ = ["RowGenerator", "generate"]
 
@@ -90,10 +92,18 @@ class RowGenerator:
         return out
 
     async def _batch(self, prompts: Sequence[Any], grammars: Sequence[Any]) -> list[tuple[Any, ...]]:
-        self._slots = asyncio.Semaphore(self.rows_at_once)
-        self._room = asyncio.Condition()
-        self._cells = 0
-        return list(await asyncio.gather(*(self._row(p, g) for p, g in zip(prompts, grammars, strict=True))))
+        # One scheduler per batch (its asyncio primitives belong to this batch's event loop):
+        # every choice reserves its max_tokens, so a row waits for room instead of being cut
+        # short, and nothing is cached between rows (prompts in flight are still shared).
+        self._sched = Scheduler(
+            self.ctx, max_running=self.rows_at_once * self.best_of, cache_cells=0, reserve=True
+        )
+        try:
+            return list(
+                await asyncio.gather(*(self._row(p, g) for p, g in zip(prompts, grammars, strict=True)))
+            )
+        finally:
+            await self._sched.stop()
 
     async def _row(self, prompt: Any, grammar_spec: Any) -> tuple[Any, ...]:
         ctx = self.ctx
@@ -108,45 +118,27 @@ class RowGenerator:
                     f"({self.best_of} x {self.max_tokens}) needs {need} KV cells but the context has "
                     f"{ctx.n_ctx}: shorten the prompt or raise n_ctx"
                 )
-            grammar = _grammar(ctx, grammar_spec)
+            spec = GenSpec(
+                prompt=tokens,
+                params=self.params,
+                max_tokens=self.max_tokens,
+                n=self.n,
+                best_of=self.best_of,
+                grammar=_grammar(ctx, grammar_spec),
+                seed=self.seed + 1,  # choice i samples with seed + 1 + i
+                rank=True,
+            )
+            async for ev in self._sched.generate(spec):
+                if isinstance(ev, Done):
+                    return (
+                        [ev.texts[i] for i in ev.choices],
+                        [ev.lengths[i] for i in ev.choices],
+                        [float(ev.perplexities[i]) for i in ev.choices],
+                        None,
+                    )
+            raise RuntimeError("the scheduler ended a request without its result")  # pragma: no cover
         except (ValueError, lloyal.LloyalError) as e:
             return ([], [], [], f"{type(e).__name__}: {e}")
-        async with self._slots:
-            async with self._room:
-                await self._room.wait_for(lambda: self._cells + need <= ctx.n_ctx)
-                self._cells += need
-            try:
-                return await self._candidates(tokens, grammar)
-            except (ValueError, lloyal.LloyalError) as e:
-                return ([], [], [], f"{type(e).__name__}: {e}")
-            finally:
-                async with self._room:
-                    self._cells -= need
-                    self._room.notify_all()
-
-    async def _candidates(self, tokens: list[int], grammar: lloyal.Grammar | None) -> tuple[Any, ...]:
-        root = lloyal.Branch.create(self.ctx, 0, self.params, grammar=grammar)
-        try:
-            await root.aprefill(tokens)
-            cands = [root.fork() for _ in range(self.best_of)]
-            if self.params.temperature > 0:
-                for i, c in enumerate(cands):
-                    c.reseed_sampler(self.seed + 1 + i)
-            outs = await asyncio.gather(*(self._one(c) for c in cands))
-        finally:
-            root.prune_subtree()
-        best = sorted(range(len(outs)), key=lambda i: outs[i][2])[: self.n]
-        return (
-            [outs[i][0] for i in best],
-            [outs[i][1] for i in best],
-            [outs[i][2] for i in best],
-            None,
-        )
-
-    async def _one(self, branch: lloyal.Branch) -> tuple[str, int, float]:
-        ids = [t.token async for t in branch.generate(self.max_tokens)]
-        ppl = branch.perplexity if ids else float("inf")
-        return self.ctx.detokenize(ids), len(ids), float(ppl)
 
 
 def _dataset(source: Any) -> ray.data.Dataset:

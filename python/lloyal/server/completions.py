@@ -18,10 +18,10 @@ from fastapi.responses import Response
 
 import lloyal
 
+from ..scheduling.scheduler import Done, TokenEvent
 from .generation import run_all
 from .protocol import ApiError, ChatRequest, CompletionRequest
 from .replies import assistant_message, chat_logprobs, completion_logprobs, usage
-from .scheduler import Done, TokenEvent
 from .state import ServerState, StateGetter
 from .streaming import chat_chunks, completion_chunks, sse
 from .translate import check_model, gen_spec, message_dict, request_grammar, token_lists

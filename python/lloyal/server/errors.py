@@ -9,8 +9,8 @@ from fastapi.responses import JSONResponse
 
 import lloyal
 
+from ..scheduling.scheduler import QueueFull, ShuttingDown
 from .protocol import ApiError, error_body
-from .scheduler import QueueFull, ShuttingDown
 
 __all__ = ["RETRY_AFTER", "add_error_handlers", "scheduler_error"]
 

@@ -7,8 +7,8 @@ import asyncio
 import sys
 from collections.abc import AsyncGenerator, AsyncIterator, Sequence
 
+from ..scheduling.scheduler import Done, GenSpec, TokenEvent
 from .protocol import ApiError
-from .scheduler import Done, GenSpec, TokenEvent
 from .state import ServerState
 
 __all__ = ["merged", "run_all"]

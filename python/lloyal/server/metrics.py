@@ -18,7 +18,7 @@ from prometheus_client.registry import Collector
 if TYPE_CHECKING:
     import lloyal
 
-    from .scheduler import Scheduler
+    from ..scheduling.scheduler import Scheduler
 
 __all__ = ["Metrics", "MetricsSource"]
 

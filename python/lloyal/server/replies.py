@@ -10,7 +10,7 @@ from typing import Any
 
 import lloyal
 
-from .scheduler import Done, TokenEvent
+from ..scheduling.scheduler import Done, TokenEvent
 
 __all__ = ["assistant_message", "chat_logprobs", "completion_logprobs", "usage"]
 

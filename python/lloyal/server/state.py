@@ -12,9 +12,9 @@ from collections.abc import Callable
 
 import lloyal
 
+from ..scheduling.scheduler import Scheduler
 from . import metrics
 from .config import ServerConfig
-from .scheduler import Scheduler
 
 __all__ = ["ServerState", "StateGetter", "StateHolder"]
 

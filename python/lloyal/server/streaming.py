@@ -14,11 +14,11 @@ from fastapi.responses import StreamingResponse
 
 import lloyal
 
+from ..scheduling.scheduler import Done, GenSpec, QueueFull, ShuttingDown
 from .errors import scheduler_error
 from .generation import merged
 from .protocol import ApiError, error_body
 from .replies import assistant_message, chat_logprobs, completion_logprobs, usage
-from .scheduler import Done, GenSpec, QueueFull, ShuttingDown
 from .state import ServerState
 
 __all__ = ["chat_chunks", "completion_chunks", "sse"]

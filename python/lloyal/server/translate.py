@@ -10,9 +10,9 @@ from typing import Any
 
 import lloyal
 
+from ..scheduling.scheduler import GenSpec
 from .config import ServerConfig
 from .protocol import ApiError, ChatRequest, CompletionRequest
-from .scheduler import GenSpec
 
 __all__ = ["check_model", "gen_spec", "message_dict", "request_grammar", "token_lists"]
 

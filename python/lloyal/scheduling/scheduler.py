@@ -1,11 +1,12 @@
-"""The server's decode loop: every running completion of every request advances in one decode per step.
+"""Generation requests on one context (the OpenAI server's and Ray Data's): every running
+choice of every request advances in one decode per step.
 
 Each choice runs as a generation request of the context's engine
 (:meth:`lloyal.Branch.generate`): the engine samples, commits and applies stops, ``max_tokens``
 and logprobs in Rust, all choices of all requests in one ``llama_decode`` per step, and runs up
 to :data:`LOOKAHEAD` tokens ahead of the event loop, so the next step decodes while this one's
 tokens are turned into events (no hand-off between steps). A request is admitted when a slot is
-free: it forks the longest cached prefix of its prompt (:mod:`lloyal.server.prefix_cache`),
+free: it forks the longest cached prefix of its prompt (:mod:`lloyal.scheduling.prefix_cache`),
 prefills the rest once (one choice: in its generation request), and forks ``best_of > 1``
 choices from that root (0 new cells for the prompt). A request whose prompt shares a prefix with
 a running request's, neither cached yet, waits until that prompt is written and forks it there
@@ -76,6 +77,7 @@ class GenSpec:
     logit_bias: dict[int, float] = field(default_factory=dict)
     logprobs: int | None = None  # None: off; k: the sampled token's logprob and k alternatives
     seed: int | None = None
+    rank: bool = False  # order the choices by perplexity (lowest first) even when best_of == n
 
 
 @dataclass
@@ -106,6 +108,8 @@ class Done:
     prompt_tokens: int
     completion_tokens: int
     cached_tokens: int
+    lengths: list[int] = field(default_factory=list)  # tokens per internal index
+    perplexities: list[float] = field(default_factory=list)  # per internal index, when ranked
 
 
 class _Choice:
@@ -160,6 +164,7 @@ class Scheduler:
         max_running: int | None = None,
         max_queue: int | None = None,
         cache_cells: int | None = None,
+        reserve: bool = False,
     ) -> None:
         self.ctx = ctx
         self.max_queue = max_queue  # None: unbounded
@@ -168,6 +173,9 @@ class Scheduler:
         self._inflight: RadixTree[_InFlight] = RadixTree()  # prompts being written, by tokens
         self._hops = _Hops()
         self.cache_cells = cache_cells  # None: the budget follows the cache's reuse
+        # True: each choice waits in the engine for room for its max_tokens (a batch job's
+        # choices all finish); False: a choice that finds the cache full ends with "length"
+        self.reserve = reserve
         self.max_running = max_running or ctx.n_seq_max
         self._running: list[_Choice] = []
         self._requests: list[_Request] = []
@@ -428,7 +436,7 @@ class Scheduler:
 
     def _inflight_match(self, prompt: Sequence[int], hit: int) -> tuple[_InFlight | None, int]:
         """The running request whose prompt shares more of ``prompt`` than the cache's ``hit``
-        tokens (at least :data:`~lloyal.server.prefix_cache.MIN_SHARED`), and how many tokens
+        tokens (at least :data:`~lloyal.scheduling.prefix_cache.MIN_SHARED`), and how many tokens
         to fork of it (one at least is left to prefill: the fork has no logits)."""
         found = reusable(self._inflight, prompt)
         if found is None:
@@ -494,7 +502,7 @@ class Scheduler:
             logprobs=k is not None,
             top_logprobs=k or 0,
             lookahead=LOOKAHEAD,
-            reserve=False,
+            reserve=self.reserve,
             # a request that waited (for a slot, or for a prefix to fork) is older than the
             # streams that started meanwhile: its prompt is not paced behind them
             waited=time.monotonic() - c.req.arrived,
@@ -580,8 +588,10 @@ class Scheduler:
         self._requests.remove(req)
         self._running = [c for c in self._running if c.req is not req]
         order = list(range(len(req.choices)))
-        if spec.best_of > spec.n:
-            order.sort(key=lambda i: _ppl(req.choices[i].branch))
+        ppls: list[float] = []
+        if spec.best_of > spec.n or spec.rank:
+            ppls = [_ppl(c.branch) if c.generated else math.inf for c in req.choices]
+            order.sort(key=lambda i: ppls[i])
         keep = order[: spec.n]
         self._retire_root(req)
         first = req.choices[keep[0]]
@@ -602,6 +612,8 @@ class Scheduler:
             prompt_tokens=len(spec.prompt),
             completion_tokens=sum(len(c.generated) for c in req.choices),
             cached_tokens=req.cached_tokens,
+            lengths=[len(c.generated) for c in req.choices],
+            perplexities=ppls,
         )
         req.events.put_nowait(done)
         self._make_room(retry=True)  # a choice waiting in the engine for room for its prompt may need it
