@@ -7,7 +7,9 @@
 //! The pacer keeps every tick that carries prefill rows next to decode rows at about
 //! [`STRETCH`] times the time of a decode-only tick, measured on this machine as it runs:
 //!
-//! - `base`: an average of the `llama_decode` time of recent ticks with decode rows only;
+//! - `base`: an average of the `llama_decode` time of recent ticks with decode rows only, one
+//!   per number of decode rows (a decode tick is mostly a fixed pass over the weights: two
+//!   rows cost little more than one, so one count's time scaled by rows misjudges another's);
 //! - after a tick with `p` prefill rows took `t`, the extra cost per prefill row is
 //!   `(t / base - 1) / p`, and the next cap is the `p` that gives `STRETCH - 1` of extra
 //!   cost (moved at most 4x per tick, half way in log scale, so one noisy tick cannot swing it).
@@ -19,6 +21,7 @@
 //! less than [`ACTIVE_GAP`] since the last tick with decode rows) is paced as if they had,
 //! unless their branches are gone ([`Pacer::streams_gone`]).
 
+use std::collections::BTreeMap;
 use std::time::{Duration, Instant};
 
 /// The longest a tick with prefill rows should take, relative to a decode-only tick.
@@ -30,6 +33,9 @@ const FIRST_MIN: usize = 8;
 
 /// Weight of the newest decode-only tick in `base`.
 const BASE_WEIGHT: f64 = 0.2;
+
+/// Most row counts whose decode-only time is kept.
+const MAX_BASES: usize = 64;
 
 /// Extra cost below this fraction is noise: the cap doubles.
 const NOISE: f64 = 0.02;
@@ -44,10 +50,8 @@ pub struct Pacer {
     active_since: Option<Instant>,
     /// When the last tick with decode rows ended, and its decode rows.
     last_decode: Option<(Instant, usize)>,
-    /// Average seconds of a decode-only tick.
-    base: Option<f64>,
-    /// Decode rows of the ticks `base` was measured on.
-    base_rows: usize,
+    /// Average seconds of a decode-only tick, by its decode rows.
+    bases: BTreeMap<usize, f64>,
     /// The current cap (prefill rows next to decode rows).
     cap: Option<f64>,
 }
@@ -117,15 +121,16 @@ impl Pacer {
             return;
         }
         if prefill_rows == 0 {
-            self.base = Some(match self.base {
-                // A different number of streams: start the average again.
-                Some(b) if self.base_rows == decode_rows => b + BASE_WEIGHT * (seconds - b),
-                _ => seconds,
-            });
-            self.base_rows = decode_rows;
+            if self.bases.len() >= MAX_BASES && !self.bases.contains_key(&decode_rows) {
+                self.bases.clear(); // row counts long gone: measure afresh
+            }
+            self.bases
+                .entry(decode_rows)
+                .and_modify(|b| *b += BASE_WEIGHT * (seconds - *b))
+                .or_insert(seconds);
             return;
         }
-        let Some(base) = self.base else {
+        let Some(base) = self.base(decode_rows) else {
             // Streams that never ran a decode-only tick (a burst whose prompts reached the
             // engine over several ticks) give nothing to compare with: double the cap each
             // tick, up to the batch, until a decode-only tick measures the base. Kept at the
@@ -133,15 +138,30 @@ impl Pacer {
             self.cap = Some(2.0 * prefill_rows as f64);
             return;
         };
-        // The base was measured with other streams: scale it by rows (a rough correction,
-        // replaced as soon as a decode-only tick of this size runs).
-        let base = base * decode_rows as f64 / self.base_rows.max(1) as f64;
         let p = prefill_rows as f64;
         let extra = seconds / base - 1.0;
         let wanted = if extra <= NOISE { 2.0 * p } else { p * (STRETCH - 1.0) / extra };
         let now = self.cap.unwrap_or(p);
         let next = (now * wanted).sqrt().clamp(now / 4.0, now * 4.0);
         self.cap = Some(next.max(1.0));
+    }
+
+    /// A decode-only tick's seconds at `decode_rows`: measured at that count, else at the
+    /// nearest count measured, scaled by rows (a rough correction, replaced as soon as a
+    /// decode-only tick of this size runs).
+    fn base(&self, decode_rows: usize) -> Option<f64> {
+        if let Some(b) = self.bases.get(&decode_rows) {
+            return Some(*b);
+        }
+        let below = self.bases.range(..decode_rows).next_back();
+        let above = self.bases.range(decode_rows..).next();
+        let (rows, b) = match (below, above) {
+            (Some(lo), Some(hi)) if hi.0 - decode_rows < decode_rows - lo.0 => hi,
+            (Some(lo), _) => lo,
+            (None, Some(hi)) => hi,
+            (None, None) => return None,
+        };
+        Some(b * decode_rows as f64 / (*rows).max(1) as f64)
     }
 
     /// The cap learned so far (None until a tick with prefill rows was measured).
@@ -258,5 +278,24 @@ mod tests {
             cap = p.cap(7, 512);
         }
         assert!((25..=31).contains(&cap), "{cap}");
+    }
+
+    #[test]
+    fn each_stream_count_keeps_its_own_base() {
+        // A tick costs 12 ms + 1.5 ms a row (decode or prefill): two streams' decode-only tick
+        // is 15 ms, not twice one stream's 13.5.
+        let tick = |rows: usize| 0.012 + 0.0015 * rows as f64;
+        let mut p = Pacer::default();
+        for _ in 0..5 {
+            p.observe(1, 0, tick(1));
+        }
+        p.observe(2, 0, tick(2)); // a second stream came and went
+        let mut cap = p.cap(1, 512);
+        for _ in 0..30 {
+            p.observe(1, cap, tick(1 + cap));
+            cap = p.cap(1, 512);
+        }
+        // one stream's ticks stay at the stretch: 4-5 prompt rows, not 1
+        assert!((4..=5).contains(&cap), "{cap}");
     }
 }
