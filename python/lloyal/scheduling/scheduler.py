@@ -11,11 +11,11 @@ prefills the rest once (one choice: in its generation request), and forks ``best
 choices from that root (0 new cells for the prompt). A request whose prompt shares a prefix with
 a running request's, neither cached yet, waits until that prompt is written and forks it there
 (:class:`_InFlight`): a burst of requests with a new system prompt prefills it once. Finished
-requests leave their first choice
-(and a ``best_of`` root) in the cache, within :meth:`Scheduler.cache_budget`; everything else is
-pruned. Choices take a KV cell per token (no reservation); the prefix cache is evicted to keep
-:data:`LOOKAHEAD` + 1 cells free per running choice, and a choice that still finds the cache
-full ends with ``"length"``.
+requests leave their first choice (and a ``best_of`` root) in the cache, within
+:meth:`Scheduler.cache_budget`; everything else is pruned. Choices take a KV cell per token (no
+reservation, unless the scheduler is made with ``reserve=True``: then each waits in the engine
+for its ``max_tokens``); the prefix cache is evicted to keep :data:`LOOKAHEAD` + 1 cells free
+per running choice, and a choice that still finds the cache full ends with ``"length"``.
 
 Requests talk to the scheduler through :meth:`Scheduler.generate`, an async iterator of events.
 Admission refuses a request when ``max_queue`` requests already wait (:class:`QueueFull`) and
