@@ -8,6 +8,7 @@ the queue holds all N, ``resume_engine()``; the engine then runs exactly one tic
 from __future__ import annotations
 
 import asyncio
+import threading
 import time
 from collections.abc import Callable
 
@@ -424,8 +425,6 @@ def test_a_prompt_that_waited_before_the_streams_started_is_not_paced_behind_the
     """``generate(waited=)``: a request that waited (in a server's queue) while a stream
     started is older than that stream, so its prompt fills the batch; without it the prompt
     is paced next to the stream, a few rows a tick."""
-    import threading
-
     with lloyal.Context(model, n_ctx=2048, n_batch=512, n_seq_max=3) as ctx:
         stream = Branch.create(ctx, 0, GREEDY)
         stream.prefill(ctx.tokenize(PROMPT))

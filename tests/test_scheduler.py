@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 
 import pytest
+from helpers import greedy_completion
 
 import lloyal
 
@@ -128,18 +129,6 @@ def test_the_cache_budget_follows_reuse_and_a_trimmed_entry_that_is_missed_count
         assert ghosts.reuse < before
 
 
-def greedy_tokens(ctx: lloyal.Context, prompt: list[int], n: int) -> list[int]:
-    b = lloyal.Branch.create(ctx, 0, GREEDY)
-    b.prefill(prompt)
-    out: list[int] = []
-    for _ in range(n):
-        t = b.produce().token
-        b.commit(t)
-        out.append(t)
-    b.prune()
-    return out
-
-
 async def together(sched: Scheduler, prompts: list[list[int]], n: int) -> list[tuple[list[int], Done]]:
     """Greedy requests for ``prompts``, all sent at once: each one's tokens and Done."""
 
@@ -163,7 +152,7 @@ def test_requests_arriving_together_with_a_new_prefix_prefill_it_once(model: llo
             system + ctx.tokenize(q, add_special=False) for q in (" Why is the sky blue?", " Name a fruit.")
         ]
         prompts.append(list(prompts[0]))  # the same prompt again: forks all but its last token
-        want = [greedy_tokens(ctx, p, 6) for p in prompts]
+        want = [greedy_completion(ctx, p, 6) for p in prompts]
         common = next(i for i, (x, y) in enumerate(zip(*prompts[:2], strict=False)) if x != y)
         sched = Scheduler(ctx, max_running=4)
         rows0 = ctx.engine_stats().rows
@@ -172,7 +161,7 @@ def test_requests_arriving_together_with_a_new_prefix_prefill_it_once(model: llo
         assert [d.cached_tokens for _, d in got] == [0, common, len(prompts[0]) - 1]
         # the prefix was written once: each prompt row is decoded once, plus the generated tokens
         prompt_rows = len(prompts[0]) + (len(prompts[1]) - common) + 1
-        assert ctx.engine_stats().rows - rows0 == prompt_rows + 3 * 6
+        assert ctx.engine_stats().rows - rows0 == prompt_rows + sum(len(w) for w in want)
         # the first request's branch is the cached parent of the second's; the third's sequence
         # (the first's again) was pruned once it finished: two entries, two leases, none leaked
         assert len(sched.cache) == 2 and sched.store.available == ctx.n_seq_max - 2
@@ -190,7 +179,7 @@ def test_a_request_whose_prefix_source_is_cancelled_goes_on(model: lloyal.Model)
             system + ctx.tokenize(" First?", add_special=False),
             system + ctx.tokenize(" Second?", add_special=False),
         )
-        want = greedy_tokens(ctx, b, 4)
+        want = greedy_completion(ctx, b, 4)
         common = next(i for i, (x, y) in enumerate(zip(a, b, strict=False)) if x != y)
         sched = Scheduler(ctx, max_running=4)
 
@@ -250,7 +239,7 @@ def test_a_burst_whose_questions_begin_alike_forks_the_first_prompt_written(mode
             " Question 2: what is item six?",
         )
         prompts = [system + ctx.tokenize(q, add_special=False) for q in asks]
-        want = [greedy_tokens(ctx, p, 4) for p in prompts]
+        want = [greedy_completion(ctx, p, 4) for p in prompts]
         common = next(i for i, (x, y) in enumerate(zip(*prompts[:2], strict=False)) if x != y)
         assert next(i for i, (x, y) in enumerate(zip(*prompts[1:], strict=False)) if x != y) > common + 2
         sched = Scheduler(ctx, max_running=4)

@@ -595,9 +595,9 @@ class Scheduler:
         keep = order[: spec.n]
         self._retire_root(req)
         first = req.choices[keep[0]]
+        # a running request may have forked its prompt: its branch stays while that fork lives
+        holder = req.inflight if req.root is None else None
         for c in req.choices:
-            # a running request may have forked its prompt: it stays while that fork lives
-            holder = req.inflight if req.root is None else None
             if c is first and not req.cancelled and not c.branch.disposed:
                 # its own cells: after the root it forked (best_of), or after the cached prefix
                 own = len(c.generated) + (0 if req.root is not None else len(spec.prompt) - req.cached_tokens)
