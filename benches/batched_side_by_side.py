@@ -34,6 +34,7 @@ import random
 import statistics
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -95,11 +96,39 @@ def lloyal_worker(
         root.prune_subtree()
         return t
 
+    def generated() -> float:
+        """The same ``batch`` streams, each iterating ``Branch.generate`` in a thread of its own
+        (the engine batches them and draws their tokens on the decode's threads)."""
+        params = lloyal.SamplingParams(temperature=0.8, top_k=40, top_p=0.95)
+        root = lloyal.Branch.create(ctx, 0, params)
+        root.prefill(prompt)
+        streams = [root] + [root.fork() for _ in range(batch - 1)]
+        stops = {t for t in range(300) if ctx.is_stop_token(t)} | {ctx.eog_token}
+        for i, b in enumerate(streams):
+            b.set_sampling(params, seed=8 + i, logit_bias={t: float("-inf") for t in stops})
+        made = [0] * batch
+
+        def run(i: int) -> None:
+            made[i] = sum(1 for _ in streams[i].generate(tg))
+
+        threads = [threading.Thread(target=run, args=(i,)) for i in range(batch)]
+        t0 = time.perf_counter()
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        t = time.perf_counter() - t0
+        root.prune_subtree()
+        assert sum(made) == batch * tg, made
+        return t
+
     once()  # warm-up, as llama-batched-bench does
     t_pp, t_tg = once()
     out = {"s_pp": pp / t_pp, "s_tg": batch * tg / t_tg}
     sampled()
     out["s_tg_sampled"] = batch * tg / sampled()
+    generated()
+    out["s_tg_generate"] = batch * tg / generated()
     return out
 
 
@@ -117,7 +146,7 @@ def peer_worker(
         "-ub",
         "512",
         "-npp",
-        str(pp),
+        f"{pp},{pp}",  # twice, the second taken: its warm-up decodes 16 tokens, not a prompt
         "-ntg",
         str(tg),
         "-npl",
@@ -130,11 +159,14 @@ def peer_worker(
         str(ngl),
     ]
     out = subprocess.run(cmd, env=clean_env(), capture_output=True, text=True, check=True).stdout
+    rows = []
     for line in out.splitlines():
         cells = [c.strip() for c in line.strip().strip("|").split("|")]
         if len(cells) == 10 and cells[0] == str(pp) and cells[2] == str(batch):
-            return {"s_pp": float(cells[5]), "s_tg": float(cells[7])}
-    raise RuntimeError(f"no result row in llama-batched-bench output:\n{out}")
+            rows.append({"s_pp": float(cells[5]), "s_tg": float(cells[7])})
+    if not rows:
+        raise RuntimeError(f"no result row in llama-batched-bench output:\n{out}")
+    return rows[-1]
 
 
 def clean_env() -> dict[str, str]:
@@ -185,6 +217,7 @@ def main() -> None:
     ap.add_argument("--model", default=None)
     ap.add_argument("--ngl", type=int, default=0, help="layers offloaded to a GPU (both sides)")
     ap.add_argument("--modes", default=",".join(MODES), help="lloyal modes to run")
+    ap.add_argument("--json", default=None, help="write every round's figures here")
     a = ap.parse_args()
     if a.worker:
         print(json.dumps(lloyal_worker(a.worker, a.pp, a.tg, int(a.batch), a.threads, a.model, a.ngl)))
@@ -232,16 +265,22 @@ def main() -> None:
                 cells.append(f"{statistics.median(mine):.1f}")
                 cells.append(f"{statistics.median(ratios):.2f} ({min(ratios):.2f}–{max(ratios):.2f})")
             print(f"| {label} | " + " | ".join(cells) + " |")
-        # lloyal sampling its tokens (issue 18 target 1, issue 29) against the peer's decode only
+        # lloyal sampling its tokens (issue 18 target 1, issue 29, 30) against the peer's decode only
         peer = [x["s_tg"] for x in got[("llama.cpp", b)]]
-        cells = [f"{statistics.median(peer):.1f} (decode only)"]
-        for k in modes:
-            mine = [x["s_tg_sampled"] for x in got[(k, b)]]
-            ratios = [m / p for m, p in zip(mine, peer, strict=True)]
-            cells.append(f"{statistics.median(mine):.1f}")
-            cells.append(f"{statistics.median(ratios):.2f} ({min(ratios):.2f}–{max(ratios):.2f})")
-        what = "single stream, produce + commit" if b == 1 else f"best-of-{b}, produce_all + commit"
-        print(f"| {what}, temp 0.8 top-k 40 top-p 0.95 | " + " | ".join(cells) + " |")
+        lockstep = "single stream, produce + commit" if b == 1 else f"best-of-{b}, produce_all + commit"
+        for key, what in (
+            ("s_tg_sampled", lockstep),
+            ("s_tg_generate", f"{b} x Branch.generate, a thread each"),
+        ):
+            cells = [f"{statistics.median(peer):.1f} (decode only)"]
+            for k in modes:
+                mine = [x[key] for x in got[(k, b)]]
+                ratios = [m / p for m, p in zip(mine, peer, strict=True)]
+                cells.append(f"{statistics.median(mine):.1f}")
+                cells.append(f"{statistics.median(ratios):.2f} ({min(ratios):.2f}–{max(ratios):.2f})")
+            print(f"| {what}, temp 0.8 top-k 40 top-p 0.95 | " + " | ".join(cells) + " |")
+    if a.json:
+        Path(a.json).write_text(json.dumps({f"{k}@{b}": v for (k, b), v in got.items()}, indent=1))
 
 
 if __name__ == "__main__":

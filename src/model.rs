@@ -7,17 +7,21 @@ use lloyal_core::{Model, ModelOptions};
 use pyo3::prelude::*;
 
 use crate::detach::detached;
+use crate::error::IntoPyResult;
 
 /// Model weights (thread-safe; shared by every context created from it).
 ///
-/// ``Model(path, *, n_gpu_layers=0, use_mmap=True, repack=True)`` loads (or shares) the
-/// weights of a GGUF file: a path opened twice loads once. ``repack=True`` (the default, as in
-/// llama.cpp) lets llama.cpp rearrange Q4 weights for its fastest CPU matmul, which multiplies
-/// rows in groups of 4: a token's logits then depend on how many rows share its decode, so
-/// contexts of such a model are not batch-invariant; load with ``repack=False`` for those.
+/// ``Model(path, *, n_gpu_layers=None, use_mmap=True, repack=True)`` loads (or shares) the
+/// weights of a GGUF file: a path opened twice loads once. ``n_gpu_layers`` layers run on a GPU
+/// in a build with a GPU backend; left out, it is ``$LLOYAL_N_GPU_LAYERS`` (0 when unset).
+/// ``repack=True`` (the default, as in llama.cpp) lets llama.cpp rearrange Q4 weights for its
+/// fastest CPU matmul, which multiplies rows in groups of 4: a token's logits then depend on
+/// how many rows share its decode, so contexts of such a model are not batch-invariant; load
+/// with ``repack=False`` for those.
 ///
 /// Raises:
 ///     ModelLoadError: the file is missing, not a GGUF, or of an unsupported architecture.
+///     ValueError: ``LLOYAL_N_GPU_LAYERS`` is set to something other than a whole number.
 ///
 /// Example:
 ///     >>> m = Model(default_model_path())
@@ -38,8 +42,15 @@ impl PyModel {
 #[pymethods]
 impl PyModel {
     #[new]
-    #[pyo3(signature = (path, *, n_gpu_layers=0, use_mmap=true, repack=true))]
-    fn new(py: Python<'_>, path: PathBuf, n_gpu_layers: u32, use_mmap: bool, repack: bool) -> PyResult<Self> {
+    #[pyo3(signature = (path, *, n_gpu_layers=None, use_mmap=true, repack=true))]
+    fn new(
+        py: Python<'_>,
+        path: PathBuf,
+        n_gpu_layers: Option<u32>,
+        use_mmap: bool,
+        repack: bool,
+    ) -> PyResult<Self> {
+        let n_gpu_layers = ModelOptions::gpu_layers_or_env(n_gpu_layers).py()?;
         let inner = Self::load(py, path, ModelOptions { n_gpu_layers, use_mmap, repack })?;
         Ok(PyModel { inner })
     }

@@ -57,8 +57,24 @@ def model_path() -> Path:
 @pytest.fixture(scope="session")
 def model(model_path: Path) -> lloyal.Model:
     # Not repacked: contexts made from it are batch-invariant unless a test says otherwise, so
-    # the suite can compare batched and single runs with ==.
+    # the suite can compare batched and single runs with ==. On a GPU run
+    # (LLOYAL_N_GPU_LAYERS=99, benches/gpu_suite.sh) it is offloaded and its contexts are not
+    # batch-invariant (GPU kernels are not): a test whose == needs invariance takes exact_model.
     return lloyal.Model(model_path, repack=False)
+
+
+@pytest.fixture(scope="session")
+def exact_model(model_path: Path) -> lloyal.Model:
+    """The model on the CPU, not repacked: its contexts are batch-invariant on any run (without
+    LLOYAL_N_GPU_LAYERS it is the same object as ``model``)."""
+    return lloyal.Model(model_path, repack=False, n_gpu_layers=0)
+
+
+@pytest.fixture
+def on_cpu(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Models this test loads without saying ``n_gpu_layers`` stay on the CPU, on a GPU run too
+    (for tests of batch invariance, a CPU feature)."""
+    monkeypatch.delenv("LLOYAL_N_GPU_LAYERS", raising=False)
 
 
 @pytest.fixture
@@ -73,6 +89,16 @@ def ctx(model: lloyal.Model) -> Iterator[lloyal.Context]:
 @pytest.fixture
 def make_context(model: lloyal.Model) -> Iterator[Callable[..., lloyal.Context]]:
     """A factory for contexts on the session model, all closed at teardown."""
+    yield from _context_factory(model)
+
+
+@pytest.fixture
+def make_exact_context(exact_model: lloyal.Model) -> Iterator[Callable[..., lloyal.Context]]:
+    """A factory for batch-invariant contexts (on ``exact_model``), all closed at teardown."""
+    yield from _context_factory(exact_model)
+
+
+def _context_factory(model: lloyal.Model) -> Iterator[Callable[..., lloyal.Context]]:
     made: list[lloyal.Context] = []
 
     def make(**options: object) -> lloyal.Context:

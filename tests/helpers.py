@@ -24,16 +24,35 @@ EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
 GREEDY = lloyal.SamplingParams(temperature=0)
 
 
-def context_fixture(**options: Any) -> Any:
-    """A fixture (function scope) giving a context on the session model made with ``options``,
-    closed at teardown; a test module assigns it to the fixture's name:
-    ``ctx4 = context_fixture(n_ctx=512, n_seq_max=4)``."""
+def context_fixture(*, exact: bool = False, **options: Any) -> Any:
+    """A fixture (function scope) giving a context on the session model made with ``options``
+    (``exact``: on ``exact_model``, batch-invariant on a GPU run too), closed at teardown; a test
+    module assigns it to the fixture's name: ``ctx4 = context_fixture(n_ctx=512, n_seq_max=4)``."""
+    if exact:
+
+        @pytest.fixture
+        def exact_context(make_exact_context: Callable[..., lloyal.Context]) -> lloyal.Context:
+            return make_exact_context(**options)
+
+        return exact_context
 
     @pytest.fixture
     def context(make_context: Callable[..., lloyal.Context]) -> lloyal.Context:
         return make_context(**options)
 
     return context
+
+
+def exact_model_fixture() -> Any:
+    """The session ``model`` fixture of a module whose tests compare batched, crowded or resumed
+    runs with single ones by ``==``: ``exact_model`` (batch-invariant, on the CPU on a GPU run too,
+    since GPU kernels are not); a test module assigns it: ``model = exact_model_fixture()``."""
+
+    @pytest.fixture(scope="session")
+    def model(exact_model: lloyal.Model) -> lloyal.Model:
+        return exact_model
+
+    return model
 
 
 def load_example(name: str) -> ModuleType:

@@ -17,10 +17,15 @@ from collections.abc import Callable
 
 import numpy as np
 import pytest
-from helpers import greedy_steps, produce_commit
+from helpers import exact_model_fixture, greedy_steps, produce_commit
 
 import lloyal
 from lloyal import Branch, BranchStore, SamplingParams
+
+# Batch invariance is a CPU feature: this module runs on the CPU on a GPU run too.
+pytestmark = pytest.mark.usefixtures("on_cpu")
+model = exact_model_fixture()
+
 
 GREEDY = SamplingParams(temperature=0)
 

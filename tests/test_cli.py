@@ -208,9 +208,9 @@ def test_progress_bar_draws_only_on_a_terminal() -> None:
 
 
 def test_prefill_in_chunks_matches_one_prefill_and_shows_a_bar(
-    make_context: Callable[..., lloyal.Context],
+    make_exact_context: Callable[..., lloyal.Context],
 ) -> None:
-    ctx = make_context(n_ctx=512, n_batch=32, n_seq_max=2, n_threads=1)
+    ctx = make_exact_context(n_ctx=512, n_batch=32, n_seq_max=2, n_threads=1)
     tokens = ctx.tokenize("The harbour town was quiet that night. " * 16)
     assert len(tokens) > 3 * 32
     a, b = lloyal.Branch.create(ctx, 0), lloyal.Branch.create(ctx, 0)

@@ -9,8 +9,12 @@ import threading
 import time
 
 import pytest
+from helpers import exact_model_fixture
 
 import lloyal
+
+model = exact_model_fixture()  # runs compared by ==: batch-invariant, on the CPU on a GPU run too
+
 
 PROMPTS = [
     "The capital of France is",

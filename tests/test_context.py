@@ -10,10 +10,10 @@ import pytest
 import lloyal
 
 
-def test_properties(model: lloyal.Model) -> None:
-    with lloyal.Context(model, n_ctx=768, n_batch=128, n_seq_max=3, n_threads=1) as ctx:
+def test_properties(exact_model: lloyal.Model) -> None:
+    with lloyal.Context(exact_model, n_ctx=768, n_batch=128, n_seq_max=3, n_threads=1) as ctx:
         assert (ctx.n_ctx, ctx.n_batch, ctx.n_seq_max, ctx.n_threads) == (768, 128, 3, 1)
-        assert ctx.n_vocab == ctx.vocab_size == model.n_vocab == 262144
+        assert ctx.n_vocab == ctx.vocab_size == exact_model.n_vocab == 262144
         # Batch-invariant by default: q8_0 K (8 blocks of 34 bytes per 256-wide head) and f16 V
         # (2 * 256 bytes), 1 KV head, 18 layers per cell.
         assert (ctx.batch_invariant, ctx.type_k, ctx.type_v) == (True, "q8_0", "f16")
@@ -21,7 +21,7 @@ def test_properties(model: lloyal.Model) -> None:
         assert ctx.closed is False
         assert ctx.flash_attn and not ctx.embeddings
         assert ctx.model.architecture == "gemma3"
-        assert ctx.model.path == model.path
+        assert ctx.model.path == exact_model.path
         assert "n_ctx=768" in repr(ctx)
     assert ctx.closed is True
 

@@ -4,8 +4,12 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from helpers import exact_model_fixture
 
 import lloyal
+
+model = exact_model_fixture()  # runs compared by ==: batch-invariant, on the CPU on a GPU run too
+
 
 PROMPT = "The capital of France is Paris. The capital of Germany is"
 

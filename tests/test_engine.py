@@ -14,10 +14,13 @@ from collections.abc import Callable
 
 import numpy as np
 import pytest
-from helpers import context_fixture, in_threads, prefilled, run_queued, wait_until
+from helpers import context_fixture, exact_model_fixture, in_threads, prefilled, run_queued, wait_until
 
 import lloyal
 from lloyal import Branch, BranchStore, SamplingParams
+
+model = exact_model_fixture()  # runs compared by ==: batch-invariant, on the CPU on a GPU run too
+
 
 GREEDY = SamplingParams(temperature=0)
 PROMPT = "The three most important inventions of the last century were"

@@ -9,10 +9,13 @@ import threading
 import time
 
 import pytest
-from helpers import context_fixture, produce_commit, wait_until
+from helpers import context_fixture, exact_model_fixture, produce_commit, wait_until
 
 import lloyal
 from lloyal import Branch, BranchStore, SamplingParams
+
+model = exact_model_fixture()  # runs compared by ==: batch-invariant, on the CPU on a GPU run too
+
 
 GREEDY = SamplingParams(temperature=0)
 PROMPT = "The three most important inventions of the last century were"

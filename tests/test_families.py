@@ -18,10 +18,15 @@ from pathlib import Path
 import numpy as np
 import pytest
 from gguf_families import FAMILIES, Family, family_path, token_id, vocab
-from helpers import prefilled, run_example_jsonl
+from helpers import exact_model_fixture, prefilled, run_example_jsonl
 
 import lloyal
 from lloyal import Branch, BranchStore, SamplingParams
+
+# Batch invariance is a CPU feature: this module runs on the CPU on a GPU run too.
+pytestmark = pytest.mark.usefixtures("on_cpu")
+model = exact_model_fixture()
+
 
 GREEDY = SamplingParams(temperature=0)
 CHAT = ["llama3", "mistral", "qwen2", "qwen3", "phi3"]

@@ -16,9 +16,13 @@ from contextlib import contextmanager
 
 import numpy as np
 import pytest
-from helpers import produce_commit
+from helpers import exact_model_fixture, produce_commit
 
 import lloyal
+
+# On the CPU on a GPU run too: these tests need decodes long enough to watch (0.06 s on a GPU).
+model = exact_model_fixture()
+
 
 N_BATCH = 32
 LONG = [1000 + (i * 7) % 3000 for i in range(3072)]  # 96 chunks of 32: ~20 s if never interrupted

@@ -156,8 +156,11 @@ def test_cache_type_mismatch_is_rejected_by_llama(
     model: lloyal.Model, saved: tuple[list[int], bytes, list[int]]
 ) -> None:
     _, data, _ = saved
-    # Saved from a default (batch-invariant, q8_0 K) context; this one keeps K in f16.
-    with lloyal.Context(model, n_ctx=512, type_k="f16", type_v="f16") as c:
+    # Saved from a default context (batch-invariant: q8_0 K; on a GPU: f16); this one keeps K in
+    # the other type.
+    with lloyal.Context(model, n_ctx=64) as probe:
+        other = "f16" if probe.type_k == "q8_0" else "q8_0"
+    with lloyal.Context(model, n_ctx=512, type_k=other, type_v="f16") as c:
         with pytest.raises(lloyal.StateError, match=r"llama\.cpp rejected"):
             c.kv_cache_load(0, data)
         assert c.kv_seq_pos_max(0) == -1

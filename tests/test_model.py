@@ -42,8 +42,8 @@ def test_same_path_loads_once(model: lloyal.Model, model_path: Path, tmp_path: P
         assert again.n_vocab == model.n_vocab
 
 
-def test_contexts_of_one_model_share_weights(model: lloyal.Model, model_path: Path) -> None:
-    a = lloyal.Context(model, n_ctx=256)
+def test_contexts_of_one_model_share_weights(exact_model: lloyal.Model, model_path: Path) -> None:
+    a = lloyal.Context(exact_model, n_ctx=256)
     t0 = time.perf_counter()
     # A path: the already-loaded weights are reused (the fixture's unrepacked ones, which a
     # batch-invariant context loads; a default context would load repacked weights once).
@@ -51,7 +51,7 @@ def test_contexts_of_one_model_share_weights(model: lloyal.Model, model_path: Pa
     opened = time.perf_counter() - t0
     try:
         assert opened < 0.5, f"Context(path) took {opened:.3f}s: the weights were loaded again"
-        assert a.model.path == b.model.path == model.path
+        assert a.model.path == b.model.path == exact_model.path
         # Same weights, independent KV: the same prompt gives the same greedy token and logits.
         toks = a.tokenize("One, two, three,")
         a.decode(toks, 0)
@@ -145,3 +145,19 @@ def test_default_model_path_is_a_gguf(model_path: Path) -> None:
     assert model_path.is_file()
     with open(model_path, "rb") as f:
         assert f.read(4) == b"GGUF"
+
+
+def test_gpu_layers_default_comes_from_the_environment(
+    monkeypatch: pytest.MonkeyPatch, model_path: Path
+) -> None:
+    """``LLOYAL_N_GPU_LAYERS`` is the default of ``n_gpu_layers`` (as llama-server's
+    ``LLAMA_ARG_N_GPU_LAYERS``): a value that is no count is refused by every load that reads it,
+    and an explicit ``n_gpu_layers`` does not read it."""
+    monkeypatch.setenv("LLOYAL_N_GPU_LAYERS", "all")
+    with pytest.raises(ValueError, match=r'LLOYAL_N_GPU_LAYERS="all" is not a layer count'):
+        lloyal.Model(model_path)
+    with pytest.raises(ValueError, match="LLOYAL_N_GPU_LAYERS"):
+        lloyal.Context(str(model_path), n_ctx=256)
+    assert lloyal.Model(model_path, n_gpu_layers=0, repack=False).n_vocab == 262144
+    monkeypatch.setenv("LLOYAL_N_GPU_LAYERS", " ")
+    assert lloyal.Model(model_path, repack=False).n_vocab == 262144

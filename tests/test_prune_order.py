@@ -14,8 +14,14 @@ from collections.abc import Callable, Iterator
 
 import numpy as np
 import pytest
+from helpers import exact_model_fixture
 
 import lloyal
+
+# Batch invariance is a CPU feature: this module runs on the CPU on a GPU run too.
+pytestmark = pytest.mark.usefixtures("on_cpu")
+model = exact_model_fixture()
+
 
 GREEDY = lloyal.SamplingParams(temperature=0.0)
 STEPS = 40

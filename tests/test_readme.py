@@ -48,6 +48,7 @@ def test_readme_and_guides_have_python_examples() -> None:
 
 
 @pytest.mark.parametrize(("doc", "index", "code"), BLOCKS, ids=[f"{d}[{i}]" for d, i, _ in BLOCKS])
+@pytest.mark.usefixtures("on_cpu")  # the examples are written for the CPU (some ask for batch invariance)
 def test_doc_block_runs(doc: str, index: int, code: str, capsys: pytest.CaptureFixture[str]) -> None:
     namespace: dict[str, object] = {"__name__": "__docs__"}
     exec(compile(code, f"{doc}[python block {index}]", "exec"), namespace)

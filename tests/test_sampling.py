@@ -314,11 +314,11 @@ def test_a_dict_of_known_keys_is_honoured(primed: lloyal.Context) -> None:
     ],
     ids=["chain", "mirostat", "xtc"],
 )
-def test_an_uncommitted_draw_changes_nothing(model: lloyal.Model, params: SamplingParams) -> None:
+def test_an_uncommitted_draw_changes_nothing(exact_model: lloyal.Model, params: SamplingParams) -> None:
     """`produce` draws on the branch's own sampler and puts its RNG back (on a copy where the
     draw changes the chain: mirostat's mu, XTC's RNG): a branch that produced twice, then
     committed another token, continues exactly like its twin that never produced."""
-    with lloyal.Context(model, n_ctx=512, n_seq_max=3) as ctx:
+    with lloyal.Context(exact_model, n_ctx=512, n_seq_max=3) as ctx:
         root = lloyal.Branch.create(ctx, 0, params)
         root.prefill(ctx.tokenize(PROMPT))
         drew, twin = root.fork(), root.fork()

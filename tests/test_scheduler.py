@@ -143,10 +143,10 @@ async def together(sched: Scheduler, prompts: list[list[int]], n: int) -> list[t
     return await asyncio.gather(*(one(p) for p in prompts))
 
 
-def test_requests_arriving_together_with_a_new_prefix_prefill_it_once(model: lloyal.Model) -> None:
+def test_requests_arriving_together_with_a_new_prefix_prefill_it_once(exact_model: lloyal.Model) -> None:
     """A burst of prompts sharing a prefix nobody has sent yet: the first writes it, the others
     wait for its first token and fork it there (each prefills only its own tail)."""
-    with lloyal.Context(model, n_ctx=2048, n_batch=64, n_seq_max=8, batch_invariant=True) as ctx:
+    with lloyal.Context(exact_model, n_ctx=2048, n_batch=64, n_seq_max=8, batch_invariant=True) as ctx:
         system = ctx.tokenize("You are a careful assistant who answers in one short sentence. " * 8)
         prompts = [
             system + ctx.tokenize(q, add_special=False) for q in (" Why is the sky blue?", " Name a fruit.")
@@ -169,11 +169,11 @@ def test_requests_arriving_together_with_a_new_prefix_prefill_it_once(model: llo
         assert sched.store.kv_pressure.cells_used == 0 and sched.store.available == ctx.n_seq_max
 
 
-def test_a_request_whose_prefix_source_is_cancelled_goes_on(model: lloyal.Model) -> None:
+def test_a_request_whose_prefix_source_is_cancelled_goes_on(exact_model: lloyal.Model) -> None:
     """The request a burst waits for is cancelled: before its prompt is written (the waiter
     prefills it itself), and after the waiter forked it (its branch stays under the fork until
     that goes, then is pruned)."""
-    with lloyal.Context(model, n_ctx=2048, n_batch=64, n_seq_max=8, batch_invariant=True) as ctx:
+    with lloyal.Context(exact_model, n_ctx=2048, n_batch=64, n_seq_max=8, batch_invariant=True) as ctx:
         system = ctx.tokenize("A long shared instruction about colours, shapes and numbers. " * 40)
         a, b = (
             system + ctx.tokenize(" First?", add_special=False),
@@ -228,10 +228,12 @@ def test_a_request_whose_prefix_source_is_cancelled_goes_on(model: lloyal.Model)
         asyncio.run(both())
 
 
-def test_a_burst_whose_questions_begin_alike_forks_the_first_prompt_written(model: lloyal.Model) -> None:
+def test_a_burst_whose_questions_begin_alike_forks_the_first_prompt_written(
+    exact_model: lloyal.Model,
+) -> None:
     """Two waiting prompts that share a few more tokens with each other than with the prompt
     being written: neither waits for the other's tail, both fork the first at once."""
-    with lloyal.Context(model, n_ctx=2048, n_batch=64, n_seq_max=8, batch_invariant=True) as ctx:
+    with lloyal.Context(exact_model, n_ctx=2048, n_batch=64, n_seq_max=8, batch_invariant=True) as ctx:
         system = ctx.tokenize("You are a careful assistant who answers in one short sentence. " * 8)
         asks = (
             " Question 1: what is item one?",

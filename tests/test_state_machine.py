@@ -35,7 +35,8 @@ DIGIT_TOKEN = 236832  # "7": never allowed by LETTERS
 def _model() -> lloyal.Model:
     global _MODEL
     if _MODEL is None:
-        _MODEL = lloyal.Model(lloyal.default_model_path(), repack=False)  # batch-invariant contexts
+        # Batch-invariant contexts (on the CPU, on a GPU run too): the checks compare with ==.
+        _MODEL = lloyal.Model(lloyal.default_model_path(), repack=False, n_gpu_layers=0)
     return _MODEL
 
 

@@ -13,10 +13,13 @@ import textwrap
 
 import numpy as np
 import pytest
-from helpers import context_fixture, greedy_steps, prefilled, produce_commit
+from helpers import context_fixture, exact_model_fixture, greedy_steps, prefilled, produce_commit
 
 import lloyal
 from lloyal import Branch, BranchStore, SamplingParams
+
+model = exact_model_fixture()  # runs compared by ==: batch-invariant, on the CPU on a GPU run too
+
 
 GREEDY = SamplingParams(temperature=0)
 

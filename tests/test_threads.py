@@ -7,7 +7,13 @@ import threading
 import time
 from collections.abc import Callable
 
+from helpers import exact_model_fixture
+
 import lloyal
+
+# On the CPU on a GPU run too: these tests need decodes long enough to watch (0.06 s on a GPU).
+model = exact_model_fixture()
+
 
 PROMPTS = [
     "The capital of France is Paris. The capital of Germany is",

@@ -60,14 +60,17 @@ def _parse_chat_output(text: str) -> tuple[str, str | None, list[tuple[str, str]
 class Model:
     """Model weights (thread-safe; shared by every context created from it).
 
-    ``Model(path, *, n_gpu_layers=0, use_mmap=True, repack=True)`` loads (or shares) the
-    weights of a GGUF file: a path opened twice loads once. ``repack=True`` (the default, as in
-    llama.cpp) lets llama.cpp rearrange Q4 weights for its fastest CPU matmul, which multiplies
-    rows in groups of 4: a token's logits then depend on how many rows share its decode, so
-    contexts of such a model are not batch-invariant; load with ``repack=False`` for those.
+    ``Model(path, *, n_gpu_layers=None, use_mmap=True, repack=True)`` loads (or shares) the
+    weights of a GGUF file: a path opened twice loads once. ``n_gpu_layers`` layers run on a GPU
+    in a build with a GPU backend; left out, it is ``$LLOYAL_N_GPU_LAYERS`` (0 when unset).
+    ``repack=True`` (the default, as in llama.cpp) lets llama.cpp rearrange Q4 weights for its
+    fastest CPU matmul, which multiplies rows in groups of 4: a token's logits then depend on
+    how many rows share its decode, so contexts of such a model are not batch-invariant; load
+    with ``repack=False`` for those.
 
     Raises:
         ModelLoadError: the file is missing, not a GGUF, or of an unsupported architecture.
+        ValueError: ``LLOYAL_N_GPU_LAYERS`` is set to something other than a whole number.
 
     Example:
         >>> m = Model(default_model_path())
@@ -79,7 +82,7 @@ class Model:
         cls,
         path: str | os.PathLike[str],
         *,
-        n_gpu_layers: int = 0,
+        n_gpu_layers: int | None = None,
         use_mmap: bool = True,
         repack: bool = True,
     ) -> Model: ...

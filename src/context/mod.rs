@@ -96,7 +96,7 @@ impl PyContext {
             Ok(m) => m.clone().unbind(),
             Err(_) => {
                 let path: PathBuf = model.extract()?;
-                let inner = PyModel::load(py, path, ModelOptions::for_context(batch_invariant))?;
+                let inner = PyModel::load(py, path, ModelOptions::for_context(batch_invariant).py()?)?;
                 Py::new(py, PyModel { inner })?
             }
         };

@@ -23,11 +23,36 @@ impl Default for ModelOptions {
     }
 }
 
+/// The variable that gives the layers to offload when a load does not say
+/// ([`ModelOptions::gpu_layers_or_env`]), as llama-server's `LLAMA_ARG_N_GPU_LAYERS` does.
+pub const GPU_LAYERS_VAR: &str = "LLOYAL_N_GPU_LAYERS";
+
 impl ModelOptions {
     /// The weights a context loading its own model should use: repacked (llama.cpp's fastest
-    /// kernels) unless the context asks for batch invariance (`batch_invariant=True`).
-    pub fn for_context(batch_invariant: Option<bool>) -> Self {
-        ModelOptions { repack: batch_invariant != Some(true), ..Default::default() }
+    /// kernels) and with the layers [`GPU_LAYERS_VAR`] offloads, unless the context asks for
+    /// batch invariance (`batch_invariant=True`): then on the CPU in the invariant layout (GPU
+    /// kernels are not batch-invariant; the explicit request wins over the variable's default).
+    pub fn for_context(batch_invariant: Option<bool>) -> Result<Self> {
+        let n_gpu_layers = if batch_invariant == Some(true) { 0 } else { Self::gpu_layers_or_env(None)? };
+        Ok(ModelOptions { repack: batch_invariant != Some(true), n_gpu_layers, ..Default::default() })
+    }
+
+    /// `given`, or else the count in [`GPU_LAYERS_VAR`] (0 when unset or empty). A value that
+    /// is no count → `InvalidArgument`.
+    pub fn gpu_layers_or_env(given: Option<u32>) -> Result<u32> {
+        if let Some(n) = given {
+            return Ok(n);
+        }
+        let value = std::env::var(GPU_LAYERS_VAR).unwrap_or_default();
+        if value.trim().is_empty() {
+            return Ok(0);
+        }
+        value.trim().parse().map_err(|_| {
+            LloyalError::InvalidArgument(format!(
+                "{GPU_LAYERS_VAR}={value:?} is not a layer count: set it to a whole number \
+                 (0 = CPU only, 99 = every layer) or unset it"
+            ))
+        })
     }
 }
 
@@ -342,6 +367,11 @@ impl ContextOptions {
         p.kv_unified = true;
         p.swa_full = true;
         p.no_perf = true;
+        // With a GPU backend loaded, llama.cpp sends the matmuls of large batches to the GPU even
+        // for weights on the CPU (op_offload); GPU kernels are not batch-invariant, so an
+        // invariant context keeps every op on the CPU (seen on an H200: a packed prefill's
+        // logits differed from one prompt's alone).
+        p.op_offload = !self.is_batch_invariant();
         Ok(p)
     }
 }
@@ -368,6 +398,7 @@ mod tests {
         // Batch-invariant: one sequence for the user plus the hidden one that parks them.
         let inv = ContextOptions { batch_invariant: Some(true), ..Default::default() };
         assert!(inv.parks_freed_cells());
+        assert!(p.op_offload && !inv.to_llama().unwrap().op_offload, "invariant: no op on a GPU");
         assert_eq!(inv.to_llama().unwrap().n_seq_max, 2);
         let embed = ContextOptions { embeddings: true, ..inv.clone() };
         assert_eq!(embed.to_llama().unwrap().n_seq_max, 1);
@@ -432,8 +463,9 @@ mod tests {
         // The default weights are repacked: a default context runs the fast kernels.
         let fast = ContextOptions::default().resolve(&ModelOptions::default(), None).unwrap();
         assert_eq!((fast.batch_invariant, fast.type_k.as_deref()), (Some(false), Some("f16")));
-        assert!(ModelOptions::for_context(None).repack && ModelOptions::for_context(Some(false)).repack);
-        assert!(!ModelOptions::for_context(Some(true)).repack);
+        let for_context = |invariant| ModelOptions::for_context(invariant).unwrap();
+        assert!(for_context(None).repack && for_context(Some(false)).repack);
+        assert!(!for_context(Some(true)).repack);
         let cpu = ModelOptions { repack: false, ..ModelOptions::default() };
         let auto = ContextOptions::default().resolve(&cpu, None).unwrap();
         assert_eq!((auto.batch_invariant, auto.type_k.as_deref()), (Some(true), Some("q8_0")));

@@ -28,7 +28,10 @@ class ServerState:
         options = dict(cfg.context_options)
         if cfg.batch_invariant:
             options["batch_invariant"] = True
-        self.model = lloyal.Model(cfg.model, repack=options.get("batch_invariant") is not True)
+        invariant = options.get("batch_invariant") is True
+        # An invariant server runs on the CPU (GPU kernels are not batch-invariant), whatever
+        # LLOYAL_N_GPU_LAYERS offloads by default.
+        self.model = lloyal.Model(cfg.model, repack=not invariant, n_gpu_layers=0 if invariant else None)
         # Per running choice: its own sequence, its request's prompt root, and the cached prefix
         # the root forked from (pinned while the request runs); +2 spare for admissions.
         n_seq_max = min(256, max(4, 3 * cfg.parallel + 2))

@@ -40,9 +40,20 @@ impl Logits {
 
     /// Take `row` as the values, read in place and summarised in one pass, with the
     /// log-sum-exp of `scale * row` too when `scale` is given (the buffers are reused).
+    #[cfg(test)]
     pub(crate) fn fill_in_place(&mut self, row: OutputRow, scale: Option<f32>) {
-        let mut maxima = self.summary.take().map(|s| s.maxima).unwrap_or_default();
+        let mut maxima = self.take_maxima();
         let stats = scan_row(row.get(), None, &mut maxima, scale);
+        self.set_in_place(row, stats, maxima);
+    }
+
+    /// The span-maxima buffer, to scan a new row into ([`Self::set_in_place`]).
+    pub(crate) fn take_maxima(&mut self) -> Vec<f32> {
+        self.summary.take().map(|s| s.maxima).unwrap_or_default()
+    }
+
+    /// Take `row` as the values, read in place, with what a scan of it found.
+    pub(crate) fn set_in_place(&mut self, row: OutputRow, stats: RowStats, maxima: Vec<f32>) {
         self.row = Some((row, OnceLock::new()));
         self.summary = OnceLock::from(Summary { stats, maxima });
     }

@@ -1,10 +1,9 @@
 //! Logits rows of the last decode: copied out, or read in place as branches' snapshots (and
 //! copied out before a decode may overwrite them).
 
-use parking_lot::Mutex;
-
 use super::state::ContextState;
 use crate::error::{LloyalError, Result};
+use crate::scan::{scan_rows, RowJob};
 use crate::tenancy::Handle;
 
 impl ContextState {
@@ -17,8 +16,8 @@ impl ContextState {
     }
 
     /// For each `(row, branch)`: logits row `row` of the last decode becomes the branch's
-    /// `next_logits`, read in place and summarised in one pass (`Logits::fill_in_place`), the
-    /// rows shared among the decode's threads (on an engine thread: `omp::parallel_for`).
+    /// `next_logits`, read in place and summarised in one pass (`scan::scan_rows`), the rows'
+    /// parts shared among the decode's threads (on an engine thread: `omp::parallel_for`).
     /// Each branch's snapshot also gets the log-sum-exp of its sampling distribution's scale
     /// (sampling perplexity at commit).
     pub(crate) fn fill_next_logits_rows(&mut self, rows: &[(i32, Handle)]) -> Result<()> {
@@ -31,21 +30,18 @@ impl ContextState {
         let mut jobs = Vec::with_capacity(rows.len());
         for (&(_, handle), src) in rows.iter().zip(srcs) {
             let b = self.branch_mut(handle)?;
-            jobs.push((
-                Some(b.sampling_scale()),
-                Mutex::new((std::mem::take(&mut b.next_logits), Some(src))),
-            ));
+            let mut logits = std::mem::take(&mut b.next_logits);
+            jobs.push((b.sampling_scale(), logits.take_maxima(), logits, src));
         }
         let threads = usize::try_from(self.shape.n_threads).unwrap_or(1);
-        crate::omp::parallel_for(jobs.len(), threads, &|i| {
-            let (scale, job) = &jobs[i];
-            let mut job = job.lock();
-            if let Some(src) = job.1.take() {
-                job.0.fill_in_place(src, *scale);
-            }
-        });
-        for (&(_, handle), (_, job)) in rows.iter().zip(jobs) {
-            self.branch_mut(handle)?.next_logits = job.into_inner().0;
+        let scans = jobs
+            .iter_mut()
+            .map(|(scale, maxima, _, src)| RowJob { src: src.get(), maxima, scale: Some(*scale) })
+            .collect();
+        let stats = scan_rows(scans, threads, |n, job| crate::omp::parallel_for(n, threads, job));
+        for ((&(_, handle), (_, maxima, mut logits, src)), stats) in rows.iter().zip(jobs).zip(stats) {
+            logits.set_in_place(src, stats, maxima);
+            self.branch_mut(handle)?.next_logits = logits;
         }
         Ok(())
     }

@@ -11,6 +11,10 @@
 //!   (the branch's `1 / temperature`) is given, `exp(s x - s max)` (sampling perplexity), both
 //!   online: a block with a new maximum rescales what was summed before it.
 //!
+//! A row is summed in [`PART`]s of 65,536 values, combined in order: [`scan_rows`] spreads the
+//! parts of several rows over a decode's threads (one row alone is four jobs, not one), with the
+//! same bits as [`scan_row`] on one thread.
+//!
 //! The kernels are explicit AVX-512F and AVX2+FMA code, picked at run time, with a portable one
 //! for every other CPU. They agree to a few units in the last place, not bit for bit: a
 //! perplexity can differ in its last digits between an AVX-512 host and an AVX2 one.
@@ -93,7 +97,7 @@ pub fn scan_row(
     scan_with(kernels(), src, copy, maxima, scale)
 }
 
-/// [`scan_row`] with the kernels `k`.
+/// [`scan_row`] with the kernels `k`: its parts one after another, combined.
 fn scan_with(
     k: Kernels,
     src: &[f32],
@@ -102,21 +106,55 @@ fn scan_with(
     scale: Option<f32>,
 ) -> RowStats {
     maxima.resize(src.len().div_ceil(SPAN), f32::NEG_INFINITY);
-    // Every value is overwritten below: only a change of length touches the buffer.
+    let scale = usable(scale);
     let mut copy = copy;
     if let Some(dst) = copy.as_deref_mut() {
-        dst.resize(src.len(), 0.0);
+        dst.resize(src.len(), 0.0); // every value is overwritten: only a change of length touches it
     }
-    let scale = scale.filter(|s| s.is_finite() && *s > 0.0 && *s != 1.0);
+    let mut dst = copy.map(|d| d.chunks_mut(PART));
+    let partials: Vec<Partial> = src
+        .chunks(PART)
+        .zip(maxima.chunks_mut(PART / SPAN))
+        .map(|(part, spans)| scan_part(k, part, dst.as_mut().and_then(Iterator::next), spans, scale))
+        .collect();
+    combine(&partials, scale)
+}
+
+/// Values per part: a longer row is summed part by part, each at its own maximum, and the parts
+/// combined in order, so the parts of a row may run on different threads ([`scan_rows`]) and
+/// give the same bits as one thread.
+pub const PART: usize = 16 * BLOCK;
+
+/// The maximum of one part, its first position in the part and its sums taken against it.
+#[derive(Debug, Clone, Copy)]
+struct Partial {
+    max: f32,
+    argmax: i32,
+    sum: f64,
+    scaled_sum: f64,
+}
+
+/// The scale a pass sums for: none for 1 (the model's own sum) or a value that is no scale.
+fn usable(scale: Option<f32>) -> Option<f32> {
+    scale.filter(|s| s.is_finite() && *s > 0.0 && *s != 1.0)
+}
+
+/// One part, block by block, online: a block with a new maximum rescales what was summed.
+fn scan_part(
+    k: Kernels,
+    src: &[f32],
+    mut copy: Option<&mut [f32]>,
+    maxima: &mut [f32],
+    scale: Option<f32>,
+) -> Partial {
     let (mut max, mut sum, mut scaled_sum) = (f32::NEG_INFINITY, 0f64, 0f64);
     for (b, block) in src.chunks(BLOCK).enumerate() {
         let at = b * BLOCK;
-        let dst = copy.as_mut().map(|d| &mut d[at..at + block.len()]);
+        let dst = copy.as_deref_mut().map(|d| &mut d[at..at + block.len()]);
         let spans = &mut maxima[at / SPAN..(at + block.len()).div_ceil(SPAN)];
         let block_max = (k.maxima)(block, dst, spans);
         if block_max > max {
             if max > f32::NEG_INFINITY && block_max.is_finite() {
-                // The sums so far were taken against the old maximum: rebase them.
                 let shift = f64::from(max) - f64::from(block_max);
                 sum *= shift.exp();
                 scaled_sum *= (shift * f64::from(scale.unwrap_or(1.0))).exp();
@@ -130,10 +168,26 @@ fn scan_with(
             scaled_sum += s;
         }
     }
-    let argmax = first_position(src, maxima, max);
+    Partial { max, argmax: first_position(src, maxima, max), sum, scaled_sum }
+}
+
+/// The row's stats from its parts' (in order).
+fn combine(partials: &[Partial], scale: Option<f32>) -> RowStats {
+    let max = partials.iter().map(|p| p.max).fold(f32::NEG_INFINITY, f32::max);
+    let argmax = match partials.iter().position(|p| p.max == max) {
+        Some(i) if max > f32::NEG_INFINITY => (i * PART) as i32 + partials[i].argmax,
+        _ => 0,
+    };
     if !max.is_finite() {
         let lse = f64::from(max);
         return RowStats { max, argmax, lse, scaled: scale.map(|scale| Scaled { scale, lse }) };
+    }
+    let s = f64::from(scale.unwrap_or(1.0));
+    let (mut sum, mut scaled_sum) = (0f64, 0f64);
+    for p in partials.iter().filter(|p| p.max > f32::NEG_INFINITY) {
+        let shift = f64::from(p.max) - f64::from(max);
+        sum += p.sum * shift.exp();
+        scaled_sum += p.scaled_sum * (shift * s).exp();
     }
     let lse = f64::from(max) + sum.max(f64::MIN_POSITIVE).ln();
     let scaled = scale.map(|scale| Scaled {
@@ -141,6 +195,54 @@ fn scan_with(
         lse: f64::from(max) * f64::from(scale) + scaled_sum.max(f64::MIN_POSITIVE).ln(),
     });
     RowStats { max, argmax, lse, scaled }
+}
+
+/// One row for [`scan_rows`]: its values, its maxima buffer (replaced) and the scale to sum for.
+pub struct RowJob<'a> {
+    pub src: &'a [f32],
+    pub maxima: &'a mut Vec<f32>,
+    pub scale: Option<f32>,
+}
+
+/// [`scan_row`] (no copy) of every row, run as `run(n, job)` runs `job(0..n)` (each index once,
+/// on any threads: a parallel for) on `threads` threads: a row per job when there are enough
+/// rows, else a part per job (a single row of 262,144 values is 4 jobs). Each row's stats have
+/// the same bits as [`scan_row`]'s, however the parts were spread.
+pub fn scan_rows(
+    rows: Vec<RowJob<'_>>,
+    threads: usize,
+    run: impl FnOnce(usize, &(dyn Fn(usize) + Sync)),
+) -> Vec<RowStats> {
+    let k = kernels();
+    let whole_rows = rows.len() >= threads;
+    type Unit<'a> = parking_lot::Mutex<(&'a [f32], &'a mut [f32], Vec<Partial>)>;
+    let mut units: Vec<(usize, Option<f32>, Unit<'_>)> = Vec::new();
+    let scales: Vec<Option<f32>> = rows.iter().map(|job| usable(job.scale)).collect();
+    for (r, job) in rows.into_iter().enumerate() {
+        job.maxima.resize(job.src.len().div_ceil(SPAN), f32::NEG_INFINITY);
+        if whole_rows {
+            units.push((r, scales[r], parking_lot::Mutex::new((job.src, &mut job.maxima[..], Vec::new()))));
+            continue;
+        }
+        for (part, spans) in job.src.chunks(PART).zip(job.maxima.chunks_mut(PART / SPAN)) {
+            units.push((r, scales[r], parking_lot::Mutex::new((part, spans, Vec::new()))));
+        }
+    }
+    run(units.len(), &|u| {
+        let (_, scale, unit) = &units[u];
+        let mut unit = unit.lock();
+        let (src, maxima, partials) = &mut *unit;
+        *partials = src
+            .chunks(PART)
+            .zip(maxima.chunks_mut(PART / SPAN))
+            .map(|(part, spans)| scan_part(k, part, None, spans, *scale))
+            .collect();
+    });
+    let mut partials: Vec<Vec<Partial>> = vec![Vec::new(); scales.len()];
+    for (r, _, unit) in units {
+        partials[r].extend(unit.into_inner().2); // a row's units come in order
+    }
+    partials.iter().zip(scales).map(|(p, scale)| combine(p, scale)).collect()
 }
 
 /// The stats of `values` (what [`scan_row`] gives for them; no copy, maxima discarded).

@@ -104,3 +104,51 @@ fn degenerate_rows() {
     // Scale 1 (or none) computes no second sum.
     assert_eq!(scan_row(&[1.0, 2.0], None, &mut Vec::new(), Some(1.0)).scaled, None);
 }
+
+#[test]
+fn rows_scanned_part_by_part_on_threads_match_scan_row_bit_for_bit() {
+    let mut rows: Vec<Vec<f32>> =
+        [0usize, 7, PART, PART + 1, 262_144].iter().map(|&n| row(n, n as u64 + 3)).collect();
+    // The maximum in the last part, twice: the first position wins across parts.
+    rows[4][3 * PART + 10] = 40.0;
+    rows[4][3 * PART + 900] = 40.0;
+    rows[3][PART] = f32::INFINITY; // an infinite value alone in the second part
+    let scales = [Some(1.25f32), None, Some(0.5), Some(2.0), Some(1.0 / 0.8)];
+    for threads in [1, 8] {
+        let mut maxima: Vec<Vec<f32>> = vec![vec![9.0; 3]; rows.len()]; // stale buffers are replaced
+        let jobs = rows
+            .iter()
+            .zip(&mut maxima)
+            .zip(scales)
+            .map(|((src, maxima), scale)| RowJob { src, maxima, scale })
+            .collect();
+        // The jobs run backwards, each on a thread of its own: with 8 threads for 5 rows, a part
+        // per job (0 + 1 + 1 + 2 + 4), with 1 a row per job (5).
+        let stats = scan_rows(jobs, threads, |n, job| {
+            assert_eq!(n, if threads == 1 { 5 } else { 8 });
+            std::thread::scope(|s| {
+                for i in (0..n).rev() {
+                    s.spawn(move || job(i));
+                }
+            });
+        });
+        assert_eq!(stats[4].argmax, (3 * PART + 10) as i32);
+        for (i, src) in rows.iter().enumerate() {
+            let mut want_maxima = Vec::new();
+            let want = scan_row(src, None, &mut want_maxima, scales[i]);
+            assert_eq!(maxima[i], want_maxima, "row {i} maxima");
+            assert_eq!(
+                (stats[i].max.to_bits(), stats[i].argmax),
+                (want.max.to_bits(), want.argmax),
+                "row {i}"
+            );
+            assert_eq!(stats[i].lse.to_bits(), want.lse.to_bits(), "row {i} lse");
+            assert_eq!(
+                stats[i].scaled.map(|s| s.lse.to_bits()),
+                want.scaled.map(|s| s.lse.to_bits()),
+                "row {i}"
+            );
+        }
+        assert!((stats[4].lse - reference_lse(&rows[4], 1.0)).abs() < 1e-5);
+    }
+}

@@ -1,0 +1,43 @@
+#!/usr/bin/env bash
+# On a GPU host, after benches/gpu_backend.sh: the CUDA build checked, timed against
+# llama-batched-bench on the same ggml, and the test suite run with every layer on the GPU.
+#
+#   LLOYAL_MODEL=... LLAMA_BATCHED_BENCH=... benches/gpu_suite.sh OUT [TEST_SECONDS]
+#   (DEADLINE=<epoch seconds>: the tests get what is left until then instead)
+#
+# Writes into OUT: gpu.txt (the card), gpu_check.txt (greedy tokens, forks, perplexities with
+# --ngl 99 and --ngl 0), side_by_side.md/.json (benches/batched_side_by_side.py: prefill, decode
+# B=1/16, sampled streams, 3 paired rounds, 8 threads), host_work.md (benches/bench_host_work.py
+# on the GPU) and pytest.txt (tests/ with LLOYAL_N_GPU_LAYERS=99, stopped after TEST_SECONDS,
+# default 300; tests/test_ray.py left out: Ray is not installed there).
+set -uo pipefail
+out=${1:?usage: benches/gpu_suite.sh OUT [TEST_SECONDS]}
+test_seconds=${2:-300}
+py=${PYTHON:-python3}
+cd "$(dirname "$0")/.."
+mkdir -p "$out"
+export PYTHONUNBUFFERED=1
+step() { echo "== $(date +%T) $*"; }
+step card
+nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv | tee "$out/gpu.txt"
+step gpu_check
+{ timeout 60 $py benches/gpu_check.py --ngl 99 && timeout 60 $py benches/gpu_check.py --ngl 0; } > "$out/gpu_check.txt" 2>&1
+tail -n 4 "$out/gpu_check.txt"
+step side by side
+timeout 240 $py benches/batched_side_by_side.py --rounds 3 --pp 512 --tg 128 --batch 1,16 --threads 8 --ngl 99 \
+    --modes lloyal --bin "$LLAMA_BATCHED_BENCH" --json "$out/side_by_side.json" > "$out/side_by_side.md" 2>&1
+cat "$out/side_by_side.md"
+step host work
+LLOYAL_N_GPU_LAYERS=99 timeout 60 $py benches/bench_host_work.py 64 1 16 > "$out/host_work.md" 2>&1
+cat "$out/host_work.md"
+if [ -n "${DEADLINE:-}" ]; then test_seconds=$((DEADLINE - $(date +%s) - 10)); fi
+if [ "$test_seconds" -lt 30 ]; then step "no time left for the tests"; exit 0; fi
+step "tests (${test_seconds}s at most)"
+# -n 6: pytest-xdist, with which pytest-benchmark warns (an error here): no:benchmark. -W: the GPU
+# image's own pytest plugins (other versions than ours) may warn.
+LLOYAL_N_GPU_LAYERS=99 timeout "$test_seconds" $py -m pytest tests -q -p no:cacheprovider -rfE \
+    -p no:benchmark -W ignore::DeprecationWarning -W ignore::PendingDeprecationWarning \
+    --ignore tests/test_ray.py -n 6 --dist loadfile > "$out/pytest.txt" 2>&1
+echo "pytest exit $?"
+tail -n 40 "$out/pytest.txt"
+step end
