@@ -253,32 +253,26 @@ def main() -> None:
         head += [f"{names[k]} t/s", f"{names[k]} ÷ llama.cpp"]
     print("| " + " | ".join(head) + " |")
     print("|" + "---|" * len(head))
+
+    def row(label: str, b: int, key: str, peer_key: str, peer_note: str = "") -> None:
+        peer = [x[peer_key] for x in got[("llama.cpp", b)]]
+        cells = [f"{statistics.median(peer):.1f}{peer_note}"]
+        for k in modes:
+            mine = [x[key] for x in got[(k, b)]]
+            ratios = [m / p for m, p in zip(mine, peer, strict=True)]
+            cells.append(f"{statistics.median(mine):.1f}")
+            cells.append(f"{statistics.median(ratios):.2f} ({min(ratios):.2f}–{max(ratios):.2f})")
+        print(f"| {label} | " + " | ".join(cells) + " |")
+
+    sampling = "temp 0.8 top-k 40 top-p 0.95"
     for b in batches:
-        for key, label in (("s_pp", f"prefill {a.pp} (B={b})"), ("s_tg", f"decode B={b}")):
-            if key == "s_pp" and b != batches[0]:
-                continue
-            peer = [x[key] for x in got[("llama.cpp", b)]]
-            cells = [f"{statistics.median(peer):.1f}"]
-            for k in modes:
-                mine = [x[key] for x in got[(k, b)]]
-                ratios = [m / p for m, p in zip(mine, peer, strict=True)]
-                cells.append(f"{statistics.median(mine):.1f}")
-                cells.append(f"{statistics.median(ratios):.2f} ({min(ratios):.2f}–{max(ratios):.2f})")
-            print(f"| {label} | " + " | ".join(cells) + " |")
-        # lloyal sampling its tokens (issue 18 target 1, issue 29, 30) against the peer's decode only
-        peer = [x["s_tg"] for x in got[("llama.cpp", b)]]
+        if b == batches[0]:
+            row(f"prefill {a.pp} (B={b})", b, "s_pp", "s_pp")
+        row(f"decode B={b}", b, "s_tg", "s_tg")
+        # lloyal sampling its tokens (issues 18, 29, 30) against the peer's decode only
         lockstep = "single stream, produce + commit" if b == 1 else f"best-of-{b}, produce_all + commit"
-        for key, what in (
-            ("s_tg_sampled", lockstep),
-            ("s_tg_generate", f"{b} x Branch.generate, a thread each"),
-        ):
-            cells = [f"{statistics.median(peer):.1f} (decode only)"]
-            for k in modes:
-                mine = [x[key] for x in got[(k, b)]]
-                ratios = [m / p for m, p in zip(mine, peer, strict=True)]
-                cells.append(f"{statistics.median(mine):.1f}")
-                cells.append(f"{statistics.median(ratios):.2f} ({min(ratios):.2f}–{max(ratios):.2f})")
-            print(f"| {what}, temp 0.8 top-k 40 top-p 0.95 | " + " | ".join(cells) + " |")
+        row(f"{lockstep}, {sampling}", b, "s_tg_sampled", "s_tg", " (decode only)")
+        row(f"{b} x Branch.generate, a thread each, {sampling}", b, "s_tg_generate", "s_tg", " (decode only)")
     if a.json:
         Path(a.json).write_text(json.dumps({f"{k}@{b}": v for (k, b), v in got.items()}, indent=1))
 

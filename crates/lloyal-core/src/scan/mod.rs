@@ -117,7 +117,7 @@ fn scan_with(
         .zip(maxima.chunks_mut(PART / SPAN))
         .map(|(part, spans)| scan_part(k, part, dst.as_mut().and_then(Iterator::next), spans, scale))
         .collect();
-    combine(&partials, scale)
+    combine(src, maxima, &partials, scale)
 }
 
 /// Values per part: a longer row is summed part by part, each at its own maximum, and the parts
@@ -125,11 +125,10 @@ fn scan_with(
 /// give the same bits as one thread.
 pub const PART: usize = 16 * BLOCK;
 
-/// The maximum of one part, its first position in the part and its sums taken against it.
+/// The maximum of one part and its sums taken against it.
 #[derive(Debug, Clone, Copy)]
 struct Partial {
     max: f32,
-    argmax: i32,
     sum: f64,
     scaled_sum: f64,
 }
@@ -168,16 +167,13 @@ fn scan_part(
             scaled_sum += s;
         }
     }
-    Partial { max, argmax: first_position(src, maxima, max), sum, scaled_sum }
+    Partial { max, sum, scaled_sum }
 }
 
-/// The row's stats from its parts' (in order).
-fn combine(partials: &[Partial], scale: Option<f32>) -> RowStats {
+/// The stats of row `src` (span maxima `maxima`) from its parts' (in order).
+fn combine(src: &[f32], maxima: &[f32], partials: &[Partial], scale: Option<f32>) -> RowStats {
     let max = partials.iter().map(|p| p.max).fold(f32::NEG_INFINITY, f32::max);
-    let argmax = match partials.iter().position(|p| p.max == max) {
-        Some(i) if max > f32::NEG_INFINITY => (i * PART) as i32 + partials[i].argmax,
-        _ => 0,
-    };
+    let argmax = first_position(src, maxima, max);
     if !max.is_finite() {
         let lse = f64::from(max);
         return RowStats { max, argmax, lse, scaled: scale.map(|scale| Scaled { scale, lse }) };
@@ -215,34 +211,37 @@ pub fn scan_rows(
 ) -> Vec<RowStats> {
     let k = kernels();
     let whole_rows = rows.len() >= threads;
+    let mut rows = rows;
     type Unit<'a> = parking_lot::Mutex<(&'a [f32], &'a mut [f32], Vec<Partial>)>;
-    let mut units: Vec<(usize, Option<f32>, Unit<'_>)> = Vec::new();
-    let scales: Vec<Option<f32>> = rows.iter().map(|job| usable(job.scale)).collect();
-    for (r, job) in rows.into_iter().enumerate() {
-        job.maxima.resize(job.src.len().div_ceil(SPAN), f32::NEG_INFINITY);
-        if whole_rows {
-            units.push((r, scales[r], parking_lot::Mutex::new((job.src, &mut job.maxima[..], Vec::new()))));
-            continue;
+    let mut partials: Vec<Vec<Partial>> = vec![Vec::new(); rows.len()];
+    {
+        let mut units: Vec<(usize, Option<f32>, Unit<'_>)> = Vec::new();
+        for (r, job) in rows.iter_mut().enumerate() {
+            job.maxima.resize(job.src.len().div_ceil(SPAN), f32::NEG_INFINITY);
+            let (src, scale, maxima) = (job.src, usable(job.scale), &mut job.maxima[..]);
+            if whole_rows {
+                units.push((r, scale, parking_lot::Mutex::new((src, maxima, Vec::new()))));
+                continue;
+            }
+            for (part, spans) in src.chunks(PART).zip(maxima.chunks_mut(PART / SPAN)) {
+                units.push((r, scale, parking_lot::Mutex::new((part, spans, Vec::new()))));
+            }
         }
-        for (part, spans) in job.src.chunks(PART).zip(job.maxima.chunks_mut(PART / SPAN)) {
-            units.push((r, scales[r], parking_lot::Mutex::new((part, spans, Vec::new()))));
+        run(units.len(), &|u| {
+            let (_, scale, unit) = &units[u];
+            let mut unit = unit.lock();
+            let (src, maxima, partials) = &mut *unit;
+            *partials = src
+                .chunks(PART)
+                .zip(maxima.chunks_mut(PART / SPAN))
+                .map(|(part, spans)| scan_part(k, part, None, spans, *scale))
+                .collect();
+        });
+        for (r, _, unit) in units {
+            partials[r].extend(unit.into_inner().2); // a row's units come in order
         }
     }
-    run(units.len(), &|u| {
-        let (_, scale, unit) = &units[u];
-        let mut unit = unit.lock();
-        let (src, maxima, partials) = &mut *unit;
-        *partials = src
-            .chunks(PART)
-            .zip(maxima.chunks_mut(PART / SPAN))
-            .map(|(part, spans)| scan_part(k, part, None, spans, *scale))
-            .collect();
-    });
-    let mut partials: Vec<Vec<Partial>> = vec![Vec::new(); scales.len()];
-    for (r, _, unit) in units {
-        partials[r].extend(unit.into_inner().2); // a row's units come in order
-    }
-    partials.iter().zip(scales).map(|(p, scale)| combine(p, scale)).collect()
+    rows.iter().zip(&partials).map(|(job, p)| combine(job.src, job.maxima, p, usable(job.scale))).collect()
 }
 
 /// The stats of `values` (what [`scan_row`] gives for them; no copy, maxima discarded).
