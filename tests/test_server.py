@@ -30,6 +30,7 @@ openai = pytest.importorskip("openai", reason="the server extra: pip install 'll
 uvicorn = pytest.importorskip("uvicorn")
 
 from lloyal.server import ServerConfig, begin_shutdown, create_app  # noqa: E402
+from lloyal.server.state import ServerState  # noqa: E402
 
 KEY = "sk-test-key"
 N_CTX = 1024
@@ -546,9 +547,12 @@ def test_fast_kernels_by_default_and_prefill_chunk_options(
     seen: list[ServerConfig] = []
     monkeypatch.setattr("lloyal.server.serve", lambda cfg, **kw: seen.append(cfg))
     assert cli.main(["--model", str(model_path), "serve", "--batch-invariant", "--prefill-chunk", "0"]) == 0
-    assert seen[0].batch_invariant and seen[0].prefill_chunk == 0
-    assert cli.main(["--model", str(model_path), "serve", "--prefill-chunk", "paced"]) == 0
-    assert not seen[1].batch_invariant and seen[1].prefill_chunk is None
+    assert seen[0].batch_invariant and seen[0].prefill_chunk == 0 and seen[0].n_gpu_layers is None
+    assert cli.main(["--model", str(model_path), "serve", "--prefill-chunk", "paced", "-ngl", "99"]) == 0
+    assert not seen[1].batch_invariant and seen[1].prefill_chunk is None and seen[1].n_gpu_layers == 99
+    # Batch invariance and GPU layers together: the state refuses with the context's reason.
+    with pytest.raises(ValueError, match="batch_invariant=True is not possible here: the model is offloaded"):
+        ServerState(ServerConfig(model=model_path, n_ctx=256, batch_invariant=True, n_gpu_layers=99))
     with pytest.raises(SystemExit):
         cli.main(["--model", str(model_path), "serve", "--prefill-chunk", "-3"])
 

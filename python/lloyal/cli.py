@@ -371,6 +371,7 @@ def serve(args: argparse.Namespace) -> int:
         max_queue=args.max_queue,
         shutdown_grace=args.shutdown_grace,
         batch_invariant=args.batch_invariant,
+        n_gpu_layers=args.n_gpu_layers,
         prefill_chunk=args.prefill_chunk,
         cache_cells=args.cache_cells,
     )
@@ -436,6 +437,14 @@ def _parser() -> argparse.ArgumentParser:
     sv.add_argument("--port", type=int, default=8000)
     sv.add_argument("--n-ctx", type=int, default=4096, help="KV cells shared by all requests (default 4096)")
     sv.add_argument("--parallel", type=int, default=8, help="completions decoded at once (default 8)")
+    sv.add_argument(
+        "-ngl",
+        "--n-gpu-layers",
+        type=int,
+        default=None,
+        metavar="N",
+        help="layers on the GPU in a GPU build (99: all; default $LLOYAL_N_GPU_LAYERS, else 0)",
+    )
     sv.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1/*")
     sv.add_argument("--embeddings", action="store_true", help="also serve /v1/embeddings")
     sv.add_argument("--served-model-name", default=None, help="the model id clients use (default: file stem)")

@@ -25,6 +25,7 @@ class ServerConfig:
     max_queue: int | None = 512  # requests waiting for a slot beyond this get 429
     shutdown_grace: float = 30.0  # seconds running requests get to finish after SIGTERM/SIGINT
     batch_invariant: bool = False  # per-row kernels: a choice's tokens do not depend on its batch
+    n_gpu_layers: int | None = None  # layers on the GPU (None: $LLOYAL_N_GPU_LAYERS; invariant: CPU)
     prefill_chunk: int | None = None  # Context.engine_prefill_chunk: None paced, 0 the batch, N a cap
     cache_cells: int | None = None  # most KV cells the prefix cache keeps (None: see Scheduler)
     context_options: dict[str, Any] = field(default_factory=dict)

@@ -30,8 +30,9 @@ class ServerState:
             options["batch_invariant"] = True
         invariant = options.get("batch_invariant") is True
         # An invariant server runs on the CPU (GPU kernels are not batch-invariant), whatever
-        # LLOYAL_N_GPU_LAYERS offloads by default.
-        self.model = lloyal.Model(cfg.model, repack=not invariant, n_gpu_layers=0 if invariant else None)
+        # LLOYAL_N_GPU_LAYERS offloads by default; asked for both, its context refuses.
+        ngl = 0 if invariant and cfg.n_gpu_layers is None else cfg.n_gpu_layers
+        self.model = lloyal.Model(cfg.model, repack=not invariant, n_gpu_layers=ngl)
         # Per running choice: its own sequence, its request's prompt root, and the cached prefix
         # the root forked from (pinned while the request runs); +2 spare for admissions.
         n_seq_max = min(256, max(4, 3 * cfg.parallel + 2))
