@@ -124,6 +124,19 @@ def test_coalesced_greedy_runs_equal_hand_batched_commits(model: lloyal.Model) -
         assert a.engine_stats().max_ops_per_tick > 1  # the tasks did share ticks
 
 
+def test_a_caller_reads_each_tick_counted_whole(ctx8: lloyal.Context) -> None:
+    """The stats a caller reads once its call returned count that call's tick whole: its time
+    (with its decode and sampling inside it) and its decode together. A tick's time added after
+    waking the caller made `tick_seconds - decode_seconds` (the host work) read one whole tick
+    short or long depending on who ran first: `bench_host_work.py`'s B = 1 figure swung between
+    ~0.17 and ~0.6 ms a row from run to run."""
+    b = prefilled(ctx8, "The history of the harbour town of Aldermoor begins")
+    for _ in range(40):
+        b.commit(b.produce().token)
+        s = ctx8.engine_stats()
+        assert s.tick_seconds >= s.decode_seconds + s.sample_seconds, (s.tick_seconds, s.decode_seconds)
+
+
 def test_a_bad_operation_fails_only_its_caller(ctx8: lloyal.Context) -> None:
     root, kids = forks(ctx8, 5)
     good_a, good_b, dup, gone, keep = kids
