@@ -77,8 +77,13 @@ def _free_port() -> int:
 
 
 def _clean_env() -> dict[str, str]:
-    """What ``env -i PATH=... HOME=...`` leaves: no variable this process set reaches the server."""
-    return {"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "HOME": os.environ.get("HOME", "/tmp")}
+    """What ``env -i PATH=... HOME=...`` leaves (plus where Python packages, shared libraries and
+    GPUs are, which lloyal never sets): no variable this process set reaches the server."""
+    env = {"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "HOME": os.environ.get("HOME", "/tmp")}
+    for keep in ("PYTHONPATH", "LD_LIBRARY_PATH", "CUDA_VISIBLE_DEVICES"):
+        if keep in os.environ:
+            env[keep] = os.environ[keep]
+    return env
 
 
 @dataclass
@@ -112,13 +117,17 @@ _LLAMA_CPP_PYTHON_ARGS = [
 ]
 
 
-def servers(model: Path, n_ctx: int, invariant: bool = False, extra: Sequence[str] = ()) -> list[ServerSpec]:
-    """The servers present here, each with the same model and threads (``extra``: more
-    ``lloyal serve`` options)."""
+def servers(
+    model: Path, n_ctx: int, invariant: bool = False, extra: Sequence[str] = (), ngl: int = 0
+) -> list[ServerSpec]:
+    """The servers present here, each with the same model, threads and ``ngl`` layers on a GPU
+    (``extra``: more ``lloyal serve`` options)."""
     py = sys.executable
+    gpu = ["-ngl", str(ngl)] if ngl else []
     lloyal_cmd = [
         *[py, "-m", "lloyal.cli", "--model", str(model), "serve", "--n-ctx", str(n_ctx)],
         *_LLOYAL_ARGS,
+        *gpu,
         *extra,
     ]
     out = [ServerSpec("lloyal serve", lloyal_cmd, True)]
@@ -128,7 +137,7 @@ def servers(model: Path, n_ctx: int, invariant: bool = False, extra: Sequence[st
         out.append(
             ServerSpec(
                 "llama-server",
-                [str(LLAMA_SERVER), "-m", str(model), "-c", str(n_ctx), *_LLAMA_SERVER_ARGS],
+                [str(LLAMA_SERVER), "-m", str(model), "-c", str(n_ctx), *_LLAMA_SERVER_ARGS, *gpu],
                 False,
             )
         )
@@ -366,6 +375,7 @@ def bench(
     invariant: bool = False,
     extra: Sequence[str] = (),
     loads: Sequence[str] = LOADS,
+    ngl: int = 0,
 ) -> list[Result]:
     model = lloyal.default_model_path()
     with lloyal.Context(model, n_ctx=4096) as ctx:
@@ -377,7 +387,7 @@ def bench(
         n_ctx = SLOTS * (max(size.system_tokens, size.distinct[1]) + size.max_tokens + 64)
         results: list[Result] = []
         (ROOT / "benches" / "results").mkdir(exist_ok=True)
-        for spec in servers(model, n_ctx, invariant, extra):
+        for spec in servers(model, n_ctx, invariant, extra, ngl):
             if only and spec.name.split()[0] not in only:
                 continue
             with running(spec) as url:
@@ -424,6 +434,7 @@ def paired(
     only: set[str] | None = None,
     extra: Sequence[str] = (),
     loads: Sequence[str] = ("distinct",),
+    ngl: int = 0,
 ) -> list[Result]:
     """Every server up at once; each round runs every (load, concurrency) on each server in turn,
     the order rotating by round, on prompts no server has seen (fresh per round): ratios are then
@@ -431,7 +442,7 @@ def paired(
     model = lloyal.default_model_path()
     with lloyal.Context(model, n_ctx=4096) as ctx, contextlib.ExitStack() as stack:
         n_ctx = SLOTS * (max(size.system_tokens, size.distinct[1]) + size.max_tokens + 64)
-        specs = [s for s in servers(model, n_ctx, False, extra) if not only or s.name.split()[0] in only]
+        specs = [s for s in servers(model, n_ctx, False, extra, ngl) if not only or s.name.split()[0] in only]
         urls = {s.name: stack.enter_context(running(s)) for s in specs}
         served = {name: _served_model(url) for name, url in urls.items()}
         for name, url in urls.items():
@@ -530,6 +541,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--lloyal-args", default="", help="more `lloyal serve` options, e.g. '--prefill-chunk 0'")
     ap.add_argument("--loads", default=",".join(LOADS), help=f"comma-separated subset of {','.join(LOADS)}")
     ap.add_argument("--json", default=str(ROOT / "benches/results/server.json"))
+    ap.add_argument("--ngl", type=int, default=0, help="layers on a GPU, both servers (-ngl)")
     ap.add_argument(
         "--rounds",
         type=int,
@@ -545,13 +557,13 @@ def main(argv: list[str] | None = None) -> int:
     print(f"threads={THREADS} size={asdict(size)}\n{HEADER}", flush=True)
     only = {x for x in args.only.split(",") if x} or None
     if args.rounds > 0:
-        results = paired(size, args.rounds, only, shlex.split(args.lloyal_args), loads)
+        results = paired(size, args.rounds, only, shlex.split(args.lloyal_args), loads, args.ngl)
         print("\n| load | concurrency | rounds | lloyal ÷ llama-server tok/s, median (range) | TTFT median |")
         print("| --- | --- | --- | --- | --- |")
         print("\n".join(paired_ratios(results)))
         Path(args.json).write_text(json.dumps([asdict(r) for r in results], indent=1))
         return 0
-    results = bench(size, only, args.invariant, shlex.split(args.lloyal_args), loads)
+    results = bench(size, only, args.invariant, shlex.split(args.lloyal_args), loads, args.ngl)
     print("\n| lloyal | load | concurrency | ÷ llama-server tok/s | ÷ llama-server TTFT median |")
     print("| --- | --- | --- | --- | --- |")
     print("\n".join(ratios(results)))

@@ -8,7 +8,8 @@
 # Writes into OUT: gpu.txt (the card), gpu_check.txt (greedy tokens, forks, perplexities with
 # --ngl 99 and --ngl 0), side_by_side.md/.json (benches/batched_side_by_side.py: prefill, decode
 # B=1/16, sampled streams, 3 paired rounds, 8 threads), host_work.md (benches/bench_host_work.py
-# on the GPU) and pytest.txt (tests/ with LLOYAL_N_GPU_LAYERS=99, stopped after TEST_SECONDS,
+# on the GPU), with $LLAMA_SERVER set server.md/.json (benches/bench_server.py, shared prefix, 2
+# paired rounds, -ngl 99 on both) and pytest.txt (tests/ with LLOYAL_N_GPU_LAYERS=99, stopped after TEST_SECONDS,
 # default 300; tests/test_ray.py left out: Ray is not installed there).
 set -uo pipefail
 out=${1:?usage: benches/gpu_suite.sh OUT [TEST_SECONDS]}
@@ -30,6 +31,14 @@ cat "$out/side_by_side.md"
 step host work
 LLOYAL_N_GPU_LAYERS=99 timeout 60 $py benches/bench_host_work.py 64 1 16 > "$out/host_work.md" 2>&1
 cat "$out/host_work.md"
+if [ -n "${LLAMA_SERVER:-}" ]; then
+    # llama-server built with CUDA from llama-cpp-python's own llama.cpp (its server sources do not
+    # build against the crate's llama.cpp: another mtmd API): a second CUDA build.
+    step "lloyal serve vs llama-server"
+    timeout 300 $py benches/bench_server.py --full --loads shared-prefix --only lloyal,llama-server \
+        --rounds 2 --ngl 99 --json "$out/server.json" > "$out/server.md" 2>&1
+    tail -n 6 "$out/server.md"
+fi
 if [ -n "${DEADLINE:-}" ]; then test_seconds=$((DEADLINE - $(date +%s) - 10)); fi
 if [ "$test_seconds" -lt 30 ]; then step "no time left for the tests"; exit 0; fi
 step "tests (${test_seconds}s at most)"
