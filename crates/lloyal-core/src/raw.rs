@@ -192,7 +192,10 @@ impl RawContext {
     /// `llama_decode` on `batch`: llama.cpp's return code (0 ok, 1 no room, 2 aborted,
     /// other: error). llama.cpp validates token and sequence ids itself. Every [`OutputRow`]
     /// taken before reads as empty afterwards, unless the decode failed while
-    /// [`Self::fails_cleanly`] held for it.
+    /// [`Self::fails_cleanly`] held for it. A batch with logits rows is waited for here: on a
+    /// GPU `llama_decode` returns once the work is queued, and the first read of its rows would
+    /// wait anyway; waiting here puts that time in the decode's (`EngineStats.decode_seconds`),
+    /// not in the host work after it. On a CPU the decode is done when it returns.
     pub fn decode(&mut self, batch: &Batch) -> i32 {
         crate::tiled::note_decode(); // from here on ggml may read its tiled-matmul switch
         let clean = self.fails_cleanly(batch);
@@ -201,6 +204,10 @@ impl RawContext {
         let code = unsafe { sys::llama_decode(self.ptr.as_ptr(), batch.raw()) };
         if code == 0 {
             self.out_rows = self.out_rows.max(batch.outputs());
+            if batch.outputs() > 0 {
+                // SAFETY: valid context.
+                unsafe { sys::llama_synchronize(self.ptr.as_ptr()) };
+            }
         }
         if code == 0 || !clean {
             self.epoch.fetch_add(1, Ordering::Release);
