@@ -56,6 +56,23 @@ def test_a_choice_that_outgrows_the_cache_ends_with_length_and_its_text(model: l
         assert lloyal.BranchStore(ctx).kv_pressure.cells_used == 0
 
 
+def test_a_best_of_request_whose_prompt_fails_leaves_no_branch(model: lloyal.Model) -> None:
+    """best_of > 1 writes the prompt on a root before forking the choices: a prompt the root
+    cannot take (a token outside the vocabulary) fails the request with its error, and the
+    root is pruned (no lease, no cell kept); the scheduler serves the next request."""
+    with lloyal.Context(model, n_ctx=512, n_batch=64, n_seq_max=6) as ctx:
+        sched = Scheduler(ctx, cache_cells=0)
+        prompt = ctx.tokenize("The harbour town was quiet that night.")
+        bad = GenSpec(prompt=[*prompt, ctx.n_vocab + 5], params=GREEDY, max_tokens=4, n=2, best_of=2)
+        with pytest.raises(lloyal.InvalidTokenError):
+            run(sched, bad)
+        assert sched.store.available == ctx.n_seq_max and sched.store.kv_pressure.cells_used == 0
+        _, done = run(sched, GenSpec(prompt=prompt, params=GREEDY, max_tokens=4, n=2, best_of=2))
+        assert done.completion_tokens == 8
+        asyncio.run(sched.stop())
+        assert sched.store.available == ctx.n_seq_max and sched.store.kv_pressure.cells_used == 0
+
+
 def test_choices_run_as_generation_requests_and_the_cache_keeps_its_budget(model: lloyal.Model) -> None:
     with lloyal.Context(model, n_ctx=512, n_batch=64, n_seq_max=8) as ctx:
         sched = Scheduler(ctx, max_running=2, cache_cells=40)

@@ -348,13 +348,9 @@ class Scheduler:
             for c in req.choices:
                 self._started(c)
                 self.cache.release(c.branch)
-            made_root = req.root or (made[0] if made else None)
-            if made_root is not None and not req.root_is_entry:
-                if req.root is made_root:
-                    # the prompt is prefilled: keep it
-                    self.cache.add(made_root, spec.prompt, len(spec.prompt) - req.cached_tokens, req.inflight)
-                else:
-                    made_root.prune()
+            self._retire_root(req)  # a root whose prompt is prefilled is kept
+            if made and made[0] is not req.root:
+                made[0].prune()
             raise
         finally:
             self._reserve(reserved, -1)
