@@ -24,17 +24,10 @@ EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
 GREEDY = lloyal.SamplingParams(temperature=0)
 
 
-def context_fixture(*, exact: bool = False, **options: Any) -> Any:
-    """A fixture (function scope) giving a context on the session model made with ``options``
-    (``exact``: on ``exact_model``, batch-invariant on a GPU run too), closed at teardown; a test
-    module assigns it to the fixture's name: ``ctx4 = context_fixture(n_ctx=512, n_seq_max=4)``."""
-    if exact:
-
-        @pytest.fixture
-        def exact_context(make_exact_context: Callable[..., lloyal.Context]) -> lloyal.Context:
-            return make_exact_context(**options)
-
-        return exact_context
+def context_fixture(**options: Any) -> Any:
+    """A fixture (function scope) giving a context on the session model made with ``options``,
+    closed at teardown; a test module assigns it to the fixture's name:
+    ``ctx4 = context_fixture(n_ctx=512, n_seq_max=4)``."""
 
     @pytest.fixture
     def context(make_context: Callable[..., lloyal.Context]) -> lloyal.Context:

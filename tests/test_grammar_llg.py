@@ -30,8 +30,6 @@ UNSATISFIABLE = {"type": "integer", "minimum": 5, "maximum": 1}
 
 
 ctx4 = context_fixture(n_ctx=2048, n_seq_max=4)
-# Batch-invariant (on the CPU on a GPU run too): a resumed grammar's tokens are compared by ==.
-exact_ctx4 = context_fixture(exact=True, n_ctx=2048, n_seq_max=4)
 
 
 def _person(text: str) -> dict[str, Any]:
@@ -179,7 +177,11 @@ def test_fork_mid_document_copies_the_parse_state(ctx4: lloyal.Context) -> None:
         assert docs[0] != docs[1] or root_tail != child_tail
 
 
-def test_save_and_load_mid_document_resumes_the_grammar(exact_ctx4: lloyal.Context) -> None:
+def test_save_and_load_mid_document_resumes_the_grammar(
+    make_exact_context: Callable[..., lloyal.Context],
+) -> None:
+    # Batch-invariant (on the CPU on a GPU run too): a resumed grammar's tokens are compared by ==.
+    exact_ctx4 = make_exact_context(n_ctx=2048, n_seq_max=4)
     with _person_branch(exact_ctx4) as b:
         head = [t.token for t in b.generate(5)]
         data = b.save_state()
