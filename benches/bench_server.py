@@ -1,10 +1,11 @@
 """Load generator for OpenAI-compatible servers: `lloyal serve`, llama-server, llama-cpp-python's server.
 
-Each server is its own process started with a clean environment (PATH and HOME only, as
-``env -i`` would: nothing lloyal sets in its own process, such as ``GGML_CPU_TILED_MM=0``,
-reaches a peer), on the same model (``lloyal.default_model_path()``) and thread count. Every
-request is streamed (``/v1/completions``, ``stream: true``) from httpx async clients; the time
-to first token (TTFT) is the time to the first chunk with a token, aggregate tok/s is every
+Each server is its own process started with a clean environment (``batched_side_by_side.
+clean_env``: PATH, HOME and where Python packages, libraries and GPUs are; nothing lloyal sets in
+its own process, such as ``GGML_CPU_TILED_MM=0``, reaches a peer), on the same model
+(``lloyal.default_model_path()``) and thread count. Every request is streamed
+(``/v1/completions``, ``stream: true``) from httpx async clients; the time to first token (TTFT)
+is the time to the first chunk with a token, aggregate tok/s is every
 streamed token of a run over the run's wall time.
 
 Loads: shared-prefix (the same ~1000-token system text + a distinct one-line question),
@@ -43,6 +44,7 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+from batched_side_by_side import clean_env
 
 import lloyal
 
@@ -74,16 +76,6 @@ def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
-
-
-def _clean_env() -> dict[str, str]:
-    """What ``env -i PATH=... HOME=...`` leaves (plus where Python packages, shared libraries and
-    GPUs are, which lloyal never sets): no variable this process set reaches the server."""
-    env = {"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "HOME": os.environ.get("HOME", "/tmp")}
-    for keep in ("PYTHONPATH", "LD_LIBRARY_PATH", "CUDA_VISIBLE_DEVICES"):
-        if keep in os.environ:
-            env[keep] = os.environ[keep]
-    return env
 
 
 @dataclass
@@ -161,7 +153,7 @@ def running(spec: ServerSpec) -> Iterator[str]:
     cmd = [c.replace("{port}", str(port)) for c in spec.cmd]
     LOGS.mkdir(parents=True, exist_ok=True)
     log = open(LOGS / f"{spec.name.replace(' ', '_')}.log", "wb")  # noqa: SIM115
-    p = subprocess.Popen(cmd, env=_clean_env(), stdout=log, stderr=subprocess.STDOUT, cwd=ROOT)
+    p = subprocess.Popen(cmd, env=clean_env(), stdout=log, stderr=subprocess.STDOUT, cwd=ROOT)
     url = f"http://127.0.0.1:{port}"
     try:
         deadline = time.monotonic() + 180
