@@ -8,8 +8,9 @@ What is measured (decode only, no sampling, as ``llama-batched-bench -pps`` does
 ``--pp`` tokens prefilled once (S_PP, tokens/s), then ``B`` sequences sharing it each decode
 ``--tg`` tokens in lockstep, one ``llama_decode`` of ``B`` rows per step (S_TG, aggregate
 tokens/s). lloyal does the same with ``Branch.prefill``, ``fork`` and ``BranchStore.commit``,
-in its default mode (llama.cpp's fastest kernels, repacked weights) and with
-``batch_invariant=True`` (per-row kernels). lloyal's sampled row adds what a user runs: the same
+in its default mode (llama.cpp's fastest kernels, repacked weights), with
+``batch_invariant=True`` (per-row kernels) and, for a GPU, with ``LLOYAL_DEVICE_ROWS=0``
+(``lloyal-host-rows``: rows summarised on the host rather than by the decode on the GPU). lloyal's sampled row adds what a user runs: the same
 ``B`` streams sampling their tokens (temperature 0.8, top-k 40, top-p 0.95) with ``produce`` /
 ``produce_all`` before each commit, against the peer's decode-only step.
 
@@ -40,7 +41,10 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 DEFAULT_BIN = ROOT / "target" / "peers" / "build" / "bin" / "llama-batched-bench"
-MODES = {"lloyal": None, "lloyal-invariant": True}
+MODES = {"lloyal": None, "lloyal-invariant": True, "lloyal-host-rows": None}
+# Modes whose worker runs with LLOYAL_DEVICE_ROWS set: rows summarised on the host even where
+# the model's output layer is on a GPU (the default there summarises them on the device).
+MODE_ENV = {"lloyal-host-rows": {"LLOYAL_DEVICE_ROWS": "0"}}
 
 
 def lloyal_worker(
@@ -201,7 +205,8 @@ def run_worker(kind: str, a: argparse.Namespace, batch: int, model: str) -> dict
         "--ngl",
         str(a.ngl),
     ]
-    out = subprocess.run(cmd, env=clean_env(), capture_output=True, text=True, check=True).stdout
+    env = {**clean_env(), **MODE_ENV.get(kind, {})}
+    out = subprocess.run(cmd, env=env, capture_output=True, text=True, check=True).stdout
     return dict(json.loads(out.strip().splitlines()[-1]))
 
 
@@ -216,7 +221,7 @@ def main() -> None:
     ap.add_argument("--worker", choices=sorted(MODES))
     ap.add_argument("--model", default=None)
     ap.add_argument("--ngl", type=int, default=0, help="layers offloaded to a GPU (both sides)")
-    ap.add_argument("--modes", default=",".join(MODES), help="lloyal modes to run")
+    ap.add_argument("--modes", default="lloyal,lloyal-invariant", help=f"lloyal modes to run, of {sorted(MODES)}")
     ap.add_argument("--json", default=None, help="write every round's figures here")
     a = ap.parse_args()
     if a.worker:
@@ -247,7 +252,7 @@ def main() -> None:
         f"pp={a.pp} tg={a.tg} threads={a.threads} ngl={a.ngl} rounds={a.rounds}; "
         "median of per-round ratios (range)"
     )
-    names = {"lloyal": "lloyal", "lloyal-invariant": "invariant"}
+    names = {"lloyal": "lloyal", "lloyal-invariant": "invariant", "lloyal-host-rows": "host rows"}
     head = ["measure", "llama.cpp t/s"]
     for k in modes:
         head += [f"{names[k]} t/s", f"{names[k]} ÷ llama.cpp"]

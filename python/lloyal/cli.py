@@ -359,21 +359,17 @@ def serve(args: argparse.Namespace) -> int:
         from lloyal.server import serve as run_server
     except ImportError as exc:
         raise ValueError(str(exc)) from None
+    # Options whose ServerConfig field has the flag's name.
+    same_name = (
+        "n_ctx", "parallel", "api_key", "embeddings", "max_queue", "shutdown_grace",
+        "batch_invariant", "n_gpu_layers", "prefill_chunk", "cache_cells",
+    )  # fmt: skip
     cfg = ServerConfig(
         model=_model_path(args.model),
-        n_ctx=args.n_ctx,
-        parallel=args.parallel,
         n_threads=args.threads,
-        api_key=args.api_key,
-        embeddings=args.embeddings,
         model_name=args.served_model_name,
         request_timeout=args.request_timeout or None,
-        max_queue=args.max_queue,
-        shutdown_grace=args.shutdown_grace,
-        batch_invariant=args.batch_invariant,
-        n_gpu_layers=args.n_gpu_layers,
-        prefill_chunk=args.prefill_chunk,
-        cache_cells=args.cache_cells,
+        **{name: getattr(args, name) for name in same_name},
     )
     if args.ray:
         try:

@@ -160,6 +160,16 @@ impl PyContext {
         self.inner.options().is_batch_invariant()
     }
 
+    /// Whether decodes summarise each logits row (maximum, log-sum-exps, best tokens) on the
+    /// model's device instead of on the host: by default when the model's output layer is on a
+    /// GPU; ``LLOYAL_DEVICE_ROWS=1`` / ``0`` turns it on / off for every context (never for a
+    /// batch-invariant or embeddings one). Same tokens for a seed either way; perplexities agree
+    /// to about 1e-6 relative.
+    #[getter]
+    fn device_rows(&self, py: Python<'_>) -> PyResult<bool> {
+        run(py, self.ctx(), |s| Ok(s.device_rows()))
+    }
+
     /// K cache element type (``"q8_0"`` by default in a batch-invariant context, else ``"f16"``).
     #[getter]
     fn type_k(&self) -> String {

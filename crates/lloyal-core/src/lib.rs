@@ -13,6 +13,7 @@ pub mod backend;
 pub mod branch;
 pub mod chat;
 pub mod context;
+pub mod device_rows;
 pub mod embeddings;
 pub mod engine;
 pub mod error;

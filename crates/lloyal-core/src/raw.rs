@@ -6,6 +6,7 @@
 //! llama-cpp-2 value. Every `unsafe` block for these calls lives in this file, each range
 //! check (sequence ids, rows, buffer sizes) inside the wrapper that needs it; callers hold no
 //! raw pointers. The other FFI wrapper files are `sampler/mod.rs` (sampler chains),
+//! `device_rows.rs` (the row summary a decode computes),
 //! `grammar/gbnf.rs` (llama.cpp's grammar sampler) and `backend.rs` (the log callback); the
 //! test at the bottom keeps `unsafe` out of every other file.
 
@@ -15,6 +16,8 @@ use std::sync::Arc;
 
 use llama_cpp_2::model::LlamaModel;
 use llama_cpp_sys_2 as sys;
+
+use crate::device_rows::{DeviceRows, DeviceSummary};
 
 // `LlamaModel` is `#[repr(transparent)]` over a `NonNull<llama_model>` (llama-cpp-2 0.1.160,
 // pinned with `=`); fail the build if that ever changes size.
@@ -95,6 +98,11 @@ pub struct RawContext {
     /// Logits rows llama.cpp's output buffer holds for certain: the most a decode has
     /// produced (the buffer only grows, and only when a decode needs more).
     out_rows: usize,
+    /// The summarisers of rows summarised by the decode itself ([`crate::device_rows`]).
+    /// After `ptr` in field order, so the chains outlive the context that points at them.
+    device: DeviceRows,
+    /// Whether decodes summarise rows (else the host does).
+    device_on: bool,
 }
 
 // SAFETY: a llama_context has no thread affinity; lloyal only touches it through &mut under
@@ -113,7 +121,17 @@ impl RawContext {
         // SAFETY: valid context pointer.
         let n_ubatch = unsafe { sys::llama_n_ubatch(ptr.as_ptr()) } as usize;
         let epoch = Arc::new(AtomicU64::new(0));
-        Some(RawContext { ptr, model, n_seq, n_vocab, n_ubatch, epoch, out_rows: 0 })
+        Some(RawContext {
+            ptr,
+            model,
+            n_seq,
+            n_vocab,
+            n_ubatch,
+            epoch,
+            out_rows: 0,
+            device: DeviceRows::default(),
+            device_on: false,
+        })
     }
 
     /// `(n_ctx, n_batch, n_seq_max)` as llama.cpp settled them.
@@ -204,6 +222,7 @@ impl RawContext {
         let code = unsafe { sys::llama_decode(self.ptr.as_ptr(), batch.raw()) };
         if code == 0 {
             self.out_rows = self.out_rows.max(batch.outputs());
+            self.device.decoded();
             if batch.outputs() > 0 {
                 // SAFETY: valid context.
                 unsafe { sys::llama_synchronize(self.ptr.as_ptr()) };
@@ -229,15 +248,60 @@ impl RawContext {
         seqs.len() <= self.n_ubatch && one_per_sequence && batch.outputs() <= self.out_rows
     }
 
+    /// Have decodes summarise the rows of summarised sequences ([`crate::device_rows`]).
+    pub fn use_device_rows(&mut self) {
+        self.device_on = true;
+    }
+
+    /// Whether decodes summarise rows (a summariser llama.cpp refused turns that off).
+    pub fn device_rows(&self) -> bool {
+        self.device_on
+    }
+
+    /// Before a decode: each `(seq, scale)` gets its row summary at that sampling scale.
+    /// Whether llama.cpp's samplers changed (its output buffer may then move at that decode).
+    /// When llama.cpp refuses a summariser, rows are summarised on the host from then on.
+    pub fn want_device_rows(&mut self, seqs: &[(i32, f32)]) -> bool {
+        if !self.device_on {
+            return false;
+        }
+        match self.device.want(self.ptr, seqs) {
+            Some(changed) => changed,
+            None => {
+                self.device_on = false; // the chains it had set are freed after the next decode
+                true
+            }
+        }
+    }
+
+    /// The device's summary of batch row `row` (of sequence `seq`) of the last decode.
+    pub fn device_summary(&self, row: i32, seq: i32) -> Option<DeviceSummary> {
+        self.device.summary(self.ptr, row, seq)
+    }
+
+    /// Where llama.cpp keeps batch row `row`'s logits from the last decode: the copy its
+    /// backend sampling made for a summarised sequence (the plain row is then not copied),
+    /// else the plain row; null when that row asked for none.
+    fn row_ptr(&mut self, row: i32) -> *mut f32 {
+        let summarised = if self.device.any() {
+            self.device.row_ptr(self.ptr, row, self.n_vocab)
+        } else {
+            std::ptr::null_mut()
+        };
+        if !summarised.is_null() {
+            return summarised;
+        }
+        // SAFETY: valid context; llama.cpp returns null (not abort) for a row without logits.
+        unsafe { sys::llama_get_logits_ith(self.ptr.as_ptr(), row) }
+    }
+
     /// The logits of batch rows `rows` of the last decode, in order, read where llama.cpp
     /// keeps them (no copy); `None` when one of them asked for none.
     pub fn output_rows(&mut self, rows: &[i32]) -> Option<Vec<OutputRow>> {
         let epoch = self.epoch.load(Ordering::Acquire);
         let mut out = Vec::with_capacity(rows.len());
         for &row in rows {
-            // SAFETY: valid context; llama.cpp returns null (not abort) for a row without logits.
-            let ptr = unsafe { sys::llama_get_logits_ith(self.ptr.as_ptr(), row) };
-            let ptr = NonNull::new(ptr)?;
+            let ptr = NonNull::new(self.row_ptr(row))?;
             out.push(OutputRow { ptr, len: self.n_vocab, epoch, current: Arc::clone(&self.epoch) });
         }
         Some(out)
@@ -245,8 +309,7 @@ impl RawContext {
 
     /// The logits of batch row `row` of the last decode; `None` when that row asked for none.
     pub fn logits_row(&mut self, row: i32) -> Option<&[f32]> {
-        // SAFETY: valid context; llama.cpp returns null (not abort) for a row without logits.
-        let ptr = unsafe { sys::llama_get_logits_ith(self.ptr.as_ptr(), row) };
+        let ptr = self.row_ptr(row);
         // SAFETY: llama.cpp guarantees n_vocab floats at a non-null logits row, valid until
         // the next decode (which needs `&mut self`, so the borrow ends first).
         (!ptr.is_null()).then(|| unsafe { std::slice::from_raw_parts(ptr, self.n_vocab) })
@@ -413,6 +476,17 @@ impl Batch {
         (0..self.len()).map(|i| unsafe { *(*self.raw.seq_id.add(i)) }).collect()
     }
 
+    /// The sequence of each row that keeps its outputs, in row order.
+    pub fn output_seqs(&self) -> Vec<i32> {
+        let seqs = self.seqs();
+        // SAFETY: rows below `len` were written by `push`.
+        seqs.into_iter()
+            .enumerate()
+            .filter(|&(i, _)| unsafe { *self.raw.logits.add(i) } != 0)
+            .map(|(_, s)| s)
+            .collect()
+    }
+
     /// Rows that keep their outputs.
     pub fn outputs(&self) -> usize {
         // SAFETY: rows below `len` were written by `push`.
@@ -439,8 +513,15 @@ mod tests {
     /// The files allowed to hold `unsafe`: the FFI wrappers.
     // FFI wrappers (omp.rs: libgomp's GOMP_parallel), and scan/x86.rs: the SIMD kernels' loads
     // and stores (intrinsics take raw pointers).
-    const FFI_WRAPPERS: [&str; 6] =
-        ["raw.rs", "sampler/mod.rs", "grammar/gbnf.rs", "backend.rs", "omp.rs", "scan/x86.rs"];
+    const FFI_WRAPPERS: [&str; 7] = [
+        "raw.rs",
+        "sampler/mod.rs",
+        "grammar/gbnf.rs",
+        "backend.rs",
+        "omp.rs",
+        "scan/x86.rs",
+        "device_rows.rs",
+    ];
 
     fn rust_files(dir: &Path, out: &mut Vec<std::path::PathBuf>) {
         for entry in std::fs::read_dir(dir).unwrap() {

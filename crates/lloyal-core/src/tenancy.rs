@@ -95,6 +95,11 @@ impl<T> Slots<T> {
         picked.filter_map(|(_, s)| s.value.as_mut()).collect()
     }
 
+    /// Every live value.
+    pub fn values(&self) -> impl Iterator<Item = &T> {
+        self.entries.iter().filter_map(|s| s.value.as_ref())
+    }
+
     /// Every live value, mutably.
     pub fn values_mut(&mut self) -> impl Iterator<Item = &mut T> {
         self.entries.iter_mut().filter_map(|s| s.value.as_mut())

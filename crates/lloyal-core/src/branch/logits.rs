@@ -9,6 +9,7 @@
 use std::ops::Deref;
 use std::sync::{Arc, OnceLock};
 
+use crate::device_rows::{self, DeviceSummary};
 use crate::raw::OutputRow;
 use crate::scan::{scan_row, RowStats};
 
@@ -16,8 +17,10 @@ use crate::scan::{scan_row, RowStats};
 #[derive(Debug)]
 struct Summary {
     stats: RowStats,
-    /// The maximum of each `scan::SPAN` values.
+    /// The maximum of each `scan::SPAN` values (empty for a row the device summarised).
     maxima: Vec<f32>,
+    /// The device's best tokens ([`crate::device_rows::TOP`], in no order; else empty).
+    top: Vec<i32>,
 }
 
 /// One row of logits (empty before any decode) with its summary. A decoded row is summarised
@@ -55,7 +58,14 @@ impl Logits {
     /// Take `row` as the values, read in place, with what a scan of it found.
     pub(crate) fn set_in_place(&mut self, row: OutputRow, stats: RowStats, maxima: Vec<f32>) {
         self.row = Some((row, OnceLock::new()));
-        self.summary = OnceLock::from(Summary { stats, maxima });
+        self.summary = OnceLock::from(Summary { stats, maxima, top: Vec::new() });
+    }
+
+    /// Take `row` as the values, read in place, summarised by the decode ([`crate::device_rows`]).
+    pub(crate) fn set_summarised(&mut self, row: OutputRow, device: DeviceSummary) {
+        let stats = device_rows::row_stats(row.get(), &device);
+        self.row = Some((row, OnceLock::new()));
+        self.summary = OnceLock::from(Summary { stats, maxima: Vec::new(), top: device.top });
     }
 
     /// These buffers for another row, what they held dropped: the larger of the owned values'
@@ -104,7 +114,7 @@ impl Logits {
         self.summary.get_or_init(|| {
             let mut maxima = Vec::new();
             let stats = scan_row(self, None, &mut maxima, None);
-            Summary { stats, maxima }
+            Summary { stats, maxima, top: Vec::new() }
         })
     }
 
@@ -113,9 +123,15 @@ impl Logits {
         self.summary().stats
     }
 
-    /// The maximum of each `scan::SPAN` values (the top-k prefilter).
+    /// The maximum of each `scan::SPAN` values (the top-k prefilter); empty when the device
+    /// summarised the row (a reader that needs them computes them).
     pub(crate) fn maxima(&self) -> &[f32] {
         &self.summary().maxima
+    }
+
+    /// The device's best tokens, in no order (empty unless the device summarised the row).
+    pub(crate) fn top(&self) -> &[i32] {
+        &self.summary().top
     }
 
     /// `-log softmax(values)[token]` in nats (as [`crate::metrics::surprisal`]): `inf` for a

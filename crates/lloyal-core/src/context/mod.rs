@@ -63,14 +63,25 @@ impl Context {
     pub fn new(model: Arc<Model>, options: ContextOptions) -> Result<Arc<Context>> {
         let options =
             options.with_model_pooling(model.pooling()).resolve(&model.options(), model.float_weights())?;
-        let params = options.to_llama()?;
+        let output_on_gpu = model.options().n_gpu_layers > model.n_layer() && crate::backend::has_gpu();
+        let device_rows =
+            crate::device_rows::wanted(output_on_gpu, options.is_batch_invariant(), options.embeddings)?;
+        let mut params = options.to_llama()?;
+        if device_rows {
+            // Summarised rows: as many per sequence as a batch has (verify, all-logits prefill),
+            // where llama.cpp's default for backend sampling is one.
+            params.n_outputs_max_per_seq = 0;
+        }
         clear_recent_errors();
-        let raw = RawContext::new(model.clone(), params).ok_or_else(|| {
+        let mut raw = RawContext::new(model.clone(), params).ok_or_else(|| {
             LloyalError::Backend(format!(
                 "llama.cpp could not create the context ({}); try a smaller n_ctx or other cache types",
                 recent_errors()
             ))
         })?;
+        if device_rows {
+            raw.use_device_rows();
+        }
         let (n_ctx, n_batch, n_seq_all) = raw.sizes();
         let parks = options.parks_freed_cells();
         // The hidden parking sequence is the last id; users and leases see the ones before it.

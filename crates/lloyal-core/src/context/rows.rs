@@ -28,18 +28,23 @@ impl ContextState {
             )));
         };
         let mut jobs = Vec::with_capacity(rows.len());
-        for (&(_, handle), src) in rows.iter().zip(srcs) {
+        for (&(row, handle), src) in rows.iter().zip(srcs) {
+            let seq = self.branch(handle)?.seq_id;
+            if let Some(device) = self.raw.device_summary(row, seq) {
+                self.branch_mut(handle)?.next_logits.set_summarised(src, device);
+                continue;
+            }
             let b = self.branch_mut(handle)?;
             let mut logits = std::mem::take(&mut b.next_logits);
-            jobs.push((b.sampling_scale(), logits.take_maxima(), logits, src));
+            jobs.push((handle, b.sampling_scale(), logits.take_maxima(), logits, src));
         }
         let threads = usize::try_from(self.shape.n_threads).unwrap_or(1);
         let scans = jobs
             .iter_mut()
-            .map(|(scale, maxima, _, src)| RowJob { src: src.get(), maxima, scale: Some(*scale) })
+            .map(|(_, scale, maxima, _, src)| RowJob { src: src.get(), maxima, scale: Some(*scale) })
             .collect();
         let stats = scan_rows(scans, threads, |n, job| crate::omp::parallel_for(n, threads, job));
-        for ((&(_, handle), (_, maxima, mut logits, src)), stats) in rows.iter().zip(jobs).zip(stats) {
+        for ((handle, _, maxima, mut logits, src), stats) in jobs.into_iter().zip(stats) {
             logits.set_in_place(src, stats, maxima);
             self.branch_mut(handle)?.next_logits = logits;
         }

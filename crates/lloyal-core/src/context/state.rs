@@ -154,7 +154,8 @@ impl ContextState {
         if self.batches_in_call > 0 && self.interrupt.as_ref().is_some_and(|check| check()) {
             return Err(LloyalError::Interrupted);
         }
-        let keep = if self.raw.fails_cleanly(&self.batch) { replacing } else { &[] };
+        let samplers_changed = self.want_device_rows();
+        let keep = if !samplers_changed && self.raw.fails_cleanly(&self.batch) { replacing } else { &[] };
         self.keep_output_rows(keep);
         self.batches_in_call += 1;
         clear_recent_errors();
@@ -181,6 +182,29 @@ impl ContextState {
                 },
             }),
         }
+    }
+
+    /// Whether decodes summarise logits rows on the model's device ([`crate::device_rows`]).
+    pub fn device_rows(&self) -> bool {
+        self.raw.device_rows()
+    }
+
+    /// Where decodes summarise rows ([`crate::device_rows`]): each output row's sequence gets
+    /// its summary at the sampling scale of the branch on it (1 for a sequence without one).
+    /// Whether llama.cpp's samplers changed (its output buffer may then move).
+    fn want_device_rows(&mut self) -> bool {
+        if !self.raw.device_rows() {
+            return false;
+        }
+        let mut seqs: Vec<(i32, f32)> = Vec::new();
+        for seq in self.batch.output_seqs() {
+            if seqs.iter().all(|s| s.0 != seq) {
+                let scale =
+                    self.branches.values().find(|b| b.seq_id == seq).map_or(1.0, |b| b.sampling_scale());
+                seqs.push((seq, scale));
+            }
+        }
+        self.raw.want_device_rows(&seqs)
     }
 
     /// Remove cells `[p0, p1)` of a sequence (p1 = -1: to the end). Returns llama.cpp's verdict.
