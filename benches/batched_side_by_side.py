@@ -9,10 +9,11 @@ What is measured (decode only, no sampling, as ``llama-batched-bench -pps`` does
 ``--tg`` tokens in lockstep, one ``llama_decode`` of ``B`` rows per step (S_TG, aggregate
 tokens/s). lloyal does the same with ``Branch.prefill``, ``fork`` and ``BranchStore.commit``,
 in its default mode (llama.cpp's fastest kernels, repacked weights), with
-``batch_invariant=True`` (per-row kernels) and, for a GPU, with ``LLOYAL_DEVICE_ROWS=0``
-(``lloyal-host-rows``: rows summarised on the host rather than by the decode on the GPU). lloyal's sampled row adds what a user runs: the same
-``B`` streams sampling their tokens (temperature 0.8, top-k 40, top-p 0.95) with ``produce`` /
-``produce_all`` before each commit, against the peer's decode-only step.
+``batch_invariant=True`` (per-row kernels) and with ``LLOYAL_DEVICE_ROWS=1``
+(``lloyal-device-rows``: rows summarised by the decode, on the GPU, rather than on the host).
+lloyal's sampled row adds what a user runs: the same ``B`` streams sampling their tokens
+(temperature 0.8, top-k 40, top-p 0.95) with ``produce`` / ``produce_all`` before each commit,
+against the peer's decode-only step.
 
 Every measurement runs in its own process with a clean environment (no ``GGML_*`` variables:
 lloyal's process-wide ``GGML_CPU_TILED_MM=0`` never reaches the peer), each after its own
@@ -41,10 +42,10 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 DEFAULT_BIN = ROOT / "target" / "peers" / "build" / "bin" / "llama-batched-bench"
-MODES = {"lloyal": None, "lloyal-invariant": True, "lloyal-host-rows": None}
-# Modes whose worker runs with LLOYAL_DEVICE_ROWS set: rows summarised on the host even where
-# the model's output layer is on a GPU (the default there summarises them on the device).
-MODE_ENV = {"lloyal-host-rows": {"LLOYAL_DEVICE_ROWS": "0"}}
+MODES = {"lloyal": None, "lloyal-invariant": True, "lloyal-device-rows": None}
+# Modes whose worker runs with LLOYAL_DEVICE_ROWS set: rows summarised by the decode on the
+# device that holds the output layer (Context.device_rows) instead of on the host.
+MODE_ENV = {"lloyal-device-rows": {"LLOYAL_DEVICE_ROWS": "1"}}
 
 
 def lloyal_worker(
@@ -221,7 +222,7 @@ def main() -> None:
     ap.add_argument("--worker", choices=sorted(MODES))
     ap.add_argument("--model", default=None)
     ap.add_argument("--ngl", type=int, default=0, help="layers offloaded to a GPU (both sides)")
-    ap.add_argument("--modes", default="lloyal,lloyal-invariant", help=f"lloyal modes to run, of {sorted(MODES)}")
+    ap.add_argument("--modes", default="lloyal,lloyal-invariant", help=f"lloyal modes, of {sorted(MODES)}")
     ap.add_argument("--json", default=None, help="write every round's figures here")
     a = ap.parse_args()
     if a.worker:
@@ -252,7 +253,7 @@ def main() -> None:
         f"pp={a.pp} tg={a.tg} threads={a.threads} ngl={a.ngl} rounds={a.rounds}; "
         "median of per-round ratios (range)"
     )
-    names = {"lloyal": "lloyal", "lloyal-invariant": "invariant", "lloyal-host-rows": "host rows"}
+    names = {"lloyal": "lloyal", "lloyal-invariant": "invariant", "lloyal-device-rows": "device rows"}
     head = ["measure", "llama.cpp t/s"]
     for k in modes:
         head += [f"{names[k]} t/s", f"{names[k]} ÷ llama.cpp"]

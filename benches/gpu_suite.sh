@@ -26,7 +26,7 @@ step gpu_check
 tail -n 4 "$out/gpu_check.txt"
 step side by side
 timeout 240 $py benches/batched_side_by_side.py --rounds 3 --pp 512 --tg 128 --batch 1,16 --threads 8 --ngl 99 \
-    --modes lloyal,lloyal-host-rows --bin "$LLAMA_BATCHED_BENCH" --json "$out/side_by_side.json" > "$out/side_by_side.md" 2>&1
+    --modes lloyal --bin "$LLAMA_BATCHED_BENCH" --json "$out/side_by_side.json" > "$out/side_by_side.md" 2>&1
 cat "$out/side_by_side.md"
 step host work
 LLOYAL_N_GPU_LAYERS=99 timeout 60 $py benches/bench_host_work.py 64 1 16 > "$out/host_work.md" 2>&1
@@ -42,11 +42,11 @@ fi
 if [ -n "${DEADLINE:-}" ]; then test_seconds=$((DEADLINE - $(date +%s) - 10)); fi
 if [ "$test_seconds" -lt 30 ]; then step "no time left for the tests"; exit 0; fi
 step "tests (${test_seconds}s at most)"
-# -n 10: pytest-xdist, with which pytest-benchmark warns (an error here): no:benchmark. -W: the GPU
+# -n 6: pytest-xdist, with which pytest-benchmark warns (an error here): no:benchmark. -W: the GPU
 # image's own pytest plugins (other versions than ours) may warn.
 LLOYAL_N_GPU_LAYERS=99 timeout "$test_seconds" $py -m pytest tests -q -p no:cacheprovider -rfE \
     -p no:benchmark -W ignore::DeprecationWarning -W ignore::PendingDeprecationWarning \
-    --ignore tests/test_ray.py -n 10 --dist loadfile > "$out/pytest.txt" 2>&1
+    --ignore tests/test_ray.py -n 6 --dist loadfile > "$out/pytest.txt" 2>&1
 echo "pytest exit $?"
 tail -n 40 "$out/pytest.txt"
 step end

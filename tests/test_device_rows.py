@@ -1,8 +1,7 @@
-"""Rows summarised by the decode itself (``Context.device_rows``, ``LLOYAL_DEVICE_ROWS``): the
+"""Rows summarised by the decode itself (``Context.device_rows``, ``LLOYAL_DEVICE_ROWS=1``): the
 same tokens as the host's summaries, perplexities and logprobs within float error.
 
-``LLOYAL_DEVICE_ROWS=1`` runs the summary on llama.cpp's CPU backend here; on a GPU run it is on
-by default for offloaded contexts (benches/gpu_suite.sh), where the whole suite goes through it.
+Here the summary runs on llama.cpp's CPU backend; on a GPU it runs there (benches/RESULTS.md).
 """
 
 from __future__ import annotations
@@ -89,7 +88,7 @@ def assert_close(device: Any, host: Any, where: str) -> None:
     """Equal ints (token ids) and floats within 1e-5 relative, through nested lists."""
     if isinstance(host, list):
         assert isinstance(device, list) and len(device) == len(host), where
-        for i, (d, h) in enumerate(zip(device, host)):
+        for i, (d, h) in enumerate(zip(device, host, strict=True)):
             assert_close(d, h, f"{where}[{i}]")
     elif isinstance(host, float):
         assert device == pytest.approx(host, rel=1e-5, abs=1e-6), where
@@ -107,13 +106,15 @@ def test_device_summaries_give_the_host_s_tokens_and_perplexities(model_path: Pa
     tokens = host["runs"]["top_k"][0]
     assert len(tokens) == 12 and len(set(tokens)) > 4, "the sampled run must draw, not repeat"
     assert host["runs"]["grammar"][0], "the grammar run must produce tokens"
-    assert host["runs"]["verify"][:2] == [4, host["runs"]["greedy"][0][4]], "4 drafts kept, bonus"
+    # (How many drafts verify keeps is not asserted: this context is not batch-invariant, so a
+    # verify's 5-row decode may rank near-ties otherwise than the 1-row decodes of the greedy run,
+    # as it did on the GPU lease's CPU. Both sides of the comparison above run the same kernels.)
 
 
 def test_contexts_that_keep_rows_on_the_host(
     exact_model: lloyal.Model, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    model = exact_model  # on the CPU on a GPU run too: "auto" is off for it
+    model = exact_model
     monkeypatch.setenv("LLOYAL_DEVICE_ROWS", "1")
     with lloyal.Context(model, n_ctx=256, batch_invariant=False) as ctx:
         assert ctx.device_rows
@@ -123,12 +124,12 @@ def test_contexts_that_keep_rows_on_the_host(
         assert not ctx.device_rows
     monkeypatch.delenv("LLOYAL_DEVICE_ROWS")
     with lloyal.Context(model, n_ctx=256, batch_invariant=False) as ctx:
-        assert not ctx.device_rows, "auto: on only when the output layer is on a GPU"
+        assert not ctx.device_rows, "off by default"
 
 
 def test_a_bad_choice_is_refused_naming_the_variable(
     model: lloyal.Model, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setenv("LLOYAL_DEVICE_ROWS", "gpu")
-    with pytest.raises(ValueError, match="LLOYAL_DEVICE_ROWS.*auto, 1 or 0"):
+    monkeypatch.setenv("LLOYAL_DEVICE_ROWS", "auto")
+    with pytest.raises(ValueError, match=r"LLOYAL_DEVICE_ROWS.*use 0 or 1"):
         lloyal.Context(model, n_ctx=256)

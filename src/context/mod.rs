@@ -161,9 +161,9 @@ impl PyContext {
     }
 
     /// Whether decodes summarise each logits row (maximum, log-sum-exps, best tokens) on the
-    /// model's device instead of on the host: by default when the model's output layer is on a
-    /// GPU; ``LLOYAL_DEVICE_ROWS=1`` / ``0`` turns it on / off for every context (never for a
-    /// batch-invariant or embeddings one). Same tokens for a seed either way; perplexities agree
+    /// device that holds the model's output layer instead of on the host: only with
+    /// ``LLOYAL_DEVICE_ROWS=1`` (measured slower on a GPU so far, docs/performance.md), never for a
+    /// batch-invariant or embeddings context. Same tokens for a seed either way; perplexities agree
     /// to about 1e-6 relative.
     #[getter]
     fn device_rows(&self, py: Python<'_>) -> PyResult<bool> {

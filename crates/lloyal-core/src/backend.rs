@@ -5,7 +5,6 @@ use std::ffi::{c_char, c_void, CStr};
 use std::sync::{Mutex, OnceLock};
 
 use llama_cpp_2::llama_backend::LlamaBackend;
-use llama_cpp_sys_2 as sys;
 
 static BACKEND: OnceLock<LlamaBackend> = OnceLock::new();
 static RECENT_ERRORS: Mutex<VecDeque<String>> = Mutex::new(VecDeque::new());
@@ -21,18 +20,6 @@ pub fn backend() -> &'static LlamaBackend {
         // is usable all the same; the value is only a proof token.
         LlamaBackend::init().unwrap_or(LlamaBackend {})
     })
-}
-
-/// Whether llama.cpp has a GPU device (a CUDA, Metal or Vulkan backend found one).
-pub fn has_gpu() -> bool {
-    backend();
-    // SAFETY: plain registry queries over devices ggml registered at backend init; indices
-    // below the count are valid.
-    unsafe {
-        (0..sys::ggml_backend_dev_count()).any(|i| {
-            sys::ggml_backend_dev_type(sys::ggml_backend_dev_get(i)) == sys::GGML_BACKEND_DEVICE_TYPE_GPU
-        })
-    }
 }
 
 /// Where a portable build finds its backend modules (`libggml-cpu-<level>.so`): the Python

@@ -1,5 +1,5 @@
-//! Row summaries computed where the logits are: on a GPU, a decode's rows are summarised by the
-//! decode itself instead of by the host afterwards.
+//! Row summaries computed where the logits are: a decode summarises its own rows instead of the
+//! host passing over them afterwards. Off unless `LLOYAL_DEVICE_ROWS=1`: measured slower on a GPU.
 //!
 //! A sampled row needs its maximum, its log-sum-exp, the log-sum-exp at the branch's sampling
 //! scale and (for top-k) its best tokens; on the host that is a pass over 262,144 floats a row
@@ -13,6 +13,15 @@
 //! The draw itself stays on the host ([`crate::sampler`]), with the branch's RNG, so a seed gives
 //! the same tokens whichever side summarised the row; the sums are in `f32` on the device (the
 //! host sums in `f64`), so perplexities agree to about 1e-6 relative, not bit for bit.
+//!
+//! Measured on an H200 (benches/RESULTS.md, "Rows summarised on the GPU"): host work fell to
+//! 0.05 ms a row, but the decode grew more than that (B = 16: 0.46x llama-batched-bench against
+//! 0.79x with host rows). llama.cpp builds the hook's operations once per row, and a reduction
+//! over one 262,144-float row runs as one small kernel (one block) after another, 16 rows in
+//! turn: the GPU idles through them. What would pay is one set of operations over all the
+//! batch's rows together (a row's sums split into parallel parts), which the per-row hook does
+//! not offer; the plumbing here (one summariser per sequence, rows read from llama.cpp's
+//! backend-sampling buffers) is what such a version would reuse.
 
 use std::collections::HashMap;
 use std::ffi::c_char;
@@ -27,27 +36,25 @@ use crate::scan::{RowStats, Scaled};
 /// the branch's replaced logits fit).
 pub const TOP: usize = 128;
 
-/// The variable that picks where rows are summarised: `auto` (the default: on the device when
-/// the model's output layer is on a GPU), `1` (on the device whatever it is, the CPU backend
-/// included: for tests), `0` (on the host).
+/// The variable that picks where rows are summarised: `0` (the default: on the host) or `1` (by
+/// the decode, on whatever device holds the output layer, the CPU backend included).
 pub const DEVICE_ROWS_VAR: &str = "LLOYAL_DEVICE_ROWS";
 
 /// Whether a context summarises rows on its device ([`DEVICE_ROWS_VAR`]): never for a
 /// batch-invariant context (whose statistics are the host's, the same on every run) or an
-/// embeddings one (no sampling). `output_on_gpu`: the model's output layer is offloaded.
-pub fn wanted(output_on_gpu: bool, invariant: bool, embeddings: bool) -> Result<bool> {
-    wanted_by(&std::env::var(DEVICE_ROWS_VAR).unwrap_or_default(), output_on_gpu, invariant, embeddings)
+/// embeddings one (no sampling).
+pub fn wanted(invariant: bool, embeddings: bool) -> Result<bool> {
+    wanted_by(&std::env::var(DEVICE_ROWS_VAR).unwrap_or_default(), invariant, embeddings)
 }
 
 /// [`wanted`] with the variable's value given.
-fn wanted_by(choice: &str, output_on_gpu: bool, invariant: bool, embeddings: bool) -> Result<bool> {
+fn wanted_by(choice: &str, invariant: bool, embeddings: bool) -> Result<bool> {
     let on = match choice.trim() {
-        "" | "auto" => output_on_gpu,
+        "" | "0" => false,
         "1" => true,
-        "0" => false,
         other => {
             return Err(LloyalError::invalid(format!(
-                "{DEVICE_ROWS_VAR}={other:?} is not a choice; use auto, 1 or 0"
+                "{DEVICE_ROWS_VAR}={other:?} is not a choice; use 0 or 1"
             )))
         }
     };
@@ -297,14 +304,13 @@ mod tests {
 
     #[test]
     fn the_variable_picks_the_side_and_invariant_or_embedding_contexts_stay_on_the_host() {
-        assert!(wanted_by("", true, false, false).unwrap());
-        assert!(!wanted_by("auto", false, false, false).unwrap());
-        assert!(wanted_by("1", false, false, false).unwrap());
-        assert!(!wanted_by("0", true, false, false).unwrap());
-        assert!(!wanted_by("1", true, true, false).unwrap());
-        assert!(!wanted_by("1", true, false, true).unwrap());
-        let e = wanted_by("yes", true, false, false).unwrap_err().to_string();
-        assert!(e.contains("LLOYAL_DEVICE_ROWS") && e.contains("auto, 1 or 0"), "{e}");
+        assert!(!wanted_by("", false, false).unwrap());
+        assert!(!wanted_by("0", false, false).unwrap());
+        assert!(wanted_by(" 1", false, false).unwrap());
+        assert!(!wanted_by("1", true, false).unwrap());
+        assert!(!wanted_by("1", false, true).unwrap());
+        let e = wanted_by("auto", false, false).unwrap_err().to_string();
+        assert!(e.contains("LLOYAL_DEVICE_ROWS") && e.contains("use 0 or 1"), "{e}");
     }
 
     #[test]

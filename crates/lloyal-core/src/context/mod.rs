@@ -63,9 +63,7 @@ impl Context {
     pub fn new(model: Arc<Model>, options: ContextOptions) -> Result<Arc<Context>> {
         let options =
             options.with_model_pooling(model.pooling()).resolve(&model.options(), model.float_weights())?;
-        let output_on_gpu = model.options().n_gpu_layers > model.n_layer() && crate::backend::has_gpu();
-        let device_rows =
-            crate::device_rows::wanted(output_on_gpu, options.is_batch_invariant(), options.embeddings)?;
+        let device_rows = crate::device_rows::wanted(options.is_batch_invariant(), options.embeddings)?;
         let mut params = options.to_llama()?;
         if device_rows {
             // Summarised rows: as many per sequence as a batch has (verify, all-logits prefill),
