@@ -2,8 +2,11 @@
 # On a GPU host, after benches/gpu_backend.sh: the CUDA build checked, timed against
 # llama-batched-bench on the same ggml, and the test suite run with every layer on the GPU.
 #
-#   LLOYAL_MODEL=... LLAMA_BATCHED_BENCH=... benches/gpu_suite.sh OUT [TEST_SECONDS]
-#   (DEADLINE=<epoch seconds>: the tests get what is left until then instead)
+#   LLOYAL_MODEL=... LLAMA_BATCHED_BENCH=... benches/gpu_suite.sh OUT [TEST_SECONDS] [PART]
+#   (DEADLINE=<epoch seconds>: the tests get what is left until then instead; PART: `bench` for
+#   everything but the tests, `tests` for the tests alone, both by default. The suite took ~330 s
+#   on an H200 and the benches ~130 s, so with a 600 s limit a call, a lease that also waits for
+#   the CUDA build runs them as two calls: `... OUT 0 bench`, then `... OUT 560 tests`.)
 #
 # Writes into OUT: gpu.txt (the card), gpu_check.txt (greedy tokens, forks, perplexities with
 # --ngl 99 and --ngl 0), side_by_side.md/.json (benches/batched_side_by_side.py: prefill, decode
@@ -12,13 +15,15 @@
 # paired rounds, -ngl 99 on both) and pytest.txt (tests/ with LLOYAL_N_GPU_LAYERS=99, stopped after TEST_SECONDS,
 # default 300; tests/test_ray.py left out: Ray is not installed there).
 set -uo pipefail
-out=${1:?usage: benches/gpu_suite.sh OUT [TEST_SECONDS]}
+out=${1:?usage: benches/gpu_suite.sh OUT [TEST_SECONDS] [bench|tests]}
 test_seconds=${2:-300}
+part=${3:-all}
 py=${PYTHON:-python3}
 cd "$(dirname "$0")/.."
 mkdir -p "$out"
 export PYTHONUNBUFFERED=1
 step() { echo "== $(date +%T) $*"; }
+if [ "$part" != tests ]; then
 step card
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv | tee "$out/gpu.txt"
 step gpu_check
@@ -39,6 +44,8 @@ if [ -n "${LLAMA_SERVER:-}" ]; then
         --rounds 2 --ngl 99 --json "$out/server.json" > "$out/server.md" 2>&1
     tail -n 6 "$out/server.md"
 fi
+fi
+if [ "$part" = bench ]; then step end; exit 0; fi
 if [ -n "${DEADLINE:-}" ]; then test_seconds=$((DEADLINE - $(date +%s) - 10)); fi
 if [ "$test_seconds" -lt 30 ]; then step "no time left for the tests"; exit 0; fi
 step "tests (${test_seconds}s at most)"
