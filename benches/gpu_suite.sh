@@ -10,10 +10,11 @@
 #
 # Writes into OUT: gpu.txt (the card), gpu_check.txt (greedy tokens, forks, perplexities with
 # --ngl 99 and --ngl 0), side_by_side.md/.json (benches/batched_side_by_side.py: prefill, decode
-# B=1/16, sampled streams, 3 paired rounds, 8 threads), host_work.md (benches/bench_host_work.py
-# on the GPU), with $LLAMA_SERVER set server.md/.json (benches/bench_server.py, shared prefix, 2
-# paired rounds, -ngl 99 on both) and pytest.txt (tests/ with LLOYAL_N_GPU_LAYERS=99, stopped after TEST_SECONDS,
-# default 300; tests/test_ray.py left out: Ray is not installed there).
+# B=1/16, sampled streams, 3 paired rounds, 8 threads; lloyal with host rows and with
+# LLOYAL_DEVICE_ROWS=1), host_work.md (benches/bench_host_work.py on the GPU, both ways), with
+# $LLAMA_SERVER set server.md/.json (benches/bench_server.py, shared prefix, 2 paired rounds,
+# -ngl 99 on both) and pytest.txt (tests/ with LLOYAL_N_GPU_LAYERS=99, stopped after
+# TEST_SECONDS, default 300; tests/test_ray.py left out: Ray is not installed there).
 set -uo pipefail
 out=${1:?usage: benches/gpu_suite.sh OUT [TEST_SECONDS] [bench|tests]}
 test_seconds=${2:-300}
@@ -31,10 +32,12 @@ step gpu_check
 tail -n 4 "$out/gpu_check.txt"
 step side by side
 timeout 240 $py benches/batched_side_by_side.py --rounds 3 --pp 512 --tg 128 --batch 1,16 --threads 8 --ngl 99 \
-    --modes lloyal --bin "$LLAMA_BATCHED_BENCH" --json "$out/side_by_side.json" > "$out/side_by_side.md" 2>&1
+    --modes lloyal,lloyal-device-rows --bin "$LLAMA_BATCHED_BENCH" --json "$out/side_by_side.json" > "$out/side_by_side.md" 2>&1
 cat "$out/side_by_side.md"
 step host work
 LLOYAL_N_GPU_LAYERS=99 timeout 60 $py benches/bench_host_work.py 64 1 16 > "$out/host_work.md" 2>&1
+echo "with LLOYAL_DEVICE_ROWS=1:" >> "$out/host_work.md"
+LLOYAL_DEVICE_ROWS=1 LLOYAL_N_GPU_LAYERS=99 timeout 60 $py benches/bench_host_work.py 64 1 16 >> "$out/host_work.md" 2>&1
 cat "$out/host_work.md"
 if [ -n "${LLAMA_SERVER:-}" ]; then
     # llama-server built with CUDA from llama-cpp-python's own llama.cpp (its server sources do not

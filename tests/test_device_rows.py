@@ -25,7 +25,7 @@ SCRIPT = r"""
 import json, sys
 import lloyal
 model = lloyal.Model(sys.argv[1], repack=False)
-ctx = lloyal.Context(model, n_ctx=1024, n_seq_max=4, batch_invariant=False)
+ctx = lloyal.Context(model, n_ctx=1024, n_batch=64, n_seq_max=8, batch_invariant=False)
 prompt = ctx.tokenize("The three most important things about a garden are")
 runs = {}
 cases = {
@@ -50,7 +50,8 @@ for name, params in cases.items():
             break
         b.commit(t)
         tokens.append(t)
-    runs[name] = [tokens, b.perplexity, b.sampling_perplexity]
+    b.prefill(tokens[:2])  # a batch whose one output is its second row
+    runs[name] = [tokens, b.produce().token, b.perplexity, b.sampling_perplexity]
     b.prune()
 root = lloyal.Branch.create(ctx, 0, cases["top_k"])
 root.prefill(prompt)
@@ -66,6 +67,11 @@ greedy = lloyal.Branch.create(ctx, 0, cases["greedy"])
 greedy.prefill(prompt)
 drafts = runs["greedy"][0][:4] + [9]
 runs["verify"] = [greedy.verify(drafts), greedy.last_token, greedy.perplexity]
+sampled = lloyal.Branch.create(ctx, 0, cases["top_k"])
+sampled.prefill(prompt)
+runs["verify_sampled"] = [
+    sampled.verify(runs["top_k"][0][:3]), sampled.perplexity, sampled.sampling_perplexity
+]
 print(json.dumps({"device_rows": ctx.device_rows, "runs": runs}))
 """
 
@@ -96,6 +102,13 @@ def assert_close(device: Any, host: Any, where: str) -> None:
         assert device == host, where
 
 
+def floats(value: Any) -> list[float]:
+    """Every float in nested lists, in order."""
+    if isinstance(value, list):
+        return [f for v in value for f in floats(v)]
+    return [value] if isinstance(value, float) else []
+
+
 def test_device_summaries_give_the_host_s_tokens_and_perplexities(model_path: Path) -> None:
     host = run_script(model_path, "0")
     device = run_script(model_path, "1")
@@ -103,6 +116,10 @@ def test_device_summaries_give_the_host_s_tokens_and_perplexities(model_path: Pa
     assert device["runs"].keys() == host["runs"].keys()
     for name, run in host["runs"].items():
         assert_close(device["runs"][name], run, name)
+    # The device sums in float32, the host in float64: equal to 1e-5, not to the last bit, which
+    # shows the device's summaries were the ones read.
+    pairs = list(zip(floats(list(device["runs"].values())), floats(list(host["runs"].values())), strict=True))
+    assert len(pairs) > 40 and sum(d != h for d, h in pairs) > len(pairs) // 2, "not the device's sums"
     tokens = host["runs"]["top_k"][0]
     assert len(tokens) == 12 and len(set(tokens)) > 4, "the sampled run must draw, not repeat"
     assert host["runs"]["grammar"][0], "the grammar run must produce tokens"
@@ -133,3 +150,16 @@ def test_a_bad_choice_is_refused_naming_the_variable(
     monkeypatch.setenv("LLOYAL_DEVICE_ROWS", "auto")
     with pytest.raises(ValueError, match=r"LLOYAL_DEVICE_ROWS.*use 0 or 1"):
         lloyal.Context(model, n_ctx=256)
+
+
+def test_the_scheduler_and_speculative_tests_pass_with_device_summaries() -> None:
+    """The engine's paths (admission, prefix forks, chunked prompts, verify) with every row
+    summarised by the decode: those modules' own tests, in a process where the suite's model
+    counts as offloaded (its contexts are then not batch-invariant, so device rows apply)."""
+    tests = Path(__file__).resolve().parent
+    env = {**os.environ, "LLOYAL_DEVICE_ROWS": "1", "LLOYAL_N_GPU_LAYERS": "99"}
+    files = [str(tests / "test_scheduler.py"), str(tests / "test_speculative.py")]
+    cmd = [sys.executable, "-m", "pytest", *files, "-q", "-p", "no:cacheprovider", "-p", "no:randomly"]
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600, cwd=tests.parent)
+    assert proc.returncode == 0, proc.stdout[-4000:]
+    assert " passed" in proc.stdout and "failed" not in proc.stdout

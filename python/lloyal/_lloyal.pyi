@@ -194,9 +194,9 @@ class Context:
         """Whether this context runs batch-invariant kernels (see ``Context``)."""
     @property
     def device_rows(self) -> bool:
-        """Whether decodes summarise each logits row (maximum, log-sum-exps, best tokens) on the
+        """Whether decodes summarise each logits row (maximum, log-sum-exps, span maxima) on the
         device that holds the model's output layer instead of on the host: only with
-        ``LLOYAL_DEVICE_ROWS=1`` (measured slower on a GPU so far, docs/performance.md), never for a
+        ``LLOYAL_DEVICE_ROWS=1`` (not yet shown faster on a GPU, docs/performance.md), never for a
         batch-invariant or embeddings context. Same tokens for a seed either way; perplexities agree
         to about 1e-6 relative."""
     @property

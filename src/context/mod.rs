@@ -160,9 +160,9 @@ impl PyContext {
         self.inner.options().is_batch_invariant()
     }
 
-    /// Whether decodes summarise each logits row (maximum, log-sum-exps, best tokens) on the
+    /// Whether decodes summarise each logits row (maximum, log-sum-exps, span maxima) on the
     /// device that holds the model's output layer instead of on the host: only with
-    /// ``LLOYAL_DEVICE_ROWS=1`` (measured slower on a GPU so far, docs/performance.md), never for a
+    /// ``LLOYAL_DEVICE_ROWS=1`` (not yet shown faster on a GPU, docs/performance.md), never for a
     /// batch-invariant or embeddings context. Same tokens for a seed either way; perplexities agree
     /// to about 1e-6 relative.
     #[getter]

@@ -6,7 +6,7 @@
 //! llama-cpp-2 value. Every `unsafe` block for these calls lives in this file, each range
 //! check (sequence ids, rows, buffer sizes) inside the wrapper that needs it; callers hold no
 //! raw pointers. The other FFI wrapper files are `sampler/mod.rs` (sampler chains),
-//! `device_rows.rs` (the row summary a decode computes),
+//! `device_rows/` (the row summary a decode computes),
 //! `grammar/gbnf.rs` (llama.cpp's grammar sampler) and `backend.rs` (the log callback); the
 //! test at the bottom keeps `unsafe` out of every other file.
 
@@ -129,7 +129,7 @@ impl RawContext {
             n_ubatch,
             epoch,
             out_rows: 0,
-            device: DeviceRows::default(),
+            device: DeviceRows::new(n_vocab),
             device_on: false,
         })
     }
@@ -222,7 +222,7 @@ impl RawContext {
         let code = unsafe { sys::llama_decode(self.ptr.as_ptr(), batch.raw()) };
         if code == 0 {
             self.out_rows = self.out_rows.max(batch.outputs());
-            self.device.decoded();
+            self.device.decoded(self.ptr);
             if batch.outputs() > 0 {
                 // SAFETY: valid context.
                 unsafe { sys::llama_synchronize(self.ptr.as_ptr()) };
@@ -258,14 +258,15 @@ impl RawContext {
         self.device_on
     }
 
-    /// Before a decode: each `(seq, scale)` gets its row summary at that sampling scale.
-    /// Whether llama.cpp's samplers changed (its output buffer may then move at that decode).
-    /// When llama.cpp refuses a summariser, rows are summarised on the host from then on.
-    pub fn want_device_rows(&mut self, seqs: &[(i32, f32)]) -> bool {
+    /// Before a decode: its output rows (`(batch index, sequence, sampling scale)`, in order)
+    /// are summarised by it. Whether llama.cpp's samplers changed (its output buffer may then
+    /// move at that decode). When llama.cpp refuses a summariser, rows are summarised on the
+    /// host from then on.
+    pub fn want_device_rows(&mut self, outputs: &[(i32, i32, f32)]) -> bool {
         if !self.device_on {
             return false;
         }
-        match self.device.want(self.ptr, seqs) {
+        match self.device.want(self.ptr, outputs) {
             Some(changed) => changed,
             None => {
                 self.device_on = false; // the chains it had set are freed after the next decode
@@ -274,20 +275,16 @@ impl RawContext {
         }
     }
 
-    /// The device's summary of batch row `row` (of sequence `seq`) of the last decode.
-    pub fn device_summary(&self, row: i32, seq: i32) -> Option<DeviceSummary> {
-        self.device.summary(self.ptr, row, seq)
+    /// The device's summary of batch row `row` of the last decode.
+    pub fn device_summary(&self, row: i32) -> Option<DeviceSummary> {
+        self.device.summary(row)
     }
 
     /// Where llama.cpp keeps batch row `row`'s logits from the last decode: the copy its
     /// backend sampling made for a summarised sequence (the plain row is then not copied),
     /// else the plain row; null when that row asked for none.
     fn row_ptr(&mut self, row: i32) -> *mut f32 {
-        let summarised = if self.device.any() {
-            self.device.row_ptr(self.ptr, row, self.n_vocab)
-        } else {
-            std::ptr::null_mut()
-        };
+        let summarised = self.device.row_ptr(self.ptr, row, self.n_vocab);
         if !summarised.is_null() {
             return summarised;
         }
@@ -476,15 +473,12 @@ impl Batch {
         (0..self.len()).map(|i| unsafe { *(*self.raw.seq_id.add(i)) }).collect()
     }
 
-    /// The sequence of each row that keeps its outputs, in row order.
-    pub fn output_seqs(&self) -> Vec<i32> {
+    /// `(row, sequence)` of each row that keeps its outputs, in row order.
+    pub fn output_seqs(&self) -> Vec<(i32, i32)> {
         let seqs = self.seqs();
         // SAFETY: rows below `len` were written by `push`.
-        seqs.into_iter()
-            .enumerate()
-            .filter(|&(i, _)| unsafe { *self.raw.logits.add(i) } != 0)
-            .map(|(_, s)| s)
-            .collect()
+        let kept = |i: usize| unsafe { *self.raw.logits.add(i) } != 0;
+        seqs.into_iter().enumerate().filter(|&(i, _)| kept(i)).map(|(i, s)| (i as i32, s)).collect()
     }
 
     /// Rows that keep their outputs.
@@ -513,14 +507,15 @@ mod tests {
     /// The files allowed to hold `unsafe`: the FFI wrappers.
     // FFI wrappers (omp.rs: libgomp's GOMP_parallel), and scan/x86.rs: the SIMD kernels' loads
     // and stores (intrinsics take raw pointers).
-    const FFI_WRAPPERS: [&str; 7] = [
+    const FFI_WRAPPERS: [&str; 8] = [
         "raw.rs",
         "sampler/mod.rs",
         "grammar/gbnf.rs",
         "backend.rs",
         "omp.rs",
         "scan/x86.rs",
-        "device_rows.rs",
+        "device_rows/mod.rs",
+        "device_rows/graph.rs",
     ];
 
     fn rust_files(dir: &Path, out: &mut Vec<std::path::PathBuf>) {

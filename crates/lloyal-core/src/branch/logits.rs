@@ -17,10 +17,8 @@ use crate::scan::{scan_row, RowStats};
 #[derive(Debug)]
 struct Summary {
     stats: RowStats,
-    /// The maximum of each `scan::SPAN` values (empty for a row the device summarised).
+    /// The maximum of each `scan::SPAN` values.
     maxima: Vec<f32>,
-    /// The device's best tokens ([`crate::device_rows::TOP`], in no order; else empty).
-    top: Vec<i32>,
 }
 
 /// One row of logits (empty before any decode) with its summary. A decoded row is summarised
@@ -58,14 +56,14 @@ impl Logits {
     /// Take `row` as the values, read in place, with what a scan of it found.
     pub(crate) fn set_in_place(&mut self, row: OutputRow, stats: RowStats, maxima: Vec<f32>) {
         self.row = Some((row, OnceLock::new()));
-        self.summary = OnceLock::from(Summary { stats, maxima, top: Vec::new() });
+        self.summary = OnceLock::from(Summary { stats, maxima });
     }
 
     /// Take `row` as the values, read in place, summarised by the decode ([`crate::device_rows`]).
     pub(crate) fn set_summarised(&mut self, row: OutputRow, device: DeviceSummary) {
-        let stats = device_rows::row_stats(row.get(), &device);
+        let stats = device_rows::row_stats(&device);
         self.row = Some((row, OnceLock::new()));
-        self.summary = OnceLock::from(Summary { stats, maxima: Vec::new(), top: device.top });
+        self.summary = OnceLock::from(Summary { stats, maxima: device.maxima });
     }
 
     /// These buffers for another row, what they held dropped: the larger of the owned values'
@@ -114,7 +112,7 @@ impl Logits {
         self.summary.get_or_init(|| {
             let mut maxima = Vec::new();
             let stats = scan_row(self, None, &mut maxima, None);
-            Summary { stats, maxima, top: Vec::new() }
+            Summary { stats, maxima }
         })
     }
 
@@ -123,15 +121,9 @@ impl Logits {
         self.summary().stats
     }
 
-    /// The maximum of each `scan::SPAN` values (the top-k prefilter); empty when the device
-    /// summarised the row (a reader that needs them computes them).
+    /// The maximum of each `scan::SPAN` values (the top-k prefilter).
     pub(crate) fn maxima(&self) -> &[f32] {
         &self.summary().maxima
-    }
-
-    /// The device's best tokens, in no order (empty unless the device summarised the row).
-    pub(crate) fn top(&self) -> &[i32] {
-        &self.summary().top
     }
 
     /// `-log softmax(values)[token]` in nats (as [`crate::metrics::surprisal`]): `inf` for a

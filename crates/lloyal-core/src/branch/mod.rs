@@ -111,7 +111,7 @@ fn draw(
         )
     };
     let unconstrained = |sampler: &mut Sampler| {
-        sampler.sample_with(logits, logits.maxima(), logits.top(), biases, || logits.stats().argmax)
+        sampler.sample_with(logits, logits.maxima(), biases, || logits.stats().argmax)
     };
     let Some(grammar) = grammar else {
         return Ok(unconstrained(sampler));

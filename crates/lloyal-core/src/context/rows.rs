@@ -29,8 +29,7 @@ impl ContextState {
         };
         let mut jobs = Vec::with_capacity(rows.len());
         for (&(row, handle), src) in rows.iter().zip(srcs) {
-            let seq = self.branch(handle)?.seq_id;
-            if let Some(device) = self.raw.device_summary(row, seq) {
+            if let Some(device) = self.raw.device_summary(row) {
                 self.branch_mut(handle)?.next_logits.set_summarised(src, device);
                 continue;
             }

@@ -189,22 +189,18 @@ impl ContextState {
         self.raw.device_rows()
     }
 
-    /// Where decodes summarise rows ([`crate::device_rows`]): each output row's sequence gets
-    /// its summary at the sampling scale of the branch on it (1 for a sequence without one).
-    /// Whether llama.cpp's samplers changed (its output buffer may then move).
+    /// Where decodes summarise rows ([`crate::device_rows`]): each output row is summarised at
+    /// the sampling scale of the branch on its sequence (1 for a sequence without one). Whether
+    /// llama.cpp's samplers changed (its output buffer may then move).
     fn want_device_rows(&mut self) -> bool {
         if !self.raw.device_rows() {
             return false;
         }
-        let mut seqs: Vec<(i32, f32)> = Vec::new();
-        for seq in self.batch.output_seqs() {
-            if seqs.iter().all(|s| s.0 != seq) {
-                let scale =
-                    self.branches.values().find(|b| b.seq_id == seq).map_or(1.0, |b| b.sampling_scale());
-                seqs.push((seq, scale));
-            }
-        }
-        self.raw.want_device_rows(&seqs)
+        let scale_of =
+            |seq: i32| self.branches.values().find(|b| b.seq_id == seq).map_or(1.0, |b| b.sampling_scale());
+        let outputs: Vec<(i32, i32, f32)> =
+            self.batch.output_seqs().into_iter().map(|(row, seq)| (row, seq, scale_of(seq))).collect();
+        self.raw.want_device_rows(&outputs)
     }
 
     /// Remove cells `[p0, p1)` of a sequence (p1 = -1: to the end). Returns llama.cpp's verdict.

@@ -81,32 +81,6 @@ pub fn top_candidates_in(
     out.into_iter().map(|c| (c.1, c.0)).collect()
 }
 
-/// [`top_candidates`] from `ids`, a row's best tokens in any order (the device's,
-/// [`crate::device_rows`]), instead of the row: the same candidates when `ids` holds at least
-/// `k + replace.len()` tokens (by the containment [`top_candidates_in`] relies on); `None` when
-/// it holds fewer.
-pub fn top_candidates_among(
-    logits: &[f32],
-    ids: &[i32],
-    replace: &[(usize, f32)],
-    k: usize,
-) -> Option<Vec<(i32, f32)>> {
-    if ids.len() < (k + replace.len()).min(logits.len()) || ids.is_empty() {
-        return None;
-    }
-    let replaced = |t: i32| replace.iter().any(|&(i, _)| i as i32 == t);
-    let mut out: Vec<Cand> = ids
-        .iter()
-        .filter(|&&t| t >= 0 && (t as usize) < logits.len() && !replaced(t))
-        .map(|&t| Cand(logits[t as usize], t))
-        .filter(|c| !c.0.is_nan())
-        .collect();
-    out.extend(replace.iter().filter(|(i, _)| *i < logits.len()).map(|&(i, v)| Cand(v, i as i32)));
-    out.sort_unstable_by(|a, b| b.cmp(a));
-    out.truncate(k);
-    Some(out.into_iter().map(|c| (c.1, c.0)).collect())
-}
-
 /// A candidate for llama.cpp's chain.
 pub(super) fn token_data((id, logit): (i32, f32)) -> sys::llama_token_data {
     sys::llama_token_data { id, logit, p: 0.0 }

@@ -14,7 +14,7 @@ use crate::error::{LloyalError, Result};
 use crate::model::Model;
 use crate::sampling::{adjusted_replacements, SamplingParams};
 use candidates::{allowed_finite, best_allowed_in_windows, pad_to_k, token_data};
-pub use candidates::{argmax, greedy_token, top_candidates, top_candidates_among, top_candidates_in};
+pub use candidates::{argmax, greedy_token, top_candidates, top_candidates_in};
 pub use rng::Rng;
 use rng::{draw, rng_for};
 
@@ -271,19 +271,17 @@ impl Sampler {
     /// are selected here in one O(n) pass and only they reach llama.cpp's chain, instead of
     /// a 262k-entry candidate array that llama.cpp would partially sort.
     pub fn sample(&mut self, logits: &[f32], extra_bias: &[(i32, f32)]) -> i32 {
-        self.sample_with(logits, &[], &[], extra_bias, || argmax(logits))
+        self.sample_with(logits, &[], extra_bias, || argmax(logits))
     }
 
     /// [`Self::sample`] with what a snapshot's summary knows already
     /// ([`crate::scan::scan_row`]): `maxima`, the maximum of each `scan::SPAN` logits (empty:
-    /// not known), `top`, the device's best tokens ([`crate::device_rows`]; empty: not
-    /// known), and `argmax`, asked only for a greedy draw that nothing replaces (no
+    /// not known), and `argmax`, asked only for a greedy draw that nothing replaces (no
     /// penalties or biases).
     pub fn sample_with(
         &mut self,
         logits: &[f32],
         maxima: &[f32],
-        top: &[i32],
         extra_bias: &[(i32, f32)],
         argmax: impl FnOnce() -> i32,
     ) -> i32 {
@@ -294,12 +292,8 @@ impl Sampler {
         }
         self.candidates.clear();
         if p.top_k > 0 && p.dry.is_none() && p.mirostat.is_none() {
-            let k = p.top_k as usize;
-            let best = match top_candidates_among(logits, top, &repl, k) {
-                Some(best) => best,
-                None => top_candidates_in(logits, maxima, &repl, k),
-            };
-            self.candidates.extend(best.into_iter().map(token_data));
+            let top = top_candidates_in(logits, maxima, &repl, p.top_k as usize);
+            self.candidates.extend(top.into_iter().map(token_data));
         } else {
             self.candidates
                 .extend(logits.iter().enumerate().map(|(i, &logit)| token_data((i as i32, logit))));
@@ -399,7 +393,7 @@ impl Sampler {
 
 #[cfg(test)]
 mod tests {
-    use super::{argmax, draw, greedy_token, plan_steps, top_candidates, top_candidates_among, Rng, Step};
+    use super::{argmax, draw, greedy_token, plan_steps, top_candidates, Rng, Step};
     use crate::sampling::{Mirostat, SamplingParams};
     use llama_cpp_sys_2 as sys;
 
@@ -461,22 +455,6 @@ mod tests {
         want.truncate(10);
         assert_eq!(top_candidates(&logits, &repl, 10), want);
         assert_eq!(top_candidates(&[1.0, 3.0, 3.0], &[], 1), vec![(1, 3.0)]);
-    }
-
-    /// From a row's best ids in any order (the device's), the same candidates as from the row,
-    /// replacements included, once the ids number at least k + replacements.
-    #[test]
-    fn top_candidates_among_the_best_ids_equal_those_of_the_row() {
-        let logits: Vec<f32> = (0..1000).map(|i| ((i * 37) % 101) as f32 * 0.5).collect();
-        let repl = vec![(37usize, -5.0f32), (3, 500.0)];
-        let mut best: Vec<i32> = (0..1000).collect();
-        best.sort_by(|&a, &b| logits[b as usize].total_cmp(&logits[a as usize]).then(a.cmp(&b)));
-        let mut ids = best[..12].to_vec();
-        ids.reverse();
-        assert_eq!(top_candidates_among(&logits, &ids, &repl, 10), Some(top_candidates(&logits, &repl, 10)));
-        assert_eq!(top_candidates_among(&logits, &ids, &[], 12), Some(top_candidates(&logits, &[], 12)));
-        assert_eq!(top_candidates_among(&logits, &ids, &repl, 11), None, "12 ids cannot serve k 11 + 2");
-        assert_eq!(top_candidates_among(&logits, &[], &[], 1), None);
     }
 
     #[test]
