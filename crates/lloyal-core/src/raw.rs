@@ -222,11 +222,11 @@ impl RawContext {
         let code = unsafe { sys::llama_decode(self.ptr.as_ptr(), batch.raw()) };
         if code == 0 {
             self.out_rows = self.out_rows.max(batch.outputs());
-            self.device.decoded(self.ptr);
             if batch.outputs() > 0 {
                 // SAFETY: valid context.
                 unsafe { sys::llama_synchronize(self.ptr.as_ptr()) };
             }
+            self.device.decoded(self.ptr); // after the wait: llama.cpp copies the summaries async
         }
         if code == 0 || !clean {
             self.epoch.fetch_add(1, Ordering::Release);

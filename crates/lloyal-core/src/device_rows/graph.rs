@@ -121,9 +121,9 @@ unsafe extern "C" fn summarise_apply_graph(
         let scale = sys::ggml_new_tensor_2d(ctx, sys::GGML_TYPE_F32, 1, rows);
         sys::ggml_set_input(scale);
         state.input = scale;
-        let (maxima, positions) = span_maxima(ctx, x, n, rows);
         let spans = n / SPAN as i64;
-        let max = row_maxima(ctx, maxima, spans, rows);
+        let (maxima, positions) = group_maxima(ctx, x, SPAN as i64, spans * rows);
+        let max = sys::ggml_reshape_2d(ctx, group_maxima(ctx, maxima, spans, rows).0, 1, rows);
         let shifted = sys::ggml_sub(ctx, x, max);
         let lse = log_sum_exp(ctx, shifted, n, rows);
         let scaled = log_sum_exp(ctx, sys::ggml_mul(ctx, shifted, scale), n, rows);
@@ -137,43 +137,24 @@ unsafe extern "C" fn summarise_apply_graph(
     }
 }
 
-/// The maximum of each span of `x` (`n` x `rows`): (`[1, 1, spans * rows]` values, their
-/// positions in their spans).
+/// The maximum of each of `groups` consecutive runs of `width` values of `t` (contiguous f32):
+/// (`[1, 1, groups]` values, `[groups]` positions in their runs). An `argmax` over each run,
+/// whose value is then gathered (`get_rows` of a `[1, width, groups]` view, one index a group).
 ///
 /// # Safety
-/// `ctx` a graph context and `x` a contiguous f32 tensor of it, `n` a multiple of [`SPAN`].
-unsafe fn span_maxima(
+/// `ctx` a graph context and `t` a contiguous f32 tensor of it of `width * groups` values.
+unsafe fn group_maxima(
     ctx: *mut sys::ggml_context,
-    x: *mut sys::ggml_tensor,
-    n: i64,
-    rows: i64,
+    t: *mut sys::ggml_tensor,
+    width: i64,
+    groups: i64,
 ) -> (*mut sys::ggml_tensor, *mut sys::ggml_tensor) {
-    let spans = n / SPAN as i64;
     // SAFETY: shapes as documented; every reshape keeps the element count of a contiguous tensor.
     unsafe {
-        let positions = sys::ggml_argmax(ctx, sys::ggml_reshape_2d(ctx, x, SPAN as i64, spans * rows));
-        let by_span = sys::ggml_reshape_3d(ctx, x, 1, SPAN as i64, spans * rows);
-        let values = sys::ggml_get_rows(ctx, by_span, sys::ggml_reshape_2d(ctx, positions, 1, spans * rows));
+        let positions = sys::ggml_argmax(ctx, sys::ggml_reshape_2d(ctx, t, width, groups));
+        let by_group = sys::ggml_reshape_3d(ctx, t, 1, width, groups);
+        let values = sys::ggml_get_rows(ctx, by_group, sys::ggml_reshape_2d(ctx, positions, 1, groups));
         (values, positions)
-    }
-}
-
-/// Each row's maximum (`[1, rows]`) from its span maxima (`[1, 1, spans * rows]`).
-///
-/// # Safety
-/// As [`span_maxima`]; `maxima` its first result.
-unsafe fn row_maxima(
-    ctx: *mut sys::ggml_context,
-    maxima: *mut sys::ggml_tensor,
-    spans: i64,
-    rows: i64,
-) -> *mut sys::ggml_tensor {
-    // SAFETY: shapes as documented.
-    unsafe {
-        let best = sys::ggml_argmax(ctx, sys::ggml_reshape_2d(ctx, maxima, spans, rows));
-        let by_row = sys::ggml_reshape_3d(ctx, maxima, 1, spans, rows);
-        let max = sys::ggml_get_rows(ctx, by_row, sys::ggml_reshape_2d(ctx, best, 1, rows));
-        sys::ggml_reshape_2d(ctx, max, 1, rows)
     }
 }
 
