@@ -1,0 +1,52 @@
+#!/usr/bin/env bash
+# The calls of a GPU lease, run on the lent machine from the repository root (the device tool
+# copies the working tree there), after benches/gpu_lease_prep.sh here:
+#
+#   bash benches/gpu_lease.sh setup        carry .dev: installs the wheel and the test
+#                                          dependencies into /tmp/site, the fixtures into
+#                                          ~/.cache/lloyal, and starts the CUDA build of
+#                                          benches/gpu_backend.sh in the background (~190 s)
+#   bash benches/gpu_lease.sh part N       carry .devN (N = 2, 3, ...): the model's next part;
+#                                          each call within the machine's 30 s idle window
+#   bash benches/gpu_lease.sh bench        waits for the build, checks the model, then
+#                                          benches/gpu_suite.sh $OUT/r 0 bench
+#   bash benches/gpu_lease.sh tests        benches/gpu_suite.sh $OUT/r 560 tests
+set -euo pipefail
+w=/tmp/w
+site=/tmp/site
+case "${1:?usage: benches/gpu_lease.sh setup | part N | bench | tests}" in
+setup)
+    mkdir -p "$w/src" "$w/repo"
+    cp -r .dev/. "$w/"
+    cp -r benches llama-build "$w/repo/" # the build outlives this call's copy of the tree
+    tar -xJf "$w/src.tar.xz" -C "$w/src"
+    python3 -m pip install -q --no-index --no-deps --no-compile --target "$site" "$w"/lloyal-*.whl "$w"/whl/*.whl
+    mkdir -p ~/.cache/lloyal && tar -xJf "$w/cache.tar.xz" -C ~/.cache/lloyal
+    mv "$w/m.00" "$w/model.gguf"
+    export PATH=$PATH:/usr/local/cuda/bin
+    setsid nohup bash -c "CPU_VARIANTS=avx2 bash $w/repo/benches/gpu_backend.sh $w/src/llama.cpp $w/src/batched-bench \
+        $w/build $site/lloyal/_native > $w/build.log 2>&1; echo BUILD-EXIT \$? >> $w/build.log" \
+        > /dev/null 2>&1 < /dev/null &
+    nproc && nvidia-smi -L
+    ;;
+part)
+    cat ".dev${2:?part number}"/m.* >> "$w/model.gguf" && ls -l "$w/model.gguf"
+    tail -c 200 "$w/build.log"
+    ;;
+bench | tests)
+    export PYTHONPATH=$site PATH=$site/bin:$PATH:/usr/local/cuda/bin LLOYAL_MODEL=$w/model.gguf
+    export LLAMA_BATCHED_BENCH=$w/build/build/bin/llama-batched-bench
+    if [ "$1" = bench ]; then
+        sed "s|  .*|  $w/model.gguf|" "$w/model.sha256" | sha256sum -c
+        t0=$(date +%s)
+        until grep -q BUILD-EXIT "$w/build.log"; do
+            sleep 3
+            [ $(($(date +%s) - t0)) -gt 300 ] && break
+        done
+        tail -n 3 "$w/build.log" && cp "$w/build.log" "$OUT/"
+        bash benches/gpu_suite.sh "$OUT/r" 0 bench
+    else
+        bash benches/gpu_suite.sh "$OUT/r" 560 tests
+    fi
+    ;;
+esac

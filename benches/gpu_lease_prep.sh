@@ -1,0 +1,49 @@
+#!/usr/bin/env bash
+# Everything a lent GPU machine needs (it reaches no network), in folders the device tool can
+# carry (64 MiB a call), ignored by git (`/.dev*/` in .git/info/exclude):
+#
+#   .dev     the portable wheel (`make wheel-portable`), src.tar.xz (llama.cpp as llama-cpp-sys-2
+#            vendors it with only its CPU and CUDA backends, and llama-batched-bench's source from
+#            llama-cpp-python's sdist: `make bench-peers-cpp` unpacks it), whl/ (the test suite's
+#            pure-Python and CPython 3.12 dependencies the GPU image lacks), cache.tar.xz (the
+#            test fixtures in ~/.cache/lloyal), m.00 and model.sha256 (the model's first 30 MiB)
+#   .dev2..  the rest of the model, 56 MB a folder
+#
+#   benches/gpu_lease_prep.sh            (then the calls in docs/performance.md, "GPU")
+set -euo pipefail
+cd "$(dirname "$0")/.."
+grep -qxF '/.dev*/' .git/info/exclude 2>/dev/null || echo '/.dev*/' >> .git/info/exclude
+rm -rf .dev .dev[0-9]*
+mkdir -p .dev/whl
+
+make wheel-portable
+cp target/portable/dist/lloyal-*.whl .dev/
+
+version=$(sed -n 's/^llama-cpp-sys-2 = { version = "=\([0-9.]*\)".*/\1/p' Cargo.toml)
+llama=$(ls -d "${CARGO_HOME:-$HOME/.cargo}"/registry/src/*/"llama-cpp-sys-2-$version"/llama.cpp | tail -n 1)
+bench=$(ls -d target/peers/llama_cpp_python-*/vendor/llama.cpp/tools/batched-bench | tail -n 1)
+src=$(mktemp -d)
+cp -r "$llama" "$src/llama.cpp" && cp -r "$bench" "$src/batched-bench"
+for backend in "$src"/llama.cpp/ggml/src/ggml-*/; do
+    case "$(basename "$backend")" in ggml-cpu | ggml-cuda) ;; *) rm -rf "$backend" ;; esac
+done
+tar -cJf .dev/src.tar.xz -C "$src" . && rm -rf "$src"
+
+.venv/bin/python -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 \
+    --implementation cp --abi cp312 --platform manylinux2014_x86_64 -d .dev/whl \
+    fastapi starlette uvicorn openai jiter distro sniffio pydantic pydantic-core annotated-types \
+    annotated-doc typing-extensions typing-inspection jsonschema jsonschema-specifications \
+    referencing rpds-py gguf
+
+tar -cJf .dev/cache.tar.xz -C ~/.cache/lloyal gguf-families llama-grammars
+
+model=$(.venv/bin/python -c "import lloyal; print(lloyal.default_model_path())")
+sha256sum "$model" > .dev/model.sha256
+head -c 31457280 "$model" > .dev/m.00
+tail -c +31457281 "$model" | split -b 56000000 -d -a 2 --numeric-suffixes=1 - .dev/m.
+for part in .dev/m.[0-9][0-9]; do
+    n=$((10#${part##*.}))
+    [ "$n" -eq 0 ] && continue
+    mkdir -p ".dev$((n + 1))" && mv "$part" ".dev$((n + 1))/"
+done
+du -sh .dev .dev[0-9]* | sed 's/^/carry: /'
