@@ -61,9 +61,7 @@ impl Logits {
 
     /// Take `row` as the values, read in place, summarised by the decode ([`crate::device_rows`]).
     pub(crate) fn set_summarised(&mut self, row: OutputRow, device: DeviceSummary) {
-        let stats = device_rows::row_stats(&device);
-        self.row = Some((row, OnceLock::new()));
-        self.summary = OnceLock::from(Summary { stats, maxima: device.maxima });
+        self.set_in_place(row, device_rows::row_stats(&device), device.maxima);
     }
 
     /// These buffers for another row, what they held dropped: the larger of the owned values'

@@ -77,7 +77,12 @@ impl ContextState {
 
     /// Whether a live branch holds `seq_id`.
     pub fn is_leased(&self, seq_id: i32) -> bool {
-        self.branches.handles().iter().any(|&h| self.branches.get(h).is_some_and(|b| b.seq_id == seq_id))
+        self.branch_on(seq_id).is_some()
+    }
+
+    /// The live branch holding `seq_id`.
+    fn branch_on(&self, seq_id: i32) -> Option<&BranchState> {
+        self.branches.values().find(|b| b.seq_id == seq_id)
     }
 
     pub(crate) fn check_seq(&self, seq_id: i32) -> Result<()> {
@@ -196,8 +201,7 @@ impl ContextState {
         if !self.raw.device_rows() {
             return false;
         }
-        let scale_of =
-            |seq: i32| self.branches.values().find(|b| b.seq_id == seq).map_or(1.0, |b| b.sampling_scale());
+        let scale_of = |seq: i32| self.branch_on(seq).map_or(1.0, BranchState::sampling_scale);
         let outputs: Vec<(i32, i32, f32)> =
             self.batch.output_seqs().into_iter().map(|(row, seq)| (row, seq, scale_of(seq))).collect();
         self.raw.want_device_rows(&outputs)

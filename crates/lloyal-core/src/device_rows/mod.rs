@@ -105,8 +105,9 @@ pub struct DeviceRows {
     replaced: Vec<Chain>,
     /// The next decode's output rows' scales, read by the summarisers.
     scales: Scales,
-    /// The outputs and scales of the decode in flight, then what it summarised (read once).
-    pending: (Vec<i32>, Vec<f32>),
+    /// The batch index of each output row of the decode in flight (its scales: `scales`),
+    /// then what that decode summarised.
+    pending: Vec<i32>,
     last: Option<BatchSummary>,
     n_vocab: usize,
 }
@@ -118,7 +119,7 @@ impl DeviceRows {
             set: HashMap::new(),
             replaced: Vec::new(),
             scales: Scales::default(),
-            pending: (Vec::new(), Vec::new()),
+            pending: Vec::new(),
             last: None,
             n_vocab,
         }
@@ -147,11 +148,10 @@ impl DeviceRows {
             self.set.insert(seq, chain);
             changed = true;
         }
-        let scales: Vec<f32> = outputs.iter().map(|o| o.2).collect();
         if let Ok(mut s) = self.scales.lock() {
-            s.clone_from(&scales);
+            *s = outputs.iter().map(|o| o.2).collect();
         }
-        self.pending = (outputs.iter().map(|o| o.0).collect(), scales);
+        self.pending = outputs.iter().map(|o| o.0).collect();
         self.last = None;
         Some(changed)
     }
@@ -170,7 +170,7 @@ impl DeviceRows {
     /// decode); chains taken off before it are no longer referenced.
     pub fn decoded(&mut self, ctx: NonNull<sys::llama_context>) {
         self.replaced.clear();
-        let (outputs, scales) = std::mem::take(&mut self.pending);
+        let outputs = std::mem::take(&mut self.pending);
         self.last = None;
         let (Some(&first), false) = (outputs.first(), self.set.is_empty()) else { return };
         let rows = outputs.len();
@@ -196,6 +196,7 @@ impl DeviceRows {
                 std::slice::from_raw_parts(c, nc as usize).to_vec(),
             )
         };
+        let scales = self.scales.lock().map(|s| s.clone()).unwrap_or_default();
         self.last = Some(BatchSummary { outputs, scales, values, positions });
     }
 
@@ -208,7 +209,7 @@ impl DeviceRows {
         Some(DeviceSummary {
             lse_over_max: b.values[j],
             scaled_over_max: b.values[rows + j],
-            scale: b.scales[j],
+            scale: *b.scales.get(j)?,
             maxima: maxima.to_vec(),
             positions: b.positions.get(j * spans..(j + 1) * spans)?.to_vec(),
         })

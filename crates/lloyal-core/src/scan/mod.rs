@@ -111,13 +111,24 @@ fn scan_with(
     if let Some(dst) = copy.as_deref_mut() {
         dst.resize(src.len(), 0.0); // every value is overwritten: only a change of length touches it
     }
+    let partials = scan_parts(k, src, copy.map(Vec::as_mut_slice), maxima, scale);
+    combine(src, maxima, &partials, scale)
+}
+
+/// [`scan_part`] of each [`PART`] of `src` in order (copied into `copy` when given; `maxima`
+/// sized for `src`).
+fn scan_parts(
+    k: Kernels,
+    src: &[f32],
+    copy: Option<&mut [f32]>,
+    maxima: &mut [f32],
+    scale: Option<f32>,
+) -> Vec<Partial> {
     let mut dst = copy.map(|d| d.chunks_mut(PART));
-    let partials: Vec<Partial> = src
-        .chunks(PART)
+    src.chunks(PART)
         .zip(maxima.chunks_mut(PART / SPAN))
         .map(|(part, spans)| scan_part(k, part, dst.as_mut().and_then(Iterator::next), spans, scale))
-        .collect();
-    combine(src, maxima, &partials, scale)
+        .collect()
 }
 
 /// Values per part: a longer row is summed part by part, each at its own maximum, and the parts
@@ -231,11 +242,7 @@ pub fn scan_rows(
             let (_, scale, unit) = &units[u];
             let mut unit = unit.lock();
             let (src, maxima, partials) = &mut *unit;
-            *partials = src
-                .chunks(PART)
-                .zip(maxima.chunks_mut(PART / SPAN))
-                .map(|(part, spans)| scan_part(k, part, None, spans, *scale))
-                .collect();
+            *partials = scan_parts(k, src, None, maxima, *scale);
         });
         for (r, _, unit) in units {
             partials[r].extend(unit.into_inner().2); // a row's units come in order
