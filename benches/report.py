@@ -47,6 +47,13 @@ def _times(ratio: float) -> str:
     return f"{ratio:.2f}x"
 
 
+def _cells(info: dict[str, Any], keys: list[str]) -> list[str]:
+    """``info``'s values at ``keys``: seconds (``*_s``) and ratios (``*_vs_*``) formatted."""
+    return [
+        _secs(info[k]) if k.endswith("_s") else _times(info[k]) if "_vs_" in k else str(info[k]) for k in keys
+    ]
+
+
 def grammar_table(data: dict[str, Any]) -> str:
     """Markdown table for the json-schema group: tokens/s from each run's token count."""
     rows = _group(data, "json-schema")
@@ -157,57 +164,36 @@ def paired_table(data: dict[str, Any]) -> str:
     )
 
 
+def _paired(
+    data: dict[str, Any], group: str, columns: list[tuple[str, str]], order: str, key: str = ""
+) -> str:
+    """A table of interleaved rounds: a row per benchmark of ``group`` (sorted by the whole
+    number at ``key``), a column per ``(header, value key)`` of ``columns``."""
+    infos = [b["extra_info"] for b in _group(data, group)]
+    if not infos:
+        return ""
+    infos.sort(key=lambda i: int(i[key]) if key else 0)
+    return _table(
+        [header for header, _ in columns],
+        [_cells(i, [k for _, k in columns]) for i in infos],
+        f"{infos[0]['rounds']} interleaved rounds of each ({order}); medians without the first.",
+    )
+
+
 def paired_best_of_n_table(data: dict[str, Any]) -> str:
     """Markdown table for the interleaved best-of-N rounds (lloyal batched vs both peers)."""
-    rows = _group(data, "best-of-n-paired")
-    if not rows:
-        return ""
-    cells = []
-    for b in sorted(rows, key=lambda b: int(b["extra_info"]["n"])):
-        i = b["extra_info"]
-        cells.append(
-            [
-                str(i["n"]),
-                _secs(i["lloyal_median_s"]),
-                _secs(i["raw_median_s"]),
-                _secs(i["llama_cpp_python_median_s"]),
-                _times(i["lloyal_vs_raw"]),
-                _times(i["lloyal_vs_llama_cpp_python"]),
-            ]
-        )
-    return _table(
-        [
-            "N",
-            "lloyal batched: median s",
-            "raw C-API batched loop: median s",
-            "llama-cpp-python sequential: median s",
-            "lloyal vs raw",
-            "lloyal vs llama-cpp-python",
-        ],
-        cells,
-        f"{rows[0]['extra_info']['rounds']} interleaved rounds of each"
-        " (raw, llama-cpp-python, lloyal, raw, ...); medians without the first.",
-    )
+    peers = [("raw C-API batched loop", "raw"), ("llama-cpp-python sequential", "llama_cpp_python")]
+    columns = [("N", "n"), ("lloyal batched: median s", "lloyal_median_s")]
+    columns += [(f"{name}: median s", f"{k}_median_s") for name, k in peers]
+    columns += [(f"lloyal vs {name.split(' ')[0]}", f"lloyal_vs_{k}") for name, k in peers]
+    return _paired(data, "best-of-n-paired", columns, "raw, llama-cpp-python, lloyal, raw, ...", key="n")
 
 
 def paired_prefill_table(data: dict[str, Any]) -> str:
     """One line for the interleaved packed-prefill rounds."""
-    rows = _group(data, "prefill-mixed-paired")
-    if not rows:
-        return ""
-    i = rows[0]["extra_info"]
-    return _table(
-        ["tokens", "lloyal store.prefill: median s", "raw loop: median s", "lloyal vs raw"],
-        [
-            [
-                str(i["tokens"]),
-                _secs(i["lloyal_median_s"]),
-                _secs(i["raw_median_s"]),
-                _times(i["lloyal_vs_raw"]),
-            ]
-        ],
-        f"{i['rounds']} interleaved rounds of each (raw, lloyal, raw, ...); medians without the first.",
-    )
+    columns = [("tokens", "tokens"), ("lloyal store.prefill: median s", "lloyal_median_s")]
+    columns += [("raw loop: median s", "raw_median_s"), ("lloyal vs raw", "lloyal_vs_raw")]
+    return _paired(data, "prefill-mixed-paired", columns, "raw, lloyal, raw, ...")
 
 
 def plot(series: dict[str, dict[int, float]], out: Path) -> None:

@@ -17,11 +17,12 @@ Run:
 
 from __future__ import annotations
 
-import argparse
 import json
 import math
 from dataclasses import dataclass
 from typing import Any
+
+from _args import example_parser
 
 import lloyal
 from lloyal import strategies
@@ -76,12 +77,9 @@ def compare(ctx: lloyal.Context, prompt: str, width: int, max_tokens: int) -> tu
 
 def main(argv: list[str] | None = None) -> None:
     """Command-line entry point (see the module docstring)."""
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = example_parser(__doc__, seed=False, max_tokens=16)
     parser.add_argument("prompt", nargs="?", default=DEFAULT_PROMPT)
     parser.add_argument("--width", type=int, default=3, help="beam width")
-    parser.add_argument("--max-tokens", type=int, default=16)
-    parser.add_argument("--model", default=None, help="GGUF path (default: the embedded Gemma 3 270M)")
-    parser.add_argument("--jsonl", action="store_true", help="one JSON event per line")
     args = parser.parse_args(argv)
     path = args.model or lloyal.default_model_path()
     with lloyal.Context(path, n_ctx=1024, n_seq_max=args.width + 1) as ctx:

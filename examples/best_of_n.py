@@ -17,9 +17,10 @@ tokens, perplexity) and a final ``{"event": "summary", ...}`` (winner, prompt, t
 
 from __future__ import annotations
 
-import argparse
 import json
 import math
+
+from _args import example_parser
 
 import lloyal
 from lloyal import strategies
@@ -38,13 +39,9 @@ def best_of_n(ctx: lloyal.Context, prompt: str, n: int, max_tokens: int, seed: i
 
 def main(argv: list[str] | None = None) -> None:
     """Command-line entry point (see the module docstring)."""
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = example_parser(__doc__, max_tokens=32)
     parser.add_argument("prompt", nargs="?", default=DEFAULT_PROMPT)
     parser.add_argument("-n", type=int, default=4, help="number of candidates")
-    parser.add_argument("--max-tokens", type=int, default=32)
-    parser.add_argument("--seed", type=int, default=1)
-    parser.add_argument("--model", default=None, help="GGUF path (default: the embedded Gemma 3 270M)")
-    parser.add_argument("--jsonl", action="store_true", help="one JSON event per line")
     args = parser.parse_args(argv)
     with lloyal.Context(args.model or lloyal.default_model_path(), n_ctx=1024, n_seq_max=args.n) as ctx:
         result = strategies.best_of_n(ctx, args.prompt, args.n, max_tokens=args.max_tokens, seed=args.seed)

@@ -21,12 +21,13 @@ fills up.
 
 from __future__ import annotations
 
-import argparse
 import json
 import sys
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any
+
+from _args import example_parser
 
 import lloyal
 
@@ -175,13 +176,14 @@ def _interactive_lines() -> Iterator[str]:
 
 def main(argv: list[str] | None = None) -> None:
     """Command-line entry point (see the module docstring)."""
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--max-tokens", type=int, default=64, help="most tokens per reply")
+    parser = example_parser(
+        __doc__,
+        jsonl_help="one JSON event per line, nothing else",
+        max_tokens=64,
+        max_tokens_help="most tokens per reply",
+    )
     parser.add_argument("--temperature", type=float, default=0.7)
-    parser.add_argument("--seed", type=int, default=1)
     parser.add_argument("--n-ctx", type=int, default=2048)
-    parser.add_argument("--model", default=None, help="GGUF path (default: the embedded Gemma 3 270M)")
-    parser.add_argument("--jsonl", action="store_true", help="one JSON event per line, nothing else")
     args = parser.parse_args(argv)
     params = lloyal.SamplingParams(temperature=args.temperature, seed=args.seed)
     tty = sys.stdin.isatty() and not args.jsonl

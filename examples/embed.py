@@ -18,12 +18,12 @@ Run:
 
 from __future__ import annotations
 
-import argparse
 import json
 from dataclasses import dataclass
 
 import numpy as np
 import numpy.typing as npt
+from _args import example_parser
 
 import lloyal
 
@@ -76,10 +76,8 @@ def neighbours(
 
 def main(argv: list[str] | None = None) -> None:
     """Command-line entry point (see the module docstring)."""
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = example_parser(__doc__, seed=False)
     parser.add_argument("queries", nargs="*", help=f"texts to look up (default: {list(QUERIES)})")
-    parser.add_argument("--model", default=None, help="GGUF path (default: the embedded Gemma 3 270M)")
-    parser.add_argument("--jsonl", action="store_true", help="one JSON event per line")
     args = parser.parse_args(argv)
     queries = args.queries or list(QUERIES)
     path = args.model or lloyal.default_model_path()

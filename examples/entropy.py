@@ -18,10 +18,11 @@ Events (``--jsonl``): ``token`` (position, entropy, temperature, text) for every
 
 from __future__ import annotations
 
-import argparse
 import json
 from collections.abc import Iterator
 from typing import Any
+
+from _args import example_parser
 
 import lloyal
 
@@ -171,14 +172,9 @@ def _human(ev: Event, prompt: str) -> str:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--prompt", default=PROMPT)
-    parser.add_argument("--max-tokens", type=int, default=48)
+    parser = example_parser(__doc__, prompt=PROMPT, max_tokens=48)
     parser.add_argument("--threshold", type=float, default=4.5, help="entropy (nats) that triggers a fork")
     parser.add_argument("--lookahead", type=int, default=4, help="tokens each alternative gets")
-    parser.add_argument("--seed", type=int, default=1)
-    parser.add_argument("--model", default=None, help="GGUF path (default: the embedded Gemma 3 270M)")
-    parser.add_argument("--jsonl", action="store_true", help="one JSON event per line")
     args = parser.parse_args()
     with lloyal.Context(args.model or lloyal.default_model_path(), n_ctx=1024, n_seq_max=2) as ctx:
         events = entropy_steered(

@@ -20,10 +20,11 @@ valid, perplexity, errors) and a final ``done``.
 
 from __future__ import annotations
 
-import argparse
 import json
 from collections.abc import Iterator, Mapping
 from typing import Any
+
+from _args import example_parser
 
 import lloyal
 
@@ -180,13 +181,8 @@ def grammar_fork(
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--prompt", default=PROMPT)
+    parser = example_parser(__doc__, prompt=PROMPT, max_tokens=64, max_tokens_help="most tokens per child")
     parser.add_argument("--children", type=int, default=3)
-    parser.add_argument("--max-tokens", type=int, default=64, help="most tokens per child")
-    parser.add_argument("--seed", type=int, default=1)
-    parser.add_argument("--model", default=None, help="GGUF path (default: the embedded Gemma 3 270M)")
-    parser.add_argument("--jsonl", action="store_true", help="one JSON event per line")
     args = parser.parse_args()
     model = args.model or lloyal.default_model_path()
     with lloyal.Context(model, n_ctx=1024, n_seq_max=args.children + 1) as ctx:

@@ -15,10 +15,11 @@ Run:
 
 from __future__ import annotations
 
-import argparse
 import json
 import time
 from dataclasses import dataclass
+
+from _args import example_parser
 
 import lloyal
 from lloyal import strategies
@@ -63,11 +64,8 @@ def speculative(ctx: lloyal.Context, prompt: list[int], max_tokens: int, k: int 
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--max-tokens", type=int, default=48)
+    parser = example_parser(__doc__, seed=False, jsonl_help="machine-readable output", max_tokens=48)
     parser.add_argument("-k", type=int, default=8, help="most drafts per round")
-    parser.add_argument("--model", default=None, help="GGUF path (default: the embedded Gemma 3 270M)")
-    parser.add_argument("--jsonl", action="store_true", help="machine-readable output")
     args = parser.parse_args()
     with lloyal.Context(args.model or lloyal.default_model_path(), n_ctx=1024) as ctx:
         prompt = ctx.tokenize(PROMPT)

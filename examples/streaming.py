@@ -20,11 +20,12 @@ far, summary) and a final ``done`` (tokens, reseeds, perplexity, text).
 
 from __future__ import annotations
 
-import argparse
 import json
 import math
 from collections.abc import Iterator
 from typing import Any
+
+from _args import example_parser
 
 import lloyal
 
@@ -143,15 +144,10 @@ def stream(
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--prompt", default=PROMPT)
-    parser.add_argument("--max-tokens", type=int, default=400)
+    parser = example_parser(__doc__, prompt=PROMPT, max_tokens=400)
     parser.add_argument("--n-ctx", type=int, default=256, help="KV cells the stream may use")
     parser.add_argument("--tail", type=int, default=48, help="recent tokens kept at each reseed")
     parser.add_argument("--summary-tokens", type=int, default=12, help="most tokens of running summary")
-    parser.add_argument("--seed", type=int, default=1)
-    parser.add_argument("--model", default=None, help="GGUF path (default: the embedded Gemma 3 270M)")
-    parser.add_argument("--jsonl", action="store_true", help="one JSON event per line")
     args = parser.parse_args()
     model = args.model or lloyal.default_model_path()
     with lloyal.Context(model, n_ctx=args.n_ctx, n_seq_max=2) as ctx:

@@ -49,7 +49,10 @@ def exact_model_fixture() -> Any:
 
 
 def load_example(name: str) -> ModuleType:
-    """Import ``examples/<name>.py`` as module ``name`` (the scripts are not a package)."""
+    """Import ``examples/<name>.py`` as module ``name`` (the scripts are not a package; their
+    folder goes on ``sys.path``, as for a script, for their shared ``_args``)."""
+    if str(EXAMPLES) not in sys.path:
+        sys.path.append(str(EXAMPLES))
     spec = importlib.util.spec_from_file_location(name, EXAMPLES / f"{name}.py")
     assert spec is not None and spec.loader is not None
     module = importlib.util.module_from_spec(spec)
