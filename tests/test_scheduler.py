@@ -30,7 +30,10 @@ def run(sched: Scheduler, spec: GenSpec) -> tuple[list[TokenEvent], Done]:
     return asyncio.run(main())
 
 
-def test_a_choice_that_outgrows_the_cache_ends_with_length_and_its_text(model: lloyal.Model) -> None:
+@pytest.mark.parametrize("held", [False, True], ids=["no-stop", "text-held-for-a-stop"])
+def test_a_choice_that_outgrows_the_cache_ends_with_length_and_its_text(model: lloyal.Model, held: bool) -> None:
+    """With ``held``, a stop string begins with the text's last characters: the engine holds
+    them back, and the scheduler releases them when the cache ends the choice."""
     with lloyal.Context(model, n_ctx=256, n_batch=64, n_seq_max=4) as ctx:
         sched = Scheduler(ctx, max_running=1, cache_cells=256)
         prompt = (ctx.tokenize("One two three four five six seven eight nine ten.") * 40)[:240]
@@ -45,9 +48,13 @@ def test_a_choice_that_outgrows_the_cache_ends_with_length_and_its_text(model: l
             want.append(p.token)
         ref.prune()
         assert len(want) == 16, "the greedy reference fills the cache"
-        evs, done = run(sched, GenSpec(prompt=prompt, params=GREEDY, max_tokens=40))
+        tail = ctx.detokenize(want).rstrip()[-3:]
+        stop = [tail + "\u0007"] if held else []
+        evs, done = run(sched, GenSpec(prompt=prompt, params=GREEDY, max_tokens=40, stop=stop))
         tokens = [e.token for e in evs if e.token >= 0]
         assert tokens == want  # every free cell was used, then the choice ended
+        released = [e.text for e in evs if e.token < 0]
+        assert released == ([ctx.detokenize(want)[ctx.detokenize(want).rindex(tail) :]] if held else [])
         assert done.finish_reasons == ["length"] and done.completion_tokens == 16
         assert done.texts[0] == "".join(e.text for e in evs) == ctx.detokenize(want)
         # its branch went to the prefix cache whole (prompt + 16 tokens: every cell)

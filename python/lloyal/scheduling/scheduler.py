@@ -521,7 +521,8 @@ class Scheduler:
                 self._make_room()
             reason = "length" if it.finish_reason == "length" else "stop"
         except lloyal.KvCacheFullError:  # the cache filled up with nothing left to evict
-            reason = self._out_of_room(c)
+            self._out_of_room(c)
+            reason = "length"
         except asyncio.CancelledError:
             it.close()
         except Exception as exc:  # the request fails with it; the other choices are cancelled
@@ -564,19 +565,15 @@ class Scheduler:
         if not self._evict_stuck and self.store.kv_pressure.remaining < need:
             self._evict_stuck = not self.cache.evict(cells=need)
 
-    def _out_of_room(self, c: _Choice) -> str:
-        """End a choice whose next token found no free cell: "length", with the text the engine
-        held back (it might have begun a stop string) released, cut at a stop string if one is
-        now complete."""
+    def _out_of_room(self, c: _Choice) -> None:
+        """Release the text the engine held back from a choice whose next token found no free
+        cell (text that might have begun a stop string: the engine's stop matcher never holds a
+        whole one, so none is cut here)."""
         stream = self.ctx.text_stream()
         full = "".join(stream.push(t) for t in c.generated) + stream.flush()
-        rest = full[len(c.text) :] if full.startswith(c.text) else ""
-        cut = _find_stop(c.text + rest, c.req.spec.stop, len(c.text))
-        text = (c.text + rest)[:cut] if cut is not None else c.text + rest
-        if len(text) > len(c.text):
-            c.req.events.put_nowait(TokenEvent(c.index, -1, text[len(c.text) :]))
-            c.text = text
-        return "stop" if cut is not None else "length"
+        if full.startswith(c.text) and len(full) > len(c.text):
+            c.req.events.put_nowait(TokenEvent(c.index, -1, full[len(c.text) :]))
+            c.text = full
 
     def _finish(self, req: _Request) -> None:
         spec = req.spec
@@ -671,13 +668,3 @@ class _Hops:
 def _ppl(branch: lloyal.Branch) -> float:
     p = branch.perplexity
     return p if math.isfinite(p) else math.inf
-
-
-def _find_stop(text: str, stops: Sequence[str], emitted: int) -> int | None:
-    """Index where the first stop string starts in ``text`` (searching from near ``emitted``)."""
-    best: int | None = None
-    for s in stops:
-        i = text.find(s, max(0, emitted - len(s)))
-        if i >= 0 and (best is None or i < best):
-            best = i
-    return best
