@@ -118,7 +118,9 @@ def test_best_of_n_jsonl_events_tree_and_text_output(
     assert best["winner"] and summary["winner"] == best["branch"] and summary["text"] == best["text"]
     assert all(1 <= c["tokens"] <= 4 and c["perplexity"] >= 1.0 for c in candidates)
     assert summary["tokens"] == sum(c["tokens"] for c in candidates)
-    assert summary["decode_calls"] == summary["steps"] == max(c["tokens"] for c in candidates)
+    # the server's best_of: the candidates generate together, one decode a step
+    assert summary["steps"] == max(c["tokens"] for c in candidates) <= summary["decode_calls"]
+    assert summary["decode_calls"] < summary["tokens"]
     assert summary["n"] == 2 and summary["tree"] == str(tree)
     page = tree.read_text(encoding="utf-8")
     for c in candidates:

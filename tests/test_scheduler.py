@@ -31,7 +31,9 @@ def run(sched: Scheduler, spec: GenSpec) -> tuple[list[TokenEvent], Done]:
 
 
 @pytest.mark.parametrize("held", [False, True], ids=["no-stop", "text-held-for-a-stop"])
-def test_a_choice_that_outgrows_the_cache_ends_with_length_and_its_text(model: lloyal.Model, held: bool) -> None:
+def test_a_choice_that_outgrows_the_cache_ends_with_length_and_its_text(
+    model: lloyal.Model, held: bool
+) -> None:
     """With ``held``, a stop string begins with the text's last characters: the engine holds
     them back, and the scheduler releases them when the cache ends the choice."""
     with lloyal.Context(model, n_ctx=256, n_batch=64, n_seq_max=4) as ctx:

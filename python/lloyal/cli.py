@@ -2,7 +2,7 @@
 
 Every command uses the embedded Gemma 3 270M unless ``--model`` (or ``LLOYAL_MODEL``) names a GGUF;
 ``--jsonl`` prints machine-readable JSON lines instead of text. Progress bars (model assembly on
-first use, long prefills, best-of-n steps) go to stderr, and only when stderr is a terminal.
+first use, long prefills, demo steps, best-of-n tokens) go to stderr, and only when stderr is a terminal.
 
 Example:
     $ lloyal demo                               # 4 branches from one prompt, decoded in lockstep
@@ -20,6 +20,7 @@ The same from Python (``main`` returns the exit status):
 from __future__ import annotations
 
 import argparse
+import asyncio
 import json
 import math
 import os
@@ -32,6 +33,7 @@ from typing import Any, NamedTuple
 
 import lloyal
 from lloyal import progress, strategies
+from lloyal.scheduling import Done, GenSpec, Scheduler
 from lloyal.tree_html import TreeNode, write_tree_html
 
 __all__ = ["main"]
@@ -75,7 +77,7 @@ class _Candidate(NamedTuple):
     """One best-of-n candidate as the CLI prints it."""
 
     branch: int
-    tokens: tuple[int, ...]
+    tokens: int
     text: str
     perplexity: float
     stopped: bool  # ended on a stop token (otherwise it reached max_tokens)
@@ -83,53 +85,37 @@ class _Candidate(NamedTuple):
 
 @dataclass(frozen=True)
 class _BestOfNRun:
-    """A :func:`lloyal.strategies.best_of_n` result with the prompt and the wall time the CLI reports."""
+    """Best-of-n candidates (in the order their branches were made), the winner, and what the
+    CLI reports: prompt, decodes, wall time."""
 
     prompt: str
     prompt_tokens: int
-    best: strategies.BestOfN
+    candidates: list[_Candidate]
+    winner: int
+    steps: int  # generation steps: the longest candidate's tokens
+    decode_calls: int  # llama_decode calls while generating (the prompt's excepted)
     seconds: float
 
     @property
     def generated(self) -> int:
         """Tokens generated over all candidates."""
-        return sum(len(t) for t in self.best.tokens)
-
-    @property
-    def winner(self) -> int:
-        """The winning candidate's index."""
-        return self.best.index
-
-    @property
-    def candidates(self) -> list[_Candidate]:
-        """One row per candidate, for printing."""
-        b = self.best
-        return [
-            _Candidate(i, b.tokens[i], b.texts[i], b.perplexities[i], b.stopped[i])
-            for i in range(len(b.texts))
-        ]
+        return sum(c.tokens for c in self.candidates)
 
     def tree(self) -> TreeNode:
         """The branch tree as plain data for :mod:`lloyal.tree_html`."""
-        b = self.best
         kids = tuple(
-            TreeNode(f"branch {i}", text, len(b.tokens[i]), b.perplexities[i], i == b.index)
-            for i, text in enumerate(b.texts)
+            TreeNode(f"branch {c.branch}", c.text, c.tokens, c.perplexity, c.branch == self.winner)
+            for c in self.candidates
         )
         return TreeNode("prompt", self.prompt, self.prompt_tokens, children=kids)
 
 
-def _run_best_of_n(
-    ctx: lloyal.Context,
-    prompt: str,
-    prompt_tokens: Sequence[int],
-    n: int,
-    max_tokens: int,
-    params: lloyal.SamplingParams,
-    *,
-    seed: int,
+def _lockstep_best_of_n(
+    ctx: lloyal.Context, prompt: str, prompt_tokens: Sequence[int], n: int, max_tokens: int, seed: int
 ) -> _BestOfNRun:
-    """:func:`lloyal.strategies.best_of_n` with a step bar; the winner is pruned afterwards."""
+    """:func:`lloyal.strategies.best_of_n` (one ``BranchStore.commit`` per step) with a step
+    bar, for the demo; the winner is pruned afterwards."""
+    params = lloyal.SamplingParams(temperature=0.9, top_k=40, top_p=0.95, seed=seed)
     start = time.perf_counter()
     with progress.Progress(max_tokens, "best-of-n", unit="steps") as bar:
         best = strategies.best_of_n(
@@ -143,19 +129,67 @@ def _run_best_of_n(
         )
     seconds = time.perf_counter() - start
     best.branch.prune()
-    return _BestOfNRun(prompt, len(prompt_tokens), best, seconds)
+    b = best
+    kids = [_Candidate(i, len(b.tokens[i]), b.texts[i], b.perplexities[i], b.stopped[i]) for i in range(n)]
+    return _BestOfNRun(prompt, len(prompt_tokens), kids, b.index, b.steps, b.steps, seconds)
+
+
+def _scheduled_best_of_n(
+    ctx: lloyal.Context,
+    prompt: str,
+    prompt_tokens: Sequence[int],
+    n: int,
+    max_tokens: int,
+    params: lloyal.SamplingParams,
+    seed: int,
+) -> _BestOfNRun:
+    """One request of ``best_of=n`` choices on :class:`lloyal.scheduling.Scheduler` (the
+    best-of-N of the OpenAI server and Ray Data: the choices generate together in the engine,
+    candidate ``i`` seeded ``seed + 1 + i``), with a token bar."""
+    spec = GenSpec(
+        prompt=list(prompt_tokens),
+        params=params,
+        max_tokens=max_tokens,
+        n=n,
+        best_of=n,
+        seed=seed + 1,
+        rank=True,
+    )
+
+    async def run(bar: progress.Progress) -> Done:
+        sched = Scheduler(ctx, max_running=n, cache_cells=0, reserve=True)
+        try:
+            async for ev in sched.generate(spec):
+                if isinstance(ev, Done):
+                    return ev
+                bar.update(int(ev.token >= 0))
+        finally:
+            await sched.stop()
+        raise RuntimeError("the scheduler ended the request without its result")  # pragma: no cover
+
+    start = time.perf_counter()
+    with progress.Progress(n * max_tokens, "best-of-n", unit="tokens") as bar:
+        prompt_calls = -(-len(prompt_tokens) // ctx.n_batch)
+        before = ctx.engine_stats().decode_calls + prompt_calls
+        done = asyncio.run(run(bar))
+    seconds = time.perf_counter() - start
+    kids = [
+        _Candidate(i, done.lengths[i], done.texts[i], done.perplexities[i], done.finish_reasons[i] == "stop")
+        for i in range(n)
+    ]
+    calls = ctx.engine_stats().decode_calls - before
+    return _BestOfNRun(prompt, len(prompt_tokens), kids, done.choices[0], max(done.lengths), calls, seconds)
 
 
 def _best_of_n_summary(r: _BestOfNRun) -> dict[str, Any]:
-    b = r.best
     return {
-        "winner": b.index,
-        "perplexity": _json_float(b.perplexities[b.index]),
-        "text": b.text,
-        "n": len(b.texts),
+        "winner": r.winner,
+        "perplexity": _json_float(r.candidates[r.winner].perplexity),
+        "text": r.candidates[r.winner].text,
+        "n": len(r.candidates),
         "prompt_tokens": r.prompt_tokens,
-        "steps": b.steps,
-        "decode_calls": b.steps,
+        "steps": r.steps,
+        "decode_calls": r.decode_calls,
         "tokens": r.generated,
         "seconds": r.seconds,
         "tokens_per_s": r.generated / r.seconds if r.seconds > 0 else 0.0,
@@ -176,10 +210,11 @@ def best_of_n(
     """``lloyal best-of-n``: candidates and the winner (JSON lines with ``--jsonl``), optional HTML tree."""
     if not 1 <= n <= 255 or max_tokens < 1:
         raise ValueError("-n must be in 1..255 and --max-tokens at least 1")
-    ctx, toks = _open(_model_path(model), prompt, n * max_tokens, n, threads)
+    # the choices fork a root that holds the prompt: n + 1 leases
+    ctx, toks = _open(_model_path(model), prompt, n * max_tokens, n + 1, threads)
     with ctx:
         params = lloyal.SamplingParams(temperature=temperature, top_k=40, top_p=0.95, seed=seed)
-        r = _run_best_of_n(ctx, prompt, toks, n, max_tokens, params, seed=seed)
+        r = _scheduled_best_of_n(ctx, prompt, toks, n, max_tokens, params, seed)
     if tree:
         subtitle = (
             f"best of {n} (winner: lowest perplexity) · up to {max_tokens} tokens · "
@@ -193,7 +228,7 @@ def best_of_n(
                 {
                     "event": "candidate",
                     "branch": c.branch,
-                    "tokens": len(c.tokens),
+                    "tokens": c.tokens,
                     "perplexity": _json_float(c.perplexity),
                     "stopped": c.stopped,
                     "winner": c.branch == r.winner,
@@ -205,11 +240,11 @@ def best_of_n(
     for c in r.candidates:
         mark = "  <- winner" if c.branch == r.winner else ""
         end = "stop token" if c.stopped else "max tokens"
-        print(f"--- branch {c.branch}  tokens {len(c.tokens)}  perplexity {c.perplexity:.2f}  ({end}){mark}")
+        print(f"--- branch {c.branch}  tokens {c.tokens}  perplexity {c.perplexity:.2f}  ({end}){mark}")
         print(prompt + c.text)
     print(
         f"\nwinner: branch {r.winner} of {n} (perplexity {r.candidates[r.winner].perplexity:.2f}); "
-        f"{r.generated} tokens in {r.best.steps} lockstep decodes, {summary['tokens_per_s']:.1f} tok/s"
+        f"{r.generated} tokens in {r.decode_calls} decodes, {summary['tokens_per_s']:.1f} tok/s"
     )
     if tree:
         print(f"tree: {tree}")
@@ -224,16 +259,15 @@ def demo(
         raise ValueError("-n must be in 1..255 and --max-tokens at least 1")
     ctx, toks = _open(_model_path(model), prompt, n * max_tokens, n, threads)
     with ctx:
-        params = lloyal.SamplingParams(temperature=0.9, top_k=40, top_p=0.95, seed=7)
-        r = _run_best_of_n(ctx, prompt, toks, n, max_tokens, params, seed=7)
+        r = _lockstep_best_of_n(ctx, prompt, toks, n, max_tokens, seed=7)
     summary = _best_of_n_summary(r)
     for c in r.candidates:
         if jsonl:
             ppl = _json_float(c.perplexity)
-            _emit({"branch": c.branch, "perplexity": ppl, "tokens": len(c.tokens), "text": c.text})
+            _emit({"branch": c.branch, "perplexity": ppl, "tokens": c.tokens, "text": c.text})
         else:
             mark = "  <- winner" if c.branch == r.winner else ""
-            print(f"--- branch {c.branch}  perplexity {c.perplexity:.2f}  tokens {len(c.tokens)}{mark}")
+            print(f"--- branch {c.branch}  perplexity {c.perplexity:.2f}  tokens {c.tokens}{mark}")
             print(prompt + c.text)
     if jsonl:
         keys = ("winner", "perplexity", "steps", "decode_calls", "tokens", "tokens_per_s")
@@ -241,7 +275,7 @@ def demo(
     else:
         print(
             f"\nwinner: branch {r.winner} (perplexity {r.candidates[r.winner].perplexity:.2f}); "
-            f"{r.generated} tokens in {r.best.steps} lockstep decodes, {summary['tokens_per_s']:.1f} tok/s"
+            f"{r.generated} tokens in {r.steps} lockstep decodes, {summary['tokens_per_s']:.1f} tok/s"
         )
     return 0
 
@@ -417,7 +451,9 @@ def _parser() -> argparse.ArgumentParser:
     g.add_argument("--temperature", type=float, default=0.8, help="0 for greedy (default 0.8)")
     g.add_argument("--seed", type=int, default=None)
     g.add_argument("--jsonl", action="store_true", help="one JSON line per token, then a summary")
-    b = command("best-of-n", "sample N continuations in lockstep, keep the lowest perplexity")
+    b = command(
+        "best-of-n", "sample N continuations together (the server's best_of), keep the lowest perplexity"
+    )
     b.add_argument("prompt")
     b.add_argument("-n", type=int, default=4, help="number of candidates (default 4)")
     b.add_argument("--max-tokens", type=int, default=32, help="tokens per candidate (default 32)")
