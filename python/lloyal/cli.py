@@ -146,15 +146,7 @@ def _scheduled_best_of_n(
     """One request of ``best_of=n`` choices on :class:`lloyal.scheduling.Scheduler` (the
     best-of-N of the OpenAI server and Ray Data: the choices generate together in the engine,
     candidate ``i`` seeded ``seed + 1 + i``), with a token bar."""
-    spec = GenSpec(
-        prompt=list(prompt_tokens),
-        params=params,
-        max_tokens=max_tokens,
-        n=n,
-        best_of=n,
-        seed=seed + 1,
-        rank=True,
-    )
+    spec = GenSpec(list(prompt_tokens), params, max_tokens, n=n, best_of=n, seed=seed + 1, rank=True)
 
     async def run(bar: progress.Progress) -> Done:
         sched = Scheduler(ctx, max_running=n, cache_cells=0, reserve=True)
