@@ -11,7 +11,8 @@
 # Writes into OUT: gpu.txt (the card), gpu_check.txt (greedy tokens, forks, perplexities with
 # --ngl 99 and --ngl 0), side_by_side.md/.json (benches/batched_side_by_side.py: prefill, decode
 # B=1/16, sampled streams, 3 paired rounds, 8 threads; lloyal with host rows and with
-# LLOYAL_DEVICE_ROWS=1), host_work.md (benches/bench_host_work.py on the GPU, both ways), with
+# LLOYAL_DEVICE_ROWS=1), prefill_probe.md (benches/prefill_probe.py: the 512-token prefill by path
+# and context shape, wall and in-llama_decode), host_work.md (benches/bench_host_work.py on the GPU, both ways), with
 # $LLAMA_SERVER set server.md/.json (benches/bench_server.py, shared prefix, 2 paired rounds,
 # -ngl 99 on both) and pytest.txt (tests/ with LLOYAL_N_GPU_LAYERS=99, stopped after
 # TEST_SECONDS, default 300; tests/test_ray.py left out: Ray is not installed there).
@@ -34,6 +35,9 @@ step side by side
 timeout 240 $py benches/batched_side_by_side.py --rounds 3 --pp 512 --tg 128 --batch 1,16 --threads 8 --ngl 99 \
     --modes lloyal,lloyal-device-rows --bin "$LLAMA_BATCHED_BENCH" --json "$out/side_by_side.json" > "$out/side_by_side.md" 2>&1
 cat "$out/side_by_side.md"
+step prefill probe
+timeout 60 $py benches/prefill_probe.py --ngl 99 --threads 8 --rounds 7 > "$out/prefill_probe.md" 2>&1
+cat "$out/prefill_probe.md"
 step host work
 LLOYAL_N_GPU_LAYERS=99 timeout 60 $py benches/bench_host_work.py 64 1 16 > "$out/host_work.md" 2>&1
 echo "with LLOYAL_DEVICE_ROWS=1:" >> "$out/host_work.md"
