@@ -7,6 +7,7 @@ from collections.abc import Callable
 
 import numpy as np
 import pytest
+from helpers import in_threads, wait_until
 
 import lloyal
 
@@ -116,3 +117,30 @@ def test_branch_reseed_on_a_nearly_full_cache_frees_its_cells_first(
                 a.commit(t)
                 twin.commit(t)
         assert store.kv_pressure.cells_used == 68
+
+
+def test_a_reseed_keeps_its_parked_cells_from_other_operations(
+    make_context: Callable[..., lloyal.Context],
+) -> None:
+    """A reseed is an engine prefill: while it writes the new cells, the old ones (parked on a
+    free lease) still count as used, so a prefill queued behind it that would need them is
+    refused instead of failing llama.cpp's decode."""
+    with make_context(n_ctx=512, n_batch=64, n_seq_max=3) as ctx:
+        store = lloyal.BranchStore(ctx)
+        a = lloyal.Branch.create(ctx, 0, lloyal.SamplingParams(temperature=0))
+        b = lloyal.Branch.create(ctx, 0, lloyal.SamplingParams(temperature=0))
+        a.prefill([1000 + i for i in range(100)])
+        new = [2000 + i for i in range(300)]  # 100 + 300 <= 512: the old cells are parked
+        results: list[object] = []
+        ctx.pause_engine()
+        first, errors = in_threads([lambda: results.append(a.reseed(new[:4], new[4:]))])
+        wait_until(lambda: ctx.engine_stats().queue_depth == 1)
+        second, late = in_threads([lambda: b.prefill([3000 + i for i in range(512 - 400 + 1)])])
+        wait_until(lambda: ctx.engine_stats().queue_depth == 2)
+        ctx.resume_engine()
+        for t in first + second:
+            t.join()
+        assert errors == [] and results == [300]
+        assert len(late) == 1 and isinstance(late[0], lloyal.KvCacheFullError)
+        assert (a.position, b.position) == (300, 0) and ctx.kv_seq_pos_max(a.seq_id) == 299
+        assert store.kv_pressure.cells_used == 300 and store.available == 1  # the parking lease is back

@@ -472,3 +472,55 @@ def test_a_prompt_that_waited_before_the_streams_started_is_not_paced_behind_the
         with pytest.raises(ValueError, match="waited must be"):
             stream.generate(1, waited=-1.0)
         stream.prune()
+
+
+def test_a_verify_shares_its_ticks_with_other_callers(ctx8: lloyal.Context) -> None:
+    """``Branch.verify`` is engine work: its drafts decode in one tick beside another thread's
+    commit, its bonus in the next; each caller gets what it would have got alone."""
+    root, (spec, other) = forks(ctx8, 2)
+    want = greedy_tokens(spec.fork(), 4)
+    drafts = [want[0], want[1], want[2] + 1]  # the third is wrong: 2 accepted, bonus want[2]
+    token = other.produce().token
+    got: list[int] = []
+    before, after, errors = run_queued(
+        ctx8, [lambda: got.append(spec.verify(drafts)), lambda: other.commit(token)], 2
+    )
+    assert errors == [] and got == [2]
+    assert after.ticks - before.ticks == 2 and after.decode_calls - before.decode_calls == 2
+    assert after.rows - before.rows == len(drafts) + 1 + 1  # drafts + the commit, then the bonus
+    assert after.max_ops_per_tick == 2 and after.ops_submitted - before.ops_submitted == 2
+    assert (spec.position, spec.last_token) == (root.position + 3, want[2])
+    assert ctx8.kv_seq_pos_max(spec.seq_id) == spec.position - 1  # the wrong draft's cell went
+    assert (other.position, other.last_token) == (root.position + 1, token)
+    with Branch.create(ctx8, 0, GREEDY) as alone:  # the same as a verify with nothing beside it
+        alone.prefill(ctx8.tokenize(PROMPT))
+        assert alone.verify(drafts) == 2 and alone.perplexity == spec.perplexity
+        assert np.array_equal(alone.logits, spec.logits)
+
+
+def greedy_tokens(b: Branch, n: int) -> list[int]:
+    """``n`` greedy tokens committed on ``b``, which is pruned after."""
+    with b:
+        return [t.token for t in b.generate(n)]
+
+
+def test_a_verify_keeps_the_cell_of_its_bonus_from_later_operations(model: lloyal.Model) -> None:
+    """The bonus commits a tick after the drafts: its cell is held for it, so a prefill queued
+    behind the verify that would take the last free cell is refused, not the verify."""
+    with lloyal.Context(model, n_ctx=256, n_batch=64, n_seq_max=4) as ctx:
+        root, (spec, other) = forks(ctx, 2)
+        drafts = greedy_tokens(spec.fork(), 3)  # all three accepted, then a bonus: 4 cells
+        free = BranchStore(ctx).kv_pressure.remaining
+        got: list[int] = []
+        ctx.pause_engine()
+        first, errors = in_threads([lambda: got.append(spec.verify(drafts))])
+        wait_until(lambda: ctx.engine_stats().queue_depth == 1)
+        second, late = in_threads([lambda: other.prefill([1000 + i for i in range(free - 3)])])
+        wait_until(lambda: ctx.engine_stats().queue_depth == 2)
+        ctx.resume_engine()
+        for t in first + second:
+            t.join()
+        assert errors == [] and got == [3]
+        assert len(late) == 1 and isinstance(late[0], lloyal.KvCacheFullError)
+        assert (spec.position, other.position) == (root.position + 4, root.position)
+        assert BranchStore(ctx).kv_pressure.remaining == free - 4

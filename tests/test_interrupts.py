@@ -67,6 +67,22 @@ def test_flat_decode_is_interrupted_and_rolled_back(model: lloyal.Model) -> None
         assert ctx.kv_seq_pos_max(0) == 39
 
 
+def test_branch_reseed_is_interrupted_and_puts_the_old_cells_back(model: lloyal.Model) -> None:
+    """A reseed with a lease free and room for both parks the old cells while the new ones are
+    written (an engine prefill): Ctrl-C part-way puts the branch back as it was."""
+    with lloyal.Context(model, n_ctx=4096, n_batch=N_BATCH, n_seq_max=2) as ctx:
+        store = lloyal.BranchStore(ctx)
+        with lloyal.Branch.create(ctx, 0, lloyal.SamplingParams(temperature=0.0)) as b:
+            b.prefill(ctx.tokenize("The capital of France is"))
+            before = (b.position, b.logits.copy(), store.kv_pressure.cells_used)
+            interrupted(lambda: b.reseed(LONG[:4], LONG[4:]))
+            assert b.position == before[0] == ctx.kv_seq_pos_max(b.seq_id) + 1
+            assert np.array_equal(b.logits, before[1])
+            assert store.kv_pressure.cells_used == before[2] and store.available == 1
+            assert b.reseed(LONG[:4], LONG[4:40]) == 40  # the context keeps working
+            assert ctx.kv_seq_pos_max(b.seq_id) == 39 and store.available == 1
+
+
 def test_branch_prefill_is_interrupted_and_leaves_the_branch_as_before(model: lloyal.Model) -> None:
     with lloyal.Context(model, n_ctx=4096, n_batch=N_BATCH, n_seq_max=2) as ctx:
         store = lloyal.BranchStore(ctx)

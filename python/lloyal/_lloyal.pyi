@@ -748,6 +748,10 @@ class Branch:
         Keeps the longest prefix of the drafts that this branch's sampler agrees with, removes
         the rejected drafts' cells, and commits the sampler's own next token (the bonus, see
         ``last_token``). Greedy output equals plain greedy decoding.
+
+        Runs on the context's engine: the drafts decode in one tick and the bonus in the next,
+        each sharing its ``llama_decode`` with other callers' rows; a failure (or Ctrl-C) leaves
+        the branch as it was.
         """
     @property
     def last_token(self) -> int | None:
@@ -771,8 +775,8 @@ class Branch:
         kept. Needs ``len(sinks) + len(tail)`` free cells once this branch's own cells are freed
         (``KvCacheFullError`` up front otherwise, nothing changed), so it works on a full
         cache. When a lease and enough cells are free to keep the old cells until the new
-        ones are written, a failed decode restores the branch; otherwise it leaves the
-        branch empty at position 0.
+        ones are written, a failed decode (or Ctrl-C) restores the branch; otherwise it leaves
+        the branch empty at position 0. Runs on the context's engine, written like a prefill.
 
         Example:
             >>> branch.reseed(tokens[:4], tokens[-8:])  # sinks + recent tail

@@ -1,7 +1,10 @@
 //! `Branch`'s tokens: sample, accept, commit and prefill (sync and awaited), verify a
 //! draft, reseed.
 
-use lloyal_core::Work;
+use std::sync::Arc;
+
+use lloyal_core::branch::verify::VerifyWork;
+use lloyal_core::{LloyalError, Work};
 use pyo3::prelude::*;
 
 use super::{PyBranch, PyProduced};
@@ -43,9 +46,16 @@ impl PyBranch {
     /// Keeps the longest prefix of the drafts that this branch's sampler agrees with, removes
     /// the rejected drafts' cells, and commits the sampler's own next token (the bonus, see
     /// ``last_token``). Greedy output equals plain greedy decoding.
+    ///
+    /// Runs on the context's engine: the drafts decode in one tick and the bonus in the next,
+    /// each sharing its ``llama_decode`` with other callers' rows; a failure (or Ctrl-C) leaves
+    /// the branch as it was.
     fn verify(&self, py: Python<'_>, draft_tokens: Vec<i64>) -> PyResult<usize> {
         let drafts = to_i32(self.core().model(), &draft_tokens)?;
-        Ok(self.call(py, move |s, h| s.branch_verify(h, &drafts))?.accepted)
+        let work = Arc::new(VerifyWork::new(self.handle, drafts));
+        engine::wait(py, self.core(), Work::Verify(Arc::clone(&work)))?;
+        let missing = || LloyalError::Backend("internal error: verify answered without its result".into());
+        work.take().map(|v| v.accepted).ok_or_else(missing).py()
     }
 
     /// The most recently accepted token (``None`` before any).
@@ -101,8 +111,8 @@ impl PyBranch {
     /// kept. Needs ``len(sinks) + len(tail)`` free cells once this branch's own cells are freed
     /// (``KvCacheFullError`` up front otherwise, nothing changed), so it works on a full
     /// cache. When a lease and enough cells are free to keep the old cells until the new
-    /// ones are written, a failed decode restores the branch; otherwise it leaves the
-    /// branch empty at position 0.
+    /// ones are written, a failed decode (or Ctrl-C) restores the branch; otherwise it leaves
+    /// the branch empty at position 0. Runs on the context's engine, written like a prefill.
     ///
     /// Example:
     ///     >>> branch.reseed(tokens[:4], tokens[-8:])  # sinks + recent tail
@@ -110,6 +120,8 @@ impl PyBranch {
     fn reseed(&self, py: Python<'_>, sinks: Vec<i64>, tail: Vec<i64>) -> PyResult<i32> {
         let model = self.core().model();
         let (sinks, tail) = (to_i32(model, &sinks)?, to_i32(model, &tail)?);
-        self.call(py, move |s, h| s.branch_reseed(h, &sinks, &tail))
+        let n = (sinks.len() + tail.len()) as i32;
+        engine::wait(py, self.core(), Work::Reseed(self.handle, sinks, tail))?;
+        Ok(n)
     }
 }

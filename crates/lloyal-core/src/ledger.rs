@@ -33,12 +33,15 @@ pub struct Ledger {
     /// Branches with an engine prefill in flight, and the tokens of it already decoded
     /// (cells written past the branch's position, counted once the prefill finishes).
     in_flight: Vec<(Handle, usize)>,
+    /// Leases a reseed in flight parked a branch's old cells on, and how many (still counted
+    /// in `cells`: they stay occupied until the new ones are written).
+    parked: Vec<(i32, usize)>,
 }
 
 impl Ledger {
     /// A ledger for `n_seq_max` leases and no cells.
     pub fn new(n_seq_max: u32) -> Self {
-        Ledger { leases: Leases::new(n_seq_max), cells: 0, in_flight: Vec::new() }
+        Ledger { leases: Leases::new(n_seq_max), cells: 0, in_flight: Vec::new(), parked: Vec::new() }
     }
 
     /// The lease table (read-only).
@@ -110,6 +113,23 @@ impl Ledger {
         self.cells = self.cells.saturating_sub(n);
     }
 
+    /// A reseed parked `cells` of its branch's old cells on lease `seq` (they stay counted).
+    pub(crate) fn park(&mut self, seq: i32, cells: usize) {
+        self.parked.push((seq, cells));
+    }
+
+    /// The cells parked on lease `seq`, no longer parked (None: nothing is, e.g. after a
+    /// `reset`).
+    pub(crate) fn unpark(&mut self, seq: i32) -> Option<usize> {
+        let i = self.parked.iter().position(|p| p.0 == seq)?;
+        Some(self.parked.swap_remove(i).1)
+    }
+
+    /// The leases reseeds in flight parked cells on.
+    pub(crate) fn parked_seqs(&self) -> Vec<i32> {
+        self.parked.iter().map(|p| p.0).collect()
+    }
+
     /// Record the engine's prefills in flight after a tick (see [`Ledger`]).
     pub(crate) fn note_in_flight(&mut self, written: Vec<(Handle, usize)>) {
         self.in_flight = written;
@@ -119,6 +139,7 @@ impl Ledger {
     pub(crate) fn reset(&mut self, keep: &[i32], cells: usize) {
         self.leases.rebuild(keep);
         self.cells = cells;
+        self.parked.clear();
     }
 
     /// Compare the ledger with the branch table and llama.cpp: every live branch holds its
@@ -146,13 +167,19 @@ impl Ledger {
             }
         }
         let live = self.leases.live() as usize;
-        if live != seqs.len() {
-            return Err(format!("{live} leases are live but {} branches hold one", seqs.len()));
+        if live != seqs.len() + self.parked.len() {
+            let parked = self.parked.len();
+            return Err(format!(
+                "{live} leases are live but {} branches hold one ({parked} parked)",
+                seqs.len()
+            ));
         }
+        seqs.extend(self.parked.iter().map(|p| p.0));
+        own += self.parked.iter().map(|p| p.1).sum::<usize>();
         seqs.sort_unstable();
         seqs.dedup();
         if seqs.len() != live {
-            return Err("two branches hold the same sequence".into());
+            return Err("two branches (or a branch and a parked reseed) hold the same sequence".into());
         }
         if own != self.cells {
             return Err(format!("the ledger counts {} cells but the branches own {own}", self.cells));

@@ -59,12 +59,16 @@ impl ContextState {
         Ok(())
     }
 
-    /// Dispose every branch (used by close and by `retain_only`'s losers).
+    /// Dispose every branch (used by close and by `retain_only`'s losers), and the cells a
+    /// reseed in flight parked.
     pub fn dispose_all(&mut self) {
         for h in self.branches.handles() {
             if let Some(b) = self.branches.remove(h) {
                 self.remove_cells(b.seq_id, -1, -1);
             }
+        }
+        for p in self.ledger.parked_seqs() {
+            self.remove_cells(p, -1, -1);
         }
         self.topology = Default::default();
         self.ledger.reset(&[], 0);

@@ -1,10 +1,15 @@
-//! `Branch.verify(drafts)`: speculative decoding's check step. The drafts are decoded in ONE
-//! batch with logits on every row; the branch's own sampler then walks them, keeping the
-//! longest prefix it agrees with; the cells of the rejected rest are removed and the token the
-//! sampler chose instead (the bonus) is committed.
+//! `Branch.verify(drafts)`: speculative decoding's check step, run by the engine
+//! ([`crate::engine`]) in two ticks. The drafts are decoded in one tick with logits on every
+//! row (beside other callers' rows); the branch's own sampler then walks them, keeping the
+//! longest prefix it agrees with; the cells of the rejected rest are removed, and the token the
+//! sampler chose instead (the bonus) is committed in the next tick. A failure at any step (a
+//! decode, a cancellation, a grammar that allows no token part-way) leaves the branch exactly
+//! as before.
 
-use crate::branch::Logits;
-use crate::context::batches::BatchRow;
+use std::fmt;
+use std::sync::Mutex;
+
+use crate::branch::{BranchState, Logits};
 use crate::context::state::ContextState;
 use crate::error::{LloyalError, Result};
 use crate::tenancy::Handle;
@@ -18,12 +23,65 @@ pub struct Verified {
     pub bonus: i32,
 }
 
+/// A queued `verify`: the branch, its drafts, and where the engine leaves the result.
+pub struct VerifyWork {
+    /// The branch to verify on.
+    pub handle: Handle,
+    /// The draft tokens.
+    pub drafts: Vec<i32>,
+    result: Mutex<Option<Verified>>,
+}
+
+impl VerifyWork {
+    /// A verify of `drafts` on `handle`.
+    pub fn new(handle: Handle, drafts: Vec<i32>) -> Self {
+        VerifyWork { handle, drafts, result: Mutex::new(None) }
+    }
+
+    pub(crate) fn set(&self, v: Verified) {
+        *self.result.lock().unwrap_or_else(|p| p.into_inner()) = Some(v);
+    }
+
+    /// The result, once the engine answered the operation with success.
+    pub fn take(&self) -> Option<Verified> {
+        self.result.lock().unwrap_or_else(|p| p.into_inner()).take()
+    }
+}
+
+impl fmt::Debug for VerifyWork {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("VerifyWork")
+            .field("handle", &self.handle)
+            .field("drafts", &self.drafts.len())
+            .finish()
+    }
+}
+
+impl PartialEq for VerifyWork {
+    fn eq(&self, other: &Self) -> bool {
+        std::ptr::eq(self, other)
+    }
+}
+
+/// How to put a branch back as it was before its verify (kept from the walk until the bonus
+/// is committed).
+pub(crate) struct VerifyUndo {
+    saved: BranchState,
+    cells_before: usize,
+    seq: i32,
+    pos: i32,
+}
+
 impl ContextState {
-    /// Verify `drafts` on `handle` (see the module docs). Afterwards the branch holds
-    /// `drafts[..accepted] + [bonus]`, each accepted into its sampler and metrics exactly as
-    /// `produce` + `commit` would have. Any failure (a decode, Ctrl-C, a grammar that allows
-    /// no token part-way) leaves the branch exactly as before.
-    pub fn branch_verify(&mut self, handle: Handle, drafts: &[i32]) -> Result<Verified> {
+    /// Check a verify of `drafts` on `handle` before its drafts are decoded: the tokens, their
+    /// count (under `n_batch`), the branch's logits and room for the drafts and the bonus
+    /// next to `reserved` cells. The drafts' sequence and first position.
+    pub(crate) fn verify_admit(
+        &mut self,
+        handle: Handle,
+        drafts: &[i32],
+        reserved: usize,
+    ) -> Result<(i32, i32)> {
         self.model().check_tokens(drafts)?;
         let k = drafts.len();
         let n_batch = self.shape().n_batch as usize;
@@ -35,37 +93,48 @@ impl ContextState {
         }
         let (seq, pos) = self.branch(handle).map(|b| (b.seq_id, b.position))?;
         self.branch(handle)?.logits()?;
-        self.check_room(k + 1)?;
+        self.check_room_reserved(k + 1, reserved)?;
+        Ok((seq, pos))
+    }
 
-        let mut rows: Vec<Vec<f32>> = Vec::with_capacity(k);
-        let batch: Vec<BatchRow> =
-            (0..k).map(|i| BatchRow { token: drafts[i], pos: pos + i as i32, seq, output: true }).collect();
-        self.decode_all(&batch, |s, chunk| {
-            for row in 0..chunk.len() {
-                rows.push(s.copy_logits_row(row as i32)?);
-            }
-            Ok(())
-        })?;
-
-        // Walking the drafts and committing the bonus can still fail (a grammar that allows
-        // no token, Ctrl-C before the bonus decode): then restore the branch exactly.
-        let saved = self.branch(handle)?.snapshot()?;
-        let cells_before = self.ledger.cells_used();
-        match self.verify_walk(handle, drafts, rows, seq, pos) {
-            Ok(v) => Ok(v),
+    /// Accept the drafts the sampler agrees with (`rows`: the logits of each draft's row, the
+    /// drafts' cells written from `pos` on), drop the cells of the rest, and draw the bonus.
+    /// Returns the result and the undo point; on failure the branch is already restored.
+    pub(crate) fn verify_walk(
+        &mut self,
+        handle: Handle,
+        drafts: &[i32],
+        rows: Vec<Vec<f32>>,
+        (seq, pos): (i32, i32),
+    ) -> Result<(Verified, VerifyUndo)> {
+        let undo = VerifyUndo {
+            saved: self.branch(handle)?.snapshot()?,
+            cells_before: self.ledger.cells_used(),
+            seq,
+            pos,
+        };
+        match self.walk_drafts(handle, drafts, rows, seq, pos) {
+            Ok(v) => Ok((v, undo)),
             Err(e) => {
-                self.remove_cells(seq, pos, -1);
-                // The walk may have counted accepted drafts before failing.
-                self.ledger.free_cells(self.ledger.cells_used() - cells_before);
-                *self.branch_mut(handle)? = saved;
+                self.verify_undo(handle, undo);
                 Err(e)
             }
         }
     }
 
-    /// Accept the drafts the sampler agrees with (their logits rows in `rows`), drop the
-    /// cells of the rest and commit the bonus. Leaves partial state behind on failure.
-    fn verify_walk(
+    /// Put the branch back as it was before its verify: its cells from the drafts on removed,
+    /// the accepted drafts uncounted, its state restored.
+    pub(crate) fn verify_undo(&mut self, handle: Handle, undo: VerifyUndo) {
+        self.remove_cells(undo.seq, undo.pos, -1);
+        // The walk may have counted accepted drafts.
+        self.ledger.free_cells(self.ledger.cells_used().saturating_sub(undo.cells_before));
+        if let Ok(b) = self.branch_mut(handle) {
+            *b = undo.saved;
+        }
+    }
+
+    /// The walk itself; leaves partial state behind on failure.
+    fn walk_drafts(
         &mut self,
         handle: Handle,
         drafts: &[i32],
@@ -74,6 +143,9 @@ impl ContextState {
         pos: i32,
     ) -> Result<Verified> {
         let k = drafts.len();
+        if rows.len() != k {
+            return Err(LloyalError::Backend(format!("verify decoded {} rows for {k} drafts", rows.len())));
+        }
         let mut accepted = 0;
         let bonus = loop {
             let b = self.branch_mut(handle)?;
@@ -90,7 +162,6 @@ impl ContextState {
         };
         self.ledger.grow_cells(accepted);
         self.remove_cells(seq, pos + accepted as i32, -1);
-        self.commit(&[(handle, bonus)])?;
         Ok(Verified { accepted, bonus })
     }
 }

@@ -1,6 +1,5 @@
 //! Filling the decode batch and running it: the one loop every decode path uses (the engine's
-//! ticks and the direct commit/prefill, the flat path, `verify`, embeddings), and the one
-//! rollback of what a failed decode wrote.
+//! ticks, the flat path, embeddings), and the one rollback of what a failed decode wrote.
 
 use super::state::ContextState;
 use crate::error::Result;

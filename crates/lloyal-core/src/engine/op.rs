@@ -18,15 +18,21 @@ pub enum Work {
     Generate(Box<super::gen::GenSpec>),
     /// `Branch.create` / `fork` with a timeout: wait (FIFO) for a lease ([`super::lease`]).
     Lease(Arc<super::lease::LeaseWork>),
+    /// `Branch.verify`: the drafts decoded in one tick, the bonus committed in the next
+    /// ([`crate::branch::verify`]).
+    Verify(Arc<crate::branch::verify::VerifyWork>),
+    /// `Branch.reseed(sinks, tail)`: the branch's cells freed (or parked), then `sinks + tail`
+    /// prefilled from position 0 ([`crate::branch::reseed`]).
+    Reseed(Handle, Vec<i32>, Vec<i32>),
 }
 
 impl Work {
     /// Whether the work writes a prompt (a prefill, or a generation request with one).
     pub(crate) fn has_prompt(&self) -> bool {
         match self {
-            Work::Prefill(_) => true,
+            Work::Prefill(_) | Work::Reseed(..) => true,
             Work::Generate(spec) => !spec.prompt.is_empty(),
-            Work::Commit(_) | Work::Lease(_) => false,
+            Work::Commit(_) | Work::Lease(_) | Work::Verify(_) => false,
         }
     }
 
@@ -37,6 +43,8 @@ impl Work {
             Work::Prefill(items) => items.iter().map(|i| i.0).collect(),
             Work::Generate(spec) => vec![spec.handle],
             Work::Lease(w) => w.parent.into_iter().collect(),
+            Work::Verify(w) => vec![w.handle],
+            Work::Reseed(h, ..) => vec![*h],
         }
     }
 }

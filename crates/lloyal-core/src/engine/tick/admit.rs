@@ -130,10 +130,26 @@ impl Scheduler {
                 Ok((items, cells)) => {
                     budget.reserved += cells;
                     budget.busy.extend(handles);
-                    self.flights.push(Flight { op, items, cells, arrived: Instant::now() });
+                    self.flights.push(Flight { op, items, cells, arrived: Instant::now(), reseed: None });
                 }
             },
             Work::Lease(_) => self.lease_waiting.push_back(op),
+            Work::Verify(w) => {
+                let w = Arc::clone(w);
+                return self.admit_verify(s, op, w, budget, out);
+            }
+            Work::Reseed(h, sinks, tail) => match s.reseed_begin(*h, sinks, tail, budget.reserved) {
+                Err(e) => out.reply(op, Err(e)),
+                Ok(r) => {
+                    let seq = s.branch(*h).map(|b| b.seq_id).unwrap_or(-1);
+                    let item = Item { handle: *h, seq, pos0: 0, tokens: r.tokens.clone(), done: 0 };
+                    budget.reserved += item.tokens.len();
+                    budget.busy.insert(*h);
+                    let cells = item.tokens.len();
+                    let f = Flight { op, items: vec![item], cells, arrived: Instant::now(), reseed: Some(r) };
+                    self.flights.push(f);
+                }
+            },
             Work::Generate(spec) => {
                 // A request with a prompt waits (FIFO) for room for the prompt and its tokens,
                 // then prefills it (a flight) and queues for its tokens when it is written.
@@ -182,7 +198,7 @@ impl Scheduler {
                     budget.reserved += cells;
                     budget.busy.insert(w.spec.handle);
                     let arrived = w.spec.arrived.unwrap_or_else(Instant::now);
-                    flights.push(Flight { op: w.op, items, cells, arrived });
+                    flights.push(Flight { op: w.op, items, cells, arrived, reseed: None });
                 }
                 Err(e) => fail_waiting(out, w, e),
             }
@@ -274,8 +290,8 @@ impl Scheduler {
                 keep.push(f);
                 continue;
             };
-            super::execute::rollback_flight(s, &f);
-            out.reply(f.op, Err(err));
+            let op = super::execute::rollback_flight(s, f);
+            out.reply(op, Err(err));
         }
         self.flights = keep;
     }

@@ -1,13 +1,15 @@
 //! The execute phase: a tick's rows decoded in as few `llama_decode` calls as `n_batch`
-//! allows, each logits row copied into its branch; a failed packed decode rolled back and
-//! retried operation by operation, so one bad operation fails only its own caller, with the
-//! same all-or-nothing rollback as a direct call.
+//! allows, each logits row read into its branch (a verify's drafts copied out); a failed
+//! packed decode rolled back and retried operation by operation, so one bad operation fails
+//! only its own caller.
 
 use std::time::Instant;
 
+use super::update::Copies;
 use super::{CommitRow, Flight, Item, Part, Scheduler, TickOutcome};
 use crate::context::batches::{AsBatchRow, BatchRow};
 use crate::context::state::ContextState;
+use crate::engine::op::Op;
 use crate::error::Result;
 use crate::tenancy::Handle;
 
@@ -21,6 +23,8 @@ pub(super) struct Row {
     logits: bool,
     /// A commit's row: its logits replace the branch's snapshot.
     commit: bool,
+    /// A verify's draft row: its logits are copied out (not the branch's next snapshot).
+    copy: bool,
 }
 
 /// Rows of one flash-attention query tile in ggml's CPU kernel (`GGML_FA_TILE_Q`).
@@ -28,7 +32,7 @@ const FA_QUERY_TILE: usize = 64;
 
 impl Scheduler {
     /// Decode the tick's `parts` (`rows`: its commit and prefill row counts); each part's
-    /// result, with a failed part's cells removed.
+    /// result, with a failed part's cells removed, and the logits rows copied out for them.
     pub(super) fn execute(
         &mut self,
         s: &mut ContextState,
@@ -36,48 +40,53 @@ impl Scheduler {
         (decode_rows, prefill_rows): (usize, usize),
         max_prefill: Option<usize>,
         out: &mut TickOutcome,
-    ) -> Vec<Result<()>> {
+    ) -> (Vec<Result<()>>, Copies) {
         let rows_of: Vec<Vec<Row>> = parts.iter().map(|p| self.rows(p)).collect();
         let all: Vec<Row> = rows_of.iter().flatten().copied().collect();
         out.rows = all.len() as u64;
         out.ops = parts.len() as u64;
         let split = split_point(s.split_mixed_ticks, decode_rows, prefill_rows);
-        let (result, decodes) = decode(s, &all, split, &mut out.decode_secs);
+        let mut copies = Copies::new();
+        let (result, decodes) = decode(s, &all, split, &mut out.decode_secs, &mut copies);
         out.decodes += decodes;
-        match result {
+        let e = match result {
             Ok(()) => {
                 if max_prefill.is_none() {
                     self.pacer.observe(decode_rows, prefill_rows, out.decode_secs);
                     self.pacer.ticked(Instant::now(), decode_rows);
                 }
-                vec![Ok(()); parts.len()]
+                return (vec![Ok(()); parts.len()], copies);
             }
-            Err(e) => {
-                for rows in &rows_of {
-                    s.remove_rows_cells(rows);
-                }
-                if parts.len() == 1 {
-                    return vec![Err(e)];
-                }
-                // Isolate the culprit: each operation alone.
-                let mut outcomes = Vec::with_capacity(parts.len());
-                for rows in &rows_of {
-                    let (r, d) = decode(s, rows, None, &mut out.decode_secs);
-                    out.decodes += d;
-                    if r.is_err() {
-                        s.remove_rows_cells(rows);
-                    }
-                    outcomes.push(r);
-                }
-                outcomes
-            }
+            Err(e) => e,
+        };
+        for rows in &rows_of {
+            s.remove_rows_cells(rows);
         }
+        copies.clear();
+        if parts.len() == 1 {
+            return (vec![Err(e)], copies);
+        }
+        // Isolate the culprit: each operation alone.
+        let mut outcomes = Vec::with_capacity(parts.len());
+        for rows in &rows_of {
+            let mut mine = Copies::new();
+            let (r, d) = decode(s, rows, None, &mut out.decode_secs, &mut mine);
+            out.decodes += d;
+            if r.is_err() {
+                s.remove_rows_cells(rows);
+            } else {
+                copies.append(&mut mine);
+            }
+            outcomes.push(r);
+        }
+        (outcomes, copies)
     }
 
     fn rows(&self, part: &Part) -> Vec<Row> {
         match part {
             Part::Gen(_, g) => vec![Row::commit(&g.row)],
-            Part::Commit(_, rows) => commit_rows(rows),
+            Part::Commit(_, rows) | Part::Bonus(_, _, rows) => commit_rows(rows),
+            Part::Verify(_, v) => Row::drafts(v),
             Part::Prefill(fi, take) => {
                 let items = self.flights[*fi].items.iter().zip(take);
                 items.flat_map(|(item, &t)| Row::prefill(item, item.done..item.done + t)).collect()
@@ -99,7 +108,32 @@ impl AsBatchRow for Row {
 impl Row {
     /// A commit's row (logits kept).
     fn commit(r: &CommitRow) -> Row {
-        Row { token: r.token, pos: r.pos, seq: r.seq, handle: r.handle, logits: true, commit: true }
+        Row {
+            token: r.token,
+            pos: r.pos,
+            seq: r.seq,
+            handle: r.handle,
+            logits: true,
+            commit: true,
+            copy: false,
+        }
+    }
+
+    /// A verify's draft rows (every row's logits copied out).
+    fn drafts(v: &super::verify::Verifying) -> Vec<Row> {
+        let (seq, pos) = v.at;
+        let handle = v.work.handle;
+        let rows = v.work.drafts.iter().enumerate();
+        rows.map(|(i, &token)| Row {
+            token,
+            pos: pos + i as i32,
+            seq,
+            handle,
+            logits: true,
+            commit: false,
+            copy: true,
+        })
+        .collect()
     }
 
     /// The rows of `item`'s tokens `range` (logits kept for its last token only).
@@ -111,23 +145,14 @@ impl Row {
             handle: item.handle,
             logits: i + 1 == item.tokens.len(),
             commit: false,
+            copy: false,
         })
     }
 }
 
-/// Decode one operation's `rows` at once (the direct path); on failure its cells are removed.
-pub(super) fn decode_now(s: &mut ContextState, rows: &[Row]) -> Result<()> {
-    s.decode_all(rows, fill_logits)
-}
-
 /// The rows of a whole commit.
-pub(super) fn commit_rows(rows: &[CommitRow]) -> Vec<Row> {
+fn commit_rows(rows: &[CommitRow]) -> Vec<Row> {
     rows.iter().map(Row::commit).collect()
-}
-
-/// The rows of a whole prefill.
-pub(super) fn prefill_rows(items: &[Item]) -> Vec<Row> {
-    items.iter().flat_map(|item| Row::prefill(item, 0..item.tokens.len())).collect()
 }
 
 /// Where a tick's rows are cut into separate `llama_decode` calls: after the `decode_rows`
@@ -149,26 +174,46 @@ pub(super) fn split_point(split: bool, decode_rows: usize, prefill_rows: usize) 
 }
 
 /// Decode `rows` (a call ending at row `split` too), copying each logits row into its
-/// branch's `next_logits`. Returns the result and the number of `llama_decode` calls made.
-fn decode(s: &mut ContextState, rows: &[Row], split: Option<usize>, secs: &mut f64) -> (Result<()>, u64) {
-    s.decode_batches(rows, split, secs, fill_logits)
+/// branch's `next_logits` (a draft's into `copies`). Returns the result and the number of
+/// `llama_decode` calls made.
+fn decode(
+    s: &mut ContextState,
+    rows: &[Row],
+    split: Option<usize>,
+    secs: &mut f64,
+    copies: &mut Copies,
+) -> (Result<()>, u64) {
+    s.decode_batches(rows, split, secs, |s, chunk| fill_logits(s, chunk, copies))
 }
 
-/// Copy each logits row of a decoded `chunk` into its branch's `next_logits`.
-fn fill_logits(s: &mut ContextState, chunk: &[Row]) -> Result<()> {
-    let rows: Vec<(i32, Handle)> =
-        chunk.iter().enumerate().filter(|(_, r)| r.logits).map(|(i, r)| (i as i32, r.handle)).collect();
+/// Copy each logits row of a decoded `chunk` into its branch's `next_logits`, a verify
+/// draft's into `copies`.
+fn fill_logits(s: &mut ContextState, chunk: &[Row], copies: &mut Copies) -> Result<()> {
+    for (i, r) in chunk.iter().enumerate().filter(|(_, r)| r.copy) {
+        copies.push((r.handle, s.copy_logits_row(i as i32)?));
+    }
+    let rows: Vec<(i32, Handle)> = chunk
+        .iter()
+        .enumerate()
+        .filter(|(_, r)| r.logits && !r.copy)
+        .map(|(i, r)| (i as i32, r.handle))
+        .collect();
     s.fill_next_logits_rows(&rows)
 }
 
 /// Remove every cell an in-flight prefill wrote (branches still live only: a disposed
-/// branch's cells went with it, and its sequence may have a new owner).
-pub(super) fn rollback_flight(s: &mut ContextState, f: &Flight) {
+/// branch's cells went with it, and its sequence may have a new owner), and undo a reseed's
+/// start. Returns the operation, to answer.
+pub(super) fn rollback_flight(s: &mut ContextState, f: Flight) -> Op {
     for item in &f.items {
         if s.is_live(item.handle) {
             s.remove_cells(item.seq, item.pos0, -1);
         }
     }
+    if let (Some(r), Some(item)) = (f.reseed, f.items.first()) {
+        s.reseed_end(item.handle, r, false);
+    }
+    f.op
 }
 
 #[cfg(test)]

@@ -9,12 +9,15 @@
 //!    allows; a failed packed decode is rolled back and retried operation by operation, so
 //!    one bad operation fails only its own caller;
 //! 4. **update** ([`update`]): publish each operation's result.
+//!
+//! Every decode-bearing operation runs here: commits, prefills (a reseed is one, with its
+//! way back), generation requests, and verifies ([`verify`]: drafts one tick, bonus the next).
 
 mod admit;
-mod direct;
 mod execute;
 mod step;
 mod update;
+mod verify;
 
 use std::collections::{HashSet, VecDeque};
 use std::sync::Arc;
@@ -24,11 +27,13 @@ use super::gen::{Event, Finish, GenSpec, GenStream, StopMatcher};
 use super::op::{Op, Reply};
 use super::pace::Pacer;
 use super::plan::plan_tick;
+use crate::branch::reseed::Reseeding;
 use crate::context::state::ContextState;
 use crate::error::{LloyalError, Result};
 use crate::tenancy::Handle;
 use crate::text::Utf8Stream;
 use step::GenRow;
+use verify::{Bonus, Verifying};
 
 /// A committing branch's row, with the surprisals taken from the logits it was sampled from.
 struct CommitRow {
@@ -55,6 +60,8 @@ struct Flight {
     cells: usize,
     /// When the engine admitted it (the pacer protects only streams older than this).
     arrived: Instant,
+    /// A reseed's way back, settled when the flight ends.
+    reseed: Option<Reseeding>,
 }
 
 /// A generation request running on its branch.
@@ -103,14 +110,19 @@ enum Part {
     Gen(usize, GenRow),
     /// Index into the in-flight prefills, with the tokens taken per item this tick.
     Prefill(usize, Vec<usize>),
+    /// A verify's drafts, each row's logits kept.
+    Verify(Op, Verifying),
+    /// A verify's bonus, walked last tick.
+    Bonus(Op, Box<Bonus>, Vec<CommitRow>),
 }
 
 impl Part {
     /// The branches a commit or generation part steps (none for a prefill).
     fn handles(&self) -> Vec<Handle> {
         match self {
-            Part::Commit(_, rows) => rows.iter().map(|r| r.handle).collect(),
+            Part::Commit(_, rows) | Part::Bonus(_, _, rows) => rows.iter().map(|r| r.handle).collect(),
             Part::Gen(_, g) => vec![g.row.handle],
+            Part::Verify(_, v) => vec![v.work.handle],
             Part::Prefill(..) => Vec::new(),
         }
     }
@@ -118,8 +130,9 @@ impl Part {
     /// Rows the part decodes.
     fn row_count(&self) -> usize {
         match self {
-            Part::Commit(_, rows) => rows.len(),
+            Part::Commit(_, rows) | Part::Bonus(_, _, rows) => rows.len(),
             Part::Gen(..) => 1,
+            Part::Verify(_, v) => v.work.drafts.len(),
             Part::Prefill(_, take) => take.iter().sum(),
         }
     }
@@ -196,6 +209,8 @@ pub(crate) struct Scheduler {
     burst_rows: usize,
     /// The branches the last tick with decode rows stepped (the streams the pacer protects).
     last_streams: Vec<Handle>,
+    /// Verifies walked last tick whose bonus commits next.
+    bonuses: Vec<(Op, Bonus)>,
 }
 
 /// Prompt rows a burst prefills between two steps of the running generation requests.
@@ -211,7 +226,9 @@ impl Scheduler {
     /// Whether a prefill is in flight, a generation request wants a token or was cancelled
     /// (the engine ticks again without new operations).
     pub fn has_work(&self) -> bool {
-        !self.flights.is_empty() || self.gens.iter().any(|g| g.op.is_cancelled() || g.spec.stream.is_wanted())
+        !self.flights.is_empty()
+            || !self.bonuses.is_empty()
+            || self.gens.iter().any(|g| g.op.is_cancelled() || g.spec.stream.is_wanted())
     }
 
     /// Generation requests that want a token now.
@@ -246,6 +263,7 @@ impl Scheduler {
         replies.extend(self.waiting.drain(..).map(|w| (w.op.reply, Err(err.clone()))));
         replies.extend(self.lease_waiting.drain(..).map(|op| (op.reply, Err(err.clone()))));
         replies.extend(self.prompt_waiting.drain(..).map(|w| (w.op.reply, Err(err.clone()))));
+        replies.extend(self.bonuses.drain(..).map(|(op, _)| (op.reply, Err(err.clone()))));
         replies
     }
 
@@ -257,8 +275,9 @@ impl Scheduler {
         let decode_rows: usize = sched.parts.iter().map(Part::row_count).sum();
         let prefill_rows = self.plan(s, &mut sched, decode_rows, max_prefill, &mut out);
         if !sched.parts.is_empty() {
-            let outcomes = self.execute(s, &sched.parts, (decode_rows, prefill_rows), max_prefill, &mut out);
-            self.update(s, sched.parts, outcomes, &mut sched.ended, &mut out);
+            let (outcomes, copies) =
+                self.execute(s, &sched.parts, (decode_rows, prefill_rows), max_prefill, &mut out);
+            self.update(s, sched.parts, (outcomes, copies), &mut sched.ended, &mut out);
         }
         self.end_gens(sched.ended, &mut out);
         // Tell the ledger which branches have prefill cells written ahead of their position.
@@ -283,10 +302,10 @@ impl Scheduler {
             reserved: self.flights.iter().map(|f| f.cells).sum::<usize>()
                 + self.gens.iter().map(Gen::reserved).sum::<usize>(),
         };
+        let mut parts = self.admit_bonuses(s, &mut budget, out);
         self.admit_waiting(s, &mut budget, out);
         self.admit_prompts(s, &mut budget, out);
-        let mut parts: Vec<Part> =
-            ops.into_iter().filter_map(|op| self.admit_op(s, op, &mut budget, out)).collect();
+        parts.extend(ops.into_iter().filter_map(|op| self.admit_op(s, op, &mut budget, out)));
         self.serve_leases(s, out);
 
         let oldest = self

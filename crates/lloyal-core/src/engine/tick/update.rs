@@ -7,14 +7,18 @@ use crate::context::state::ContextState;
 use crate::engine::gen::{Finish, GenSpec};
 use crate::engine::op::Work;
 use crate::error::Result;
+use crate::tenancy::Handle;
+
+/// Logits rows copied out of a tick's decodes (a verify's drafts), in row order.
+pub(super) type Copies = Vec<(Handle, Vec<f32>)>;
 
 impl Scheduler {
-    /// Publish the tick's `parts` with their decode `outcomes`.
+    /// Publish the tick's `parts` with their decode `outcomes` (and the rows copied for them).
     pub(super) fn update(
         &mut self,
         s: &mut ContextState,
         parts: Vec<Part>,
-        outcomes: Vec<Result<()>>,
+        (outcomes, mut copies): (Vec<Result<()>>, Copies),
         ended: &mut Vec<(usize, Result<Finish>)>,
         out: &mut TickOutcome,
     ) {
@@ -39,6 +43,16 @@ impl Scheduler {
                     }
                 }
                 (Part::Prefill(fi, _), Err(e)) => flights_ended.push((fi, Err(e))),
+                (Part::Verify(op, v), Ok(())) => {
+                    let h = v.work.handle;
+                    let rows =
+                        copies.iter_mut().filter(|c| c.0 == h).map(|c| std::mem::take(&mut c.1)).collect();
+                    self.walk_verify(s, op, v, rows, out);
+                }
+                (Part::Verify(op, _), Err(e)) => out.reply(op, Err(e)),
+                (Part::Bonus(op, bonus, rows), result) => {
+                    self.finish_bonus(s, op, *bonus, &rows, result, out)
+                }
             }
         }
         self.publish_gens(s, gens, ended, out);
@@ -55,13 +69,17 @@ impl Scheduler {
     ) {
         ends.sort_by_key(|e| std::cmp::Reverse(e.0));
         for (fi, result) in ends {
-            let f = self.flights.remove(fi);
+            let mut f = self.flights.remove(fi);
             if let Err(e) = result {
-                super::execute::rollback_flight(s, &f);
-                out.reply(f.op, Err(e));
+                let op = super::execute::rollback_flight(s, f);
+                out.reply(op, Err(e));
                 continue;
             }
-            match (&f.op.work, finish_prefill(s, &f.items, f.cells)) {
+            let finished = finish_prefill(s, &f.items, f.cells);
+            if let (Some(r), Some(item)) = (f.reseed.take(), f.items.first()) {
+                s.reseed_end(item.handle, r, finished.is_ok());
+            }
+            match (&f.op.work, finished) {
                 (Work::Generate(spec), Ok(())) => {
                     let spec = GenSpec { prompt: Vec::new(), ..(**spec).clone() };
                     self.waiting.push_back(Waiting::new(f.op, spec));
