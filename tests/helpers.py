@@ -260,6 +260,24 @@ def in_threads(calls: list[Callable[[], object]]) -> tuple[list[threading.Thread
     return threads, errors
 
 
+def run_in_order(ctx: lloyal.Context, calls: list[Callable[[], object]]) -> list[list[BaseException]]:
+    """Pause ``ctx``'s engine, start ``calls`` in threads one by one, each once the one before
+    queued its operation (so the queue holds them in this order), resume and join: each call's
+    errors."""
+    ctx.pause_engine()
+    threads: list[threading.Thread] = []
+    errors: list[list[BaseException]] = []
+    for i, call in enumerate(calls):
+        started, errs = in_threads([call])
+        threads += started
+        errors.append(errs)
+        wait_until(lambda i=i: ctx.engine_stats().queue_depth == i + 1)
+    ctx.resume_engine()
+    for t in threads:
+        t.join()
+    return errors
+
+
 def run_queued(
     ctx: lloyal.Context, calls: list[Callable[[], object]], queued: int
 ) -> tuple[lloyal.EngineStats, lloyal.EngineStats, list[BaseException]]:

@@ -7,7 +7,7 @@ from collections.abc import Callable
 
 import numpy as np
 import pytest
-from helpers import in_threads, wait_until
+from helpers import run_in_order
 
 import lloyal
 
@@ -132,14 +132,10 @@ def test_a_reseed_keeps_its_parked_cells_from_other_operations(
         a.prefill([1000 + i for i in range(100)])
         new = [2000 + i for i in range(300)]  # 100 + 300 <= 512: the old cells are parked
         results: list[object] = []
-        ctx.pause_engine()
-        first, errors = in_threads([lambda: results.append(a.reseed(new[:4], new[4:]))])
-        wait_until(lambda: ctx.engine_stats().queue_depth == 1)
-        second, late = in_threads([lambda: b.prefill([3000 + i for i in range(512 - 400 + 1)])])
-        wait_until(lambda: ctx.engine_stats().queue_depth == 2)
-        ctx.resume_engine()
-        for t in first + second:
-            t.join()
+        errors, late = run_in_order(
+            ctx,
+            [lambda: results.append(a.reseed(new[:4], new[4:])), lambda: b.prefill([3000] * (512 - 400 + 1))],
+        )
         assert errors == [] and results == [300]
         assert len(late) == 1 and isinstance(late[0], lloyal.KvCacheFullError)
         assert (a.position, b.position) == (300, 0) and ctx.kv_seq_pos_max(a.seq_id) == 299

@@ -14,7 +14,15 @@ from collections.abc import Callable
 
 import numpy as np
 import pytest
-from helpers import context_fixture, exact_model_fixture, in_threads, prefilled, run_queued, wait_until
+from helpers import (
+    context_fixture,
+    exact_model_fixture,
+    in_threads,
+    prefilled,
+    run_in_order,
+    run_queued,
+    wait_until,
+)
 
 import lloyal
 from lloyal import Branch, BranchStore, SamplingParams
@@ -512,14 +520,9 @@ def test_a_verify_keeps_the_cell_of_its_bonus_from_later_operations(model: lloya
         drafts = greedy_tokens(spec.fork(), 3)  # all three accepted, then a bonus: 4 cells
         free = BranchStore(ctx).kv_pressure.remaining
         got: list[int] = []
-        ctx.pause_engine()
-        first, errors = in_threads([lambda: got.append(spec.verify(drafts))])
-        wait_until(lambda: ctx.engine_stats().queue_depth == 1)
-        second, late = in_threads([lambda: other.prefill([1000 + i for i in range(free - 3)])])
-        wait_until(lambda: ctx.engine_stats().queue_depth == 2)
-        ctx.resume_engine()
-        for t in first + second:
-            t.join()
+        errors, late = run_in_order(
+            ctx, [lambda: got.append(spec.verify(drafts)), lambda: other.prefill([1000] * (free - 3))]
+        )
         assert errors == [] and got == [3]
         assert len(late) == 1 and isinstance(late[0], lloyal.KvCacheFullError)
         assert (spec.position, other.position) == (root.position + 4, root.position)
