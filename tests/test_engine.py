@@ -527,3 +527,18 @@ def test_a_verify_keeps_the_cell_of_its_bonus_from_later_operations(model: lloya
         assert len(late) == 1 and isinstance(late[0], lloyal.KvCacheFullError)
         assert (spec.position, other.position) == (root.position + 4, root.position)
         assert BranchStore(ctx).kv_pressure.remaining == free - 4
+
+
+def test_a_fork_queued_behind_a_verify_waits_for_its_bonus(ctx8: lloyal.Context) -> None:
+    """A fork queued behind a verify of its parent waits (the parent is busy until the bonus is
+    committed): it copies the branch with the accepted drafts and the bonus."""
+    root, (spec,) = forks(ctx8, 1)
+    drafts = greedy_tokens(spec.fork(), 3)
+    made: list[Branch] = []
+    errors, late = run_in_order(
+        ctx8, [lambda: spec.verify(drafts), lambda: made.append(spec.fork(timeout=5.0))]
+    )
+    assert errors == [] and late == [] and len(made) == 1
+    assert spec.position == root.position + 4  # three drafts and the bonus
+    assert (made[0].position, made[0].last_token) == (spec.position, spec.last_token)
+    assert np.array_equal(made[0].logits, spec.logits)
