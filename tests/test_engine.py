@@ -17,6 +17,7 @@ import pytest
 from helpers import (
     context_fixture,
     exact_model_fixture,
+    greedy_completion,
     in_threads,
     prefilled,
     run_in_order,
@@ -486,7 +487,7 @@ def test_a_verify_shares_its_ticks_with_other_callers(ctx8: lloyal.Context) -> N
     """``Branch.verify`` is engine work: its drafts decode in one tick beside another thread's
     commit, its bonus in the next; each caller gets what it would have got alone."""
     root, (spec, other) = forks(ctx8, 2)
-    want = greedy_tokens(spec.fork(), 4)
+    want = greedy_completion(ctx8, ctx8.tokenize(PROMPT), 4)
     drafts = [want[0], want[1], want[2] + 1]  # the third is wrong: 2 accepted, bonus want[2]
     token = other.produce().token
     got: list[int] = []
@@ -506,18 +507,12 @@ def test_a_verify_shares_its_ticks_with_other_callers(ctx8: lloyal.Context) -> N
         assert np.array_equal(alone.logits, spec.logits)
 
 
-def greedy_tokens(b: Branch, n: int) -> list[int]:
-    """``n`` greedy tokens committed on ``b``, which is pruned after."""
-    with b:
-        return [t.token for t in b.generate(n)]
-
-
 def test_a_verify_keeps_the_cell_of_its_bonus_from_later_operations(model: lloyal.Model) -> None:
     """The bonus commits a tick after the drafts: its cell is held for it, so a prefill queued
     behind the verify that would take the last free cell is refused, not the verify."""
     with lloyal.Context(model, n_ctx=256, n_batch=64, n_seq_max=4) as ctx:
         root, (spec, other) = forks(ctx, 2)
-        drafts = greedy_tokens(spec.fork(), 3)  # all three accepted, then a bonus: 4 cells
+        drafts = greedy_completion(ctx, ctx.tokenize(PROMPT), 3)  # all three accepted, then a bonus: 4 cells
         free = BranchStore(ctx).kv_pressure.remaining
         got: list[int] = []
         errors, late = run_in_order(
@@ -533,7 +528,7 @@ def test_a_fork_queued_behind_a_verify_waits_for_its_bonus(ctx8: lloyal.Context)
     """A fork queued behind a verify of its parent waits (the parent is busy until the bonus is
     committed): it copies the branch with the accepted drafts and the bonus."""
     root, (spec,) = forks(ctx8, 1)
-    drafts = greedy_tokens(spec.fork(), 3)
+    drafts = greedy_completion(ctx8, ctx8.tokenize(PROMPT), 3)
     made: list[Branch] = []
     errors, late = run_in_order(
         ctx8, [lambda: spec.verify(drafts), lambda: made.append(spec.fork(timeout=5.0))]

@@ -14,10 +14,10 @@ use crate::context::state::ContextState;
 use crate::error::{LloyalError, Result};
 use crate::tenancy::Handle;
 
-/// A reseed in progress: what its prefill writes and how to undo it.
+/// A reseed in progress: its branch's sequence and how to undo it.
 pub(crate) struct Reseeding {
-    /// `sinks + tail`, written from position 0.
-    pub(crate) tokens: Vec<i32>,
+    /// The branch's sequence, which the prefill writes from position 0.
+    pub(crate) seq: i32,
     /// The lease the old cells are parked on, when one was free and there was room for both.
     parking: Option<i32>,
     position: i32,
@@ -51,13 +51,14 @@ impl ContextState {
     /// prefill fails. Otherwise (the usual BlinkKV case: the cache is nearly full) the old cells
     /// are freed here, and a failed prefill (an interrupt, a backend error) leaves the branch
     /// empty at position 0.
+    /// Returns `sinks + tail` (what the prefill writes) and the reseed in progress.
     pub(crate) fn reseed_begin(
         &mut self,
         handle: Handle,
         sinks: &[i32],
         tail: &[i32],
         reserved: usize,
-    ) -> Result<Reseeding> {
+    ) -> Result<(Vec<i32>, Reseeding)> {
         let tokens: Vec<i32> = sinks.iter().chain(tail).copied().collect();
         self.model().check_tokens(&tokens)?;
         if tokens.is_empty() {
@@ -97,29 +98,23 @@ impl ContextState {
         let b = self.branch_mut(handle)?;
         b.position = 0;
         b.fork_head = 0;
-        Ok(Reseeding { tokens, parking, position, fork_head, logits })
+        Ok((tokens, Reseeding { seq, parking, position, fork_head, logits }))
     }
 
     /// Finish a reseed whose prefill `succeeded` (the branch holds the new tokens) or failed
-    /// (its written cells are already removed): the parked cells released, or put back. A
-    /// branch disposed meanwhile only gives its parking lease back.
+    /// (its written cells are already removed: `rollback_flight`): the parked cells released,
+    /// or put back. A branch disposed meanwhile only gives its parking lease back.
     pub(crate) fn reseed_end(&mut self, handle: Handle, r: Reseeding, succeeded: bool) {
-        let seq = self.branch(handle).map(|b| b.seq_id).ok();
-        if let (false, Some(seq)) = (succeeded, seq) {
-            self.remove_cells(seq, -1, -1);
-        }
         let Some(p) = r.parking else { return };
         // None: the ledger was reset meanwhile (`retain_only`), which dropped the parked cells.
         let Some(parked) = self.ledger.unpark(p) else { return };
-        match (succeeded, seq) {
-            (false, Some(seq)) => {
+        match self.branch_mut(handle) {
+            Ok(b) if !succeeded => {
                 // The old cells go back to the branch (still counted).
-                self.copy_seq(p, seq);
-                if let Ok(b) = self.branch_mut(handle) {
-                    b.position = r.position;
-                    b.fork_head = r.fork_head;
-                    b.logits = r.logits;
-                }
+                b.position = r.position;
+                b.fork_head = r.fork_head;
+                b.logits = r.logits;
+                self.copy_seq(p, r.seq);
             }
             _ => self.ledger.free_cells(parked),
         }

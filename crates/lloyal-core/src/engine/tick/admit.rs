@@ -140,14 +140,12 @@ impl Scheduler {
             }
             Work::Reseed(h, sinks, tail) => match s.reseed_begin(*h, sinks, tail, budget.reserved) {
                 Err(e) => out.reply(op, Err(e)),
-                Ok(r) => {
-                    let seq = s.branch(*h).map(|b| b.seq_id).unwrap_or(-1);
-                    let item = Item { handle: *h, seq, pos0: 0, tokens: r.tokens.clone(), done: 0 };
-                    budget.reserved += item.tokens.len();
+                Ok((tokens, r)) => {
+                    let cells = tokens.len();
+                    budget.reserved += cells;
                     budget.busy.insert(*h);
-                    let cells = item.tokens.len();
-                    let f = Flight { op, items: vec![item], cells, arrived: Instant::now(), reseed: Some(r) };
-                    self.flights.push(f);
+                    let items = vec![Item { handle: *h, seq: r.seq, pos0: 0, tokens, done: 0 }];
+                    self.flights.push(Flight { op, items, cells, arrived: Instant::now(), reseed: Some(r) });
                 }
             },
             Work::Generate(spec) => {

@@ -20,11 +20,20 @@ pub(super) struct Row {
     pos: i32,
     seq: i32,
     handle: Handle,
-    logits: bool,
-    /// A commit's row: its logits replace the branch's snapshot.
-    commit: bool,
-    /// A verify's draft row: its logits are copied out (not the branch's next snapshot).
-    copy: bool,
+    out: Out,
+}
+
+/// What becomes of a row's logits.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Out {
+    /// None are kept (a prefill row before its last).
+    No,
+    /// The branch's next snapshot (a prefill's last row).
+    Next,
+    /// The branch's next snapshot, replacing the current one (a commit's row).
+    Commit,
+    /// Copied out (a verify's draft row).
+    Copy,
 }
 
 /// Rows of one flash-attention query tile in ggml's CPU kernel (`GGML_FA_TILE_Q`).
@@ -97,26 +106,18 @@ impl Scheduler {
 
 impl AsBatchRow for Row {
     fn batch_row(&self) -> BatchRow {
-        BatchRow { token: self.token, pos: self.pos, seq: self.seq, output: self.logits }
+        BatchRow { token: self.token, pos: self.pos, seq: self.seq, output: self.out != Out::No }
     }
 
     fn replaces_snapshot(&self) -> bool {
-        self.commit
+        self.out == Out::Commit
     }
 }
 
 impl Row {
     /// A commit's row (logits kept).
     fn commit(r: &CommitRow) -> Row {
-        Row {
-            token: r.token,
-            pos: r.pos,
-            seq: r.seq,
-            handle: r.handle,
-            logits: true,
-            commit: true,
-            copy: false,
-        }
+        Row { token: r.token, pos: r.pos, seq: r.seq, handle: r.handle, out: Out::Commit }
     }
 
     /// A verify's draft rows (every row's logits copied out).
@@ -124,16 +125,7 @@ impl Row {
         let (seq, pos) = v.at;
         let handle = v.work.handle;
         let rows = v.work.drafts.iter().enumerate();
-        rows.map(|(i, &token)| Row {
-            token,
-            pos: pos + i as i32,
-            seq,
-            handle,
-            logits: true,
-            commit: false,
-            copy: true,
-        })
-        .collect()
+        rows.map(|(i, &token)| Row { token, pos: pos + i as i32, seq, handle, out: Out::Copy }).collect()
     }
 
     /// The rows of `item`'s tokens `range` (logits kept for its last token only).
@@ -143,9 +135,7 @@ impl Row {
             pos: item.pos0 + i as i32,
             seq: item.seq,
             handle: item.handle,
-            logits: i + 1 == item.tokens.len(),
-            commit: false,
-            copy: false,
+            out: if i + 1 == item.tokens.len() { Out::Next } else { Out::No },
         })
     }
 }
@@ -189,15 +179,14 @@ fn decode(
 /// Copy each logits row of a decoded `chunk` into its branch's `next_logits`, a verify
 /// draft's into `copies`.
 fn fill_logits(s: &mut ContextState, chunk: &[Row], copies: &mut Copies) -> Result<()> {
-    for (i, r) in chunk.iter().enumerate().filter(|(_, r)| r.copy) {
-        copies.push((r.handle, s.copy_logits_row(i as i32)?));
+    let mut rows: Vec<(i32, Handle)> = Vec::new();
+    for (i, r) in chunk.iter().enumerate() {
+        match r.out {
+            Out::No => {}
+            Out::Next | Out::Commit => rows.push((i as i32, r.handle)),
+            Out::Copy => copies.push((r.handle, s.copy_logits_row(i as i32)?)),
+        }
     }
-    let rows: Vec<(i32, Handle)> = chunk
-        .iter()
-        .enumerate()
-        .filter(|(_, r)| r.logits && !r.copy)
-        .map(|(i, r)| (i as i32, r.handle))
-        .collect();
     s.fill_next_logits_rows(&rows)
 }
 
