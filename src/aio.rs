@@ -1,4 +1,4 @@
-//! Bridges to `lloyal.aio`: native calls awaited off the event loop.
+//! Bridges to `lloyal.aio`: native calls awaited without blocking the event loop.
 
 use pyo3::prelude::*;
 use pyo3::sync::PyOnceLock;
@@ -13,8 +13,6 @@ fn aio(py: Python<'_>) -> PyResult<&Bound<'_, PyModule>> {
 /// The coroutines of `lloyal.aio` that the `a*` methods return.
 #[derive(Clone, Copy)]
 pub enum Coroutine {
-    /// `run_in_thread(callable, *args)`: `callable(*args)` in a worker thread.
-    InThread,
     /// `stream_next(iterator)`: the next token of a generation stream (`TokenIterator._poll`).
     StreamNext,
     /// `engine_call(submit, *args)`: an engine operation; `submit(loop, future, *args)`
@@ -28,7 +26,6 @@ pub enum Coroutine {
 impl Coroutine {
     fn name(self) -> &'static str {
         match self {
-            Coroutine::InThread => "run_in_thread",
             Coroutine::StreamNext => "stream_next",
             Coroutine::EngineCall => "engine_call",
             Coroutine::LeaseCall => "lease_call",

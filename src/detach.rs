@@ -47,19 +47,20 @@ pub(crate) fn on_main_thread(py: Python<'_>) -> bool {
     })
 }
 
-/// Release the GIL, lock `ctx`, run `f`, map the error. Every model call goes through here.
+/// Release the GIL, run `f` on `ctx` ([`Context::apply`]: at once, or by the engine between
+/// two ticks), map the error. Every context call that is not engine work goes through here.
 ///
 /// On Python's main thread, a call that needs several `llama_decode`s (a prefill longer than
-/// n_batch) runs Python's signal handlers between them: Ctrl-C stops it after the current
-/// chunk, the core rolls the call back, and the handler's exception (`KeyboardInterrupt`) is
-/// raised here.
+/// n_batch), or that waits for the engine's tick, runs Python's signal handlers meanwhile:
+/// Ctrl-C stops it (a started call after its current chunk, rolled back by the core), and the
+/// handler's exception (`KeyboardInterrupt`) is raised here.
 pub fn run<T, F>(py: Python<'_>, ctx: &Context, f: F) -> PyResult<T>
 where
-    T: Send,
-    F: FnOnce(&mut ContextState) -> Result<T> + Send,
+    T: Send + 'static,
+    F: FnOnce(&mut ContextState) -> Result<T> + Send + 'static,
 {
     if !on_main_thread(py) {
-        return py.detach(|| guarded(|| ctx.with(f))).map_err(to_py);
+        return py.detach(|| guarded(|| ctx.apply(None, f))).map_err(to_py);
     }
     let raised: Arc<Mutex<Option<PyErr>>> = Arc::default();
     let slot = Arc::clone(&raised);
@@ -72,7 +73,7 @@ where
             }
         })
     });
-    match py.detach(|| guarded(|| ctx.with_interrupt(check, f))) {
+    match py.detach(|| guarded(|| ctx.apply(Some(check), f))) {
         Err(LloyalError::Interrupted) => {
             let pending = raised.lock().unwrap_or_else(|p| p.into_inner()).take();
             Err(pending.unwrap_or_else(|| to_py(LloyalError::Interrupted)))

@@ -1,11 +1,12 @@
 //! Glue to the core engine (`lloyal_core::engine`): submit decode-bearing work and wait for
 //! it (sync: GIL released, Ctrl-C cancels) or await it (an asyncio future the engine thread
-//! resolves through `loop.call_soon_threadsafe`; no worker thread per call).
+//! resolves through `loop.call_soon_threadsafe`; no worker thread per call), and await the
+//! other context calls the same way.
 
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use lloyal_core::{Context, EngineStats, Waiter, Work};
+use lloyal_core::{CallDone, Context, ContextState, EngineStats, LloyalError, Waiter, Work};
 use pyo3::prelude::*;
 use pyo3::types::PyCFunction;
 
@@ -83,6 +84,23 @@ pub fn wait(py: Python<'_>, ctx: &Arc<Context>, work: Work) -> PyResult<()> {
     }
 }
 
+/// A callback that settles `fut` (a future of `lp`) from any thread: `None` sets its result,
+/// an error its exception.
+fn settler(lp: Py<PyAny>, fut: Py<PyAny>) -> impl FnOnce(Option<LloyalError>) + Send + 'static {
+    move |error| {
+        crate::exit::attach(|py| {
+            let error: Py<PyAny> = match error {
+                None => py.None(),
+                Some(e) => to_py(e).into_value(py).into_any(),
+            };
+            if let Ok(settle) = aio::settle(py) {
+                // A closed loop cannot take the result, and then nobody awaits it.
+                let _ = lp.bind(py).call_method1("call_soon_threadsafe", (settle, fut.bind(py), error));
+            }
+        });
+    }
+}
+
 /// Submit `work` for `lloyal.aio.engine_call`: `fut` (a future of the running `lp`) is
 /// settled from the engine thread. Returns a callable that cancels the operation.
 pub fn submit_async<'py>(
@@ -92,23 +110,65 @@ pub fn submit_async<'py>(
     lp: Bound<'py, PyAny>,
     fut: Bound<'py, PyAny>,
 ) -> PyResult<Bound<'py, PyAny>> {
-    let (lp, fut) = (lp.unbind(), fut.unbind());
-    let done: lloyal_core::engine::Done = Box::new(move |result| {
-        crate::exit::attach(|py| {
-            let error: Py<PyAny> = match result {
-                Ok(()) => py.None(),
-                Err(e) => to_py(e).into_value(py).into_any(),
-            };
-            if let Ok(settle) = aio::settle(py) {
-                // A closed loop cannot take the result, and then nobody awaits it.
-                let _ = lp.bind(py).call_method1("call_soon_threadsafe", (settle, fut.bind(py), error));
-            }
-        });
-    });
+    let settle = settler(lp.unbind(), fut.unbind());
+    let done: lloyal_core::engine::Done = Box::new(move |result| settle(result.err()));
     let ticket = ctx.submit(work, done).map_err(to_py)?;
     let cancel = PyCFunction::new_closure(py, None, None, move |_args, _kwargs| -> PyResult<()> {
         ticket.cancel();
         Ok(())
     })?;
     Ok(cancel.into_any())
+}
+
+/// The value an awaited context call made, for the coroutine to take once `fut` settled.
+pub type Made<T> = Arc<Mutex<Option<T>>>;
+
+/// A context call for `lloyal.aio.engine_call` / `lease_call` ([`Context::apply_then`]): run
+/// at once when no engine tick runs (the event loop waits microseconds), else queued for the
+/// engine thread, which runs it before its next tick; `fut` is settled either way, the value
+/// kept in the returned slot. Also returns the canceller (withdraws the call if it waits).
+pub fn call_async<'py, T, F>(
+    py: Python<'py>,
+    ctx: &Arc<Context>,
+    f: F,
+    lp: Bound<'py, PyAny>,
+    fut: Bound<'py, PyAny>,
+) -> PyResult<(Bound<'py, PyAny>, Made<T>)>
+where
+    T: Send + 'static,
+    F: FnOnce(&mut ContextState) -> lloyal_core::Result<T> + Send + 'static,
+{
+    let made: Made<T> = Arc::default();
+    let keep = Arc::clone(&made);
+    let settle = settler(lp.unbind(), fut.unbind());
+    let done: CallDone<T> = Box::new(move |result| match result {
+        Ok(v) => {
+            *keep.lock().unwrap_or_else(|p| p.into_inner()) = Some(v);
+            settle(None);
+        }
+        Err(e) => settle(Some(e)),
+    });
+    let queued = without_gil(py, || ctx.apply_then(f, done)).map_err(to_py)?;
+    let cancel = PyCFunction::new_closure(py, None, None, move |_args, _kwargs| -> PyResult<()> {
+        if let Some(q) = &queued {
+            q.cancel();
+        }
+        Ok(())
+    })?;
+    Ok((cancel.into_any(), made))
+}
+
+/// An awaitable context call that returns nothing (``aprune``, ``aretain_only``): the
+/// coroutine of `lloyal.aio.engine_call` over [`call_async`].
+pub fn awaitable<'py, F>(py: Python<'py>, ctx: &Arc<Context>, f: F) -> PyResult<Bound<'py, PyAny>>
+where
+    F: FnOnce(&mut ContextState) -> lloyal_core::Result<()> + Send + Sync + Clone + 'static,
+{
+    let ctx = Arc::clone(ctx);
+    let submit = PyCFunction::new_closure(py, None, None, move |args, _kwargs| -> PyResult<Py<PyAny>> {
+        let (lp, fut) = (args.get_item(0)?, args.get_item(1)?);
+        let (cancel, _) = call_async(args.py(), &ctx, f.clone(), lp, fut)?;
+        Ok(cancel.unbind())
+    })?;
+    aio::Coroutine::EngineCall.call(py, submit.into_any(), vec![])
 }

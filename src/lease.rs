@@ -66,17 +66,51 @@ pub fn submit_async<'py>(
 ) -> PyResult<Bound<'py, PyTuple>> {
     let core = ctx.get().inner.clone();
     let (work, slot) = LeaseWork::new(parent, timeout, make);
-    let cancel_op = engine::submit_async(py, &core, Work::Lease(Arc::new(work)), lp, fut)?.unbind();
-    let (slot2, core2) = (Arc::clone(&slot), Arc::clone(&core));
+    let cancel_op = engine::submit_async(py, &core, Work::Lease(Arc::new(work)), lp, fut)?;
+    let withdraw = Arc::clone(&slot);
+    cancel_and_take(py, ctx, cancel_op, move || withdraw.withdraw(), move || slot.take(), wrap)
+}
+
+/// [`submit_async`] for a branch made without waiting for a lease (`timeout=0`): at once when
+/// no engine tick runs, else by the engine before its next tick ([`engine::call_async`]).
+pub fn submit_now_async<'py>(
+    py: Python<'py>,
+    ctx: &Py<PyContext>,
+    make: MakeBranch,
+    wrap: impl Fn(Python<'_>, &Py<PyContext>, Handle) -> PyResult<Py<PyAny>> + Send + Sync + 'static,
+    (lp, fut): (Bound<'py, PyAny>, Bound<'py, PyAny>),
+) -> PyResult<Bound<'py, PyTuple>> {
+    let core = ctx.get().inner.clone();
+    let (cancel_op, made) = engine::call_async(py, &core, make, lp, fut)?;
+    let granted = Arc::clone(&made);
+    let take = move || made.lock().unwrap_or_else(|p| p.into_inner()).take();
+    let withdraw = move || granted.lock().unwrap_or_else(|p| p.into_inner()).take();
+    cancel_and_take(py, ctx, cancel_op, withdraw, take, wrap)
+}
+
+/// The `(cancel, take)` pair of an awaited branch: cancel runs `cancel_op` and prunes a
+/// branch made meanwhile (`withdraw`); take wraps the branch made (`take`).
+fn cancel_and_take<'py>(
+    py: Python<'py>,
+    ctx: &Py<PyContext>,
+    cancel_op: Bound<'py, PyAny>,
+    withdraw: impl Fn() -> Option<Handle> + Send + Sync + 'static,
+    take: impl Fn() -> Option<Handle> + Send + Sync + 'static,
+    wrap: impl Fn(Python<'_>, &Py<PyContext>, Handle) -> PyResult<Py<PyAny>> + Send + Sync + 'static,
+) -> PyResult<Bound<'py, PyTuple>> {
+    let core = ctx.get().inner.clone();
+    let cancel_op = cancel_op.unbind();
     let cancel = PyCFunction::new_closure(py, None, None, move |args, _kwargs| -> PyResult<()> {
         let py = args.py();
         cancel_op.bind(py).call0()?;
-        discard(py, &core2, &slot2);
+        if let Some(h) = withdraw() {
+            let _ = run(py, &core, move |s| s.branch_prune(h));
+        }
         Ok(())
     })?;
     let ctx = ctx.clone_ref(py);
     let take = PyCFunction::new_closure(py, None, None, move |args, _kwargs| -> PyResult<Py<PyAny>> {
-        let handle = slot.take().ok_or_else(lost)?;
+        let handle = take().ok_or_else(lost)?;
         wrap(args.py(), &ctx, handle)
     })?;
     PyTuple::new(py, [cancel.into_any(), take.into_any()])

@@ -102,9 +102,15 @@ impl PyBranchStore {
         aio::Coroutine::EngineCall.call(slf.py(), slf.getattr("_submit_commit")?, vec![pairs])
     }
 
-    /// Await ``retain_only(winner)`` off the event loop.
-    fn aretain_only<'py>(slf: &Bound<'py, Self>, winner: Bound<'py, PyAny>) -> PyResult<Bound<'py, PyAny>> {
-        aio::Coroutine::InThread.call(slf.py(), slf.getattr("retain_only")?, vec![winner])
+    /// Await ``retain_only(winner)`` without blocking the event loop: it runs at once when the
+    /// engine is between ticks, else the engine runs it before its next tick.
+    fn aretain_only<'py>(
+        &self,
+        py: Python<'py>,
+        winner: &Bound<'py, PyBranch>,
+    ) -> PyResult<Bound<'py, PyAny>> {
+        let h = self.handle_of(winner)?;
+        engine::awaitable(py, self.core(), move |s| s.retain_only(h))
     }
 
     /// Await ``prefill(items)``: queued on the context's engine, the event loop keeps running.

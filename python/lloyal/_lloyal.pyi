@@ -763,9 +763,11 @@ class Branch:
         waiting fork is an engine request (cancelling the task withdraws it).
         """
     def aprune(self) -> Coroutine[Any, Any, None]:
-        """Await ``prune()`` off the event loop."""
+        """Await ``prune()`` without blocking the event loop: it runs at once when the engine is
+        between ticks, else the engine runs it before its next tick.
+        """
     def aprune_subtree(self) -> Coroutine[Any, Any, None]:
-        """Await ``prune_subtree()`` off the event loop."""
+        """Await ``prune_subtree()`` without blocking the event loop (as :meth:`aprune`)."""
     def acommit(self, token: int) -> Coroutine[Any, Any, None]:
         """Await ``commit(token)``: queued on the context's engine, the event loop keeps running."""
     def reseed(self, sinks: list[int], tail: list[int]) -> int:
@@ -1049,7 +1051,9 @@ class BranchStore:
         ``lp``. Returns a canceller (``lloyal.aio.engine_start`` wraps it).
         """
     def aretain_only(self, winner: Branch) -> Coroutine[Any, Any, None]:
-        """Await ``retain_only(winner)`` off the event loop."""
+        """Await ``retain_only(winner)`` without blocking the event loop: it runs at once when the
+        engine is between ticks, else the engine runs it before its next tick.
+        """
     def aprefill(self, items: list[tuple[Branch, list[int]]]) -> Coroutine[Any, Any, None]:
         """Await ``prefill(items)``: queued on the context's engine, the event loop keeps running."""
     @property

@@ -15,6 +15,7 @@ use crate::aio;
 use crate::context::PyContext;
 use crate::convert::clamp_i32;
 use crate::detach::run;
+use crate::engine;
 use crate::error::IntoPyResult;
 use crate::generate::{GenArgs, PyTokenIter};
 use crate::lease;
@@ -59,10 +60,10 @@ impl PyBranch {
         &self.ctx.get().inner
     }
 
-    fn call<T: Send>(
+    fn call<T: Send + 'static>(
         &self,
         py: Python<'_>,
-        f: impl FnOnce(&mut ContextState, Handle) -> lloyal_core::Result<T> + Send,
+        f: impl FnOnce(&mut ContextState, Handle) -> lloyal_core::Result<T> + Send + 'static,
     ) -> PyResult<T> {
         let h = self.handle;
         run(py, self.core(), move |s| f(s, h))
@@ -196,10 +197,6 @@ impl PyBranch {
     ) -> PyResult<Bound<'py, PyAny>> {
         let py = slf.py();
         let timeout = lease::check_timeout(timeout)?;
-        if timeout == Some(0.0) {
-            let arg = clone_logits.into_pyobject(py)?.to_owned().into_any();
-            return aio::Coroutine::InThread.call(py, slf.getattr("fork")?, vec![arg]);
-        }
         let args = vec![
             clone_logits.into_pyobject(py)?.to_owned().into_any(),
             timeout.into_pyobject(py)?.into_any(),
@@ -221,17 +218,23 @@ impl PyBranch {
         let wrap = |py: Python<'_>, ctx: &Py<PyContext>, handle| {
             Ok(Py::new(py, PyBranch { ctx: ctx.clone_ref(py), handle })?.into_any())
         };
+        if timeout == Some(0.0) {
+            return lease::submit_now_async(py, &self.ctx, make, wrap, (lp, fut));
+        }
         lease::submit_async(py, &self.ctx, Some(h), timeout, make, wrap, (lp, fut))
     }
 
-    /// Await ``prune()`` off the event loop.
-    fn aprune<'py>(slf: &Bound<'py, Self>) -> PyResult<Bound<'py, PyAny>> {
-        aio::Coroutine::InThread.call(slf.py(), slf.getattr("prune")?, vec![])
+    /// Await ``prune()`` without blocking the event loop: it runs at once when the engine is
+    /// between ticks, else the engine runs it before its next tick.
+    fn aprune<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyAny>> {
+        let h = self.handle;
+        engine::awaitable(py, self.core(), move |s| s.branch_prune(h))
     }
 
-    /// Await ``prune_subtree()`` off the event loop.
-    fn aprune_subtree<'py>(slf: &Bound<'py, Self>) -> PyResult<Bound<'py, PyAny>> {
-        aio::Coroutine::InThread.call(slf.py(), slf.getattr("prune_subtree")?, vec![])
+    /// Await ``prune_subtree()`` without blocking the event loop (as :meth:`aprune`).
+    fn aprune_subtree<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyAny>> {
+        let h = self.handle;
+        engine::awaitable(py, self.core(), move |s| s.branch_prune_subtree(h))
     }
 
     /// Dispose this branch (RESTRICT: ``TopologyError`` while children live). Idempotent.

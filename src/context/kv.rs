@@ -87,7 +87,8 @@ impl PyContext {
     ///     SeqLeasedError: a live branch holds ``seq_id`` (nothing is changed).
     fn kv_cache_load(&self, py: Python<'_>, seq_id: i64, data: &[u8]) -> PyResult<()> {
         let seq_id = clamp_i32(seq_id);
-        run(py, self.ctx(), move |s| s.kv_load(seq_id, data).map(drop))
+        let data = data.to_vec();
+        run(py, self.ctx(), move |s| s.kv_load(seq_id, &data).map(drop))
     }
 
     /// Save ``seq_id``'s cells with ``tokens`` (the text they came from) to ``path``.

@@ -40,6 +40,7 @@ pub use chat::ChatFamily;
 pub use chat::{ChatOptions, ChatOutput, FormattedChat, ToolCall};
 pub use context::state::{ContextState, InterruptCheck};
 pub use context::{Context, ContextShape};
+pub use engine::apply::{CallDone, Queued};
 pub use engine::gen::{Finish, GenItem, GenSpec, GenStream};
 pub use engine::{EngineStats, Ticket, Waiter, Work};
 pub use error::{LloyalError, Result};

@@ -15,6 +15,7 @@ use std::sync::Arc;
 use parking_lot::{Mutex, MutexGuard};
 
 use crate::backend::{clear_recent_errors, recent_errors};
+use crate::engine::apply::{CallDone, Queued};
 use crate::engine::gen::GenSpec;
 use crate::engine::{Done, Engine, EngineStats, Host, Ticket, Work};
 use crate::error::{LloyalError, Result};
@@ -37,8 +38,9 @@ pub struct ContextShape {
     pub embeddings: bool,
 }
 
-/// A context handle shared by its Python objects. All work goes through [`Context::with`],
-/// which serialises callers on one mutex; `close()` waits for the running call.
+/// A context handle shared by its Python objects. Decode-bearing work goes to its engine
+/// ([`Context::submit`]), every other call through [`Context::apply`]; `close()` waits for
+/// the running call.
 pub struct Context {
     model: Arc<Model>,
     shape: ContextShape,
@@ -147,37 +149,52 @@ impl Context {
         self.state.lock()
     }
 
-    /// Run `f` on the open context state, holding the context lock.
+    /// Run `f` on the open context state: every call that is not decode-bearing engine
+    /// work (create, fork, prune, sampler changes, the flat path, embeddings, reads) comes
+    /// here. It runs at once on the caller's thread when no engine tick is running, else the
+    /// engine thread runs it before its next tick ([`crate::engine::apply`]).
     ///
-    /// The lock is released unfairly: a caller making several calls in a row (the server's
-    /// fork, then sampler, bias and grammar of a new request) usually takes it again before
-    /// the engine wakes, so the sequence waits for one engine tick, not one tick per call
-    /// (before: up to 2.4 s with prefill ticks of ~0.8 s, the event loop blocked all along).
-    /// parking_lot still hands the lock to a waiter after at most ~0.5 ms of that.
-    pub fn with<T>(&self, f: impl FnOnce(&mut ContextState) -> Result<T>) -> Result<T> {
-        self.locked(None, false, f)
+    /// `interrupt` (the Python glue's Ctrl-C check, on the main thread) is asked between the
+    /// n_batch-sized decodes of a long call (a prefill of many tokens), or every 50 ms while
+    /// the call waits for the engine: when it returns `true` the call stops, rolls back
+    /// everything it wrote and returns [`LloyalError::Interrupted`].
+    pub fn apply<T, F>(&self, interrupt: Option<InterruptCheck>, f: F) -> Result<T>
+    where
+        T: Send + 'static,
+        F: FnOnce(&mut ContextState) -> Result<T> + Send + 'static,
+    {
+        self.check_open()?;
+        match self.engine.turn() {
+            Some(_turn) => self.locked(interrupt, f),
+            None => self.engine.call(interrupt, f),
+        }
     }
 
-    /// Like [`Context::with`], but `check` runs between the n_batch-sized decodes of a long
-    /// call (prefill of many tokens, a commit of more than n_batch branches); when it returns
-    /// `true` the call stops there, rolls back everything it wrote and returns
-    /// [`LloyalError::Interrupted`]. The Python glue uses it to honour Ctrl-C. The lock is
-    /// released fairly.
-    pub fn with_interrupt<T>(
-        &self,
-        check: InterruptCheck,
-        f: impl FnOnce(&mut ContextState) -> Result<T>,
-    ) -> Result<T> {
-        self.locked(Some(check), true, f)
+    /// [`Context::apply`] for a caller that must not block (an asyncio event loop): `done`
+    /// gets the result, called before this returns when `f` ran at once (`None`), else on the
+    /// engine thread (`Some`: cancel it there).
+    pub fn apply_then<T, F>(&self, f: F, done: CallDone<T>) -> Result<Option<Queued>>
+    where
+        T: Send + 'static,
+        F: FnOnce(&mut ContextState) -> Result<T> + Send + 'static,
+    {
+        self.check_open()?;
+        match self.engine.turn() {
+            Some(turn) => {
+                let r = self.locked(None, f);
+                drop(turn);
+                done(r);
+                Ok(None)
+            }
+            None => self.engine.queue(f, done).map(Some),
+        }
     }
 
-    /// The body of the `with*` calls: `f` under the lock with `interrupt` installed, then the
-    /// ledger check and the published occupancy, then the lock released (`fair`: handed to a
-    /// waiting thread).
+    /// `f` under the lock with `interrupt` installed, then the ledger check and the
+    /// published occupancy. The lock is released fairly (handed to a waiting thread).
     fn locked<T>(
         &self,
         interrupt: Option<InterruptCheck>,
-        fair: bool,
         f: impl FnOnce(&mut ContextState) -> Result<T>,
     ) -> Result<T> {
         let mut guard = self.guard();
@@ -188,11 +205,7 @@ impl Context {
         state.interrupt = None;
         check_ledger(state);
         *self.occupancy.lock() = (state.available(), state.kv_pressure());
-        if fair {
-            MutexGuard::unlock_fair(guard);
-        } else {
-            drop(guard);
-        }
+        MutexGuard::unlock_fair(guard);
         result
     }
 
@@ -297,11 +310,12 @@ fn check_ledger(state: &mut ContextState) {
 }
 
 impl Host for Context {
-    /// [`Context::with`] for the engine's ticks: the lock is released fairly, so a thread
-    /// waiting for it (a reader of `kv_seq_pos_max` while the engine runs a long chunked
-    /// prefill) gets it before the engine's next tick, and a busy engine never starves
-    /// other callers.
-    fn with_fair<T>(&self, f: impl FnOnce(&mut ContextState) -> Result<T>) -> Result<T> {
-        self.locked(None, true, f)
+    /// The lock for the engine's ticks and queued calls.
+    fn locked<T>(
+        &self,
+        interrupt: Option<InterruptCheck>,
+        f: impl FnOnce(&mut ContextState) -> Result<T>,
+    ) -> Result<T> {
+        Context::locked(self, interrupt, f)
     }
 }

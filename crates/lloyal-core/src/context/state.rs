@@ -48,7 +48,7 @@ pub struct ContextState {
     pub(crate) split_mixed_ticks: bool,
     /// Vectors of the last `encode()` per sequence (embeddings contexts).
     pub(crate) encoded: HashMap<i32, Encoded>,
-    /// Asked before every decode of a call but the first (see [`Context::with_interrupt`]).
+    /// Asked before every decode of a call but the first (see [`super::Context::apply`]).
     pub(super) interrupt: Option<InterruptCheck>,
     /// `llama_decode` calls made by the current call (the first is never interrupted: the
     /// caller has just checked for signals itself).

@@ -7,6 +7,7 @@
 //! `ceil(rows / n_batch)` decodes ([`plan`], [`tick`]): commit rows first, prefill chunks
 //! after. Each caller gets its own result through a one-shot callback.
 
+pub mod apply;
 pub mod gen;
 pub mod lease;
 pub mod op;
@@ -22,7 +23,7 @@ use std::time::{Duration, Instant};
 
 pub use op::{Done, Reply, Waiter, Work};
 
-use crate::context::state::ContextState;
+use crate::context::state::{ContextState, InterruptCheck};
 use crate::error::{LloyalError, Result};
 use op::Op;
 use tick::{Scheduler, TickOutcome};
@@ -38,9 +39,13 @@ const BURST_GATHER: Duration = Duration::from_millis(5);
 
 /// What the engine ticks on: a context's state behind its lock ([`crate::context::Context`]).
 pub trait Host: Send + Sync + 'static {
-    /// Run `f` on the open state under the lock, then release the lock fairly (a thread
-    /// waiting for it goes before the engine's next tick); `ContextClosed` once closed.
-    fn with_fair<T>(&self, f: impl FnOnce(&mut ContextState) -> Result<T>) -> Result<T>;
+    /// Run `f` on the open state under the lock (`interrupt` asked between its decodes), then
+    /// release the lock; `ContextClosed` once closed.
+    fn locked<T>(
+        &self,
+        interrupt: Option<InterruptCheck>,
+        f: impl FnOnce(&mut ContextState) -> Result<T>,
+    ) -> Result<T>;
 }
 
 /// Counters of a context's engine.
@@ -90,6 +95,16 @@ pub struct EngineStats {
 
 struct Queue {
     ops: VecDeque<Op>,
+    /// Context calls queued while a tick ran ([`apply`]).
+    applies: VecDeque<apply::Apply>,
+    /// A tick (or the queued calls) runs: a context call queues rather than take its turn.
+    ticking: bool,
+    /// Context calls taking their turn on their own threads now.
+    inline: usize,
+    /// Context calls that took their turn on their own threads so far.
+    inline_runs: u64,
+    /// The engine waits for those calls to end before its next tick ([`apply`]).
+    lingering: bool,
     next_id: u64,
     paused: bool,
     /// `close()` began: no new operations; the engine finishes what it has, then stops.
@@ -162,6 +177,11 @@ impl Default for Engine {
             shared: Arc::new(Shared {
                 queue: Mutex::new(Queue {
                     ops: VecDeque::new(),
+                    applies: VecDeque::new(),
+                    ticking: false,
+                    inline: 0,
+                    inline_runs: 0,
+                    lingering: false,
                     next_id: 0,
                     paused: false,
                     closing: false,
@@ -266,7 +286,9 @@ impl Engine {
     pub(crate) fn close(&self) {
         let mut q = self.shared.lock();
         q.closing = true;
-        let dry = |q: &Queue| !q.started || q.shutdown || q.paused || (q.idle && q.ops.is_empty());
+        let dry = |q: &Queue| {
+            !q.started || q.shutdown || (q.applies.is_empty() && (q.paused || (q.idle && q.ops.is_empty())))
+        };
         while !dry(&q) {
             q = self.shared.cv.wait(q).unwrap_or_else(|p| p.into_inner());
         }
@@ -303,7 +325,10 @@ fn answer(shared: &Shared, replies: Vec<(Reply, Result<()>)>) {
 }
 
 fn set_idle(shared: &Shared) {
-    shared.lock().idle = true;
+    let mut q = shared.lock();
+    q.idle = true;
+    q.ticking = false;
+    drop(q);
     shared.cv.notify_all();
 }
 
@@ -312,13 +337,23 @@ fn engine_loop<H: Host>(ctx: Weak<H>, shared: Arc<Shared>) {
     crate::omp::mark_engine_thread();
     let mut sched = Scheduler::default();
     loop {
-        let Some((ops, max_prefill)) = take_ops(&shared, &mut sched) else {
+        let Some(taken) = take_ops(&shared, &mut sched) else {
             return;
         };
         let started = Instant::now();
         let Some(context) = ctx.upgrade() else {
             shared.lock().shutdown = true;
+            if let Taken::Calls(applies) = taken {
+                apply::fail(applies, &LloyalError::ContextClosed);
+            }
             continue;
+        };
+        let (ops, max_prefill) = match taken {
+            Taken::Calls(applies) => {
+                apply::run(&*context, &shared, applies);
+                continue;
+            }
+            Taken::Tick(ops, max_prefill) => (ops, max_prefill),
         };
         let Some(mut outcome) = run_tick(&*context, &shared, &mut sched, ops, max_prefill) else {
             set_idle(&shared);
@@ -346,20 +381,35 @@ fn engine_loop<H: Host>(ctx: Weak<H>, shared: Arc<Shared>) {
     }
 }
 
-/// Wait for work, gather the tick's operations and take them with the prefill cap; `None`
-/// when the engine shut down (everything it held is answered).
-fn take_ops(shared: &Shared, sched: &mut Scheduler) -> Option<(Vec<Op>, Option<usize>)> {
+/// What the engine runs next.
+enum Taken {
+    /// Context calls queued while a tick ran ([`apply`]).
+    Calls(Vec<apply::Apply>),
+    /// A tick's operations and its prefill cap.
+    Tick(Vec<Op>, Option<usize>),
+}
+
+/// Wait for work: the queued context calls if any (a paused engine runs them too), else
+/// gather the tick's operations and take them with the prefill cap; `None` when the engine
+/// shut down (everything it held is answered).
+fn take_ops(shared: &Shared, sched: &mut Scheduler) -> Option<Taken> {
     loop {
         let mut q = shared.lock();
         loop {
             if q.shutdown {
                 let ops: Vec<Op> = q.ops.drain(..).collect();
+                let applies: Vec<apply::Apply> = q.applies.drain(..).collect();
                 q.stats.queue_depth = 0;
                 drop(q);
                 let mut replies = sched.fail_all(&LloyalError::ContextClosed);
                 replies.extend(ops.into_iter().map(|op| (op.reply, Err(LloyalError::ContextClosed))));
                 answer(shared, replies);
+                apply::fail(applies, &LloyalError::ContextClosed);
                 return None;
+            }
+            if !q.applies.is_empty() {
+                q.ticking = true;
+                return Some(Taken::Calls(q.applies.drain(..).collect()));
             }
             if !q.paused && (!q.ops.is_empty() || sched.has_work()) {
                 break;
@@ -376,12 +426,13 @@ fn take_ops(shared: &Shared, sched: &mut Scheduler) -> Option<(Vec<Op>, Option<u
             q = shared.cv.wait(q).unwrap_or_else(|p| p.into_inner());
         }
         q = gather(shared, q, sched);
-        if q.shutdown || q.paused {
+        if q.shutdown || q.paused || !q.applies.is_empty() {
             continue;
         }
         q.stats.queue_depth = 0;
         q.idle = false;
-        return Some((q.ops.drain(..).collect(), q.prefill_chunk));
+        q.ticking = true;
+        return Some(Taken::Tick(q.ops.drain(..).collect(), q.prefill_chunk));
     }
 }
 
@@ -417,7 +468,7 @@ fn run_tick<H: Host>(
 ) -> Option<TickOutcome> {
     let mut pending = Some(ops);
     let ran = catch_unwind(AssertUnwindSafe(|| {
-        context.with_fair(|s| Ok(sched.tick(s, pending.take().unwrap_or_default(), max_prefill)))
+        context.locked(None, |s| Ok(sched.tick(s, pending.take().unwrap_or_default(), max_prefill)))
     }));
     match ran {
         Ok(Ok(outcome)) => Some(outcome),
@@ -445,6 +496,7 @@ fn run_tick<H: Host>(
 /// operations again.
 fn record(shared: &Shared, sched: &Scheduler, outcome: &mut TickOutcome, started: Instant) {
     let mut q = shared.lock();
+    q.ticking = false;
     let st = &mut q.stats;
     if outcome.ops > 0 {
         st.ticks += 1;

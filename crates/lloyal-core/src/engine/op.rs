@@ -97,17 +97,17 @@ impl Op {
 }
 
 /// A blocking result slot for synchronous callers.
-#[derive(Clone, Default)]
-pub struct Waiter {
-    slot: Arc<(Mutex<Option<Result<()>>>, Condvar)>,
+pub struct Waiter<T = ()> {
+    slot: Arc<(Mutex<Option<Result<T>>>, Condvar)>,
 }
 
-impl Waiter {
+impl<T: Send + 'static> Waiter<T> {
     /// A waiter and the callback that fills it.
-    pub fn new() -> (Waiter, Done) {
-        let w = Waiter::default();
+    #[allow(clippy::type_complexity)]
+    pub fn new() -> (Waiter<T>, Box<dyn FnOnce(Result<T>) + Send>) {
+        let w = Waiter { slot: Arc::new((Mutex::new(None), Condvar::new())) };
         let slot = Arc::clone(&w.slot);
-        let done: Done = Box::new(move |r| {
+        let done = Box::new(move |r| {
             let (m, cv) = &*slot;
             *m.lock().unwrap_or_else(|p| p.into_inner()) = Some(r);
             cv.notify_all();
@@ -116,7 +116,7 @@ impl Waiter {
     }
 
     /// The result once it arrived within `timeout`, else `None`.
-    pub fn wait_timeout(&self, timeout: Duration) -> Option<Result<()>> {
+    pub fn wait_timeout(&self, timeout: Duration) -> Option<Result<T>> {
         let (m, cv) = &*self.slot;
         let guard = m.lock().unwrap_or_else(|p| p.into_inner());
         let (mut guard, _) =
@@ -125,7 +125,7 @@ impl Waiter {
     }
 
     /// Block until the result arrives.
-    pub fn wait(&self) -> Result<()> {
+    pub fn wait(&self) -> Result<T> {
         loop {
             if let Some(r) = self.wait_timeout(Duration::from_secs(3600)) {
                 return r;
