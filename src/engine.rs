@@ -7,6 +7,7 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use lloyal_core::{CallDone, Context, ContextState, EngineStats, LloyalError, Waiter, Work};
+use pyo3::exceptions::PyRuntimeError;
 use pyo3::prelude::*;
 use pyo3::types::PyCFunction;
 
@@ -162,12 +163,15 @@ where
 /// coroutine of `lloyal.aio.engine_call` over [`call_async`].
 pub fn awaitable<'py, F>(py: Python<'py>, ctx: &Arc<Context>, f: F) -> PyResult<Bound<'py, PyAny>>
 where
-    F: FnOnce(&mut ContextState) -> lloyal_core::Result<()> + Send + Sync + Clone + 'static,
+    F: FnOnce(&mut ContextState) -> lloyal_core::Result<()> + Send + 'static,
 {
     let ctx = Arc::clone(ctx);
+    let f = Mutex::new(Some(f));
     let submit = PyCFunction::new_closure(py, None, None, move |args, _kwargs| -> PyResult<Py<PyAny>> {
         let (lp, fut) = (args.get_item(0)?, args.get_item(1)?);
-        let (cancel, _) = call_async(args.py(), &ctx, f.clone(), lp, fut)?;
+        let f = f.lock().unwrap_or_else(|p| p.into_inner()).take();
+        let f = f.ok_or_else(|| PyRuntimeError::new_err("this coroutine was already awaited"))?;
+        let (cancel, _) = call_async(args.py(), &ctx, f, lp, fut)?;
         Ok(cancel.unbind())
     })?;
     aio::Coroutine::EngineCall.call(py, submit.into_any(), vec![])

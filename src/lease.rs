@@ -1,13 +1,15 @@
 //! `create` / `fork` with a `timeout`: wait for a lease in the engine (`engine::lease`).
 
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 
 use lloyal_core::engine::lease::{LeaseSlot, LeaseWork, MakeBranch};
 use lloyal_core::{Context, Handle, LloyalError, Work};
-use pyo3::exceptions::PyValueError;
+use pyo3::exceptions::{PyRuntimeError, PyValueError};
 use pyo3::prelude::*;
 use pyo3::types::{PyCFunction, PyTuple};
 
+use crate::aio;
+use crate::branch::PyBranch;
 use crate::context::PyContext;
 use crate::detach::run;
 use crate::engine;
@@ -55,7 +57,7 @@ pub fn wait(
 /// For `lloyal.aio.lease_call`: queue `make`, settle `fut` when granted; returns
 /// `(cancel, take)` callables (cancel withdraws and prunes a branch granted meanwhile; take
 /// returns the granted branch as `wrap` makes it).
-pub fn submit_async<'py>(
+fn submit_async<'py>(
     py: Python<'py>,
     ctx: &Py<PyContext>,
     parent: Option<Handle>,
@@ -71,9 +73,39 @@ pub fn submit_async<'py>(
     cancel_and_take(py, ctx, cancel_op, move || withdraw.withdraw(), move || slot.take(), wrap)
 }
 
+/// The `lloyal.aio.lease_call` coroutine of a branch made by `make`: without waiting for a
+/// lease (`timeout=0`: at once when no engine tick runs, else by the engine before its next
+/// tick), or after waiting for one in the engine.
+pub fn awaitable_branch<'py>(
+    py: Python<'py>,
+    ctx: &Py<PyContext>,
+    parent: Option<Handle>,
+    timeout: Option<f64>,
+    make: MakeBranch,
+) -> PyResult<Bound<'py, PyAny>> {
+    let ctx = ctx.clone_ref(py);
+    let make = Mutex::new(Some(make));
+    let submit = PyCFunction::new_closure(py, None, None, move |args, _kwargs| -> PyResult<Py<PyTuple>> {
+        let py = args.py();
+        let (lp, fut) = (args.get_item(0)?, args.get_item(1)?);
+        let make = make.lock().unwrap_or_else(|p| p.into_inner()).take();
+        let make = make.ok_or_else(|| PyRuntimeError::new_err("this coroutine was already awaited"))?;
+        let wrap = |py: Python<'_>, ctx: &Py<PyContext>, handle| {
+            Ok(Py::new(py, PyBranch { ctx: ctx.clone_ref(py), handle })?.into_any())
+        };
+        let pair = if timeout == Some(0.0) {
+            submit_now_async(py, &ctx, make, wrap, (lp, fut))?
+        } else {
+            submit_async(py, &ctx, parent, timeout, make, wrap, (lp, fut))?
+        };
+        Ok(pair.unbind())
+    })?;
+    aio::Coroutine::LeaseCall.call(py, submit.into_any(), vec![])
+}
+
 /// [`submit_async`] for a branch made without waiting for a lease (`timeout=0`): at once when
 /// no engine tick runs, else by the engine before its next tick ([`engine::call_async`]).
-pub fn submit_now_async<'py>(
+fn submit_now_async<'py>(
     py: Python<'py>,
     ctx: &Py<PyContext>,
     make: MakeBranch,

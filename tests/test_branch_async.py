@@ -247,6 +247,48 @@ def test_tree_operations_have_awaitable_forms(ctx):
     c.prune()
 
 
+def test_create_fork_at_and_set_sampling_have_awaitable_forms_that_match_the_sync_ones(ctx):
+    """``acreate``, ``afork(at=)`` and ``aset_sampling`` give what their sync forms give; a bad
+    argument raises the same error before anything is queued, and changes nothing."""
+    prompt = ctx.tokenize("The capital of France is")
+    params = SamplingParams(temperature=0.9, top_k=20)
+    store = BranchStore(ctx)
+
+    def sync() -> tuple[list[int], int]:
+        root = Branch.create(ctx, 0, GREEDY)
+        root.prefill(prompt)
+        part = root.fork(at=3)
+        part.prefill(prompt[3:])
+        part.set_sampling(params, seed=11, logit_bias={prompt[0]: -2.0})
+        tokens = [part.produce().token]
+        part.commit(tokens[0])
+        position = part.position
+        root.prune_subtree()
+        return tokens, position
+
+    async def awaited() -> tuple[list[int], int]:
+        root = await Branch.acreate(ctx, 0, GREEDY)
+        await root.aprefill(prompt)
+        part = await root.afork(at=3)
+        assert part.position == 3 and part.parent == root
+        await part.aprefill(prompt[3:])
+        with pytest.raises(lloyal.InvalidTokenError):
+            await part.aset_sampling(params, logit_bias={ctx.n_vocab + 5: 1.0})
+        with pytest.raises(ValueError, match="at must be in"):
+            await root.afork(at=len(prompt) + 1)
+        assert root.children == [part]
+        await part.aset_sampling(params, seed=11, logit_bias={prompt[0]: -2.0})
+        tokens = [part.produce().token]
+        await part.acommit(tokens[0])
+        position = part.position
+        await root.aprune_subtree()
+        return tokens, position
+
+    free = store.available
+    assert asyncio.run(awaited()) == sync()
+    assert store.available == free
+
+
 EXIT_RIGHT_AFTER_AWAIT = """
 import asyncio, lloyal
 ctx = lloyal.Context(lloyal.default_model_path(), n_ctx=512, n_seq_max=2)

@@ -702,6 +702,19 @@ class Branch:
                 cells (and stayed so for ``timeout`` seconds).
             ValueError: a negative ``timeout``.
         """
+    @classmethod
+    def acreate(
+        cls,
+        ctx: Context,
+        position: int = 0,
+        params: SamplingParams | dict[str, Any] | None = None,
+        *,
+        grammar: str | Grammar | None = None,
+        timeout: float | None = 0.0,
+    ) -> Coroutine[Any, Any, Branch]:
+        """Await ``create(ctx, position, params, grammar=grammar, timeout=timeout)`` without
+        blocking the event loop (as :meth:`afork`).
+        """
     def fork(
         self, clone_logits: bool = True, *, at: int | None = None, timeout: float | None = 0.0
     ) -> Branch:
@@ -758,9 +771,13 @@ class Branch:
         """The most recently accepted token (``None`` before any)."""
     def aprefill(self, tokens: list[int]) -> Coroutine[Any, Any, None]:
         """Await ``prefill(tokens)``: queued on the context's engine, the event loop keeps running."""
-    def afork(self, clone_logits: bool = True, *, timeout: float | None = 0.0) -> Coroutine[Any, Any, Branch]:
-        """Await ``fork(clone_logits, timeout=timeout)`` without blocking the event loop; a
-        waiting fork is an engine request (cancelling the task withdraws it).
+    def afork(
+        self, clone_logits: bool = True, *, at: int | None = None, timeout: float | None = 0.0
+    ) -> Coroutine[Any, Any, Branch]:
+        """Await ``fork(clone_logits, at=at, timeout=timeout)`` without blocking the event loop:
+        made at once when the engine is between ticks, else by the engine before its next tick;
+        a fork waiting for a lease is an engine request. Cancelling the task withdraws it (a
+        branch made meanwhile is pruned).
         """
     def aprune(self) -> Coroutine[Any, Any, None]:
         """Await ``prune()`` without blocking the event loop: it runs at once when the engine is
@@ -831,6 +848,19 @@ class Branch:
 
         Example:
             >>> branch.set_sampling(SamplingParams(temperature=0.0), seed=7, logit_bias={})
+        """
+    def aset_sampling(
+        self,
+        params: SamplingParams,
+        *,
+        seed: int | None = None,
+        logit_bias: Mapping[int, float] | None = None,
+        grammar: str | Grammar | None = None,
+    ) -> Coroutine[Any, Any, None]:
+        """Await ``set_sampling(params, seed=seed, logit_bias=logit_bias, grammar=grammar)``
+        without blocking the event loop: it runs at once when the engine is between ticks, else
+        the engine runs it before its next tick. GBNF text is compiled before that, on the
+        calling thread (a :class:`Grammar` made ahead, off the loop, keeps it free).
         """
     def set_logit_bias(self, bias: Mapping[int, float]) -> None:
         """Set ``{token: bias}`` added to the logits before sampling; inherited by forks; ``-inf`` bans."""

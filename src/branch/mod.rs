@@ -11,7 +11,6 @@ use lloyal_core::{Context, ContextState, Handle};
 use pyo3::prelude::*;
 use pyo3::types::{PyBytes, PyTuple, PyType};
 
-use crate::aio;
 use crate::context::PyContext;
 use crate::convert::clamp_i32;
 use crate::detach::run;
@@ -58,6 +57,28 @@ pub struct PyBranch {
 impl PyBranch {
     pub(crate) fn core(&self) -> &Arc<Context> {
         &self.ctx.get().inner
+    }
+
+    /// `create`'s arguments checked (the grammar compiled), as the call that makes the branch.
+    fn create_branch(
+        py: Python<'_>,
+        ctx: &Py<PyContext>,
+        position: i64,
+        params: Option<&Bound<'_, PyAny>>,
+        grammar: Option<&Bound<'_, PyAny>>,
+    ) -> PyResult<impl FnOnce(&mut ContextState) -> lloyal_core::Result<Handle> + Send + 'static> {
+        let params = extract_params(params, None)?;
+        let core = &ctx.get().inner;
+        core.check_open().py()?;
+        let grammar = grammar_arg(py, core.model().clone(), grammar)?;
+        let position = clamp_i32(position);
+        Ok(move |s: &mut ContextState| {
+            let h = s.branch_create(position, params)?;
+            if grammar.is_some() {
+                s.branch_set_grammar(h, grammar)?;
+            }
+            Ok(h)
+        })
     }
 
     fn call<T: Send + 'static>(
@@ -111,24 +132,35 @@ impl PyBranch {
         timeout: Option<f64>,
     ) -> PyResult<PyBranch> {
         let timeout = lease::check_timeout(timeout)?;
-        let params = extract_params(params, None)?;
+        let make = Self::create_branch(py, &ctx, position, params, grammar)?;
         let core = ctx.get().inner.clone();
-        core.check_open().py()?;
-        let grammar = grammar_arg(py, core.model().clone(), grammar)?;
-        let position = clamp_i32(position);
-        let make = move |s: &mut ContextState| {
-            let h = s.branch_create(position, params)?;
-            if grammar.is_some() {
-                s.branch_set_grammar(h, grammar)?;
-            }
-            Ok(h)
-        };
         let handle = if timeout == Some(0.0) {
             run(py, &core, make)?
         } else {
             lease::wait(py, &core, None, timeout, Box::new(make))?
         };
         Ok(PyBranch { ctx, handle })
+    }
+
+    /// Await ``create(ctx, position, params, grammar=grammar, timeout=timeout)`` without
+    /// blocking the event loop (as :meth:`afork`).
+    #[classmethod]
+    #[pyo3(
+        signature = (ctx, position=0, params=None, *, grammar=None, timeout=Some(0.0)),
+        text_signature = "($cls, ctx, position=0, params=None, *, grammar=None, timeout=0.0)"
+    )]
+    fn acreate<'py>(
+        _cls: &Bound<'py, PyType>,
+        py: Python<'py>,
+        ctx: Py<PyContext>,
+        position: i64,
+        params: Option<&Bound<'py, PyAny>>,
+        grammar: Option<&Bound<'py, PyAny>>,
+        timeout: Option<f64>,
+    ) -> PyResult<Bound<'py, PyAny>> {
+        let timeout = lease::check_timeout(timeout)?;
+        let make = Self::create_branch(py, &ctx, position, params, grammar)?;
+        lease::awaitable_branch(py, &ctx, None, timeout, Box::new(make))
     }
 
     /// The branch as bytes: KV cells, position, sampler (parameters, history, RNG), grammar,
@@ -184,44 +216,26 @@ impl PyBranch {
         Ok(self.wrap(py, child))
     }
 
-    /// Await ``fork(clone_logits, timeout=timeout)`` without blocking the event loop; a
-    /// waiting fork is an engine request (cancelling the task withdraws it).
+    /// Await ``fork(clone_logits, at=at, timeout=timeout)`` without blocking the event loop:
+    /// made at once when the engine is between ticks, else by the engine before its next tick;
+    /// a fork waiting for a lease is an engine request. Cancelling the task withdraws it (a
+    /// branch made meanwhile is pruned).
     #[pyo3(
-        signature = (clone_logits=true, *, timeout=Some(0.0)),
-        text_signature = "($self, clone_logits=True, *, timeout=0.0)"
+        signature = (clone_logits=true, *, at=None, timeout=Some(0.0)),
+        text_signature = "($self, clone_logits=True, *, at=None, timeout=0.0)"
     )]
     fn afork<'py>(
-        slf: &Bound<'py, Self>,
-        clone_logits: bool,
-        timeout: Option<f64>,
-    ) -> PyResult<Bound<'py, PyAny>> {
-        let py = slf.py();
-        let timeout = lease::check_timeout(timeout)?;
-        let args = vec![
-            clone_logits.into_pyobject(py)?.to_owned().into_any(),
-            timeout.into_pyobject(py)?.into_any(),
-        ];
-        aio::Coroutine::LeaseCall.call(py, slf.getattr("_submit_fork_lease")?, args)
-    }
-
-    fn _submit_fork_lease<'py>(
         &self,
         py: Python<'py>,
-        lp: Bound<'py, PyAny>,
-        fut: Bound<'py, PyAny>,
         clone_logits: bool,
+        at: Option<i32>,
         timeout: Option<f64>,
-    ) -> PyResult<Bound<'py, PyTuple>> {
+    ) -> PyResult<Bound<'py, PyAny>> {
+        let timeout = lease::check_timeout(timeout)?;
         self.core().check_open().py()?;
         let h = self.handle;
-        let make = Box::new(move |s: &mut ContextState| s.branch_fork_at(h, clone_logits, None));
-        let wrap = |py: Python<'_>, ctx: &Py<PyContext>, handle| {
-            Ok(Py::new(py, PyBranch { ctx: ctx.clone_ref(py), handle })?.into_any())
-        };
-        if timeout == Some(0.0) {
-            return lease::submit_now_async(py, &self.ctx, make, wrap, (lp, fut));
-        }
-        lease::submit_async(py, &self.ctx, Some(h), timeout, make, wrap, (lp, fut))
+        let make = Box::new(move |s: &mut ContextState| s.branch_fork_at(h, clone_logits, at));
+        lease::awaitable_branch(py, &self.ctx, Some(h), timeout, make)
     }
 
     /// Await ``prune()`` without blocking the event loop: it runs at once when the engine is

@@ -3,13 +3,14 @@
 use std::collections::HashMap;
 use std::sync::Arc;
 
-use lloyal_core::Base;
+use lloyal_core::{Base, ContextState, Handle};
 use numpy::{PyArray1, PyReadonlyArray1};
 use pyo3::prelude::*;
 use pyo3::types::PyDict;
 
 use super::PyBranch;
 use crate::convert::narrow;
+use crate::engine;
 use crate::error::IntoPyResult;
 use crate::grammar::PyGrammar;
 use crate::sampling::{extract_params, extract_params_onto};
@@ -104,23 +105,26 @@ impl PyBranch {
         logit_bias: Option<&Bound<'_, PyDict>>,
         grammar: Option<&Bound<'_, PyAny>>,
     ) -> PyResult<()> {
-        self.core().check_open().py()?;
-        let params = extract_params(Some(params), None)?;
-        let seed: Option<u32> = seed.map(|s| narrow("seed", s, "in 0..=4294967295")).transpose()?;
-        let bias = match logit_bias {
-            Some(b) => bias_list(self.core().model(), b)?,
-            None => Vec::new(),
-        };
-        let grammar = grammar_arg(py, self.core().model().clone(), grammar)?;
-        self.call(py, move |s, h| {
-            // Every argument is checked above: these fail only on a disposed branch, at the first.
-            s.branch_set_grammar(h, grammar)?;
-            s.branch_set_params(h, params)?;
-            if let Some(seed) = seed {
-                s.branch_reseed_sampler(h, seed)?;
-            }
-            s.branch_set_logit_bias(h, bias)
-        })
+        let set = self.sampling_setup(py, params, seed, logit_bias, grammar)?;
+        self.call(py, set)
+    }
+
+    /// Await ``set_sampling(params, seed=seed, logit_bias=logit_bias, grammar=grammar)``
+    /// without blocking the event loop: it runs at once when the engine is between ticks, else
+    /// the engine runs it before its next tick. GBNF text is compiled before that, on the
+    /// calling thread (a :class:`Grammar` made ahead, off the loop, keeps it free).
+    #[pyo3(signature = (params, *, seed=None, logit_bias=None, grammar=None))]
+    fn aset_sampling<'py>(
+        &self,
+        py: Python<'py>,
+        params: &Bound<'py, PyAny>,
+        seed: Option<i64>,
+        logit_bias: Option<&Bound<'py, PyDict>>,
+        grammar: Option<&Bound<'py, PyAny>>,
+    ) -> PyResult<Bound<'py, PyAny>> {
+        let set = self.sampling_setup(py, params, seed, logit_bias, grammar)?;
+        let h = self.handle;
+        engine::awaitable(py, self.core(), move |s| set(s, h))
     }
 
     /// Set ``{token: bias}`` added to the logits before sampling; inherited by forks; ``-inf`` bans.
@@ -166,5 +170,35 @@ impl PyBranch {
         let base = Base::parse(base).py()?;
         let token = self.core().model().check_token(token).py()?;
         self.call(py, move |s, h| s.branch_surprisal(h, token, base))
+    }
+}
+
+impl PyBranch {
+    /// `set_sampling`'s arguments checked (the grammar compiled), as the call that applies them.
+    fn sampling_setup(
+        &self,
+        py: Python<'_>,
+        params: &Bound<'_, PyAny>,
+        seed: Option<i64>,
+        logit_bias: Option<&Bound<'_, PyDict>>,
+        grammar: Option<&Bound<'_, PyAny>>,
+    ) -> PyResult<impl FnOnce(&mut ContextState, Handle) -> lloyal_core::Result<()> + Send + 'static> {
+        self.core().check_open().py()?;
+        let params = extract_params(Some(params), None)?;
+        let seed: Option<u32> = seed.map(|s| narrow("seed", s, "in 0..=4294967295")).transpose()?;
+        let bias = match logit_bias {
+            Some(b) => bias_list(self.core().model(), b)?,
+            None => Vec::new(),
+        };
+        let grammar = grammar_arg(py, self.core().model().clone(), grammar)?;
+        Ok(move |s: &mut ContextState, h: Handle| {
+            // Every argument is checked above: these fail only on a disposed branch, at the first.
+            s.branch_set_grammar(h, grammar)?;
+            s.branch_set_params(h, params)?;
+            if let Some(seed) = seed {
+                s.branch_reseed_sampler(h, seed)?;
+            }
+            s.branch_set_logit_bias(h, bias)
+        })
     }
 }

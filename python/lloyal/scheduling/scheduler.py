@@ -27,7 +27,7 @@ from __future__ import annotations
 import asyncio
 import math
 import time
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -171,7 +171,6 @@ class Scheduler:
         self.store = lloyal.BranchStore(ctx)
         self.cache = PrefixCache(self.store)
         self._inflight: RadixTree[_InFlight] = RadixTree()  # prompts being written, by tokens
-        self._hops = _Hops()
         self.cache_cells = cache_cells  # None: the budget follows the cache's reuse
         # True: each choice waits in the engine for room for its max_tokens (a batch job's
         # choices all finish); False: a choice that finds the cache full ends with "length"
@@ -337,7 +336,7 @@ class Scheduler:
                 self._inflight.insert(req.inflight.tokens, req.inflight)
         base = entry.branch if entry else source.branch if source else None
         at = None if entry is not None and hit == len(entry.tokens) else hit
-        made: list[lloyal.Branch] = []  # the new root, once the worker thread made it
+        made: list[lloyal.Branch] = []  # the new root, once made
         try:
             if spec.best_of == 1:
                 await self._admit_one(req, base, at, exact)
@@ -375,12 +374,9 @@ class Scheduler:
         goes straight on to its tokens. Its prompt cells stay promised until its first token."""
         spec = req.spec
 
-        def make_choice() -> None:  # one thread hop: the engine holds the lock most of the time
-            b = self._prefix_branch(base, at, spec.params)
-            req.choices.append(_Choice(req, 0, b))
-            self._setup(b, spec, 0, reseed=exact)
-
-        await self._hops.run(make_choice)
+        b = await self._prefix_branch(base, at, spec.params)
+        req.choices.append(_Choice(req, 0, b))
+        await self._setup(b, spec, 0, reseed=exact)
         c = req.choices[0]
         if req.inflight is not None:
             req.inflight.branch = c.branch
@@ -403,7 +399,7 @@ class Scheduler:
         if exact is not None:
             req.root, req.root_is_entry = exact.branch, True
         else:
-            await self._hops.run(lambda: made.append(self._prefix_branch(base, at, spec.params)))
+            made.append(await self._prefix_branch(base, at, spec.params))
             if req.inflight is not None:
                 req.inflight.branch = made[0]
             await made[0].aprefill(spec.prompt[req.cached_tokens :])
@@ -413,22 +409,21 @@ class Scheduler:
             raise ShuttingDown(self._cancelled_message())
         root = req.root
 
-        def make_choices() -> None:  # one thread hop: the engine holds the lock most of the time
-            for i in range(spec.best_of):
-                b = root.fork()
-                req.choices.append(_Choice(req, i, b))
-                self._setup(b, spec, i, reseed=True)
+        for i in range(spec.best_of):
+            b = await root.afork()
+            req.choices.append(_Choice(req, i, b))
+            await self._setup(b, spec, i, reseed=True)
 
-        await self._hops.run(make_choices)
-
-    def _prefix_branch(
+    async def _prefix_branch(
         self, base: lloyal.Branch | None, at: int | None, params: lloyal.SamplingParams
     ) -> lloyal.Branch:
         """A fork of ``base`` (a cached entry whole, with its logits, when ``at`` is None; else
-        its first ``at`` positions), or a new branch when nothing is shared (``base`` is None)."""
+        its first ``at`` positions), or a new branch when nothing is shared (``base`` is None).
+        Awaited in the engine: made at once between its ticks, else when the tick in progress
+        ends (the event loop keeps serving meanwhile)."""
         if base is None:
-            return lloyal.Branch.create(self.ctx, 0, params)
-        return base.fork() if at is None else base.fork(at=at)
+            return await lloyal.Branch.acreate(self.ctx, 0, params)
+        return await base.afork(at=at)
 
     def _inflight_match(self, prompt: Sequence[int], hit: int) -> tuple[_InFlight | None, int]:
         """The running request whose prompt shares more of ``prompt`` than the cache's ``hit``
@@ -462,7 +457,7 @@ class Scheduler:
                 asyncio.get_running_loop().create_task(self._notify_room())
 
     @staticmethod
-    def _setup(b: lloyal.Branch, spec: GenSpec, i: int, *, reseed: bool) -> None:
+    async def _setup(b: lloyal.Branch, spec: GenSpec, i: int, *, reseed: bool) -> None:
         """Give choice ``i``'s branch the request's sampler, seed, bias and grammar, replacing
         what a cached parent had, in one call (``reseed``: a random seed when the request gives
         none, so forks of one parent differ)."""
@@ -471,7 +466,7 @@ class Scheduler:
             seed = (spec.seed + i) & 0xFFFFFFFF
         elif reseed:
             seed = int.from_bytes(np.random.bytes(4), "little")
-        b.set_sampling(spec.params, seed=seed, logit_bias=spec.logit_bias, grammar=spec.grammar)
+        await b.aset_sampling(spec.params, seed=seed, logit_bias=spec.logit_bias, grammar=spec.grammar)
 
     def _reserve(self, r: tuple[int, int, int], sign: int) -> None:
         """Hold (or release) choices, leases and cells for a request between admission and its forks."""
@@ -615,54 +610,6 @@ class Scheduler:
     async def _notify_room(self) -> None:
         async with self._room:
             self._room.notify_all()
-
-
-class _Hops:
-    """Runs the admissions' branch calls (forks, creates, sampler changes) on a worker thread,
-    every call queued by then in one hop: a direct call waits for the engine's tick in
-    progress (up to a prefill chunk's ~0.8 s), so a burst of requests that each hopped on
-    their own would be let in a few per tick. The event loop keeps serving meanwhile."""
-
-    def __init__(self) -> None:
-        self._queue: list[tuple[Callable[[], None], asyncio.Future[None]]] = []
-
-    async def run(self, fn: Callable[[], None]) -> None:
-        """Run ``fn`` with the calls queued now. A cancelled caller still waits for ``fn`` to
-        finish, so its cleanup sees everything ``fn`` made."""
-        loop = asyncio.get_running_loop()
-        done: asyncio.Future[None] = loop.create_future()
-        self._queue.append((fn, done))
-        if len(self._queue) == 1:
-            loop.call_soon(self._hop)  # after the other coroutines ready now have queued theirs
-        try:
-            await asyncio.shield(done)
-        except asyncio.CancelledError:
-            await asyncio.wait([done])
-            raise
-
-    def _hop(self) -> None:
-        batch, self._queue = self._queue, []
-        loop = asyncio.get_running_loop()
-
-        def calls() -> list[BaseException | None]:
-            out: list[BaseException | None] = []
-            for fn, _ in batch:
-                try:
-                    fn()
-                    out.append(None)
-                except BaseException as e:  # each call's error goes to its own caller
-                    out.append(e)
-            return out
-
-        def answer(hop: asyncio.Future[list[BaseException | None]]) -> None:
-            errors = hop.result()
-            for (_, done), err in zip(batch, errors, strict=True):
-                if err is None:
-                    done.set_result(None)
-                else:
-                    done.set_exception(err)
-
-        loop.run_in_executor(None, calls).add_done_callback(answer)
 
 
 def _ppl(branch: lloyal.Branch) -> float:
