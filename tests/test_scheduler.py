@@ -82,6 +82,28 @@ def test_a_best_of_request_whose_prompt_fails_leaves_no_branch(model: lloyal.Mod
         assert sched.store.available == ctx.n_seq_max and sched.store.kv_pressure.cells_used == 0
 
 
+def test_a_best_of_request_whose_choices_cannot_be_set_up_leaves_no_branch(model: lloyal.Model) -> None:
+    """The choices of a best_of request are forked together, then set up together: a bias
+    naming a token outside the vocabulary fails the request with its error after the forks,
+    and every fork is pruned (the root, its prompt written, goes to the prefix cache)."""
+    with lloyal.Context(model, n_ctx=512, n_batch=64, n_seq_max=6) as ctx:
+        sched = Scheduler(ctx, cache_cells=0)
+        prompt = ctx.tokenize("The harbour town was quiet that night.")
+        bad = GenSpec(
+            prompt=prompt, params=GREEDY, max_tokens=4, n=3, best_of=3, logit_bias={ctx.n_vocab + 5: 1.0}
+        )
+        with pytest.raises(lloyal.InvalidTokenError):
+            run(sched, bad)
+        # only the root is left, kept by the prefix cache (its prompt was written)
+        assert [e.tokens for e in sched.cache.entries()] == [tuple(prompt)]
+        assert sched.store.available == ctx.n_seq_max - 1
+        assert sched.store.kv_pressure.cells_used == len(prompt)
+        _, done = run(sched, GenSpec(prompt=prompt, params=GREEDY, max_tokens=4, n=3, best_of=3))
+        assert done.completion_tokens == 12
+        asyncio.run(sched.stop())
+        assert sched.store.available == ctx.n_seq_max and sched.store.kv_pressure.cells_used == 0
+
+
 def test_choices_run_as_generation_requests_and_the_cache_keeps_its_budget(model: lloyal.Model) -> None:
     with lloyal.Context(model, n_ctx=512, n_batch=64, n_seq_max=8) as ctx:
         sched = Scheduler(ctx, max_running=2, cache_cells=40)

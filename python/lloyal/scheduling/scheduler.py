@@ -409,10 +409,15 @@ class Scheduler:
             raise ShuttingDown(self._cancelled_message())
         root = req.root
 
-        for i in range(spec.best_of):
-            b = await root.afork()
-            req.choices.append(_Choice(req, i, b))
-            await self._setup(b, spec, i, reseed=True)
+        # All forks queued together (made together when the engine's tick in progress ends),
+        # then all setups: one tick's wait, however busy the event loop is meanwhile.
+        forks = await asyncio.gather(*(root.afork() for _ in range(spec.best_of)), return_exceptions=True)
+        req.choices.extend(_Choice(req, i, b) for i, b in enumerate(forks) if isinstance(b, lloyal.Branch))
+        setups = [self._setup(c.branch, spec, c.index, reseed=True) for c in req.choices]
+        errors = [*forks, *await asyncio.gather(*setups, return_exceptions=True)]
+        first = next((e for e in errors if isinstance(e, BaseException)), None)
+        if first is not None:
+            raise first
 
     async def _prefix_branch(
         self, base: lloyal.Branch | None, at: int | None, params: lloyal.SamplingParams
