@@ -83,10 +83,13 @@ impl Queued {
 }
 
 impl Engine {
-    /// The caller's turn now (no tick running), or `None`: queue the call ([`Engine::queue`]).
+    /// The caller's turn now (no tick running, no call queued before it), or `None`: queue the
+    /// call ([`Engine::queue`]). The engine thread itself always has its turn: it calls back
+    /// into Python only outside its ticks (a finalizer there may prune a branch).
     pub(crate) fn turn(&self) -> Option<Turn<'_>> {
         let mut q = self.shared.lock();
-        if q.ticking {
+        let engine = q.engine_thread == Some(std::thread::current().id());
+        if (q.ticking || !q.applies.is_empty()) && !engine {
             return None;
         }
         q.inline += 1;

@@ -105,6 +105,8 @@ struct Queue {
     inline_runs: u64,
     /// The engine waits for those calls to end before its next tick ([`apply`]).
     lingering: bool,
+    /// The engine's thread, once started.
+    engine_thread: Option<std::thread::ThreadId>,
     next_id: u64,
     paused: bool,
     /// `close()` began: no new operations; the engine finishes what it has, then stops.
@@ -182,6 +184,7 @@ impl Default for Engine {
                     inline: 0,
                     inline_runs: 0,
                     lingering: false,
+                    engine_thread: None,
                     next_id: 0,
                     paused: false,
                     closing: false,
@@ -335,6 +338,7 @@ fn set_idle(shared: &Shared) {
 fn engine_loop<H: Host>(ctx: Weak<H>, shared: Arc<Shared>) {
     // The decodes run here: this thread's OpenMP pool also takes the rows' host work.
     crate::omp::mark_engine_thread();
+    shared.lock().engine_thread = Some(std::thread::current().id());
     let mut sched = Scheduler::default();
     loop {
         let Some(taken) = take_ops(&shared, &mut sched) else {
