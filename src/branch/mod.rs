@@ -150,15 +150,14 @@ impl PyBranch {
         text_signature = "($cls, ctx, position=0, params=None, *, grammar=None, timeout=0.0)"
     )]
     fn acreate<'py>(
-        _cls: &Bound<'py, PyType>,
-        py: Python<'py>,
+        cls: &Bound<'py, PyType>,
         ctx: Py<PyContext>,
         position: i64,
         params: Option<&Bound<'py, PyAny>>,
         grammar: Option<&Bound<'py, PyAny>>,
         timeout: Option<f64>,
     ) -> PyResult<Bound<'py, PyAny>> {
-        let timeout = lease::check_timeout(timeout)?;
+        let (py, timeout) = (cls.py(), lease::check_timeout(timeout)?);
         let make = Self::create_branch(py, &ctx, position, params, grammar)?;
         lease::awaitable_branch(py, &ctx, None, timeout, Box::new(make))
     }

@@ -105,7 +105,7 @@ impl PyBranch {
         logit_bias: Option<&Bound<'_, PyDict>>,
         grammar: Option<&Bound<'_, PyAny>>,
     ) -> PyResult<()> {
-        let set = self.sampling_setup(py, params, seed, logit_bias, grammar)?;
+        let set = self.sampling_setup(py, (params, seed, logit_bias, grammar))?;
         self.call(py, set)
     }
 
@@ -115,16 +115,16 @@ impl PyBranch {
     /// calling thread (a :class:`Grammar` made ahead, off the loop, keeps it free).
     #[pyo3(signature = (params, *, seed=None, logit_bias=None, grammar=None))]
     fn aset_sampling<'py>(
-        &self,
-        py: Python<'py>,
+        slf: &Bound<'py, Self>,
         params: &Bound<'py, PyAny>,
         seed: Option<i64>,
         logit_bias: Option<&Bound<'py, PyDict>>,
         grammar: Option<&Bound<'py, PyAny>>,
     ) -> PyResult<Bound<'py, PyAny>> {
-        let set = self.sampling_setup(py, params, seed, logit_bias, grammar)?;
-        let h = self.handle;
-        engine::awaitable(py, self.core(), move |s| set(s, h))
+        let (py, branch) = (slf.py(), slf.get());
+        let set = branch.sampling_setup(py, (params, seed, logit_bias, grammar))?;
+        let h = branch.handle;
+        engine::awaitable(py, branch.core(), move |s| set(s, h))
     }
 
     /// Set ``{token: bias}`` added to the logits before sampling; inherited by forks; ``-inf`` bans.
@@ -173,15 +173,16 @@ impl PyBranch {
     }
 }
 
+/// `set_sampling`'s arguments: parameters, seed, logit bias, grammar.
+type SamplingArgs<'a, 'py> =
+    (&'a Bound<'py, PyAny>, Option<i64>, Option<&'a Bound<'py, PyDict>>, Option<&'a Bound<'py, PyAny>>);
+
 impl PyBranch {
     /// `set_sampling`'s arguments checked (the grammar compiled), as the call that applies them.
     fn sampling_setup(
         &self,
         py: Python<'_>,
-        params: &Bound<'_, PyAny>,
-        seed: Option<i64>,
-        logit_bias: Option<&Bound<'_, PyDict>>,
-        grammar: Option<&Bound<'_, PyAny>>,
+        (params, seed, logit_bias, grammar): SamplingArgs<'_, '_>,
     ) -> PyResult<impl FnOnce(&mut ContextState, Handle) -> lloyal_core::Result<()> + Send + 'static> {
         self.core().check_open().py()?;
         let params = extract_params(Some(params), None)?;
