@@ -169,10 +169,14 @@ where
     let f = Mutex::new(Some(f));
     let submit = PyCFunction::new_closure(py, None, None, move |args, _kwargs| -> PyResult<Py<PyAny>> {
         let (lp, fut) = (args.get_item(0)?, args.get_item(1)?);
-        let f = f.lock().unwrap_or_else(|p| p.into_inner()).take();
-        let f = f.ok_or_else(|| PyRuntimeError::new_err("this coroutine was already awaited"))?;
-        let (cancel, _) = call_async(args.py(), &ctx, f, lp, fut)?;
+        let (cancel, _) = call_async(args.py(), &ctx, take_once(&f)?, lp, fut)?;
         Ok(cancel.unbind())
     })?;
     aio::Coroutine::EngineCall.call(py, submit.into_any(), vec![])
+}
+
+/// The call of an awaitable, taken by its coroutine's one submission.
+pub fn take_once<F>(call: &Mutex<Option<F>>) -> PyResult<F> {
+    let f = call.lock().unwrap_or_else(|p| p.into_inner()).take();
+    f.ok_or_else(|| PyRuntimeError::new_err("this coroutine was already awaited"))
 }

@@ -2,9 +2,9 @@
 
 use std::sync::{Arc, Mutex};
 
-use lloyal_core::engine::lease::{LeaseSlot, LeaseWork, MakeBranch};
+use lloyal_core::engine::lease::{LeaseWork, MakeBranch};
 use lloyal_core::{Context, Handle, LloyalError, Work};
-use pyo3::exceptions::{PyRuntimeError, PyValueError};
+use pyo3::exceptions::PyValueError;
 use pyo3::prelude::*;
 use pyo3::types::{PyCFunction, PyTuple};
 
@@ -25,9 +25,9 @@ pub fn check_timeout(timeout: Option<f64>) -> PyResult<Option<f64>> {
     }
 }
 
-/// Prune a branch its caller gave up on (granted as the caller left).
-fn discard(py: Python<'_>, ctx: &Arc<Context>, slot: &LeaseSlot) {
-    if let Some(h) = slot.withdraw() {
+/// Prune a branch its caller gave up on (`granted` as the caller left).
+fn discard(py: Python<'_>, ctx: &Arc<Context>, granted: Option<Handle>) {
+    if let Some(h) = granted {
         let _ = run(py, ctx, move |s| s.branch_prune(h));
     }
 }
@@ -48,7 +48,7 @@ pub fn wait(
     match engine::wait(py, ctx, Work::Lease(Arc::new(work))) {
         Ok(()) => slot.take().ok_or_else(lost),
         Err(e) => {
-            discard(py, ctx, &slot);
+            discard(py, ctx, slot.withdraw());
             Err(e)
         }
     }
@@ -88,8 +88,7 @@ pub fn awaitable_branch<'py>(
     let submit = PyCFunction::new_closure(py, None, None, move |args, _kwargs| -> PyResult<Py<PyTuple>> {
         let py = args.py();
         let (lp, fut) = (args.get_item(0)?, args.get_item(1)?);
-        let make = make.lock().unwrap_or_else(|p| p.into_inner()).take();
-        let make = make.ok_or_else(|| PyRuntimeError::new_err("this coroutine was already awaited"))?;
+        let make = engine::take_once(&make)?;
         let wrap = |py: Python<'_>, ctx: &Py<PyContext>, handle| {
             Ok(Py::new(py, PyBranch { ctx: ctx.clone_ref(py), handle })?.into_any())
         };
@@ -135,9 +134,7 @@ fn cancel_and_take<'py>(
     let cancel = PyCFunction::new_closure(py, None, None, move |args, _kwargs| -> PyResult<()> {
         let py = args.py();
         cancel_op.bind(py).call0()?;
-        if let Some(h) = withdraw() {
-            let _ = run(py, &core, move |s| s.branch_prune(h));
-        }
+        discard(py, &core, withdraw());
         Ok(())
     })?;
     let ctx = ctx.clone_ref(py);

@@ -1,7 +1,10 @@
-"""asyncio helpers: run native (GIL-releasing) work on a worker thread, off the event loop.
+"""asyncio helpers: await native (GIL-releasing) work without blocking the event loop.
 
 The ``a*`` methods of :class:`Branch` and :class:`BranchStore` and ``async for tok in branch``
-are built on these; the event loop keeps running while llama.cpp decodes.
+are built on :func:`engine_call`, :func:`lease_call` and :func:`stream_next`: the context's
+engine settles their futures, with no worker thread; the event loop keeps running while
+llama.cpp decodes. :func:`run_in_thread` and :func:`next_in_thread` run any other blocking
+call in the loop's executor.
 
 Example:
     >>> import asyncio
