@@ -36,8 +36,9 @@ timeout 240 $py benches/batched_side_by_side.py --rounds 3 --pp 512 --tg 128 --b
     --modes lloyal,lloyal-device-rows --bin "$LLAMA_BATCHED_BENCH" --json "$out/side_by_side.json" > "$out/side_by_side.md" 2>&1
 cat "$out/side_by_side.md"
 step prefill probe
-timeout 60 $py benches/prefill_probe.py --ngl 99 --threads 8 --rounds 7 > "$out/prefill_probe.md" 2>&1
+timeout 150 $py benches/prefill_probe.py --ngl 99 --threads 8 --rounds 7 --debug-dir "$out/sched" > "$out/prefill_probe.md" 2>&1
 cat "$out/prefill_probe.md"
+tar -czf "$out/sched.tgz" -C "$out" sched && rm -rf "$out/sched" # the 8 files a call brings back
 step host work
 LLOYAL_N_GPU_LAYERS=99 timeout 60 $py benches/bench_host_work.py 64 1 16 > "$out/host_work.md" 2>&1
 echo "with LLOYAL_DEVICE_ROWS=1:" >> "$out/host_work.md"
@@ -56,11 +57,14 @@ if [ "$part" = bench ]; then step end; exit 0; fi
 if [ -n "${DEADLINE:-}" ]; then test_seconds=$((DEADLINE - $(date +%s) - 10)); fi
 if [ "$test_seconds" -lt 30 ]; then step "no time left for the tests"; exit 0; fi
 step "tests (${test_seconds}s at most)"
-# -n 6: pytest-xdist, with which pytest-benchmark warns (an error here): no:benchmark. -W: the GPU
-# image's own pytest plugins (other versions than ours) may warn.
-LLOYAL_N_GPU_LAYERS=99 timeout "$test_seconds" $py -m pytest tests -q -p no:cacheprovider -rfE \
-    -p no:benchmark -W ignore::DeprecationWarning -W ignore::PendingDeprecationWarning \
-    --ignore tests/test_ray.py -n 6 --dist loadfile > "$out/pytest.txt" 2>&1
+# pytest-xdist, one worker per 2 cores, each pinned to its 2 (benches/xdist_pin.py: threads as on
+# CI's 2-core host, not 16 threads a worker on 16 cores); with xdist pytest-benchmark warns (an
+# error here): no:benchmark. -W: the GPU image's own pytest plugins (other versions) may warn.
+workers=$(($(nproc) / 2))
+PYTHONPATH=benches:${PYTHONPATH:-} LLOYAL_N_GPU_LAYERS=99 timeout "$test_seconds" $py -m pytest tests -q \
+    -p no:cacheprovider -rfE -p no:benchmark -p xdist_pin -W ignore::DeprecationWarning \
+    -W ignore::PendingDeprecationWarning --ignore tests/test_ray.py -n "$workers" --dist loadfile \
+    --durations 15 > "$out/pytest.txt" 2>&1
 echo "pytest exit $?"
 tail -n 40 "$out/pytest.txt"
 step end
