@@ -4,6 +4,7 @@
 mod aio;
 mod backend;
 mod branch;
+mod cache;
 mod chat;
 mod context;
 mod convert;
@@ -49,6 +50,7 @@ fn _lloyal(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<store::PyKvPressure>()?;
     m.add_class::<engine::PyEngineStats>()?;
     m.add_class::<grammar::PyGrammar>()?;
+    cache::register(m)?;
     m.add_function(wrap_pyfunction!(backend::system_info, m)?)?;
     m.add_function(wrap_pyfunction!(exit::quiesce_callbacks, m)?)?;
     m.add_function(wrap_pyfunction!(sampling::validate_sampling_params, m)?)?;

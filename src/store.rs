@@ -3,7 +3,6 @@
 use std::sync::Arc;
 
 use lloyal_core::{Context, Handle, KvPressure, Work};
-use pyo3::exceptions::PyValueError;
 use pyo3::prelude::*;
 
 use crate::aio;
@@ -39,11 +38,7 @@ impl PyBranchStore {
     }
 
     fn handle_of(&self, b: &Bound<'_, PyBranch>) -> PyResult<Handle> {
-        let b = b.get();
-        if !Arc::ptr_eq(b.core(), self.core()) {
-            return Err(PyValueError::new_err("branch belongs to a different context than this BranchStore"));
-        }
-        Ok(b.handle)
+        b.get().handle_in(self.core(), "this BranchStore")
     }
 
     fn commit_work(&self, pairs: &[(Bound<'_, PyBranch>, i64)]) -> PyResult<Work> {

@@ -118,11 +118,11 @@ def test_choices_run_as_generation_requests_and_the_cache_keeps_its_budget(model
         b = ctx.tokenize("Quantum computers use qubits, which can be in superpositions of zero and one")
         _, done = run(sched, GenSpec(prompt=b, params=GREEDY, max_tokens=4))
         assert [e.tokens[: len(b)] for e in sched.cache.entries()] == [tuple(b)]
-        assert sched.cache.evictions == 1 and sched.cache.cells == len(b) + 4
+        assert sched.cache.stats()["evictions"] == 1 and sched.cache.cells == len(b) + 4
         # C forks B's prompt (0 new cells for it): only C's own cells count, both stay
         c = b + ctx.tokenize(" and")
         _, done = run(sched, GenSpec(prompt=c, params=GREEDY, max_tokens=4))
-        assert done.cached_tokens == len(b) and sched.cache.evictions == 1
+        assert done.cached_tokens == len(b) and sched.cache.stats()["evictions"] == 1
         assert len(sched.cache) == 2 and sched.cache.cells == len(b) + 4 + (len(c) - len(b)) + 4
         asyncio.run(sched.stop())
 
@@ -137,7 +137,7 @@ def test_a_running_choice_evicts_the_cache_for_its_read_ahead(model: lloyal.Mode
         _, done = run(sched, GenSpec(prompt=hello, params=GREEDY, max_tokens=8))
         # its prompt fit next to the entry, but not its read-ahead: the entry went
         assert done.completion_tokens == 8 and done.finish_reasons == ["length"]
-        assert sched.cache.evictions == 1
+        assert sched.cache.stats()["evictions"] == 1
         assert [e.tokens[: len(hello)] for e in sched.cache.entries()] == [tuple(hello)]
         asyncio.run(sched.stop())
 
@@ -148,33 +148,34 @@ def test_the_cache_budget_follows_reuse_and_a_trimmed_entry_that_is_missed_count
     with lloyal.Context(model, n_ctx=512, n_batch=64, n_seq_max=4) as ctx:
         sched = Scheduler(ctx, max_running=1)
         cache = sched.cache
-        assert cache.reuse == 1.0 and sched.cache_budget() == 512  # keeps all until prompts miss
+        assert cache.stats()["reuse"] == 1.0 and sched.cache_budget() == 512  # keeps all until prompts miss
         for i in range(30):  # prompts that share nothing
             cache.record(0, [i + 1] * 40)
-        assert cache.reuse < 0.05 and sched.cache_budget() < 26
+        assert cache.stats()["reuse"] < 0.05 and sched.cache_budget() < 26
         # an entry trimmed away is remembered: a prompt it would have served counts as reuse
         tokens = ctx.tokenize("A conversation that goes on for a while, turn after turn, with more")
         b = lloyal.Branch.create(ctx, 0, GREEDY)
         b.prefill(tokens)
-        cache.add(b, tokens, len(tokens))
+        cache.add(b, tokens)
         assert cache.cells == len(tokens)
-        cache.trim(0)
-        assert len(cache) == 0 and cache.cells == 0 and b.disposed
-        low = cache.reuse
+        cache.trim(0)  # the engine is idle: the entry goes at once
+        assert len(cache) == 0 and cache.cells == 0 and b.disposed and cache.stats()["evictions"] == 1
+        low = cache.stats()["reuse"]
         turn2 = tokens + ctx.tokenize(" and then more")
         cache.record(0, turn2)
-        assert cache.reuse == pytest.approx(low + 0.1 * (len(tokens) / len(turn2) - low))
+        assert cache.stats()["reuse"] == pytest.approx(low + 0.1 * (len(tokens) / len(turn2) - low))
         cache.record(0, [7] * 40)  # a miss no ghost covers
-        assert cache.reuse < 0.9 * (low + 0.1)
+        assert cache.stats()["reuse"] < 0.9 * (low + 0.1)
         # at most GHOSTS keys are remembered
-        ghosts = PrefixCache(lloyal.BranchStore(ctx))
+        ghosts = PrefixCache(ctx)
         for i in range(GHOSTS + 5):
             x = lloyal.Branch.create(ctx, 0, GREEDY)
-            ghosts.add(x, [i + 1] * 20, 0)
-            ghosts.trim(-1)
-        before = ghosts.reuse
+            x.prefill([i + 1])
+            ghosts.add(x, [i + 1] * 20)
+            assert x.disposed  # its one cell is over the budget of 0
+        before = ghosts.stats()["reuse"]
         ghosts.record(0, [1] * 20 + [9])  # the first key was forgotten
-        assert ghosts.reuse < before
+        assert ghosts.stats()["reuse"] < before
 
 
 async def together(sched: Scheduler, prompts: list[list[int]], n: int) -> list[tuple[list[int], Done]]:

@@ -14,11 +14,15 @@ from lloyal.sampling import SamplingParams
 __version__: str
 PORTABLE: bool
 BUILD_CPU: str
+PREFIX_MIN_SHARED: int
+PREFIX_GHOSTS: int
 """What this build's code was compiled for: ``<arch>;<native|portable|target-cpu>;<used>;<checked>``
 (comma-separated ``/proc/cpuinfo`` feature names; ``lloyal._cpu`` reads it from the file)."""
 __all__ = [
     "BUILD_CPU",
     "PORTABLE",
+    "PREFIX_GHOSTS",
+    "PREFIX_MIN_SHARED",
     "Branch",
     "BranchStore",
     "Context",
@@ -28,6 +32,7 @@ __all__ = [
     "LoopWaker",
     "Model",
     "PerplexityTracker",
+    "PrefixCache",
     "Produced",
     "TextStream",
     "Token",
@@ -478,6 +483,72 @@ class Context:
                 ``n_batch`` tokens, or no empty sequence to borrow.
             SeqLeasedError: no sequence is free and a live branch holds one.
             KvCacheFullError: the cache has no room for a group of texts.
+        """
+
+@final
+class PrefixCache:
+    """Finished requests' branches kept for their KV, found by the longest shared token prefix.
+
+    The engine evicts least recently used entries that nothing forks (leaves, unpinned) when a
+    branch, a prompt or a token needs a lease or cells that are not free, and prunes released
+    branches once nothing depends on them.
+
+    Example:
+        >>> from lloyal._lloyal import PrefixCache
+        >>> with Context(default_model_path(), n_seq_max=4) as ctx:
+        ...     cache = PrefixCache(ctx)
+        ...     b = Branch.create(ctx, 0, SamplingParams(temperature=0))
+        ...     b.prefill(list(range(100, 120)))
+        ...     kept = cache.add(b, list(range(100, 120)))
+        ...     hit = cache.lookup(list(range(100, 130)))
+        ...     (hit[1], hit[2])
+        (20, 20)
+    """
+
+    def __new__(cls, ctx: Context) -> PrefixCache: ...
+    def lookup(self, tokens: list[int]) -> tuple[Branch, int, int] | None:
+        """``(branch, used, length)`` of the entry a request for ``tokens`` forks, pinned (call
+        :meth:`unpin` once forked): fork it whole when ``used == length``, else
+        ``fork(at=used)``. ``None`` when no entry shares enough of ``tokens``.
+        """
+    def record(self, hit: int, prompt: list[int]) -> None:
+        """Count a request's prompt, ``hit`` of whose tokens came from the cache."""
+    def add(self, branch: Branch, tokens: list[int]) -> bool:
+        """Keep ``branch`` (holding exactly ``tokens``) as an entry; ``False`` when an entry
+        already holds these tokens (``branch`` is then released instead).
+        """
+    def release(self, branch: Branch) -> None:
+        """Prune ``branch`` once nothing depends on it (no live fork, no pin)."""
+    def pin(self, branch: Branch) -> None:
+        """A request is about to fork ``branch``: it is not pruned or evicted until :meth:`unpin`."""
+    def unpin(self, branch: Branch) -> None:
+        """Undo one pin (or a lookup's)."""
+    @property
+    def budget(self) -> int | None:
+        """Most KV cells the entries keep of their own (``None``: no limit); least recently used
+        entries are evicted to keep within it.
+        """
+    @budget.setter
+    def budget(self, cells: int | None) -> None:
+        """Most KV cells the entries keep of their own (``None``: no limit); least recently used
+        entries are evicted to keep within it.
+        """
+    def amake_room(self, *, leases: int = 0, cells: int = 0) -> Coroutine[Any, Any, None]:
+        """Await room for ``leases`` more branches and ``cells`` more KV cells, evicting entries
+        if need be; raises ``LeaseExhaustedError`` or ``KvCacheFullError`` when even an empty
+        cache would not make it.
+        """
+    def clear(self) -> None:
+        """Prune every entry and released branch (with their forks)."""
+    def entries(self) -> list[tuple[Branch, list[int]]]:
+        """Every entry: ``(branch, tokens)``, in no particular order."""
+    def __len__(self) -> int: ...
+    def stats(self) -> dict[str, int | float]:
+        """Counters: ``entries``, ``released`` (released branches not pruned yet: something still
+        forks or pins them), ``hit_tokens`` (prompt tokens served from the cache),
+        ``lookup_tokens`` (prompt tokens looked up), ``evictions``, and ``reuse`` (moving average
+        of the share of recent prompts the cache served, or an entry it evicted would have; about
+        the last 10 prompts count).
         """
 
 @final

@@ -90,6 +90,16 @@ impl PyBranch {
         run(py, self.core(), move |s| f(s, h))
     }
 
+    /// This branch's handle, once checked to be of `ctx` (`owner` names who asks, for the error).
+    pub(crate) fn handle_in(&self, ctx: &Arc<Context>, owner: &str) -> PyResult<Handle> {
+        if !Arc::ptr_eq(self.core(), ctx) {
+            return Err(pyo3::exceptions::PyValueError::new_err(format!(
+                "branch belongs to a different context than {owner}; use one of its own context"
+            )));
+        }
+        Ok(self.handle)
+    }
+
     fn wrap(&self, py: Python<'_>, handle: Handle) -> PyBranch {
         PyBranch { ctx: self.ctx.clone_ref(py), handle }
     }

@@ -11,6 +11,7 @@
 
 pub mod backend;
 pub mod branch;
+pub mod cache;
 pub mod chat;
 pub mod context;
 pub mod device_rows;

@@ -14,8 +14,8 @@ a running request's, neither cached yet, waits until that prompt is written and 
 requests leave their first choice (and a ``best_of`` root) in the cache, within
 :meth:`Scheduler.cache_budget`; everything else is pruned. Choices take a KV cell per token (no
 reservation, unless the scheduler is made with ``reserve=True``: then each waits in the engine
-for its ``max_tokens``); the prefix cache is evicted to keep :data:`LOOKAHEAD` + 1 cells free
-per running choice, and a choice that still finds the cache full ends with ``"length"``.
+for its ``max_tokens``); the engine evicts cached prefixes when a token or a prompt needs cells
+that are not free, and a choice that still finds the cache full ends with ``"length"``.
 
 Requests talk to the scheduler through :meth:`Scheduler.generate`, an async iterator of events.
 Admission refuses a request when ``max_queue`` requests already wait (:class:`QueueFull`) and
@@ -34,7 +34,7 @@ import numpy as np
 
 import lloyal
 
-from .prefix_cache import MIN_SHARED, CacheEntry, PrefixCache, reusable
+from .prefix_cache import MIN_SHARED, CacheHit, PrefixCache, reusable
 from .radix import RadixTree
 
 __all__ = [
@@ -127,10 +127,10 @@ class _Choice:
 
 class _InFlight:
     """A running request's prompt, which other requests may fork before it is cached: ``branch``
-    (its one choice, or its ``best_of`` root) holds ``tokens`` once ``ready``; ``pins`` counts
-    requests about to fork it (it is not pruned under them)."""
+    (its one choice, or its ``best_of`` root) holds ``tokens`` once ``ready`` (a request about
+    to fork it pins it in the prefix cache, so it is not pruned under them)."""
 
-    __slots__ = ("base", "branch", "parent", "pins", "ready", "tokens")
+    __slots__ = ("base", "branch", "parent", "ready", "tokens")
 
     def __init__(self, tokens: tuple[int, ...], base: int, parent: _InFlight | None) -> None:
         self.tokens = tokens
@@ -138,7 +138,6 @@ class _InFlight:
         self.parent = parent  # the in-flight prompt it forked, if any
         self.branch: lloyal.Branch | None = None
         self.ready = False
-        self.pins = 0
 
 
 class _Request:
@@ -169,7 +168,7 @@ class Scheduler:
         self.ctx = ctx
         self.max_queue = max_queue  # None: unbounded
         self.store = lloyal.BranchStore(ctx)
-        self.cache = PrefixCache(self.store)
+        self.cache = PrefixCache(ctx)
         self._inflight: RadixTree[_InFlight] = RadixTree()  # prompts being written, by tokens
         self.cache_cells = cache_cells  # None: the budget follows the cache's reuse
         # True: each choice waits in the engine for room for its max_tokens (a batch job's
@@ -181,8 +180,6 @@ class Scheduler:
         self._room = asyncio.Condition()
         self._reserved = (0, 0, 0)  # choices, leases, cells promised to requests being admitted
         self._ticks0 = ctx.engine_stats().ticks
-        self._evict_stuck = False  # nothing evictable was left: try again once something changes
-        self._pending_cells = 0  # sum of the running choices' unwritten prompts
         self.waiting = 0  # requests waiting for leases or cells
         self.tokens_generated = 0
         self.prompt_tokens = 0
@@ -293,7 +290,7 @@ class Scheduler:
 
     async def _admit(self, req: _Request) -> None:
         spec = req.spec
-        entry: CacheEntry | None = None
+        entry: CacheHit | None = None
         source: _InFlight | None = None
         self.waiting += 1
         try:
@@ -301,47 +298,58 @@ class Scheduler:
                 while True:
                     if self._closed:
                         raise ShuttingDown(self._cancelled_message())
-                    entry, hit = self.cache.lookup(spec.prompt)
+                    entry = self.cache.lookup(spec.prompt)
+                    hit = entry.used if entry is not None else 0
                     source, shared = self._inflight_match(spec.prompt, hit)
                     if source is not None:  # a running request is writing more of the prompt
                         if entry is not None:
-                            entry.pins -= 1
+                            self.cache.unpin(entry.branch)
                         entry, hit = None, shared
-                    exact = entry is not None and hit == len(entry.tokens) == len(spec.prompt)
+                    # pinned from here (as the entry is by its lookup): a request finishing while
+                    # this one awaits room must not prune what it is about to fork
+                    held = source.branch if source is not None and source.ready else None
+                    if held is not None:
+                        self.cache.pin(held)
+                    exact = entry is not None and entry.whole and entry.length == len(spec.prompt)
                     # one choice is its own branch; best_of choices fork a root (or the entry)
                     leases = 1 if spec.best_of == 1 else spec.best_of + (0 if exact else 1)
                     cells = len(spec.prompt) - hit + 1
                     room = len(self._running) + self._reserved[0] + spec.best_of <= self.max_running
-                    if (
-                        (source is None or source.ready)
-                        and room
-                        and self.cache.evict(
-                            leases=leases + self._reserved[1], cells=cells + self._reserved[2]
+                    fits = False
+                    try:
+                        fits = (
+                            (source is None or source.ready)
+                            and room
+                            and await self.cache.make_room(
+                                leases=leases + self._reserved[1], cells=cells + self._reserved[2]
+                            )
                         )
-                    ):
+                    finally:
+                        if not fits:  # no room (or cancelled while awaiting it): the pins go
+                            if entry is not None:
+                                self.cache.unpin(entry.branch)
+                            if held is not None:
+                                self.cache.unpin(held)
+                    if fits:
                         reserved = (spec.best_of, leases, cells)
                         self._reserve(reserved, +1)
                         break
-                    if entry is not None:
-                        entry.pins -= 1
                     await self._room.wait()  # for room, or for the source's prompt to be written
         finally:
             self.waiting -= 1
         req.cached_tokens = hit if entry or source else 0
-        if source is not None:
-            source.pins += 1
         if not exact:  # others with this prompt fork it once written, instead of writing it again
             req.inflight = _InFlight(tuple(spec.prompt), req.cached_tokens, source)
             if self._inflight.get(req.inflight.tokens) is None:
                 self._inflight.insert(req.inflight.tokens, req.inflight)
         base = entry.branch if entry else source.branch if source else None
-        at = None if entry is not None and hit == len(entry.tokens) else hit
+        at = None if entry is not None and entry.whole else hit
         made: list[lloyal.Branch] = []  # the new root, once made
         try:
             if spec.best_of == 1:
                 await self._admit_one(req, base, at, exact)
             else:
-                await self._admit_forks(req, entry if exact else None, base, at, made)
+                await self._admit_forks(req, entry.branch if exact and entry else None, base, at, made)
         except BaseException:  # a bad grammar or bias, a full cache, a cancelled client: undo it all
             self._forget(req)
             for c in req.choices:
@@ -349,22 +357,18 @@ class Scheduler:
                 self.cache.release(c.branch)
             self._retire_root(req)  # a root whose prompt is prefilled is kept
             if made and made[0] is not req.root:
-                made[0].prune()
+                self.cache.release(made[0])
             raise
         finally:
             self._reserve(reserved, -1)
             if entry is not None:
-                entry.pins -= 1
-            if source is not None:
-                source.pins -= 1
-                self.cache.sweep()  # the source may have finished meanwhile
+                self.cache.unpin(entry.branch)
+            if held is not None:
+                self.cache.unpin(held)
         self.cache.record(req.cached_tokens, spec.prompt)
         self.prompt_tokens += len(spec.prompt)
         self._running.extend(req.choices)
         self._trim_cache()
-        # Before its first token (the engine may run LOOKAHEAD ahead of any check); its pins
-        # are gone, so an entry may have become evictable.
-        self._make_room(retry=True)
 
     async def _admit_one(
         self, req: _Request, base: lloyal.Branch | None, at: int | None, exact: bool
@@ -381,14 +385,13 @@ class Scheduler:
         if req.inflight is not None:
             req.inflight.branch = c.branch
         c.prompt = spec.prompt[req.cached_tokens :] if not exact else []
-        self._pending_cells += len(c.prompt)
         if self._closed:
             raise ShuttingDown(self._cancelled_message())
 
     async def _admit_forks(
         self,
         req: _Request,
-        exact: CacheEntry | None,
+        exact: lloyal.Branch | None,
         base: lloyal.Branch | None,
         at: int | None,
         made: list[lloyal.Branch],
@@ -397,7 +400,7 @@ class Scheduler:
         cached entry), and each choice forks it."""
         spec = req.spec
         if exact is not None:
-            req.root, req.root_is_entry = exact.branch, True
+            req.root, req.root_is_entry = exact, True
         else:
             made.append(await self._prefix_branch(base, at, spec.params))
             if req.inflight is not None:
@@ -483,7 +486,7 @@ class Scheduler:
 
     def _retire_root(self, req: _Request) -> None:
         if req.root is not None and not req.root_is_entry and not req.root.disposed:
-            self.cache.add(req.root, req.spec.prompt, len(req.spec.prompt) - req.cached_tokens, req.inflight)
+            self.cache.add(req.root, req.spec.prompt)
 
     # -- the choices ----------------------------------------------------------------------------
     async def _run_choice(self, c: _Choice) -> None:
@@ -518,7 +521,6 @@ class Scheduler:
                     top = tok.top_logprobs or ()
                     ev.top = [TopLogprob(t, self.ctx.token_to_text(t), lp) for t, lp in top]
                 c.req.events.put_nowait(ev)
-                self._make_room()
             reason = "length" if it.finish_reason == "length" else "stop"
         except lloyal.KvCacheFullError:  # the cache filled up with nothing left to evict
             self._out_of_room(c)
@@ -534,14 +536,13 @@ class Scheduler:
                 self._finish(c.req)
 
     def _started(self, c: _Choice) -> None:
-        """The choice's prompt is written (or never will be): its cells are no longer pending."""
-        self._pending_cells -= len(c.prompt)
+        """The choice's prompt is written (or never will be)."""
         c.prompt = []
 
     def cache_budget(self) -> int:
         """Most KV cells the prefix cache keeps of its own: ``cache_cells`` when given, else
         ``n_ctx`` times the share of recent prompts the cache served or, trimmed less, would
-        have (:attr:`PrefixCache.reuse`).
+        have (``PrefixCache.stats()["reuse"]``).
 
         llama.cpp attends over every cell up to the highest in use, so every kept cell slows
         every decode (most of all prompt prefills). A cache that serves prompts (multi-turn
@@ -549,21 +550,10 @@ class Scheduler:
         little."""
         if self.cache_cells is not None:
             return self.cache_cells
-        return int(self.ctx.n_ctx * self.cache.reuse)
+        return int(self.ctx.n_ctx * self.cache.stats()["reuse"])
 
     def _trim_cache(self) -> None:
         self.cache.trim(self.cache_budget())
-
-    def _make_room(self, *, retry: bool = False) -> None:
-        """Evict cached prefixes until each running choice has :data:`LOOKAHEAD` + 1 free cells
-        (the tokens the engine may decode before the event loop looks again). A lock-free check
-        when there is room; after an eviction found nothing left to prune, nothing until a
-        request is admitted or finishes (``retry``)."""
-        if retry:
-            self._evict_stuck = False
-        need = len(self._running) * (LOOKAHEAD + 1) + self._reserved[2] + self._pending_cells
-        if not self._evict_stuck and self.store.kv_pressure.remaining < need:
-            self._evict_stuck = not self.cache.evict(cells=need)
 
     def _out_of_room(self, c: _Choice) -> None:
         """Release the text the engine held back from a choice whose next token found no free
@@ -588,15 +578,12 @@ class Scheduler:
         keep = order[: spec.n]
         self._retire_root(req)
         first = req.choices[keep[0]]
-        # a running request may have forked its prompt: its branch stays while that fork lives
-        holder = req.inflight if req.root is None else None
+        # a released branch stays while a fork of it lives or a request about to fork it pins it
         for c in req.choices:
             if c is first and not req.cancelled and not c.branch.disposed:
-                # its own cells: after the root it forked (best_of), or after the cached prefix
-                own = len(c.generated) + (0 if req.root is not None else len(spec.prompt) - req.cached_tokens)
-                self.cache.add(c.branch, spec.prompt + c.generated, own, holder)
+                self.cache.add(c.branch, spec.prompt + c.generated)
             elif not c.branch.disposed:
-                self.cache.release(c.branch, holder)
+                self.cache.release(c.branch)
         self._trim_cache()
         done = Done(
             choices=keep,
@@ -609,7 +596,6 @@ class Scheduler:
             perplexities=ppls,
         )
         req.events.put_nowait(done)
-        self._make_room(retry=True)  # a choice waiting in the engine for room for its prompt may need it
         asyncio.get_running_loop().create_task(self._notify_room())
 
     async def _notify_room(self) -> None:

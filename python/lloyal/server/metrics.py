@@ -63,7 +63,7 @@ class Metrics(Collector):
 
     def collect(self) -> Iterator[Metric]:
         st = self._state
-        sched, cache = st.scheduler, st.scheduler.cache
+        sched, cache = st.scheduler, st.scheduler.cache.stats()
         req = CounterMetricFamily("lloyal_requests", "HTTP requests answered", labels=["path", "status"])
         for (path, status), n in sorted(self._requests.items()):
             req.add_metric([path, str(status)], n)
@@ -92,21 +92,21 @@ class Metrics(Collector):
         yield GaugeMetricFamily(
             "lloyal_leases_used", "Sequences leased by branches (running, roots, cached)", value=leased
         )
-        yield GaugeMetricFamily("lloyal_prefix_cache_entries", "Cached branches", value=len(cache))
+        yield GaugeMetricFamily("lloyal_prefix_cache_entries", "Cached branches", value=cache["entries"])
         yield CounterMetricFamily(
             "lloyal_prefix_cache_hit_tokens",
             "Prompt tokens served from the prefix cache",
-            value=cache.hit_tokens,
+            value=cache["hit_tokens"],
         )
         yield CounterMetricFamily(
             "lloyal_prefix_cache_lookup_tokens",
             "Prompt tokens looked up in the prefix cache",
-            value=cache.lookup_tokens,
+            value=cache["lookup_tokens"],
         )
-        rate = cache.hit_tokens / cache.lookup_tokens if cache.lookup_tokens else 0.0
+        rate = cache["hit_tokens"] / cache["lookup_tokens"] if cache["lookup_tokens"] else 0.0
         yield GaugeMetricFamily("lloyal_prefix_cache_hit_rate", "Hit tokens / looked-up tokens", value=rate)
         yield CounterMetricFamily(
-            "lloyal_prefix_cache_evictions", "Cached branches evicted", value=cache.evictions
+            "lloyal_prefix_cache_evictions", "Cached branches evicted", value=cache["evictions"]
         )
         eng = st.ctx.engine_stats()
         for name, doc, value in (

@@ -70,6 +70,7 @@ impl ContextState {
         }
         let model = self.model();
         let sampler = Sampler::new(&model, params)?;
+        self.cache_make_room(1, 0, 0, &[]);
         let seq = self.ledger.take_lease(&mut self.raw)?;
         let handle = self.branches.insert(BranchState::new(seq, position, sampler));
         self.topology.add(handle, None);
@@ -95,6 +96,7 @@ impl ContextState {
             Some(a) if a < position => Some(a),
             _ => None,
         };
+        self.cache_make_room(1, 0, 0, &[parent]);
         let seq = self.ledger.take_lease(&mut self.raw)?;
         let made = self.branch(parent).and_then(|p| match at {
             Some(a) => p.fork_at(seq, a),
@@ -123,6 +125,7 @@ impl ContextState {
             self.ledger.free_cells((b.position - b.fork_head).max(0) as usize);
             self.ledger.return_lease(b.seq_id);
             self.topology.remove(handle);
+            self.cache_forget(handle);
         }
     }
 

@@ -52,6 +52,9 @@ pub struct Context {
     /// ([`Context::occupancy`]): held only to copy it, so readers never wait for a tick (a
     /// scheduler deciding whether a request fits waited up to a prefill chunk's ~0.8 s).
     occupancy: Mutex<(u32, KvPressure)>,
+    /// The prefix cache's bookkeeping (also in the state, which prunes): lookups take only
+    /// its lock, never the context's.
+    cache: crate::cache::SharedIndex,
 }
 
 impl std::fmt::Debug for Context {
@@ -114,7 +117,9 @@ impl Context {
             encoded: HashMap::new(),
             interrupt: None,
             batches_in_call: 0,
+            cache: Default::default(),
         };
+        let cache = Arc::clone(&state.cache);
         let occupancy = Mutex::new((state.available(), state.kv_pressure()));
         Ok(Arc::new(Context {
             model,
@@ -124,7 +129,24 @@ impl Context {
             closed: AtomicBool::new(false),
             engine: Engine::default(),
             occupancy,
+            cache,
         }))
+    }
+
+    /// The prefix cache's bookkeeping (lookups, pins, entries; pruning is the state's).
+    pub fn prefix_index(&self) -> &crate::cache::SharedIndex {
+        &self.cache
+    }
+
+    /// Sweep the prefix cache's released branches and trim it to its budget without waiting:
+    /// at once when no tick runs, else by the engine after the tick (which tidies at its end
+    /// too). A closed context has nothing to tidy.
+    pub fn tidy_cache(&self) {
+        let tidy = |s: &mut ContextState| {
+            s.cache_tidy();
+            Ok(())
+        };
+        let _ = self.apply_then(tidy, Box::new(|_: Result<()>| {}));
     }
 
     /// The model this context runs.
@@ -275,6 +297,8 @@ impl Context {
         let state = guard.take();
         drop(guard);
         drop(state);
+        // its branches are gone: the prefix cache holds nothing
+        self.cache.lock().unwrap_or_else(std::sync::PoisonError::into_inner).take_all();
     }
 
     /// Free leases and the branches' KV occupancy as of the last call that finished, without

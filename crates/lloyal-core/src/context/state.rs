@@ -53,6 +53,8 @@ pub struct ContextState {
     /// `llama_decode` calls made by the current call (the first is never interrupted: the
     /// caller has just checked for signals itself).
     pub(super) batches_in_call: u32,
+    /// The prefix cache (`cache/`): its bookkeeping, shared with the context's callers.
+    pub(crate) cache: crate::cache::SharedIndex,
 }
 
 /// A check run between the decodes of one call: `true` stops the call, which then rolls

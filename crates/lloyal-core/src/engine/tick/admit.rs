@@ -78,6 +78,9 @@ impl Fifo {
             }
             let need = (self.need)(&w);
             let idle = !self.needs_idle || !budget.busy.contains(&w.spec.handle);
+            if !blocked && idle {
+                s.cache_make_room(0, need, budget.reserved, &[w.spec.handle]);
+            }
             if !blocked && need <= s.room(budget.reserved) && idle {
                 start(w, s, budget, out);
                 continue;
@@ -253,7 +256,10 @@ impl Scheduler {
             let w = Arc::clone(w);
             if op.is_cancelled() {
                 out.reply(op, Err(LloyalError::Interrupted));
-            } else if !blocked && s.available() > 0 && !w.parent.is_some_and(in_flight) {
+            } else if !blocked
+                && !w.parent.is_some_and(in_flight)
+                && s.cache_make_room(1, 0, 0, w.parent.as_slice())
+            {
                 let r = w.grant(s);
                 out.reply(op, r);
             } else if w.expired(now) {
@@ -310,6 +316,10 @@ pub(super) fn admit_commit(
     for &(h, t) in pairs {
         s.branch_mut(h)?.check_grammar(t)?;
     }
+    if s.room(reserved) < pairs.len() {
+        let handles: Vec<Handle> = pairs.iter().map(|p| p.0).collect();
+        s.cache_make_room(0, pairs.len(), reserved, &handles);
+    }
     s.check_room_reserved(pairs.len(), reserved)?;
     pairs
         .iter()
@@ -335,6 +345,10 @@ pub(super) fn admit_prefill(
     let total: usize = items.iter().map(|i| i.1.len()).sum();
     if total == 0 {
         return Ok((Vec::new(), 0));
+    }
+    if s.room(reserved) < total {
+        let handles: Vec<Handle> = items.iter().map(|i| i.0).collect();
+        s.cache_make_room(0, total, reserved, &handles);
     }
     s.check_room_reserved(total, reserved)?;
     let items = items

@@ -280,7 +280,8 @@ impl Scheduler {
             self.update(s, sched.parts, (outcomes, copies), &mut sched.ended, &mut out);
         }
         self.end_gens(sched.ended, &mut out);
-        // Tell the ledger which branches have prefill cells written ahead of their position.
+        s.cache_tidy(); // released branches swept, the cache kept within its budget
+                        // Tell the ledger which branches have prefill cells written ahead of their position.
         let written = self.flights.iter().flat_map(|f| f.items.iter().map(|i| (i.handle, i.done)));
         s.ledger.note_in_flight(written.collect());
         out

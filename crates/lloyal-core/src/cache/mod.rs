@@ -1,0 +1,344 @@
+//! The prefix cache: finished requests' branches kept for their KV, found by token prefix,
+//! and evicted by the engine when admission needs room (as SGLang's RadixCache is).
+//!
+//! [`PrefixIndex`] is the bookkeeping, behind a lock of its own so a scheduler's lookups never
+//! wait for a tick: a radix tree from tokens to cached branches, their recency, pins (requests
+//! about to fork a branch), released branches to prune once nothing depends on them, and the
+//! reuse statistics. Pruning needs the context, so it happens in `evict.rs`, from admission
+//! (a lease, a prompt's or a commit's cells that are not free) and at the end of each tick
+//! (released branches, the budget). An entry is evictable when it is a leaf (no live fork of
+//! it) and unpinned; evicting it frees its lease and its own cells (after its fork point).
+
+pub(crate) mod evict;
+pub mod radix;
+
+pub use evict::SharedIndex;
+
+use std::collections::{HashMap, VecDeque};
+
+use crate::tenancy::Handle;
+use radix::RadixTree;
+
+/// Fewest tokens a request reuses from an entry it does not match whole: sharing less (the
+/// BOS token, a chat template's opening) saves next to no prefill, yet ties the new branch to
+/// the entry (a parent with a live child is never evicted).
+pub const MIN_SHARED: usize = 16;
+
+/// Keys of evicted entries remembered (without their KV): a prompt one of them would have
+/// served counts as reuse, so a cache trimmed too far grows back (as ARC's ghost lists do).
+pub const GHOSTS: usize = 64;
+
+/// Weight of the newest request in [`PrefixIndex::reuse`] (about the last 10 requests count).
+pub const REUSE_WEIGHT: f64 = 0.1;
+
+/// One cached branch.
+#[derive(Debug, Clone)]
+struct Entry {
+    tokens: Vec<i32>,
+    last_used: u64,
+}
+
+/// A lookup's answer: the entry to fork, how many of its tokens to reuse, and its length.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Found {
+    pub handle: Handle,
+    /// Tokens to reuse (`== len`: fork it whole, with its logits; less: `fork(at=used)`).
+    pub used: usize,
+    /// Tokens the entry holds.
+    pub len: usize,
+}
+
+/// Counters of a prefix cache.
+#[derive(Debug, Clone, Copy, Default, PartialEq)]
+pub struct CacheStats {
+    pub entries: usize,
+    pub released: usize,
+    pub hit_tokens: u64,
+    pub lookup_tokens: u64,
+    pub evictions: u64,
+    /// Moving average of the share of a prompt the cache served (or an evicted entry would have).
+    pub reuse: f64,
+}
+
+/// The prefix cache's bookkeeping (see the module).
+#[derive(Debug)]
+pub struct PrefixIndex {
+    tree: RadixTree<Handle>,
+    entries: HashMap<Handle, Entry>,
+    released: Vec<Handle>,
+    pins: HashMap<Handle, u32>,
+    ghosts: RadixTree<()>,
+    ghost_order: VecDeque<Vec<i32>>,
+    clock: u64,
+    stats: CacheStats,
+    /// Most cells the entries keep of their own (`None`: no limit).
+    budget: Option<usize>,
+}
+
+impl Default for PrefixIndex {
+    fn default() -> Self {
+        PrefixIndex {
+            tree: RadixTree::default(),
+            entries: HashMap::new(),
+            released: Vec::new(),
+            pins: HashMap::new(),
+            ghosts: RadixTree::default(),
+            ghost_order: VecDeque::new(),
+            clock: 0,
+            stats: CacheStats { reuse: 1.0, ..CacheStats::default() },
+            budget: None,
+        }
+    }
+}
+
+/// `(tokens reused, value)` of the key in `tree` a request for `tokens` would fork: a whole
+/// key that prefixes `tokens`, or a longer shared run of a diverging key (one token at least
+/// left to prefill: a fork at a position has no logits); None below [`MIN_SHARED`] shared
+/// tokens (unless that is all of `tokens`).
+pub fn reusable<'a, V>(tree: &'a RadixTree<V>, tokens: &[i32]) -> Option<(usize, &'a V)> {
+    let full = tree.longest_prefix(tokens);
+    let part = tree.deepest_match(tokens).map(|(d, v)| (d.min(tokens.len().saturating_sub(1)), v));
+    let best = match (full, part) {
+        (Some(f), Some(p)) if p.0 > f.0 => Some(p),
+        (None, p) => p,
+        (f, _) => f,
+    };
+    best.filter(|(n, _)| *n >= MIN_SHARED.min(tokens.len()) && *n > 0)
+}
+
+impl PrefixIndex {
+    fn tick(&mut self) -> u64 {
+        self.clock += 1;
+        self.clock
+    }
+
+    /// The entry a request for `tokens` forks, pinned (see [`PrefixIndex::unpin`]).
+    pub fn lookup(&mut self, tokens: &[i32]) -> Option<Found> {
+        let (used, &handle) = reusable(&self.tree, tokens)?;
+        let now = self.tick();
+        let entry = self.entries.get_mut(&handle)?;
+        entry.last_used = now;
+        let len = entry.tokens.len();
+        *self.pins.entry(handle).or_default() += 1;
+        Some(Found { handle, used, len })
+    }
+
+    /// Count a request's prompt: `hit` of its tokens came from the cache (the reuse average
+    /// also counts what an evicted entry would have served).
+    pub fn record(&mut self, hit: usize, prompt: &[i32]) {
+        self.stats.hit_tokens += hit as u64;
+        self.stats.lookup_tokens += prompt.len() as u64;
+        let ghost = reusable(&self.ghosts, prompt).map_or(0, |(n, _)| n);
+        let share = hit.max(ghost) as f64 / prompt.len().max(1) as f64;
+        self.stats.reuse += REUSE_WEIGHT * (share - self.stats.reuse);
+    }
+
+    /// Keep `handle` (a branch holding exactly `tokens`) as an entry. When an entry already
+    /// holds these tokens, the older one stays (others may depend on it) and `handle` is
+    /// released instead; false then.
+    pub fn add(&mut self, handle: Handle, tokens: &[i32]) -> bool {
+        if self.entries.contains_key(&handle) {
+            return true;
+        }
+        let now = self.tick();
+        if let Some(&old) = self.tree.get(tokens) {
+            if let Some(e) = self.entries.get_mut(&old) {
+                e.last_used = now;
+            }
+            self.release(handle);
+            return false;
+        }
+        self.tree.insert(tokens, handle);
+        self.entries.insert(handle, Entry { tokens: tokens.to_vec(), last_used: now });
+        true
+    }
+
+    /// Prune `handle`, which the cache does not keep, once nothing depends on it (a leaf with
+    /// no pins): at the next sweep (the end of a tick, or an admission that needs room).
+    pub fn release(&mut self, handle: Handle) {
+        if !self.released.contains(&handle) {
+            self.released.push(handle);
+        }
+    }
+
+    /// A request is about to fork `handle`: it is not pruned or evicted until unpinned.
+    pub fn pin(&mut self, handle: Handle) {
+        *self.pins.entry(handle).or_default() += 1;
+    }
+
+    /// Undo one [`PrefixIndex::pin`] (or a lookup's).
+    pub fn unpin(&mut self, handle: Handle) {
+        if let Some(n) = self.pins.get_mut(&handle) {
+            *n -= 1;
+            if *n == 0 {
+                self.pins.remove(&handle);
+            }
+        }
+    }
+
+    fn pinned(&self, handle: Handle) -> bool {
+        self.pins.contains_key(&handle)
+    }
+
+    /// `handle`'s branch is gone (pruned by anyone): drop what the cache knew of it.
+    pub(crate) fn forget(&mut self, handle: Handle) {
+        if let Some(e) = self.entries.remove(&handle) {
+            self.tree.remove(&e.tokens);
+        }
+        self.released.retain(|&h| h != handle);
+        self.pins.remove(&handle);
+    }
+
+    /// Forget the branches `live` says are gone (added after they were pruned).
+    fn drop_dead(&mut self, live: impl Fn(Handle) -> bool) {
+        let dead: Vec<Handle> =
+            self.entries.keys().chain(&self.released).copied().filter(|&h| !live(h)).collect();
+        for h in dead {
+            self.forget(h);
+        }
+    }
+
+    /// Entries the cache holds, with the tokens each holds (any order).
+    pub fn entries(&self) -> Vec<(Handle, Vec<i32>)> {
+        self.entries.iter().map(|(&h, e)| (h, e.tokens.clone())).collect()
+    }
+
+    /// Whether `handle` is an entry.
+    pub fn holds(&self, handle: Handle) -> bool {
+        self.entries.contains_key(&handle)
+    }
+
+    /// Counters.
+    pub fn stats(&self) -> CacheStats {
+        CacheStats { entries: self.entries.len(), released: self.released.len(), ..self.stats }
+    }
+
+    /// Keep the cells the entries hold of their own within `budget` (`None`: no limit),
+    /// trimming least recently used entries at the end of each tick.
+    pub fn set_budget(&mut self, budget: Option<usize>) {
+        self.budget = budget;
+    }
+
+    /// The budget in force.
+    pub fn budget(&self) -> Option<usize> {
+        self.budget
+    }
+
+    /// Unpinned entries for which `leaf` holds, least recently used first.
+    fn victims(&self, leaf: impl Fn(Handle) -> bool) -> Vec<Handle> {
+        let mut out: Vec<(u64, Handle)> = self
+            .entries
+            .iter()
+            .filter(|(&h, _)| !self.pinned(h) && leaf(h))
+            .map(|(&h, e)| (e.last_used, h))
+            .collect();
+        out.sort_unstable();
+        out.into_iter().map(|(_, h)| h).collect()
+    }
+
+    /// Released branches that can go now (unpinned and `leaf`).
+    fn prunable(&self, leaf: impl Fn(Handle) -> bool) -> Vec<Handle> {
+        self.released.iter().copied().filter(|&h| !self.pinned(h) && leaf(h)).collect()
+    }
+
+    /// [`PrefixIndex::prunable`], taken off the released list (their pruning is the caller's).
+    fn take_prunable(&mut self, leaf: impl Fn(Handle) -> bool) -> Vec<Handle> {
+        let ready = self.prunable(leaf);
+        self.released.retain(|h| !ready.contains(h));
+        ready
+    }
+
+    /// `handle` is evicted: counted, and its key remembered as a ghost.
+    fn evicted(&mut self, handle: Handle) {
+        let Some(e) = self.entries.remove(&handle) else { return };
+        self.tree.remove(&e.tokens);
+        self.pins.remove(&handle);
+        self.stats.evictions += 1;
+        if self.ghosts.get(&e.tokens).is_none() {
+            self.ghosts.insert(&e.tokens, ());
+            self.ghost_order.push_back(e.tokens);
+            while self.ghost_order.len() > GHOSTS {
+                if let Some(old) = self.ghost_order.pop_front() {
+                    self.ghosts.remove(&old);
+                }
+            }
+        }
+    }
+
+    /// Forget every entry and released branch (their branches are pruned by the caller).
+    pub(crate) fn take_all(&mut self) -> Vec<Handle> {
+        let mut all: Vec<(usize, Handle)> = self.entries.iter().map(|(&h, e)| (e.tokens.len(), h)).collect();
+        all.sort_unstable_by(|a, b| b.cmp(a)); // longest first: forks before what they forked
+        let mut out: Vec<Handle> = std::mem::take(&mut self.released);
+        out.extend(all.into_iter().map(|(_, h)| h));
+        self.entries.clear();
+        self.tree = RadixTree::default();
+        self.pins.clear();
+        out
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    fn h(i: u64) -> Handle {
+        i
+    }
+
+    fn prompt(n: i32) -> Vec<i32> {
+        (0..n).collect()
+    }
+
+    #[test]
+    fn lookup_prefers_a_whole_prefix_then_a_longer_shared_run_and_pins() {
+        let mut ix = PrefixIndex::default();
+        assert!(ix.add(h(1), &prompt(20)));
+        let mut long = prompt(30);
+        long[25] = -1; // diverges at 25
+        assert!(ix.add(h(2), &long));
+        let f = ix.lookup(&prompt(40)).unwrap();
+        assert_eq!(f, Found { handle: h(2), used: 25, len: 30 }, "25 shared beats 20 whole");
+        let f = ix.lookup(&prompt(21)).unwrap();
+        assert_eq!((f.handle, f.used), (h(1), 20), "20 whole beats 20 shared");
+        let f = ix.lookup(&prompt(24)).unwrap();
+        assert_eq!(f, Found { handle: h(2), used: 23, len: 30 }, "one token is left to prefill");
+        assert!(ix.lookup(&prompt(10)).is_none(), "9 reusable tokens are below MIN_SHARED");
+        assert!(ix.lookup(&[5, 6, 7]).is_none());
+        assert!(ix.victims(|_| true).is_empty(), "lookups pinned both");
+        for _ in 0..4 {
+            ix.unpin(h(1));
+            ix.unpin(h(2));
+        }
+        assert_eq!(ix.victims(|_| true), [h(1), h(2)], "least recently used first");
+        assert_eq!(ix.victims(|x| x != h(1)), [h(2)], "only leaves");
+    }
+
+    #[test]
+    fn a_second_entry_for_the_same_tokens_is_released_and_ghosts_count_as_reuse() {
+        let mut ix = PrefixIndex::default();
+        assert!(ix.add(h(1), &prompt(20)));
+        assert!(!ix.add(h(2), &prompt(20)));
+        assert_eq!(ix.prunable(|_| true), [h(2)]);
+        ix.pin(h(2));
+        assert!(ix.prunable(|_| true).is_empty(), "pinned");
+        ix.forget(h(2));
+        assert_eq!(ix.stats().released, 0);
+        ix.record(0, &prompt(20));
+        assert!((ix.stats().reuse - 0.9).abs() < 1e-9);
+        ix.evicted(h(1));
+        assert_eq!((ix.stats().entries, ix.stats().evictions), (0, 1));
+        ix.record(0, &prompt(30)); // the evicted entry would have served 20 of 30
+        assert!((ix.stats().reuse - (0.9 + 0.1 * (20.0 / 30.0 - 0.9))).abs() < 1e-9);
+        assert_eq!((ix.stats().hit_tokens, ix.stats().lookup_tokens), (0, 50));
+    }
+
+    #[test]
+    fn take_all_orders_longer_entries_first() {
+        let mut ix = PrefixIndex::default();
+        ix.add(h(1), &prompt(20));
+        ix.add(h(2), &prompt(40));
+        ix.release(h(3));
+        assert_eq!(ix.take_all(), [h(3), h(2), h(1)]);
+        assert!(ix.lookup(&prompt(40)).is_none() && ix.stats().entries == 0);
+    }
+}

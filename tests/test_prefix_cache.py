@@ -1,0 +1,136 @@
+"""The prefix cache in the core (``lloyal._lloyal.PrefixCache``): lookups, pins, and the engine
+evicting entries when a branch, a prompt or a token needs room, with no call from Python."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+import lloyal
+from lloyal import _lloyal
+
+GREEDY = lloyal.SamplingParams(temperature=0.0)
+
+
+def cached(ctx: lloyal.Context, cache: _lloyal.PrefixCache, tokens: list[int]) -> lloyal.Branch:
+    """A branch holding ``tokens``, kept by ``cache``."""
+    b = lloyal.Branch.create(ctx, 0, GREEDY)
+    b.prefill(tokens)
+    assert cache.add(b, tokens)
+    return b
+
+
+def test_lookup_forks_a_whole_entry_or_a_shared_run_and_pins_it(model: lloyal.Model) -> None:
+    with lloyal.Context(model, n_ctx=512, n_seq_max=4) as ctx:
+        cache = _lloyal.PrefixCache(ctx)
+        a = list(range(100, 140))
+        entry = cached(ctx, cache, a)
+        hit = cache.lookup([*a, 7, 8])
+        assert hit is not None and (hit[0].handle, hit[1], hit[2]) == (entry.handle, 40, 40)
+        hit = cache.lookup([*a[:30], 9])  # diverges after 30: forked at 30
+        assert hit is not None and hit[1:] == (30, 40)
+        assert cache.lookup([*a[:10], 1]) is None  # 10 shared: below PREFIX_MIN_SHARED
+        assert cache.lookup([5] * 40) is None
+        assert cache.stats()["hit_tokens"] == 0 and len(cache) == 1
+        # a second branch for the same tokens is released: pruned at once (a leaf, no pins)
+        dup = lloyal.Branch.create(ctx, 0, GREEDY)
+        dup.prefill(a)
+        assert not cache.add(dup, a) and dup.disposed and len(cache) == 1
+        with lloyal.Context(model, n_ctx=64) as other:
+            stranger = lloyal.Branch.create(other, 0, GREEDY)
+            with pytest.raises(ValueError, match="different context"):
+                cache.add(stranger, [1])
+
+
+def test_a_branch_that_needs_a_lease_evicts_the_least_recently_used_unpinned_leaf(
+    model: lloyal.Model,
+) -> None:
+    with lloyal.Context(model, n_ctx=512, n_seq_max=3) as ctx:
+        cache = _lloyal.PrefixCache(ctx)
+        store = lloyal.BranchStore(ctx)
+        old = cached(ctx, cache, list(range(100, 120)))
+        new = cached(ctx, cache, list(range(200, 220)))
+        hit = cache.lookup(list(range(100, 125)))  # pins `old`
+        assert hit is not None and hit[0].handle == old.handle
+        touched = cache.lookup(list(range(200, 225)))  # `new` is the most recently used
+        assert touched is not None and touched[0].handle == new.handle
+        cache.unpin(new)
+        third = lloyal.Branch.create(ctx, 0, GREEDY)
+        assert store.available == 0
+        fourth = lloyal.Branch.create(ctx, 0, GREEDY)  # `new` goes: `old`, older, is pinned
+        assert new.disposed and not old.disposed and cache.stats()["evictions"] == 1 and len(cache) == 1
+        with pytest.raises(lloyal.LeaseExhaustedError):
+            lloyal.Branch.create(ctx, 0, GREEDY)  # nothing evictable: the pinned entry stays
+        assert not old.disposed and store.available == 0
+        cache.unpin(old)
+        with pytest.raises(lloyal.LeaseExhaustedError):
+            old.fork()  # a fork needs a lease, but never gets it by evicting the branch it forks
+        assert not old.disposed and len(cache) == 1
+        third.prune()
+        child = old.fork()
+        assert child.position == 20 and child.parent.handle == old.handle
+        for b in (fourth, child):
+            b.prune()
+        cache.clear()
+        assert old.disposed and store.available == 3 and store.kv_pressure.cells_used == 0
+
+
+def test_a_generation_prompt_evicts_entries_inside_the_engine(model: lloyal.Model) -> None:
+    """A prompt that needs the cells an entry holds: the engine evicts it when it admits the
+    prompt (a parent whose fork lives is kept), and generation goes on."""
+    with lloyal.Context(model, n_ctx=256, n_batch=64, n_seq_max=4) as ctx:
+        cache = _lloyal.PrefixCache(ctx)
+        store = lloyal.BranchStore(ctx)
+        parent = cached(ctx, cache, list(range(300, 400)))  # 100 cells
+        kept = parent.fork()  # a live fork: `parent` is no leaf, not evictable
+        spare = cached(ctx, cache, list(range(500, 600)))  # 100 more: 56 free
+        b = lloyal.Branch.create(ctx, 0, GREEDY)
+        out = list(b.generate(8, prompt=list(range(1000, 1080)), timeout=5.0))  # 80 + 8 cells
+        assert len(out) == 8 and b.position == 88
+        assert spare.disposed and not parent.disposed and cache.stats()["evictions"] == 1 and len(cache) == 1
+        assert store.kv_pressure.cells_used == 100 + 88
+        for x in (b, kept):
+            x.prune()
+        cache.clear()
+
+
+def test_released_branches_go_when_their_last_fork_does(model: lloyal.Model) -> None:
+    with lloyal.Context(model, n_ctx=256, n_seq_max=4) as ctx:
+        cache = _lloyal.PrefixCache(ctx)
+        store = lloyal.BranchStore(ctx)
+        root = lloyal.Branch.create(ctx, 0, GREEDY)
+        root.prefill(list(range(100, 120)))
+        child = root.fork()
+        cache.pin(child)
+        cache.release(root)
+        cache.release(child)
+        assert not root.disposed and not child.disposed and cache.stats()["released"] == 2  # child pinned
+        cache.unpin(child)  # the engine is idle: swept at once, the child and then its parent
+        assert root.disposed and child.disposed and cache.stats()["released"] == 0
+        assert store.available == 4 and store.kv_pressure.cells_used == 0
+
+
+def test_make_room_evicts_or_says_why_not(model: lloyal.Model) -> None:
+    with lloyal.Context(model, n_ctx=256, n_seq_max=2) as ctx:
+        cache = _lloyal.PrefixCache(ctx)
+        store = lloyal.BranchStore(ctx)
+        entry = cached(ctx, cache, list(range(100, 300)))
+        asyncio.run(cache.amake_room(leases=2, cells=100))
+        assert entry.disposed and cache.stats()["evictions"] == 1 and store.available == 2
+        entry = cached(ctx, cache, list(range(100, 150)))
+        with pytest.raises(lloyal.KvCacheFullError):
+            asyncio.run(cache.amake_room(cells=300))  # more than n_ctx: nothing is evicted for it
+        with pytest.raises(lloyal.LeaseExhaustedError):
+            asyncio.run(cache.amake_room(leases=3))
+        assert not entry.disposed and len(cache) == 1
+        cache.budget = 10  # over the budget: the least recently used entries go
+        assert entry.disposed and cache.stats()["evictions"] == 2 and cache.budget == 10
+
+
+def test_closing_the_context_forgets_the_entries(model: lloyal.Model) -> None:
+    ctx = lloyal.Context(model, n_ctx=128, n_seq_max=2)
+    cache = _lloyal.PrefixCache(ctx)
+    b = cached(ctx, cache, list(range(100, 120)))
+    ctx.close()
+    assert b.disposed and len(cache) == 0 and cache.lookup(list(range(100, 130))) is None
