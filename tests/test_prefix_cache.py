@@ -134,3 +134,20 @@ def test_closing_the_context_forgets_the_entries(model: lloyal.Model) -> None:
     b = cached(ctx, cache, list(range(100, 120)))
     ctx.close()
     assert b.disposed and len(cache) == 0 and cache.lookup(list(range(100, 130))) is None
+
+
+def test_a_branch_the_engine_generates_on_is_never_evicted(model: lloyal.Model) -> None:
+    """A cached branch over the budget that a generation request runs on stays while it runs
+    (the budget is kept at the end of every tick), and goes when the request ends."""
+    with lloyal.Context(model, n_ctx=256, n_seq_max=2) as ctx:
+        cache = _lloyal.PrefixCache(ctx)
+        b = lloyal.Branch.create(ctx, 0, GREEDY)
+        b.prefill(list(range(100, 110)))
+        child = b.fork()
+        cache.add(child, [*range(100, 110), 0])  # a fork: no cells of its own yet
+        cache.budget = 0
+        assert not child.disposed
+        stops = {ctx.eog_token} | {t for t in range(300) if ctx.is_stop_token(t)}
+        child.set_logit_bias({t: float("-inf") for t in stops})
+        out = list(child.generate(6))  # 6 ticks, each ending over the budget
+        assert len(out) == 6 and child.disposed and cache.stats()["evictions"] >= 1

@@ -22,9 +22,14 @@ impl ContextState {
         &self.cache
     }
 
-    /// Whether `h` is a live branch with no live fork.
+    /// Whether `h` is a live branch with no live fork that no engine request uses.
     fn is_leaf(&self, h: Handle) -> bool {
-        self.is_live(h) && self.topology.children(h).is_empty()
+        self.is_live(h) && self.topology.children(h).is_empty() && !self.in_engine.contains(&h)
+    }
+
+    /// The branches the engine's requests use now: the cache leaves them alone.
+    pub(crate) fn cache_keep(&mut self, handles: Vec<Handle>) {
+        self.in_engine = handles;
     }
 
     /// Cells `h`'s branch holds of its own (after its fork point): what pruning it frees.
@@ -87,6 +92,7 @@ impl ContextState {
         }
         let ok = self.is_live(h)
             && candidate(h)
+            && !self.in_engine.contains(&h)
             && self.topology.children(h).to_vec().into_iter().all(|c| self.goes(c, candidate, known));
         known.insert(h, ok);
         ok

@@ -118,6 +118,7 @@ impl Context {
             interrupt: None,
             batches_in_call: 0,
             cache: Default::default(),
+            in_engine: Vec::new(),
         };
         let cache = Arc::clone(&state.cache);
         let occupancy = Mutex::new((state.available(), state.kv_pressure()));

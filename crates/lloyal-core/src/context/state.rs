@@ -55,6 +55,8 @@ pub struct ContextState {
     pub(super) batches_in_call: u32,
     /// The prefix cache (`cache/`): its bookkeeping, shared with the context's callers.
     pub(crate) cache: crate::cache::SharedIndex,
+    /// Branches the engine's requests use (set by the engine each tick): never evicted.
+    pub(crate) in_engine: Vec<crate::tenancy::Handle>,
 }
 
 /// A check run between the decodes of one call: `true` stops the call, which then rolls

@@ -280,11 +280,22 @@ impl Scheduler {
             self.update(s, sched.parts, (outcomes, copies), &mut sched.ended, &mut out);
         }
         self.end_gens(sched.ended, &mut out);
-        s.cache_tidy(); // released branches swept, the cache kept within its budget
-                        // Tell the ledger which branches have prefill cells written ahead of their position.
+        // Tell the ledger which branches have prefill cells written ahead of their position.
         let written = self.flights.iter().flat_map(|f| f.items.iter().map(|i| (i.handle, i.done)));
         s.ledger.note_in_flight(written.collect());
+        self.note_in_engine(s);
+        // Released branches swept, the prefix cache kept within its budget.
+        s.cache_tidy();
         out
+    }
+
+    /// Tell the prefix cache which branches the engine's requests use (generating, prefilling,
+    /// waiting): it never evicts them, also between ticks.
+    fn note_in_engine(&self, s: &mut ContextState) {
+        let gens = self.gens.iter().map(|g| g.spec.handle);
+        let waiting = self.waiting.iter().chain(&self.prompt_waiting).map(|w| w.spec.handle);
+        let flights = self.flights.iter().flat_map(|f| f.items.iter().map(|i| i.handle));
+        s.cache_keep(gens.chain(waiting).chain(flights).collect());
     }
 
     /// Phase 1: admit what can run and sample the generation requests' rows.
@@ -298,6 +309,7 @@ impl Scheduler {
         self.fresh_waiting = false;
         self.drop_stale_flights(s, out);
         self.drop_stale_gens(s, out);
+        self.note_in_engine(s);
         let mut budget = Budget {
             busy: self.flights.iter().flat_map(|f| f.items.iter().map(|i| i.handle)).collect(),
             reserved: self.flights.iter().map(|f| f.cells).sum::<usize>()
