@@ -151,3 +151,15 @@ def test_a_branch_the_engine_generates_on_is_never_evicted(model: lloyal.Model) 
         child.set_logit_bias({t: float("-inf") for t in stops})
         out = list(child.generate(6))  # 6 ticks, each ending over the budget
         assert len(out) == 6 and child.disposed and cache.stats()["evictions"] >= 1
+
+
+def test_loading_a_saved_branch_evicts_for_its_lease_and_cells(model: lloyal.Model) -> None:
+    with lloyal.Context(model, n_ctx=64, n_seq_max=2) as ctx:
+        cache = _lloyal.PrefixCache(ctx)
+        b = lloyal.Branch.create(ctx, 0, GREEDY)
+        b.prefill(list(range(100, 130)))
+        saved = b.save_state()
+        entry = cached(ctx, cache, list(range(200, 230)))  # 60 of 64 cells, both leases held
+        copy = lloyal.Branch.load_state(ctx, saved)
+        assert entry.disposed and cache.stats()["evictions"] == 1
+        assert copy.position == 30 and copy.produce().token == b.produce().token

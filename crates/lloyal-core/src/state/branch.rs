@@ -302,6 +302,7 @@ impl ContextState {
     /// empties the new sequence and returns the lease.
     pub fn branch_load(&mut self, data: &[u8]) -> Result<Handle> {
         let p = self.parse_branch_state(data)?;
+        self.cache_make_room(1, p.cells, 0, &[]);
         self.check_room(p.cells)?;
         let seq = self.ledger.take_lease(&mut self.raw)?;
         self.remove_cells(seq, -1, -1);
