@@ -10,13 +10,14 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from pathlib import Path
 from types import ModuleType
 from typing import Any
 
 import numpy as np
 import pytest
+from hypothesis import HealthCheck, settings
 
 import lloyal
 
@@ -77,6 +78,33 @@ def run_example_jsonl(name: str, *args: str, stdin: str = "") -> list[dict[str, 
     events = [json.loads(line) for line in lines]
     assert all(isinstance(e, dict) for e in events)
     return events
+
+
+STATE_EXAMPLES = int(os.environ.get("LLOYAL_STATE_EXAMPLES", "12"))
+STATE_STEPS = int(os.environ.get("LLOYAL_STATE_STEPS", "25"))
+
+
+def machine_settings() -> settings:
+    """Hypothesis settings of the state-machine tests: ``LLOYAL_STATE_EXAMPLES`` programs of up
+    to ``LLOYAL_STATE_STEPS`` steps (``make soak`` raises both)."""
+    return settings(
+        max_examples=STATE_EXAMPLES,
+        stateful_step_count=STATE_STEPS,
+        deadline=None,
+        suppress_health_check=[HealthCheck.too_slow],
+    )
+
+
+def machine_report(name: str, checks: Mapping[str, int]) -> Any:
+    """A module fixture that appends a state machine's figures (its ``checks`` counters) to the
+    soak report once the module's tests ran: ``_report = machine_report("name", CHECKS)``."""
+
+    @pytest.fixture(scope="module", autouse=True)
+    def _report() -> Iterator[None]:
+        yield
+        soak_report(name, examples=STATE_EXAMPLES, max_steps=STATE_STEPS, **checks)
+
+    return _report
 
 
 def soak_report(name: str, **figures: object) -> None:

@@ -7,14 +7,10 @@ cache holds only live branches."""
 from __future__ import annotations
 
 import contextlib
-import os
 from collections import Counter
-from collections.abc import Iterator
 
 import hypothesis.strategies as st
-import pytest
-from helpers import soak_report
-from hypothesis import HealthCheck, settings
+from helpers import machine_report, machine_settings
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
 import lloyal
@@ -22,8 +18,6 @@ from lloyal import _lloyal
 
 N_SEQ = 3
 N_CTX = 96
-EXAMPLES = int(os.environ.get("LLOYAL_STATE_EXAMPLES", "12"))
-STEPS = int(os.environ.get("LLOYAL_STATE_STEPS", "25"))
 GREEDY = lloyal.SamplingParams(temperature=0.0)
 CHECKS: Counter[str] = Counter()
 
@@ -175,16 +169,6 @@ class CachedBranches(RuleBasedStateMachine):
         assert self.cache.stats()["entries"] == len(self.cache.entries())
 
 
-CachedBranches.TestCase.settings = settings(
-    max_examples=EXAMPLES,
-    stateful_step_count=STEPS,
-    deadline=None,
-    suppress_health_check=[HealthCheck.too_slow],
-)
+CachedBranches.TestCase.settings = machine_settings()
 test_prefix_cache_state_machine = CachedBranches.TestCase
-
-
-@pytest.fixture(scope="module", autouse=True)
-def _report() -> Iterator[None]:
-    yield
-    soak_report("prefix cache state machine", examples=EXAMPLES, max_steps=STEPS, **CHECKS)
+_report = machine_report("prefix cache state machine", CHECKS)

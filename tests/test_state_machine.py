@@ -10,22 +10,17 @@ agree; errors are the documented classes. ``LLOYAL_STATE_STEPS`` scales the run 
 
 from __future__ import annotations
 
-import os
 from collections import Counter
-from collections.abc import Iterator
 
 import hypothesis.strategies as st
 import pytest
-from helpers import soak_report
-from hypothesis import HealthCheck, settings
+from helpers import machine_report, machine_settings
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
 import lloyal
 
 N_SEQ = 4
 N_CTX = 192
-EXAMPLES = int(os.environ.get("LLOYAL_STATE_EXAMPLES", "12"))
-STEPS = int(os.environ.get("LLOYAL_STATE_STEPS", "25"))
 _MODEL: lloyal.Model | None = None
 CHECKS: Counter[str] = Counter()
 LETTERS = "root ::= [a-z ]+"
@@ -255,16 +250,6 @@ class Branches(RuleBasedStateMachine):
             assert all(c in live and c.parent == b for c in b.children)
 
 
-Branches.TestCase.settings = settings(
-    max_examples=EXAMPLES,
-    stateful_step_count=STEPS,
-    deadline=None,
-    suppress_health_check=[HealthCheck.too_slow],
-)
+Branches.TestCase.settings = machine_settings()
 test_branch_state_machine = Branches.TestCase
-
-
-@pytest.fixture(scope="module", autouse=True)
-def _report() -> Iterator[None]:
-    yield
-    soak_report("branch state machine", examples=EXAMPLES, max_steps=STEPS, **CHECKS)
+_report = machine_report("branch state machine", CHECKS)
