@@ -298,3 +298,38 @@ def test_a_burst_whose_questions_begin_alike_forks_the_first_prompt_written(
         assert [t for t, _ in got] == want
         assert [d.cached_tokens for _, d in got] == [0, common, common]
         asyncio.run(sched.stop())
+
+
+def test_a_request_cancelled_while_it_awaits_room_leaves_no_pin(model: lloyal.Model) -> None:
+    """Admission awaits room with the cached entry it will fork pinned: a client that goes away
+    meanwhile takes the pin with it, so the entry can be evicted again."""
+    with lloyal.Context(model, n_ctx=512, n_batch=64, n_seq_max=4) as ctx:
+        sched = Scheduler(ctx, cache_cells=512)
+        prompt = ctx.tokenize(
+            "The lighthouse keeper counted the ships that passed in the night, one by one, until dawn"
+        )
+        assert len(prompt) > 16  # past MIN_SHARED: the next request forks the entry
+        run(sched, GenSpec(prompt=prompt, params=GREEDY, max_tokens=4))
+        [entry] = sched.cache.entries()
+        waiting = asyncio.Event()
+
+        async def never(*, leases: int = 0, cells: int = 0) -> bool:
+            waiting.set()
+            await asyncio.Event().wait()  # room never comes
+            return True
+
+        async def main() -> None:
+            sched.cache.make_room = never  # type: ignore[method-assign]
+            more = ctx.tokenize(" and", add_special=False)
+            spec = GenSpec(prompt=[*prompt, *more], params=GREEDY, max_tokens=4)
+            task = asyncio.create_task(anext(aiter(sched.generate(spec))))
+            await waiting.wait()  # admitted as far as the room: the entry is pinned
+            sched.cache.trim(0)
+            assert not entry.branch.disposed  # pinned: the budget cannot evict it
+            task.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await task
+
+        asyncio.run(main())
+        sched.cache.trim(0)  # unpinned: the budget evicts it
+        assert entry.branch.disposed and sched.cache.stats()["evictions"] == 1
