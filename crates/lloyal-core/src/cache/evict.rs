@@ -60,7 +60,7 @@ impl ContextState {
         let victim = {
             // chosen and taken out under one lock: a lookup cannot pin it in between
             let mut ix = lock(&cache);
-            let victim = ix.victims(|h| !keep.contains(&h) && self.is_leaf(h)).first().copied();
+            let victim = ix.victim(|h| !keep.contains(&h) && self.is_leaf(h));
             victim.inspect(|&h| ix.evicted(h))
         };
         let Some(h) = victim else { return false };

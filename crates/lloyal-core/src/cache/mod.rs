@@ -180,13 +180,14 @@ impl PrefixIndex {
         self.pins.contains_key(&handle)
     }
 
-    /// `handle`'s branch is gone (pruned by anyone): drop what the cache knew of it.
-    pub(crate) fn forget(&mut self, handle: Handle) {
-        if let Some(e) = self.entries.remove(&handle) {
-            self.tree.remove(&e.tokens);
-        }
+    /// `handle`'s branch is gone (pruned by anyone): drop what the cache knew of it; the
+    /// tokens it held when it was an entry.
+    pub(crate) fn forget(&mut self, handle: Handle) -> Option<Vec<i32>> {
         self.released.retain(|&h| h != handle);
         self.pins.remove(&handle);
+        let e = self.entries.remove(&handle)?;
+        self.tree.remove(&e.tokens);
+        Some(e.tokens)
     }
 
     /// Forget the branches `live` says are gone (added after they were pruned).
@@ -201,11 +202,6 @@ impl PrefixIndex {
     /// Entries the cache holds, with the tokens each holds (any order).
     pub fn entries(&self) -> Vec<(Handle, Vec<i32>)> {
         self.entries.iter().map(|(&h, e)| (h, e.tokens.clone())).collect()
-    }
-
-    /// Whether `handle` is an entry.
-    pub fn holds(&self, handle: Handle) -> bool {
-        self.entries.contains_key(&handle)
     }
 
     /// Counters.
@@ -224,39 +220,28 @@ impl PrefixIndex {
         self.budget
     }
 
-    /// Unpinned entries for which `leaf` holds, least recently used first.
-    fn victims(&self, leaf: impl Fn(Handle) -> bool) -> Vec<Handle> {
-        let mut out: Vec<(u64, Handle)> = self
-            .entries
-            .iter()
-            .filter(|(&h, _)| !self.pinned(h) && leaf(h))
-            .map(|(&h, e)| (e.last_used, h))
-            .collect();
-        out.sort_unstable();
-        out.into_iter().map(|(_, h)| h).collect()
+    /// The least recently used unpinned entry for which `leaf` holds.
+    fn victim(&self, leaf: impl Fn(Handle) -> bool) -> Option<Handle> {
+        let candidates = self.entries.iter().filter(|(&h, _)| !self.pinned(h) && leaf(h));
+        candidates.min_by_key(|(&h, e)| (e.last_used, h)).map(|(&h, _)| h)
     }
 
-    /// Released branches that can go now (unpinned and `leaf`).
-    fn prunable(&self, leaf: impl Fn(Handle) -> bool) -> Vec<Handle> {
-        self.released.iter().copied().filter(|&h| !self.pinned(h) && leaf(h)).collect()
-    }
-
-    /// [`PrefixIndex::prunable`], taken off the released list (their pruning is the caller's).
+    /// Released branches that can go now (unpinned and `leaf`), taken off the released list
+    /// (their pruning is the caller's).
     fn take_prunable(&mut self, leaf: impl Fn(Handle) -> bool) -> Vec<Handle> {
-        let ready = self.prunable(leaf);
+        let ready: Vec<Handle> =
+            self.released.iter().copied().filter(|&h| !self.pinned(h) && leaf(h)).collect();
         self.released.retain(|h| !ready.contains(h));
         ready
     }
 
-    /// `handle` is evicted: counted, and its key remembered as a ghost.
+    /// `handle` is evicted: forgotten, counted, and its key remembered as a ghost.
     fn evicted(&mut self, handle: Handle) {
-        let Some(e) = self.entries.remove(&handle) else { return };
-        self.tree.remove(&e.tokens);
-        self.pins.remove(&handle);
+        let Some(tokens) = self.forget(handle) else { return };
         self.stats.evictions += 1;
-        if self.ghosts.get(&e.tokens).is_none() {
-            self.ghosts.insert(&e.tokens, ());
-            self.ghost_order.push_back(e.tokens);
+        if self.ghosts.get(&tokens).is_none() {
+            self.ghosts.insert(&tokens, ());
+            self.ghost_order.push_back(tokens);
             while self.ghost_order.len() > GHOSTS {
                 if let Some(old) = self.ghost_order.pop_front() {
                     self.ghosts.remove(&old);
@@ -304,13 +289,13 @@ mod tests {
         assert_eq!(f, Found { handle: h(2), used: 23, len: 30 }, "one token is left to prefill");
         assert!(ix.lookup(&prompt(10)).is_none(), "9 reusable tokens are below MIN_SHARED");
         assert!(ix.lookup(&[5, 6, 7]).is_none());
-        assert!(ix.victims(|_| true).is_empty(), "lookups pinned both");
+        assert_eq!(ix.victim(|_| true), None, "lookups pinned both");
         for _ in 0..4 {
             ix.unpin(h(1));
             ix.unpin(h(2));
         }
-        assert_eq!(ix.victims(|_| true), [h(1), h(2)], "least recently used first");
-        assert_eq!(ix.victims(|x| x != h(1)), [h(2)], "only leaves");
+        assert_eq!(ix.victim(|_| true), Some(h(1)), "least recently used first");
+        assert_eq!(ix.victim(|x| x != h(1)), Some(h(2)), "only leaves");
     }
 
     #[test]
@@ -318,10 +303,14 @@ mod tests {
         let mut ix = PrefixIndex::default();
         assert!(ix.add(h(1), &prompt(20)));
         assert!(!ix.add(h(2), &prompt(20)));
-        assert_eq!(ix.prunable(|_| true), [h(2)]);
         ix.pin(h(2));
-        assert!(ix.prunable(|_| true).is_empty(), "pinned");
-        ix.forget(h(2));
+        assert!(ix.take_prunable(|_| true).is_empty(), "pinned");
+        assert!(ix.take_prunable(|x| x != h(2)).is_empty(), "not a leaf");
+        ix.unpin(h(2));
+        assert_eq!(ix.take_prunable(|_| true), [h(2)]);
+        assert_eq!(ix.stats().released, 0, "taken off the list");
+        ix.release(h(2));
+        assert_eq!(ix.forget(h(2)), None, "released, never an entry");
         assert_eq!(ix.stats().released, 0);
         ix.record(0, &prompt(20));
         assert!((ix.stats().reuse - 0.9).abs() < 1e-9);
