@@ -1,6 +1,7 @@
 //! `lloyal._lloyal`: the thin PyO3 layer over lloyal-core. Logic lives in the core; each
 //! class here converts arguments, runs core work through `detach::run`, converts results.
 
+mod admission;
 mod aio;
 mod backend;
 mod branch;
@@ -51,6 +52,7 @@ fn _lloyal(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<engine::PyEngineStats>()?;
     m.add_class::<grammar::PyGrammar>()?;
     cache::register(m)?;
+    admission::register(m)?;
     m.add_function(wrap_pyfunction!(backend::system_info, m)?)?;
     m.add_function(wrap_pyfunction!(exit::quiesce_callbacks, m)?)?;
     m.add_function(wrap_pyfunction!(sampling::validate_sampling_params, m)?)?;

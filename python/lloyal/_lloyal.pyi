@@ -23,6 +23,8 @@ __all__ = [
     "PORTABLE",
     "PREFIX_GHOSTS",
     "PREFIX_MIN_SHARED",
+    "Admission",
+    "AdmissionPlan",
     "Branch",
     "BranchStore",
     "Context",
@@ -550,6 +552,86 @@ class PrefixCache:
         of the share of recent prompts the cache served, or an entry it evicted would have; about
         the last 10 prompts count).
         """
+
+@final
+class Admission:
+    """When and from what generation requests start: at most ``max_running`` choices run; a
+    request forks the longest cached prefix of its prompt or, when a running request is still
+    writing a prompt that shares more, that prompt once written; what it needs is reserved
+    from :meth:`plan` until its branches exist.
+
+    Example:
+        >>> from lloyal._lloyal import Admission
+        >>> with Context(default_model_path(), n_seq_max=4) as ctx:
+        ...     book = Admission(ctx, 3)
+        ...     plan = book.plan(list(range(100, 120)), 2)
+        ...     book.reserve(plan)
+        ...     (plan.base, plan.leases, plan.cells, book.plan([1, 2], 2))
+        (None, 3, 21, None)
+    """
+
+    def __new__(cls, ctx: Context, max_running: int) -> Admission: ...
+    @property
+    def max_running(self) -> int:
+        """The most choices running at once."""
+    @property
+    def running(self) -> int:
+        """Choices running now (admitted, not yet released)."""
+    @property
+    def reserved(self) -> tuple[int, int, int]:
+        """``(choices, leases, cells)`` reserved by requests being admitted."""
+    def check(self, best_of: int) -> None:
+        """Raise ``ValueError`` when a request of ``best_of`` choices can never run here."""
+    def must_wait(self, best_of: int, waiting: int) -> bool:
+        """Whether a request of ``best_of`` choices would queue: behind ``waiting`` others, or for
+        a free slot.
+        """
+    def plan(self, prompt: list[int], best_of: int) -> AdmissionPlan | None:
+        """The terms on which a request for ``prompt`` with ``best_of`` choices starts now, the
+        branch it forks pinned; ``None`` when it must wait (no free slot, or the prompt in
+        flight it would fork is not written yet). Await room for the plan's ``leases`` and
+        ``cells``, then :meth:`reserve` it; :meth:`release` it in every case.
+        """
+    def reserve(self, plan: AdmissionPlan) -> None:
+        """The room was found: hold the plan's need from later requests, and make its prompt one
+        that arriving requests fork once written rather than write again.
+        """
+    def holds(self, plan: AdmissionPlan, branch: Branch) -> None:
+        """``branch`` will hold the plan's prompt (its one choice, or its ``best_of`` root)."""
+    def written(self, plan: AdmissionPlan) -> bool:
+        """The plan's prompt is written: whether requests wait for it (wake them)."""
+    def admitted(self, plan: AdmissionPlan) -> None:
+        """The plan's branches exist: its pins and reservation go, its choices count as running."""
+    def release(self, plan: AdmissionPlan) -> bool:
+        """The request finished or failed: whatever its plan holds goes (pins, reservation,
+        running choices, its prompt in flight). Whether it held anything still.
+        """
+
+@final
+class AdmissionPlan:
+    """The terms a request is admitted on (:meth:`Admission.plan`)."""
+
+    @property
+    def base(self) -> Branch | None:
+        """The branch to fork (``None``: a new branch)."""
+    @property
+    def at(self) -> int | None:
+        """Fork :attr:`base` at this position (``None``: whole, with its logits)."""
+    @property
+    def reused(self) -> int:
+        """Prompt tokens reused (from the cache, or from a prompt in flight)."""
+    @property
+    def exact(self) -> bool:
+        """The prompt is exactly a cached entry, forked whole: nothing to prefill."""
+    @property
+    def best_of(self) -> int:
+        """Choices the request runs."""
+    @property
+    def leases(self) -> int:
+        """Leases to have free before starting (this request's and those reserved before it)."""
+    @property
+    def cells(self) -> int:
+        """KV cells to have free before starting (this request's and those reserved before it)."""
 
 @final
 class Grammar:

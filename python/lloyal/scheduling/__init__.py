@@ -1,5 +1,6 @@
 """Generation requests on one context: admission, a radix prefix cache, prompts in flight
-shared, ``n``/``best_of`` choices forked from one prefill.
+shared, ``n``/``best_of`` choices forked from one prefill (the cache and admission's decisions
+are the core's: :class:`lloyal._lloyal.PrefixCache`, :class:`lloyal._lloyal.Admission`).
 
 :class:`Scheduler` runs each request's choices as engine generation requests
 (:meth:`lloyal.Branch.generate`), all of them in one ``llama_decode`` per step. The OpenAI
@@ -8,7 +9,6 @@ extra.
 """
 
 from .prefix_cache import CacheEntry, PrefixCache
-from .radix import RadixTree
 from .scheduler import LOOKAHEAD, Done, GenSpec, QueueFull, Scheduler, ShuttingDown, TokenEvent, TopLogprob
 
 __all__ = [
@@ -18,7 +18,6 @@ __all__ = [
     "GenSpec",
     "PrefixCache",
     "QueueFull",
-    "RadixTree",
     "Scheduler",
     "ShuttingDown",
     "TokenEvent",

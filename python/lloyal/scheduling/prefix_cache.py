@@ -20,16 +20,12 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import NamedTuple, TypeVar
+from typing import NamedTuple
 
 import lloyal
 from lloyal import _lloyal
 
-from .radix import RadixTree
-
-V = TypeVar("V")
-
-__all__ = ["GHOSTS", "MIN_SHARED", "CacheEntry", "CacheHit", "PrefixCache", "reusable"]
+__all__ = ["GHOSTS", "MIN_SHARED", "CacheEntry", "CacheHit", "PrefixCache"]
 
 GHOSTS: int = _lloyal.PREFIX_GHOSTS
 """Keys of evicted entries remembered (without their KV): a prompt one of them would have
@@ -141,16 +137,3 @@ class PrefixCache:
         """Counters: ``entries``, ``released`` (not pruned yet), ``hit_tokens``, ``lookup_tokens``,
         ``evictions``, ``reuse`` (the share of recent prompts the cache served, or would have)."""
         return self._native.stats()
-
-
-def reusable(tree: RadixTree[V], tokens: Sequence[int]) -> tuple[int, V] | None:
-    """``(tokens reused, value)`` of the key in ``tree`` a request for ``tokens`` would fork,
-    by the cache's rule (:meth:`PrefixCache.lookup`), for prompts still being written."""
-    n_full, full = tree.longest_prefix(tokens)
-    d, part = tree.deepest_match(tokens)
-    d = min(d, len(tokens) - 1)
-    if part is not None and d > n_full:
-        n_full, full = d, part
-    if full is None or n_full < min(MIN_SHARED, len(tokens)):
-        return None
-    return n_full, full

@@ -9,8 +9,10 @@ tokens are turned into events (no hand-off between steps). A request is admitted
 free: it forks the longest cached prefix of its prompt (:mod:`lloyal.scheduling.prefix_cache`),
 prefills the rest once (one choice: in its generation request), and forks ``best_of > 1``
 choices from that root (0 new cells for the prompt). A request whose prompt shares a prefix with
-a running request's, neither cached yet, waits until that prompt is written and forks it there
-(:class:`_InFlight`): a burst of requests with a new system prompt prefills it once. Finished
+a running request's, neither cached yet, waits until that prompt is written and forks it there:
+a burst of requests with a new system prompt prefills it once. Those decisions, the slots and
+the leases and cells reserved for requests being admitted are the core's
+(:class:`lloyal._lloyal.Admission`); this module awaits what they name. Finished
 requests leave their first choice (and a ``best_of`` root) in the cache, within
 :meth:`Scheduler.cache_budget`; everything else is pruned. Choices take a KV cell per token (no
 reservation, unless the scheduler is made with ``reserve=True``: then each waits in the engine
@@ -33,9 +35,9 @@ from dataclasses import dataclass, field
 import numpy as np
 
 import lloyal
+from lloyal import _lloyal
 
-from .prefix_cache import MIN_SHARED, CacheHit, PrefixCache, reusable
-from .radix import RadixTree
+from .prefix_cache import PrefixCache
 
 __all__ = [
     "LOOKAHEAD",
@@ -125,21 +127,6 @@ class _Choice:
         self.task: asyncio.Task[None] | None = None
 
 
-class _InFlight:
-    """A running request's prompt, which other requests may fork before it is cached: ``branch``
-    (its one choice, or its ``best_of`` root) holds ``tokens`` once ``ready`` (a request about
-    to fork it pins it in the prefix cache, so it is not pruned under them)."""
-
-    __slots__ = ("base", "branch", "parent", "ready", "tokens")
-
-    def __init__(self, tokens: tuple[int, ...], base: int, parent: _InFlight | None) -> None:
-        self.tokens = tokens
-        self.base = base  # its first tokens, forked from the cache or from ``parent``
-        self.parent = parent  # the in-flight prompt it forked, if any
-        self.branch: lloyal.Branch | None = None
-        self.ready = False
-
-
 class _Request:
     def __init__(self, spec: GenSpec) -> None:
         self.spec = spec
@@ -147,7 +134,7 @@ class _Request:
         self.choices: list[_Choice] = []
         self.root: lloyal.Branch | None = None
         self.root_is_entry = False
-        self.inflight: _InFlight | None = None  # its prompt, while others may fork it
+        self.plan: _lloyal.AdmissionPlan | None = None  # its admission, until it ends
         self.arrived = time.monotonic()
         self.cached_tokens = 0
         self.cancelled = False
@@ -169,16 +156,13 @@ class Scheduler:
         self.max_queue = max_queue  # None: unbounded
         self.store = lloyal.BranchStore(ctx)
         self.cache = PrefixCache(ctx)
-        self._inflight: RadixTree[_InFlight] = RadixTree()  # prompts being written, by tokens
+        self.book = _lloyal.Admission(ctx, max_running or ctx.n_seq_max)
         self.cache_cells = cache_cells  # None: the budget follows the cache's reuse
         # True: each choice waits in the engine for room for its max_tokens (a batch job's
         # choices all finish); False: a choice that finds the cache full ends with "length"
         self.reserve = reserve
-        self.max_running = max_running or ctx.n_seq_max
-        self._running: list[_Choice] = []
         self._requests: list[_Request] = []
         self._room = asyncio.Condition()
-        self._reserved = (0, 0, 0)  # choices, leases, cells promised to requests being admitted
         self._ticks0 = ctx.engine_stats().ticks
         self.waiting = 0  # requests waiting for leases or cells
         self.tokens_generated = 0
@@ -196,14 +180,14 @@ class Scheduler:
         """Cancel running choices, fail waiting requests and prune every branch."""
         for req in self._requests:
             req.events.put_nowait(ShuttingDown("the server stopped before this request finished"))
-        tasks = [c.task for c in self._running if c.task is not None]
+        choices = [c for req in self._requests for c in req.choices]
+        tasks = [c.task for c in choices if c.task is not None]
         for t in tasks:
             t.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
-        for c in self._running:
+        for c in choices:
             if not c.branch.disposed:
                 c.branch.prune_subtree()
-        self._running.clear()
         self.cache.clear()
 
     async def drain(self, grace: float) -> int:
@@ -235,7 +219,12 @@ class Scheduler:
     @property
     def running(self) -> int:
         """Choices decoding now."""
-        return len(self._running)
+        return self.book.running
+
+    @property
+    def max_running(self) -> int:
+        """The most choices decoding at once."""
+        return self.book.max_running
 
     @property
     def steps(self) -> int:
@@ -248,15 +237,11 @@ class Scheduler:
         """Raise what :meth:`generate` would refuse ``spec`` with, now, before anything runs
         (so a streamed request can still be answered with a status): ValueError when it can never
         run here, :class:`ShuttingDown` while draining, :class:`QueueFull` when the queue is full."""
-        if spec.best_of > self.max_running or spec.best_of + 1 > self.ctx.n_seq_max:
-            raise ValueError(
-                f"best_of/n = {spec.best_of} needs {spec.best_of + 1} sequences but the server runs "
-                f"{min(self.max_running, self.ctx.n_seq_max - 1)} at most: lower n/best_of or start "
-                "the server with a larger --parallel"
-            )
+        self.book.check(spec.best_of)
         if self.closing:
             raise ShuttingDown("the server is shutting down and accepts no new requests: retry later")
-        if self.max_queue is not None and self.waiting >= self.max_queue and self._must_wait(spec):
+        full = self.max_queue is not None and self.waiting >= self.max_queue
+        if full and self.book.must_wait(spec.best_of, self.waiting):
             raise QueueFull(
                 f"the server is busy: {self.waiting} requests already wait for a slot (--max-queue "
                 f"{self.max_queue}); retry after the Retry-After delay"
@@ -284,128 +269,76 @@ class Scheduler:
                 if c.task is not None and not c.task.done():
                     c.task.cancel()
 
-    def _must_wait(self, spec: GenSpec) -> bool:
-        """Whether ``spec`` would queue behind others or for lack of a free slot."""
-        return bool(self.waiting) or len(self._running) + self._reserved[0] + spec.best_of > self.max_running
-
     async def _admit(self, req: _Request) -> None:
         spec = req.spec
-        entry: CacheHit | None = None
-        source: _InFlight | None = None
         self.waiting += 1
         try:
             async with self._room:
                 while True:
                     if self._closed:
                         raise ShuttingDown(self._cancelled_message())
-                    entry = self.cache.lookup(spec.prompt)
-                    hit = entry.used if entry is not None else 0
-                    source, shared = self._inflight_match(spec.prompt, hit)
-                    if source is not None:  # a running request is writing more of the prompt
-                        if entry is not None:
-                            self.cache.unpin(entry.branch)
-                        entry, hit = None, shared
-                    # pinned from here (as the entry is by its lookup): a request finishing while
-                    # this one awaits room must not prune what it is about to fork
-                    held = source.branch if source is not None and source.ready else None
-                    if held is not None:
-                        self.cache.pin(held)
-                    exact = entry is not None and entry.whole and entry.length == len(spec.prompt)
-                    # one choice is its own branch; best_of choices fork a root (or the entry)
-                    leases = 1 if spec.best_of == 1 else spec.best_of + (0 if exact else 1)
-                    cells = len(spec.prompt) - hit + 1
-                    room = len(self._running) + self._reserved[0] + spec.best_of <= self.max_running
-                    fits = False
-                    try:
-                        fits = (
-                            (source is None or source.ready)
-                            and room
-                            and await self.cache.make_room(
-                                leases=leases + self._reserved[1], cells=cells + self._reserved[2]
-                            )
-                        )
-                    finally:
-                        if not fits:  # no room (or cancelled while awaiting it): the pins go
-                            if entry is not None:
-                                self.cache.unpin(entry.branch)
-                            if held is not None:
-                                self.cache.unpin(held)
-                    if fits:
-                        reserved = (spec.best_of, leases, cells)
-                        self._reserve(reserved, +1)
-                        break
-                    await self._room.wait()  # for room, or for the source's prompt to be written
+                    # what it forks is pinned from here: a request finishing while this one
+                    # awaits room must not prune it
+                    plan = self.book.plan(spec.prompt, spec.best_of)
+                    if plan is not None:
+                        fits = False
+                        try:
+                            fits = await self.cache.make_room(leases=plan.leases, cells=plan.cells)
+                        finally:
+                            if not fits:  # no room (or cancelled while awaiting it): the pins go
+                                self.book.release(plan)
+                        if fits:
+                            self.book.reserve(plan)
+                            break
+                    await self._room.wait()  # for room, or for the prompt it forks to be written
         finally:
             self.waiting -= 1
-        req.cached_tokens = hit if entry or source else 0
-        if not exact:  # others with this prompt fork it once written, instead of writing it again
-            req.inflight = _InFlight(tuple(spec.prompt), req.cached_tokens, source)
-            if self._inflight.get(req.inflight.tokens) is None:
-                self._inflight.insert(req.inflight.tokens, req.inflight)
-        base = entry.branch if entry else source.branch if source else None
-        at = None if entry is not None and entry.whole else hit
+        req.plan, req.cached_tokens = plan, plan.reused
         made: list[lloyal.Branch] = []  # the new root, once made
         try:
             if spec.best_of == 1:
-                await self._admit_one(req, base, at, exact)
+                await self._admit_one(req, plan)
             else:
-                await self._admit_forks(req, entry.branch if exact and entry else None, base, at, made)
+                await self._admit_forks(req, plan, made)
+            if self._closed:
+                raise ShuttingDown(self._cancelled_message())
+            self.book.admitted(plan)
         except BaseException:  # a bad grammar or bias, a full cache, a cancelled client: undo it all
-            self._forget(req)
             for c in req.choices:
                 self._started(c)
                 self.cache.release(c.branch)
             self._retire_root(req)  # a root whose prompt is prefilled is kept
             if made and made[0] is not req.root:
                 self.cache.release(made[0])
+            self._release(req)
             raise
-        finally:
-            self._reserve(reserved, -1)
-            if entry is not None:
-                self.cache.unpin(entry.branch)
-            if held is not None:
-                self.cache.unpin(held)
         self.cache.record(req.cached_tokens, spec.prompt)
         self.prompt_tokens += len(spec.prompt)
-        self._running.extend(req.choices)
         self._trim_cache()
 
-    async def _admit_one(
-        self, req: _Request, base: lloyal.Branch | None, at: int | None, exact: bool
-    ) -> None:
+    async def _admit_one(self, req: _Request, plan: _lloyal.AdmissionPlan) -> None:
         """One choice: its branch is a fork of the cached (or in-flight) prefix, or a new
         branch, and its generation request prefills the rest of the prompt in the engine and
-        goes straight on to its tokens. Its prompt cells stay promised until its first token."""
+        goes straight on to its tokens."""
         spec = req.spec
-
-        b = await self._prefix_branch(base, at, spec.params)
+        b = await self._prefix_branch(plan, spec.params)
         req.choices.append(_Choice(req, 0, b))
-        await self._setup(b, spec, 0, reseed=exact)
-        c = req.choices[0]
-        if req.inflight is not None:
-            req.inflight.branch = c.branch
-        c.prompt = spec.prompt[req.cached_tokens :] if not exact else []
-        if self._closed:
-            raise ShuttingDown(self._cancelled_message())
+        await self._setup(b, spec, 0, reseed=plan.exact)
+        self.book.holds(plan, b)
+        req.choices[0].prompt = [] if plan.exact else spec.prompt[plan.reused :]
 
     async def _admit_forks(
-        self,
-        req: _Request,
-        exact: lloyal.Branch | None,
-        base: lloyal.Branch | None,
-        at: int | None,
-        made: list[lloyal.Branch],
+        self, req: _Request, plan: _lloyal.AdmissionPlan, made: list[lloyal.Branch]
     ) -> None:
         """``best_of`` choices: the prompt is prefilled once on a root (or is ``exact``ly a
         cached entry), and each choice forks it."""
         spec = req.spec
-        if exact is not None:
-            req.root, req.root_is_entry = exact, True
+        if plan.exact and plan.base is not None:
+            req.root, req.root_is_entry = plan.base, True
         else:
-            made.append(await self._prefix_branch(base, at, spec.params))
-            if req.inflight is not None:
-                req.inflight.branch = made[0]
-            await made[0].aprefill(spec.prompt[req.cached_tokens :])
+            made.append(await self._prefix_branch(plan, spec.params))
+            self.book.holds(plan, made[0])
+            await made[0].aprefill(spec.prompt[plan.reused :])
             req.root = made[0]
             self._written(req)
         if self._closed:
@@ -423,46 +356,25 @@ class Scheduler:
             raise first
 
     async def _prefix_branch(
-        self, base: lloyal.Branch | None, at: int | None, params: lloyal.SamplingParams
+        self, plan: _lloyal.AdmissionPlan, params: lloyal.SamplingParams
     ) -> lloyal.Branch:
-        """A fork of ``base`` (a cached entry whole, with its logits, when ``at`` is None; else
-        its first ``at`` positions), or a new branch when nothing is shared (``base`` is None).
-        Awaited in the engine: made at once between its ticks, else when the tick in progress
-        ends (the event loop keeps serving meanwhile)."""
-        if base is None:
+        """A fork of the plan's base (whole, with its logits, when ``at`` is None; else its
+        first ``at`` positions), or a new branch when nothing is shared. Awaited in the engine:
+        made at once between its ticks, else when the tick in progress ends (the event loop
+        keeps serving meanwhile)."""
+        if plan.base is None:
             return await lloyal.Branch.acreate(self.ctx, 0, params)
-        return await base.afork(at=at)
-
-    def _inflight_match(self, prompt: Sequence[int], hit: int) -> tuple[_InFlight | None, int]:
-        """The running request whose prompt shares more of ``prompt`` than the cache's ``hit``
-        tokens (at least :data:`~lloyal.scheduling.prefix_cache.MIN_SHARED`), and how many tokens
-        to fork of it (one at least is left to prefill: the fork has no logits)."""
-        found = reusable(self._inflight, prompt)
-        if found is None:
-            return None, 0
-        shared, source = found
-        shared = min(shared, len(prompt) - 1)
-        # A prompt still being written that adds only a few tokens to what it forked itself
-        # (a burst's questions that begin alike): fork what it forked instead of waiting.
-        while not source.ready and shared - source.base < MIN_SHARED and source.parent is not None:
-            shared, source = min(shared, source.base), source.parent
-        if shared - hit < (1 if source.ready else MIN_SHARED):
-            return None, 0
-        return source, shared
+        return await plan.base.afork(at=plan.at)
 
     def _written(self, req: _Request) -> None:
         """``req``'s prompt is in its branch's KV: requests waiting to fork it may go on."""
-        if req.inflight is not None and not req.inflight.ready:
-            req.inflight.ready = True
-            if self.waiting:
-                asyncio.get_running_loop().create_task(self._notify_room())
+        if req.plan is not None and self.book.written(req.plan) and self.waiting:
+            asyncio.get_running_loop().create_task(self._notify_room())
 
-    def _forget(self, req: _Request) -> None:
-        """``req``'s prompt can no longer be forked as in flight (it finished, or failed)."""
-        if req.inflight is not None and self._inflight.get(req.inflight.tokens) is req.inflight:
-            self._inflight.remove(req.inflight.tokens)
-            if self.waiting and not req.inflight.ready:  # its waiters look again
-                asyncio.get_running_loop().create_task(self._notify_room())
+    def _release(self, req: _Request) -> None:
+        """``req`` ended (or failed): its slots, reservation and prompt in flight go."""
+        if req.plan is not None and self.book.release(req.plan) and self.waiting:
+            asyncio.get_running_loop().create_task(self._notify_room())
 
     @staticmethod
     async def _setup(b: lloyal.Branch, spec: GenSpec, i: int, *, reseed: bool) -> None:
@@ -475,14 +387,6 @@ class Scheduler:
         elif reseed:
             seed = int.from_bytes(np.random.bytes(4), "little")
         await b.aset_sampling(spec.params, seed=seed, logit_bias=spec.logit_bias, grammar=spec.grammar)
-
-    def _reserve(self, r: tuple[int, int, int], sign: int) -> None:
-        """Hold (or release) choices, leases and cells for a request between admission and its forks."""
-        self._reserved = (
-            self._reserved[0] + sign * r[0],
-            self._reserved[1] + sign * r[1],
-            self._reserved[2] + sign * r[2],
-        )
 
     def _retire_root(self, req: _Request) -> None:
         if req.root is not None and not req.root_is_entry and not req.root.disposed:
@@ -567,9 +471,8 @@ class Scheduler:
 
     def _finish(self, req: _Request) -> None:
         spec = req.spec
-        self._forget(req)
+        self._release(req)
         self._requests.remove(req)
-        self._running = [c for c in self._running if c.req is not req]
         order = list(range(len(req.choices)))
         ppls: list[float] = []
         if spec.best_of > spec.n or spec.rank:

@@ -9,6 +9,7 @@
 //! (released branches, the budget). An entry is evictable when it is a leaf (no live fork of
 //! it) and unpinned; evicting it frees its lease and its own cells (after its fork point).
 
+pub mod admission;
 pub(crate) mod evict;
 pub mod radix;
 

@@ -235,4 +235,46 @@ mod tests {
         assert_eq!(t.insert(&[], 6), None, "the empty key is the root's");
         assert_eq!(t.longest_prefix(&[8]), None, "the root's value is no prefix match");
     }
+
+    /// Random inserts and removals over a 4-token alphabet against a map searched by brute
+    /// force (a small xorshift generator: no dependency).
+    #[test]
+    fn random_programs_match_a_brute_force_map() {
+        let mut seed = 0x9E37_79B9_7F4A_7C15u64;
+        let mut next = move |n: u64| {
+            seed ^= seed << 13;
+            seed ^= seed >> 7;
+            seed ^= seed << 17;
+            seed % n
+        };
+        for _ in 0..200 {
+            let mut t = RadixTree::default();
+            let mut model: std::collections::HashMap<Vec<i32>, usize> = Default::default();
+            let key = |next: &mut dyn FnMut(u64) -> u64| -> Vec<i32> {
+                (0..1 + next(8)).map(|_| next(4) as i32).collect()
+            };
+            for i in 0..40 {
+                let k = key(&mut next);
+                if next(3) > 0 {
+                    assert_eq!(t.insert(&k, i), model.insert(k, i));
+                } else {
+                    assert_eq!(t.remove(&k), model.remove(&k));
+                }
+                assert_eq!(t.len(), model.len());
+            }
+            for _ in 0..20 {
+                let p = key(&mut next);
+                let lcp = |k: &[i32]| k.iter().zip(&p).take_while(|(a, b)| a == b).count();
+                let longest = model.iter().filter(|(k, _)| p.starts_with(k)).max_by_key(|(k, _)| k.len());
+                assert_eq!(t.longest_prefix(&p), longest.map(|(k, v)| (k.len(), v)));
+                assert_eq!(t.get(&p), model.get(&p));
+                let deepest = model.keys().map(|k| lcp(k)).max().filter(|&d| d > 0);
+                let got = t.deepest_match(&p);
+                assert_eq!(got.map(|g| g.0), deepest);
+                if let Some((d, v)) = got {
+                    assert!(model.iter().any(|(k, w)| w == v && lcp(k) == d), "a key sharing {d}");
+                }
+            }
+        }
+    }
 }
