@@ -271,6 +271,15 @@ impl PyTokenIter {
     fn finish_reason(&self) -> Option<&'static str> {
         self.lock().finish
     }
+
+    /// The branch's perplexity (as :attr:`Branch.perplexity`) when its generation request ended
+    /// (with a :attr:`finish_reason`, or with an error such as ``KvCacheFullError``), read without
+    /// waiting for the engine; None while running or when closed before its end.
+    #[getter]
+    fn perplexity(&self) -> Option<f64> {
+        let st = self.lock();
+        st.stream.as_ref().filter(|_| st.done)?.perplexity()
+    }
 }
 
 impl GenArgs {

@@ -57,10 +57,12 @@ def test_greedy_generation_equals_a_hand_loop(ctx9: lloyal.Context, root: Branch
     pos = root.position
     cells = BranchStore(ctx9).kv_pressure.cells_used
     it = root.generate(12)
-    assert it.finish_reason is None
+    assert it.finish_reason is None and it.perplexity is None
     toks = list(it)
     assert [t.token for t in toks] == hand_loop(twin, 12)
     assert it.finish_reason == "length"
+    assert it.perplexity == root.perplexity == twin.perplexity  # given with the end: no context call
+    assert it.perplexity is not None and 1.0 < it.perplexity < 1e4
     assert root.position == pos + 12
     assert ctx9.kv_seq_pos_max(root.seq_id) == pos + 11
     assert BranchStore(ctx9).kv_pressure.cells_used == cells + 12 + 12  # root + twin
@@ -224,7 +226,7 @@ def test_break_frees_the_request_at_the_next_tick(ctx9: lloyal.Context, root: Br
     next(it)
     it.close()
     it.close()
-    assert list(it) == [] and it.finish_reason is None
+    assert list(it) == [] and it.finish_reason is None and it.perplexity is None
     wait_until(lambda: ctx9.engine_stats().generating == 0)
     assert root.position == pos + 6
 
@@ -669,5 +671,6 @@ def test_without_reservation_a_request_takes_a_cell_per_token_until_the_cache_is
         for t in it:
             got.append(t.token)
     assert len(got) == 3 and b.position == n_ctx  # every free cell was used, then it failed
+    assert it.perplexity == b.perplexity and it.perplexity is not None and it.perplexity > 1.0
     assert BranchStore(small).kv_pressure.remaining == 0
     assert small.engine_stats().generating == 0

@@ -6,7 +6,7 @@ from __future__ import annotations
 import asyncio
 
 import pytest
-from helpers import greedy_completion
+from helpers import greedy_completion, wait_until
 
 import lloyal
 
@@ -333,3 +333,92 @@ def test_a_request_cancelled_while_it_awaits_room_leaves_no_pin(model: lloyal.Mo
         asyncio.run(main())
         sched.cache.trim(0)  # unpinned: the budget evicts it
         assert entry.branch.disposed and sched.cache.stats()["evictions"] == 1
+
+
+def test_best_of_ranks_choices_by_the_perplexity_of_what_each_generated(model: lloyal.Model) -> None:
+    """``best_of`` keeps the ``n`` choices of lowest perplexity (read from each generation
+    request's end, no context call): each equals the perplexity of its tokens scored alone."""
+    with lloyal.Context(model, n_ctx=512, n_seq_max=8) as ctx:
+        sched = Scheduler(ctx, max_running=4, cache_cells=0)
+        prompt = ctx.tokenize("A list of fruits: apples, pears,")
+        params = lloyal.SamplingParams(temperature=1.2, top_k=40)
+        spec = GenSpec(prompt=prompt, params=params, max_tokens=6, n=2, best_of=4, seed=11, stop_tokens=[])
+        evs, done = run(sched, spec)
+        assert (
+            len(done.perplexities) == 4
+            and done.choices == sorted(range(4), key=lambda i: done.perplexities[i])[:2]
+        )
+        root = lloyal.Branch.create(ctx, 0, GREEDY)
+        root.prefill(prompt)
+        for i in range(4):
+            tokens = [e.token for e in evs if e.index == i and e.token >= 0]
+            alone = root.fork()
+            for t in tokens:
+                alone.commit(t)
+            assert done.perplexities[i] == pytest.approx(alone.perplexity, rel=1e-3), i
+            alone.prune()
+        assert len(set(done.perplexities)) > 1, "the choices differ"
+        root.prune()
+        asyncio.run(sched.stop())
+
+
+def test_a_random_burst_with_cancellations_leaves_no_slot_reservation_pin_or_lease(
+    model: lloyal.Model,
+) -> None:
+    """Requests of three prompt families (some sharing prompts in flight), one or two choices,
+    several cancelled at random points (waiting, streaming), two failing while admitted: once
+    they are all done,
+    admission holds nothing (no running choice, no reservation), and a cache budget of 0 evicts
+    every entry (no pin was left behind), so every lease and cell is free again."""
+    import random
+
+    rng = random.Random(5)
+    with lloyal.Context(model, n_ctx=2048, n_batch=64, n_seq_max=8) as ctx:
+        sched = Scheduler(ctx, max_running=3, cache_cells=1024)
+        families = [
+            ctx.tokenize(f"Family {k}: a shared opening about rivers and hills. " * 6) for k in range(3)
+        ]
+
+        async def one(i: int) -> str:
+            prompt = families[i % 3] + ctx.tokenize(f" Question {i}?", add_special=False)
+            spec = GenSpec(
+                prompt=prompt, params=GREEDY, max_tokens=rng.randint(1, 6), best_of=rng.choice([1, 2])
+            )
+            spec.n = spec.best_of
+            if i in (4, 9):  # fails while admitted: its choices' sampling cannot be set up
+                spec.logit_bias = {ctx.n_vocab + 5: 1.0}
+            cancel_after = rng.choice([None, None, 0, 1, 3])  # events read before cancelling
+            seen = 0
+            try:
+                async for ev in sched.generate(spec):
+                    if isinstance(ev, Done):
+                        return "done"
+                    seen += 1
+                    if cancel_after is not None and seen > cancel_after:
+                        return "cancelled"
+            except lloyal.InvalidTokenError:
+                return "refused"
+            raise AssertionError("no Done")
+
+        async def main() -> list[str]:
+            tasks = [asyncio.create_task(one(i)) for i in range(16)]
+            await asyncio.sleep(0.05)
+            for t in rng.sample(tasks, 3):  # cancelled wherever they are (most are still waiting)
+                t.cancel()
+            # a leaked slot would keep later requests waiting: fail instead of hanging
+            out = await asyncio.wait_for(asyncio.gather(*tasks, return_exceptions=True), 60)
+            for _ in range(200):  # choices of cancelled requests finish at the engine's next ticks
+                if not sched._requests and sched.waiting == 0:
+                    break
+                await asyncio.sleep(0.01)
+            return ["killed" if isinstance(r, asyncio.CancelledError) else str(r) for r in out]
+
+        outcomes = asyncio.run(main())
+        assert {"done", "cancelled", "killed", "refused"} <= set(outcomes), outcomes
+        assert (sched.running, sched.book.reserved, sched.waiting) == (0, (0, 0, 0), 0)
+        assert len(sched.cache) >= 1
+        wait_until(lambda: ctx.engine_stats().generating == 0)  # cancelled choices: dropped
+        sched.cache.trim(0)  # every entry unpinned: all evicted, their forks' released parents too
+        wait_until(lambda: len(sched.cache) == 0 and sched.cache.stats()["released"] == 0, 5.0)
+        assert sched.store.available == ctx.n_seq_max and sched.store.kv_pressure.cells_used == 0
+        asyncio.run(sched.stop())

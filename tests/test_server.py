@@ -78,8 +78,9 @@ def name(model_path: str) -> str:
 
 
 @pytest.fixture(scope="module")
-def client(server: str) -> openai.OpenAI:
-    return openai.OpenAI(base_url=server + "/v1", api_key=KEY, max_retries=0, timeout=120)
+def client(server: str) -> Iterator[openai.OpenAI]:
+    with openai.OpenAI(base_url=server + "/v1", api_key=KEY, max_retries=0, timeout=120) as c:
+        yield c
 
 
 @pytest.fixture(scope="module")

@@ -804,6 +804,12 @@ class TokenIterator:
         (``max_tokens``) or ``"eog"`` (the model's end-of-generation token); None while
         running or after ``close()``.
         """
+    @property
+    def perplexity(self) -> float | None:
+        """The branch's perplexity (as :attr:`Branch.perplexity`) when its generation request ended
+        (with a :attr:`finish_reason`, or with an error such as ``KvCacheFullError``), read without
+        waiting for the engine; None while running or when closed before its end.
+        """
 
 @final
 class LoopWaker:

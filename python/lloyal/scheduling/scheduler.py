@@ -115,7 +115,7 @@ class Done:
 
 
 class _Choice:
-    __slots__ = ("branch", "done", "generated", "index", "prompt", "reason", "req", "task", "text")
+    __slots__ = ("branch", "done", "generated", "index", "ppl", "prompt", "reason", "req", "task", "text")
 
     def __init__(self, req: _Request, index: int, branch: lloyal.Branch) -> None:
         self.req, self.index, self.branch = req, index, branch
@@ -124,6 +124,7 @@ class _Choice:
         self.generated: list[int] = []
         self.done = False
         self.reason = ""
+        self.ppl = math.inf  # its branch's perplexity as its generation request ended
         self.task: asyncio.Task[None] | None = None
 
 
@@ -389,7 +390,7 @@ class Scheduler:
         await b.aset_sampling(spec.params, seed=seed, logit_bias=spec.logit_bias, grammar=spec.grammar)
 
     def _retire_root(self, req: _Request) -> None:
-        if req.root is not None and not req.root_is_entry and not req.root.disposed:
+        if req.root is not None and not req.root_is_entry:
             self.cache.add(req.root, req.spec.prompt)
 
     # -- the choices ----------------------------------------------------------------------------
@@ -434,6 +435,8 @@ class Scheduler:
         except Exception as exc:  # the request fails with it; the other choices are cancelled
             c.req.events.put_nowait(exc)
         finally:
+            ppl = it.perplexity
+            c.ppl = ppl if ppl is not None and math.isfinite(ppl) else math.inf
             self._started(c)
             c.done, c.reason = True, reason
             if all(x.done for x in c.req.choices) and c.req in self._requests:
@@ -476,16 +479,16 @@ class Scheduler:
         order = list(range(len(req.choices)))
         ppls: list[float] = []
         if spec.best_of > spec.n or spec.rank:
-            ppls = [_ppl(c.branch) if c.generated else math.inf for c in req.choices]
+            ppls = [c.ppl if c.generated else math.inf for c in req.choices]
             order.sort(key=lambda i: ppls[i])
         keep = order[: spec.n]
         self._retire_root(req)
         first = req.choices[keep[0]]
         # a released branch stays while a fork of it lives or a request about to fork it pins it
         for c in req.choices:
-            if c is first and not req.cancelled and not c.branch.disposed:
+            if c is first and not req.cancelled:
                 self.cache.add(c.branch, spec.prompt + c.generated)
-            elif not c.branch.disposed:
+            else:
                 self.cache.release(c.branch)
         self._trim_cache()
         done = Done(
@@ -504,8 +507,3 @@ class Scheduler:
     async def _notify_room(self) -> None:
         async with self._room:
             self._room.notify_all()
-
-
-def _ppl(branch: lloyal.Branch) -> float:
-    p = branch.perplexity
-    return p if math.isfinite(p) else math.inf

@@ -81,6 +81,8 @@ struct StreamState {
     wake: Option<Wake>,
     /// Tokens the engine may generate ahead of the consumer (0 and 1: one per ask).
     lookahead: usize,
+    /// The branch's perplexity when the request ended.
+    perplexity: Option<f64>,
 }
 
 impl StreamState {
@@ -151,6 +153,18 @@ impl GenStream {
     /// Whether the request ended.
     pub fn ended(&self) -> bool {
         self.lock().end.is_some()
+    }
+
+    /// The branch's model perplexity over everything it committed, as the request ended (a
+    /// stop, `max_tokens`, EOG, or an error at a step); `None` before, or when it was
+    /// cancelled or its branch is gone. Read without the context's lock.
+    pub fn perplexity(&self) -> Option<f64> {
+        self.lock().perplexity
+    }
+
+    /// Note the branch's perplexity at its end (engine side, before the end is delivered).
+    pub(crate) fn set_perplexity(&self, perplexity: f64) {
+        self.lock().perplexity = Some(perplexity);
     }
 
     /// Take the consumer's request for a token (engine side).

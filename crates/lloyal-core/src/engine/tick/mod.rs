@@ -279,7 +279,7 @@ impl Scheduler {
                 self.execute(s, &sched.parts, (decode_rows, prefill_rows), max_prefill, &mut out);
             self.update(s, sched.parts, (outcomes, copies), &mut sched.ended, &mut out);
         }
-        self.end_gens(sched.ended, &mut out);
+        self.end_gens(s, sched.ended, &mut out);
         // Tell the ledger which branches have prefill cells written ahead of their position.
         let written = self.flights.iter().flat_map(|f| f.items.iter().map(|i| (i.handle, i.done)));
         s.ledger.note_in_flight(written.collect());

@@ -88,11 +88,20 @@ impl Scheduler {
         out.sample_secs += t0.elapsed().as_secs_f64();
     }
 
-    /// Remove ended generation requests (highest index first) and answer them.
-    pub(super) fn end_gens(&mut self, mut ended: Vec<(usize, Result<Finish>)>, out: &mut TickOutcome) {
+    /// Remove ended generation requests (highest index first) and answer them, each with its
+    /// branch's perplexity (its caller ranks choices without a context call).
+    pub(super) fn end_gens(
+        &mut self,
+        s: &ContextState,
+        mut ended: Vec<(usize, Result<Finish>)>,
+        out: &mut TickOutcome,
+    ) {
         ended.sort_by_key(|e| std::cmp::Reverse(e.0));
         for (gi, result) in ended {
             let g = self.gens.remove(gi);
+            if let Ok(b) = s.branch(g.spec.handle) {
+                g.spec.stream.set_perplexity(b.perplexity());
+            }
             out.end_stream(g.op, &g.spec.stream, result);
         }
     }
