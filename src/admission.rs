@@ -145,6 +145,37 @@ impl PyAdmission {
         Ok(())
     }
 
+    /// The request ended with ``choices`` (each ``(branch, generated tokens, perplexity)``):
+    /// ``(kept, perplexities)``, the ``n`` choice indices it returns, best first, and the
+    /// perplexities it ranked by (empty when unranked). Ranked by perplexity (lowest first; one
+    /// that generated nothing last) when ``rank`` or more than ``n`` ran. The best choice's
+    /// branch stays in the prefix cache holding the prompt and its tokens (unless not
+    /// ``keep_best``: a cancelled request), the others are released, ``root`` (holding just the
+    /// prompt) is cached, and the plan is released.
+    #[pyo3(signature = (plan, choices, root, *, n, rank, keep_best))]
+    #[allow(clippy::too_many_arguments)]
+    fn finish(
+        &self,
+        py: Python<'_>,
+        plan: &PyPlan,
+        choices: Vec<(PyRef<'_, PyBranch>, Vec<i32>, f64)>,
+        root: Option<PyRef<'_, PyBranch>>,
+        n: usize,
+        rank: bool,
+        keep_best: bool,
+    ) -> PyResult<(Vec<usize>, Vec<f64>)> {
+        let owner = "this Admission";
+        let choices = choices
+            .into_iter()
+            .map(|(b, generated, ppl)| Ok((b.handle_in(&self.core, owner)?, generated, ppl)))
+            .collect::<PyResult<Vec<_>>>()?;
+        let root = root.map(|b| b.handle_in(&self.core, owner)).transpose()?;
+        let id = plan.plan.id;
+        let out = self.with_index(|book, index| book.finish(index, id, &choices, root, (n, rank, keep_best)));
+        self.tidy(py);
+        Ok(out)
+    }
+
     /// The request finished or failed: whatever its plan holds goes (pins, reservation,
     /// running choices, its prompt in flight). Whether it held anything still.
     fn release(&self, py: Python<'_>, plan: &PyPlan) -> bool {

@@ -602,6 +602,24 @@ class Admission:
         """The plan's prompt is written: whether requests wait for it (wake them)."""
     def admitted(self, plan: AdmissionPlan) -> None:
         """The plan's branches exist: its pins and reservation go, its choices count as running."""
+    def finish(
+        self,
+        plan: AdmissionPlan,
+        choices: list[tuple[Branch, list[int], float]],
+        root: Branch | None,
+        *,
+        n: int,
+        rank: bool,
+        keep_best: bool,
+    ) -> tuple[list[int], list[float]]:
+        """The request ended with ``choices`` (each ``(branch, generated tokens, perplexity)``):
+        ``(kept, perplexities)``, the ``n`` choice indices it returns, best first, and the
+        perplexities it ranked by (empty when unranked). Ranked by perplexity (lowest first; one
+        that generated nothing last) when ``rank`` or more than ``n`` ran. The best choice's
+        branch stays in the prefix cache holding the prompt and its tokens (unless not
+        ``keep_best``: a cancelled request), the others are released, ``root`` (holding just the
+        prompt) is cached, and the plan is released.
+        """
     def release(self, plan: AdmissionPlan) -> bool:
         """The request finished or failed: whatever its plan holds goes (pins, reservation,
         running choices, its prompt in flight). Whether it held anything still.

@@ -307,11 +307,9 @@ class Scheduler:
         except BaseException:  # a bad grammar or bias, a full cache, a cancelled client: undo it all
             for c in req.choices:
                 self._started(c)
-                self.cache.release(c.branch)
-            self._retire_root(req)  # a root whose prompt is prefilled is kept
-            if made and made[0] is not req.root:
+            if made and made[0] is not req.root:  # its prompt is not written: it goes
                 self.cache.release(made[0])
-            self._release(req)
+            self._end(req, keep_best=False)  # the choices go; a root whose prompt is written stays
             raise
         self.cache.record(req.cached_tokens, spec.prompt)
         self.prompt_tokens += len(spec.prompt)
@@ -372,10 +370,19 @@ class Scheduler:
         if req.plan is not None and self.book.written(req.plan) and self.waiting:
             asyncio.get_running_loop().create_task(self._notify_room())
 
-    def _release(self, req: _Request) -> None:
-        """``req`` ended (or failed): its slots, reservation and prompt in flight go."""
-        if req.plan is not None and self.book.release(req.plan) and self.waiting:
+    def _end(self, req: _Request, *, keep_best: bool) -> tuple[list[int], list[float]]:
+        """``req`` ended (or failed): the core ranks its choices (``best_of``), keeps the best
+        one's branch (``keep_best``) and a root holding its prompt in the prefix cache,
+        releases the other branches, and frees its slots, reservation and prompt in flight.
+        Returns the choices it returns, best first, and the perplexities it ranked by."""
+        assert req.plan is not None
+        root = req.root if req.root is not None and not req.root_is_entry else None
+        choices = [(c.branch, c.generated, c.ppl) for c in req.choices]
+        spec = req.spec
+        kept, ppls = self.book.finish(req.plan, choices, root, n=spec.n, rank=spec.rank, keep_best=keep_best)
+        if self.waiting:
             asyncio.get_running_loop().create_task(self._notify_room())
+        return kept, ppls
 
     @staticmethod
     async def _setup(b: lloyal.Branch, spec: GenSpec, i: int, *, reseed: bool) -> None:
@@ -388,10 +395,6 @@ class Scheduler:
         elif reseed:
             seed = int.from_bytes(np.random.bytes(4), "little")
         await b.aset_sampling(spec.params, seed=seed, logit_bias=spec.logit_bias, grammar=spec.grammar)
-
-    def _retire_root(self, req: _Request) -> None:
-        if req.root is not None and not req.root_is_entry:
-            self.cache.add(req.root, req.spec.prompt)
 
     # -- the choices ----------------------------------------------------------------------------
     async def _run_choice(self, c: _Choice) -> None:
@@ -474,22 +477,9 @@ class Scheduler:
 
     def _finish(self, req: _Request) -> None:
         spec = req.spec
-        self._release(req)
         self._requests.remove(req)
-        order = list(range(len(req.choices)))
-        ppls: list[float] = []
-        if spec.best_of > spec.n or spec.rank:
-            ppls = [c.ppl if c.generated else math.inf for c in req.choices]
-            order.sort(key=lambda i: ppls[i])
-        keep = order[: spec.n]
-        self._retire_root(req)
-        first = req.choices[keep[0]]
         # a released branch stays while a fork of it lives or a request about to fork it pins it
-        for c in req.choices:
-            if c is first and not req.cancelled:
-                self.cache.add(c.branch, spec.prompt + c.generated)
-            else:
-                self.cache.release(c.branch)
+        keep, ppls = self._end(req, keep_best=not req.cancelled)
         self._trim_cache()
         done = Done(
             choices=keep,

@@ -332,6 +332,53 @@ impl Admission {
         }
         true
     }
+
+    /// The request of `plan` ended with `choices` (each its branch, the tokens it generated and
+    /// its perplexity then): the `n` it returns, best first, and the perplexities it ranked by.
+    ///
+    /// Choices are ranked by perplexity (lowest first; one that generated nothing, or whose
+    /// perplexity is not finite, last) when `rank` or there are more than `n`, else kept in
+    /// order. The best one's branch stays in the cache as an entry holding the prompt and its
+    /// tokens (unless `keep_best` is false: a cancelled or failed request), the others are
+    /// released, and `root` (a branch holding just the prompt, the choices forked it) is kept
+    /// as an entry. Then the plan is released ([`Admission::release`]).
+    pub fn finish(
+        &mut self,
+        index: &mut PrefixIndex,
+        plan: u64,
+        choices: &[(Handle, Vec<i32>, f64)],
+        root: Option<Handle>,
+        (n, rank, keep_best): (usize, bool, bool),
+    ) -> (Vec<usize>, Vec<f64>) {
+        let mut order: Vec<usize> = (0..choices.len()).collect();
+        let mut ppls = Vec::new();
+        if rank || choices.len() > n {
+            let score = |(_, gen, p): &(Handle, Vec<i32>, f64)| {
+                if gen.is_empty() || !p.is_finite() {
+                    f64::INFINITY
+                } else {
+                    *p
+                }
+            };
+            ppls = choices.iter().map(score).collect();
+            order.sort_by(|&a, &b| ppls[a].total_cmp(&ppls[b]));
+        }
+        order.truncate(n);
+        let prompt = self.plans.get(&plan).map(|h| h.prompt.clone()).unwrap_or_default();
+        if let Some(root) = root {
+            index.add(root, &prompt);
+        }
+        let best = order.first().copied().filter(|_| keep_best);
+        for (i, (handle, generated, _)) in choices.iter().enumerate() {
+            if Some(i) == best {
+                index.add(*handle, &[prompt.as_slice(), generated].concat());
+            } else {
+                index.release(*handle);
+            }
+        }
+        self.release(index, plan);
+        (order, ppls)
+    }
 }
 
 #[cfg(test)]
@@ -442,5 +489,29 @@ mod tests {
         book.written(b.id);
         let d = book.plan(&mut ix, &cat(&q2, &[1]), 1).unwrap();
         assert_eq!(d.start, Start::Fork { handle: 2, at: Some(50) });
+    }
+
+    #[test]
+    fn a_finished_request_keeps_its_best_choice_and_root_and_releases_the_rest() {
+        let (mut ix, mut book) = (PrefixIndex::default(), Admission::new(8));
+        let prompt = toks(0, 20);
+        let p = book.plan(&mut ix, &prompt, 3).unwrap();
+        book.reserve(p.id).unwrap();
+        book.admitted(&mut ix, p.id).unwrap();
+        let choices = [(11, vec![1, 2], 4.0), (12, vec![], 1.0), (13, vec![3], 2.5)];
+        let (order, ppls) = book.finish(&mut ix, p.id, &choices, Some(10), (2, false, true));
+        assert_eq!(order, [2, 0], "lowest perplexity first; nothing generated ranks last");
+        assert_eq!(ppls, [4.0, f64::INFINITY, 2.5]);
+        assert_eq!(book.running(), 0, "released");
+        let mut kept = ix.entries();
+        kept.sort();
+        assert_eq!(kept, [(10, prompt.clone()), (13, cat(&prompt, &[3]))]);
+        assert_eq!(ix.take_prunable(|_| true), [11, 12]);
+        let q = book.plan(&mut ix, &toks(100, 20), 2).unwrap();
+        let (order, ppls) =
+            book.finish(&mut ix, q.id, &[(21, vec![5], 9.0), (22, vec![6], 1.0)], None, (2, false, false));
+        assert_eq!((order, ppls.is_empty()), (vec![0, 1], true), "best_of == n unranked: in order");
+        assert_eq!(ix.take_prunable(|_| true), [21, 22], "not kept: a cancelled request");
+        assert_eq!(ix.stats().entries, 2);
     }
 }
