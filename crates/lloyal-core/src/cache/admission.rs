@@ -364,11 +364,18 @@ impl Admission {
             order.sort_by(|&a, &b| ppls[a].total_cmp(&ppls[b]));
         }
         order.truncate(n);
-        let prompt = self.plans.get(&plan).map(|h| h.prompt.clone()).unwrap_or_default();
-        if let Some(root) = root {
-            index.add(root, &prompt);
+        // a plan released already (finished twice) knows no prompt: nothing is kept
+        let prompt = self.plans.get(&plan).map(|h| h.prompt.clone());
+        let keep = prompt.is_some();
+        let prompt = prompt.unwrap_or_default();
+        match root {
+            Some(root) if keep => {
+                index.add(root, &prompt);
+            }
+            Some(root) => index.release(root),
+            None => {}
         }
-        let best = order.first().copied().filter(|_| keep_best);
+        let best = order.first().copied().filter(|_| keep_best && keep);
         for (i, (handle, generated, _)) in choices.iter().enumerate() {
             if Some(i) == best {
                 index.add(*handle, &[prompt.as_slice(), generated].concat());
@@ -512,6 +519,10 @@ mod tests {
             book.finish(&mut ix, q.id, &[(21, vec![5], 9.0), (22, vec![6], 1.0)], None, (2, false, false));
         assert_eq!((order, ppls.is_empty()), (vec![0, 1], true), "best_of == n unranked: in order");
         assert_eq!(ix.take_prunable(|_| true), [21, 22], "not kept: a cancelled request");
+        assert_eq!(ix.stats().entries, 2);
+        let again = book.finish(&mut ix, q.id, &[(31, vec![5], 1.0)], Some(30), (1, false, true));
+        assert_eq!(again.0, [0]);
+        assert_eq!(ix.take_prunable(|_| true), [30, 31], "a plan finished twice keeps nothing");
         assert_eq!(ix.stats().entries, 2);
     }
 }
