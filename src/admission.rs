@@ -28,6 +28,9 @@ use crate::error::to_py;
 ///     (None, 3, 21, None)
 #[pyclass(name = "Admission", module = "lloyal._lloyal", frozen)]
 pub struct PyAdmission {
+    /// The most choices running at once.
+    #[pyo3(get)]
+    max_running: usize,
     ctx: Py<PyContext>,
     core: Arc<Context>,
     book: Mutex<admission::Admission>,
@@ -71,13 +74,8 @@ impl PyAdmission {
     #[new]
     fn new(ctx: Py<PyContext>, max_running: usize) -> Self {
         let core = Arc::clone(&ctx.get().inner);
-        PyAdmission { ctx, core, book: Mutex::new(admission::Admission::new(max_running)) }
-    }
-
-    /// The most choices running at once.
-    #[getter]
-    fn max_running(&self) -> usize {
-        self.book().max_running()
+        let book = admission::Admission::new(max_running);
+        PyAdmission { max_running: book.max_running(), ctx, core, book: Mutex::new(book) }
     }
 
     /// Choices running now (admitted, not yet released).

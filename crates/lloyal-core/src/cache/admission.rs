@@ -400,6 +400,13 @@ mod tests {
         [a, b].concat()
     }
 
+    /// A plan for `prompt` made and its room reserved.
+    fn reserved(ix: &mut PrefixIndex, book: &mut Admission, prompt: &[i32], best_of: usize) -> Plan {
+        let p = book.plan(ix, prompt, best_of).expect("admitted now");
+        book.reserve(p.id).unwrap();
+        p
+    }
+
     #[test]
     fn slots_and_reservations_hold_back_later_requests_until_released() {
         let (mut ix, mut book) = (PrefixIndex::default(), Admission::new(3));
@@ -450,8 +457,7 @@ mod tests {
     fn a_prompt_in_flight_is_waited_for_then_forked_and_an_exact_one_is_not_in_flight() {
         let (mut ix, mut book) = (PrefixIndex::default(), Admission::new(8));
         let system = toks(0, 40);
-        let a = book.plan(&mut ix, &system, 1).unwrap();
-        book.reserve(a.id).unwrap();
+        let a = reserved(&mut ix, &mut book, &system, 1);
         let q = cat(&system, &toks(500, 10));
         assert!(book.plan(&mut ix, &q, 1).is_none(), "a's branch is not made yet");
         book.holds(a.id, 5).unwrap();
@@ -477,8 +483,7 @@ mod tests {
     fn a_burst_forks_what_a_prompt_in_flight_forked_when_it_adds_little() {
         let (mut ix, mut book) = (PrefixIndex::default(), Admission::new(8));
         let system = toks(0, 30);
-        let a = book.plan(&mut ix, &cat(&system, &toks(900, 5)), 1).unwrap();
-        book.reserve(a.id).unwrap();
+        let a = reserved(&mut ix, &mut book, &cat(&system, &toks(900, 5)), 1);
         book.holds(a.id, 1).unwrap();
         book.written(a.id);
         let q2 = cat(&system, &cat(&[7, 7, 7], &toks(600, 17)));
@@ -502,8 +507,7 @@ mod tests {
     fn a_finished_request_keeps_its_best_choice_and_root_and_releases_the_rest() {
         let (mut ix, mut book) = (PrefixIndex::default(), Admission::new(8));
         let prompt = toks(0, 20);
-        let p = book.plan(&mut ix, &prompt, 3).unwrap();
-        book.reserve(p.id).unwrap();
+        let p = reserved(&mut ix, &mut book, &prompt, 3);
         book.admitted(&mut ix, p.id).unwrap();
         let choices = [(11, vec![1, 2], 4.0), (12, vec![], 1.0), (13, vec![3], 2.5)];
         let (order, ppls) = book.finish(&mut ix, p.id, &choices, Some(10), (2, false, true));
