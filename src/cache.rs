@@ -114,12 +114,20 @@ impl PyPrefixCache {
     /// entries are evicted to keep within it.
     #[getter]
     fn budget(&self) -> Option<usize> {
-        self.index().budget()
+        self.index().budget(self.core.shape().n_ctx as usize)
     }
 
     #[setter]
     fn set_budget(&self, py: Python<'_>, cells: Option<usize>) {
         self.index().set_budget(cells);
+        self.tidy(py);
+    }
+
+    /// Keep the :attr:`budget` at ``n_ctx`` times ``stats()["reuse"]`` (the share of recent
+    /// prompts the cache served or, trimmed less, would have), recomputed at every trim (the
+    /// end of each tick, each ``add`` or ``release``) until a budget is set.
+    fn follow_reuse(&self, py: Python<'_>) {
+        self.index().follow_reuse();
         self.tidy(py);
     }
 

@@ -70,7 +70,7 @@ def test_a_best_of_request_whose_prompt_fails_leaves_no_branch(model: lloyal.Mod
     cannot take (a token outside the vocabulary) fails the request with its error, and the
     root is pruned (no lease, no cell kept); the scheduler serves the next request."""
     with lloyal.Context(model, n_ctx=512, n_batch=64, n_seq_max=6) as ctx:
-        sched = Scheduler(ctx, cache_cells=0)
+        sched = Scheduler(ctx, cache_cells=64)  # room for the root (cache_cells=0 evicts it at once)
         prompt = ctx.tokenize("The harbour town was quiet that night.")
         bad = GenSpec(prompt=[*prompt, ctx.n_vocab + 5], params=GREEDY, max_tokens=4, n=2, best_of=2)
         with pytest.raises(lloyal.InvalidTokenError):
@@ -87,7 +87,7 @@ def test_a_best_of_request_whose_choices_cannot_be_set_up_leaves_no_branch(model
     naming a token outside the vocabulary fails the request with its error after the forks,
     and every fork is pruned (the root, its prompt written, goes to the prefix cache)."""
     with lloyal.Context(model, n_ctx=512, n_batch=64, n_seq_max=6) as ctx:
-        sched = Scheduler(ctx, cache_cells=0)
+        sched = Scheduler(ctx, cache_cells=64)  # room for the root (cache_cells=0 evicts it at once)
         prompt = ctx.tokenize("The harbour town was quiet that night.")
         bad = GenSpec(
             prompt=prompt, params=GREEDY, max_tokens=4, n=3, best_of=3, logit_bias={ctx.n_vocab + 5: 1.0}
@@ -152,6 +152,11 @@ def test_the_cache_budget_follows_reuse_and_a_trimmed_entry_that_is_missed_count
         for i in range(30):  # prompts that share nothing
             cache.record(0, [i + 1] * 40)
         assert cache.stats()["reuse"] < 0.05 and sched.cache_budget() < 26
+        # the core keeps the budget it follows: an entry over it goes, with no trim() from Python
+        big = lloyal.Branch.create(ctx, 0, GREEDY)
+        big.prefill(list(range(100, 140)))
+        cache.add(big, list(range(100, 140)))
+        assert big.disposed and len(cache) == 0 and cache.stats()["evictions"] == 1
         # an entry trimmed away is remembered: a prompt it would have served counts as reuse
         tokens = ctx.tokenize("A conversation that goes on for a while, turn after turn, with more")
         b = lloyal.Branch.create(ctx, 0, GREEDY)
@@ -159,7 +164,7 @@ def test_the_cache_budget_follows_reuse_and_a_trimmed_entry_that_is_missed_count
         cache.add(b, tokens)
         assert cache.cells == len(tokens)
         cache.trim(0)  # the engine is idle: the entry goes at once
-        assert len(cache) == 0 and cache.cells == 0 and b.disposed and cache.stats()["evictions"] == 1
+        assert len(cache) == 0 and cache.cells == 0 and b.disposed and cache.stats()["evictions"] == 2
         low = cache.stats()["reuse"]
         turn2 = tokens + ctx.tokenize(" and then more")
         cache.record(0, turn2)
@@ -265,6 +270,7 @@ def test_a_request_whose_prefix_source_is_cancelled_goes_on(exact_model: lloyal.
             assert len(sched.cache) == 1 and sched.store.available == ctx.n_seq_max - 1
             sched.cache.trim(0)
             assert sched.store.kv_pressure.cells_used == 0
+            sched.cache.follow_reuse()  # the server's budget again (trim(0) fixed one)
 
             toks, done = await main(False)
             assert toks == want and done.cached_tokens == common

@@ -535,6 +535,11 @@ class PrefixCache:
         """Most KV cells the entries keep of their own (``None``: no limit); least recently used
         entries are evicted to keep within it.
         """
+    def follow_reuse(self) -> None:
+        """Keep the :attr:`budget` at ``n_ctx`` times ``stats()["reuse"]`` (the share of recent
+        prompts the cache served or, trimmed less, would have), recomputed at every trim (the
+        end of each tick, each ``add`` or ``release``) until a budget is set.
+        """
     def amake_room(self, *, leases: int = 0, cells: int = 0) -> Coroutine[Any, Any, None]:
         """Await room for ``leases`` more branches and ``cells`` more KV cells, evicting entries
         if need be; raises ``LeaseExhaustedError`` or ``KvCacheFullError`` when even an empty

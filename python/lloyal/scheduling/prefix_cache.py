@@ -112,6 +112,17 @@ class PrefixCache:
         entries nothing depends on go now (when no tick runs) and at the end of every tick."""
         self._native.budget = max(0, budget)
 
+    def follow_reuse(self) -> None:
+        """Keep the budget at ``n_ctx`` times ``stats()["reuse"]``, recomputed by the core at
+        every trim (the end of each tick, each :meth:`add` or :meth:`release`) until
+        :meth:`trim` sets one."""
+        self._native.follow_reuse()
+
+    @property
+    def budget(self) -> int | None:
+        """The budget in force (``None``: no limit)."""
+        return self._native.budget
+
     async def make_room(self, *, leases: int = 0, cells: int = 0) -> bool:
         """Evict entries until ``leases`` leases and ``cells`` KV cells are free; whether they are.
         Free already: answered at once from the occupancy the last call left; else awaited (the

@@ -159,6 +159,10 @@ class Scheduler:
         self.cache = PrefixCache(ctx)
         self.book = _lloyal.Admission(ctx, max_running or ctx.n_seq_max)
         self.cache_cells = cache_cells  # None: the budget follows the cache's reuse
+        if cache_cells is None:
+            self.cache.follow_reuse()
+        else:
+            self.cache.trim(cache_cells)
         # True: each choice waits in the engine for room for its max_tokens (a batch job's
         # choices all finish); False: a choice that finds the cache full ends with "length"
         self.reserve = reserve
@@ -313,7 +317,6 @@ class Scheduler:
             raise
         self.cache.record(req.cached_tokens, spec.prompt)
         self.prompt_tokens += len(spec.prompt)
-        self._trim_cache()
 
     async def _admit_one(self, req: _Request, plan: _lloyal.AdmissionPlan) -> None:
         """One choice: its branch is a fork of the cached (or in-flight) prefix, or a new
@@ -452,18 +455,15 @@ class Scheduler:
     def cache_budget(self) -> int:
         """Most KV cells the prefix cache keeps of its own: ``cache_cells`` when given, else
         ``n_ctx`` times the share of recent prompts the cache served or, trimmed less, would
-        have (``PrefixCache.stats()["reuse"]``).
+        have (``PrefixCache.stats()["reuse"]``), which the core recomputes and trims to at
+        every tick's end.
 
         llama.cpp attends over every cell up to the highest in use, so every kept cell slows
         every decode (most of all prompt prefills). A cache that serves prompts (multi-turn
         chat, shared system prompts) keeps what it can; one whose prompts share nothing keeps
         little."""
-        if self.cache_cells is not None:
-            return self.cache_cells
-        return int(self.ctx.n_ctx * self.cache.stats()["reuse"])
-
-    def _trim_cache(self) -> None:
-        self.cache.trim(self.cache_budget())
+        budget = self.cache.budget
+        return self.ctx.n_ctx if budget is None else budget
 
     def _out_of_room(self, c: _Choice) -> None:
         """Release the text the engine held back from a choice whose next token found no free
@@ -480,7 +480,6 @@ class Scheduler:
         self._requests.remove(req)
         # a released branch stays while a fork of it lives or a request about to fork it pins it
         keep, ppls = self._end(req, keep_best=not req.cancelled)
-        self._trim_cache()
         done = Done(
             choices=keep,
             finish_reasons=[c.reason for c in req.choices],

@@ -141,7 +141,7 @@ impl ContextState {
         let (budget, busy) = {
             let mut ix = lock(&cache);
             ix.drop_dead(|h| self.is_live(h));
-            (ix.budget(), !ix.released.is_empty() || !ix.entries.is_empty())
+            (ix.budget(self.shape().n_ctx as usize), !ix.released.is_empty() || !ix.entries.is_empty())
         };
         if !busy {
             return;

@@ -74,6 +74,8 @@ pub struct PrefixIndex {
     stats: CacheStats,
     /// Most cells the entries keep of their own (`None`: no limit).
     budget: Option<usize>,
+    /// The budget is `n_ctx` times [`CacheStats::reuse`] instead ([`PrefixIndex::follow_reuse`]).
+    follow_reuse: bool,
 }
 
 impl Default for PrefixIndex {
@@ -88,6 +90,7 @@ impl Default for PrefixIndex {
             clock: 0,
             stats: CacheStats { reuse: 1.0, ..CacheStats::default() },
             budget: None,
+            follow_reuse: false,
         }
     }
 }
@@ -214,10 +217,22 @@ impl PrefixIndex {
     /// trimming least recently used entries at the end of each tick.
     pub fn set_budget(&mut self, budget: Option<usize>) {
         self.budget = budget;
+        self.follow_reuse = false;
     }
 
-    /// The budget in force.
-    pub fn budget(&self) -> Option<usize> {
+    /// Keep the budget at `n_ctx` times the share of recent prompts the cache served or, trimmed
+    /// less, would have ([`CacheStats::reuse`]), recomputed at every trim: a cache that serves
+    /// prompts (multi-turn chat, shared system prompts) keeps what it can, one whose prompts
+    /// share nothing keeps little (every kept cell slows every decode).
+    pub fn follow_reuse(&mut self) {
+        self.follow_reuse = true;
+    }
+
+    /// The budget in force on a context of `n_ctx` cells.
+    pub fn budget(&self, n_ctx: usize) -> Option<usize> {
+        if self.follow_reuse {
+            return Some((n_ctx as f64 * self.stats.reuse) as usize);
+        }
         self.budget
     }
 
@@ -320,6 +335,18 @@ mod tests {
         ix.record(0, &prompt(30)); // the evicted entry would have served 20 of 30
         assert!((ix.stats().reuse - (0.9 + 0.1 * (20.0 / 30.0 - 0.9))).abs() < 1e-9);
         assert_eq!((ix.stats().hit_tokens, ix.stats().lookup_tokens), (0, 50));
+    }
+
+    #[test]
+    fn a_budget_that_follows_reuse_moves_with_it_until_one_is_set() {
+        let mut ix = PrefixIndex::default();
+        assert_eq!(ix.budget(1000), None, "no limit at first");
+        ix.follow_reuse();
+        assert_eq!(ix.budget(1000), Some(1000), "reuse starts at 1");
+        ix.record(0, &prompt(20)); // a prompt nothing served: reuse 0.9
+        assert_eq!(ix.budget(1000), Some(900));
+        ix.set_budget(Some(5));
+        assert_eq!(ix.budget(1000), Some(5));
     }
 
     #[test]
