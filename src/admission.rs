@@ -5,7 +5,7 @@
 use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
 
 use lloyal_core::cache::admission::{self, Start};
-use lloyal_core::cache::PrefixIndex;
+use lloyal_core::cache::{self, PrefixIndex};
 use lloyal_core::Context;
 use pyo3::prelude::*;
 
@@ -58,14 +58,12 @@ impl PyAdmission {
     /// Run `f` on the book and the context's prefix index, locked in that order.
     fn with_index<T>(&self, f: impl FnOnce(&mut admission::Admission, &mut PrefixIndex) -> T) -> T {
         let mut book = self.book();
-        let mut index = self.core.prefix_index().lock().unwrap_or_else(PoisonError::into_inner);
-        f(&mut book, &mut index)
+        f(&mut book, &mut cache::lock(self.core.prefix_index()))
     }
 
     /// Prune what unpinning let go, without the GIL.
     fn tidy(&self, py: Python<'_>) {
-        let core = Arc::clone(&self.core);
-        py.detach(move || core.tidy_cache());
+        crate::cache::tidy(py, &self.core);
     }
 }
 

@@ -2,9 +2,9 @@
 //! pins and entries take only the cache's own lock; pruning is the engine's (at the end of a
 //! tick, when admission needs room, or at once when no tick runs).
 
-use std::sync::{Arc, MutexGuard, PoisonError};
+use std::sync::{Arc, MutexGuard};
 
-use lloyal_core::cache::PrefixIndex;
+use lloyal_core::cache::{self, PrefixIndex};
 use lloyal_core::{Context, Handle};
 use pyo3::prelude::*;
 use pyo3::types::PyDict;
@@ -37,6 +37,13 @@ pub struct PyPrefixCache {
     core: Arc<Context>,
 }
 
+/// Prune what `core`'s prefix cache no longer keeps, without the GIL: at once when no tick
+/// runs, else after the tick (which tidies at its end too).
+pub fn tidy(py: Python<'_>, core: &Arc<Context>) {
+    let core = Arc::clone(core);
+    py.detach(move || core.tidy_cache());
+}
+
 /// Register the class and the cache's constants with the native module.
 pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<PyPrefixCache>()?;
@@ -46,14 +53,11 @@ pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
 
 impl PyPrefixCache {
     fn index(&self) -> MutexGuard<'_, PrefixIndex> {
-        self.core.prefix_index().lock().unwrap_or_else(PoisonError::into_inner)
+        cache::lock(self.core.prefix_index())
     }
 
-    /// Prune what the cache no longer keeps, without the GIL: at once when no tick runs, else
-    /// after the tick (which tidies at its end too).
     fn tidy(&self, py: Python<'_>) {
-        let core = Arc::clone(&self.core);
-        py.detach(move || core.tidy_cache());
+        tidy(py, &self.core);
     }
 
     fn own(&self, branch: &PyBranch) -> PyResult<Handle> {

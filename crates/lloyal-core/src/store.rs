@@ -71,7 +71,7 @@ impl ContextState {
             self.remove_cells(p, -1, -1);
         }
         self.topology = Default::default();
-        self.prefix_index().lock().unwrap_or_else(std::sync::PoisonError::into_inner).take_all();
+        crate::cache::lock(self.prefix_index()).take_all();
         self.ledger.reset(&[], 0);
         self.reclaim_parked();
     }

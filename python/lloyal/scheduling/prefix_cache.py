@@ -20,21 +20,21 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import NamedTuple
 
 import lloyal
 from lloyal import _lloyal
 
-__all__ = ["GHOSTS", "MIN_SHARED", "CacheEntry", "CacheHit", "PrefixCache"]
+__all__ = ["GHOSTS", "MIN_SHARED", "CacheEntry", "PrefixCache"]
 
 GHOSTS: int = _lloyal.PREFIX_GHOSTS
 """Keys of evicted entries remembered (without their KV): a prompt one of them would have
 served counts as reuse, so a cache trimmed too far grows back (as ARC's ghost lists do)."""
 
 MIN_SHARED: int = _lloyal.PREFIX_MIN_SHARED
-"""Fewest tokens a request reuses from an entry it does not match whole: sharing less (the
-BOS token, a chat template's opening) saves next to no prefill, yet ties the new branch to the
-entry (a parent with a live child is never evicted)."""
+"""Fewest tokens a request reuses from an entry it does not match whole
+(:class:`lloyal._lloyal.Admission`): sharing less (the BOS token, a chat template's opening)
+saves next to no prefill, yet ties the new branch to the entry (a parent with a live child is
+never evicted)."""
 
 
 @dataclass(frozen=True, eq=False)
@@ -43,20 +43,6 @@ class CacheEntry:
 
     branch: lloyal.Branch
     tokens: tuple[int, ...]
-
-
-class CacheHit(NamedTuple):
-    """What :meth:`PrefixCache.lookup` found: the entry's ``branch``, the ``used`` tokens of it a
-    request reuses, and the ``length`` it holds."""
-
-    branch: lloyal.Branch
-    used: int
-    length: int
-
-    @property
-    def whole(self) -> bool:
-        """The entry is reused whole (fork it with its logits), not forked at ``used``."""
-        return self.used == self.length
 
 
 class PrefixCache:
@@ -72,25 +58,6 @@ class PrefixCache:
     def entries(self) -> list[CacheEntry]:
         """Every cached entry (any order)."""
         return [CacheEntry(b, tuple(t)) for b, t in self._native.entries()]
-
-    def lookup(self, tokens: Sequence[int]) -> CacheHit | None:
-        """The entry to fork for ``tokens``, pinned (:meth:`unpin` it once forked).
-
-        An entry whose whole sequence is a prefix of ``tokens`` is reused whole (its logits come
-        along); an entry that shares more tokens but then diverges is forked at the shared length
-        (``Branch.fork(at=)``), keeping at least one token to prefill so the fork gets logits.
-        Fewer than :data:`MIN_SHARED` shared tokens (unless that is all of ``tokens``) is a miss.
-        """
-        found = self._native.lookup(list(tokens))
-        return None if found is None else CacheHit(*found)
-
-    def unpin(self, branch: lloyal.Branch) -> None:
-        """Undo a :meth:`lookup`'s or a :meth:`pin`'s pin on ``branch``."""
-        self._native.unpin(branch)
-
-    def pin(self, branch: lloyal.Branch) -> None:
-        """A request is about to fork ``branch``: it is neither pruned nor evicted until unpinned."""
-        self._native.pin(branch)
 
     def record(self, hit: int, prompt: Sequence[int]) -> None:
         """Count a request's prompt: ``hit`` of its tokens came from the cache. :attr:`reuse`

@@ -93,7 +93,8 @@ struct Held {
     source: Option<Vec<i32>>,
     reused: usize,
     exact: bool,
-    pins: Vec<Handle>,
+    /// The branch it forks, pinned until admitted or released.
+    pin: Option<Handle>,
     reserved: bool,
     /// It registered its prompt as in flight.
     writes: bool,
@@ -204,9 +205,9 @@ impl Admission {
         };
         let leases = if best_of == 1 { 1 } else { best_of + usize::from(!exact) };
         let need = Need { choices: best_of, leases, cells: prompt.len() - reused + 1 };
-        let pins = match start {
-            Start::Fork { handle, .. } => vec![handle],
-            Start::New => Vec::new(),
+        let pin = match start {
+            Start::Fork { handle, .. } => Some(handle),
+            Start::New => None,
         };
         self.next += 1;
         let id = self.next;
@@ -216,7 +217,7 @@ impl Admission {
             source,
             reused,
             exact,
-            pins,
+            pin,
             reserved: false,
             writes: false,
             running: false,
@@ -297,11 +298,11 @@ impl Admission {
     /// The plan's branches exist: its pins and reservation go, and its choices count as running.
     pub fn admitted(&mut self, index: &mut PrefixIndex, plan: u64) -> Result<()> {
         let held = held(&mut self.plans, plan)?;
-        let pins = std::mem::take(&mut held.pins);
+        let pin = held.pin.take();
         let was_reserved = std::mem::replace(&mut held.reserved, false);
         let counts = !std::mem::replace(&mut held.running, true);
         let need = held.need;
-        for h in pins {
+        if let Some(h) = pin {
             index.unpin(h);
         }
         if was_reserved {
@@ -317,7 +318,7 @@ impl Admission {
     /// running choices, its prompt in flight). Whether waiting requests should look again.
     pub fn release(&mut self, index: &mut PrefixIndex, plan: u64) -> bool {
         let Some(held) = self.plans.remove(&plan) else { return false };
-        for h in held.pins {
+        if let Some(h) = held.pin {
             index.unpin(h);
         }
         if held.reserved {

@@ -12,7 +12,9 @@ use crate::tenancy::Handle;
 /// A context's prefix cache, shared by its state (which prunes) and its callers (who look up).
 pub type SharedIndex = Arc<Mutex<PrefixIndex>>;
 
-fn lock(index: &SharedIndex) -> MutexGuard<'_, PrefixIndex> {
+/// Lock a prefix cache's bookkeeping (a poisoned lock is taken over: the index stays consistent
+/// between its calls).
+pub fn lock(index: &SharedIndex) -> MutexGuard<'_, PrefixIndex> {
     index.lock().unwrap_or_else(PoisonError::into_inner)
 }
 

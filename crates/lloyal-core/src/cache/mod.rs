@@ -13,7 +13,7 @@ pub mod admission;
 pub(crate) mod evict;
 pub mod radix;
 
-pub use evict::SharedIndex;
+pub use evict::{lock, SharedIndex};
 
 use std::collections::{HashMap, VecDeque};
 

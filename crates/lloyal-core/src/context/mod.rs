@@ -299,7 +299,7 @@ impl Context {
         drop(guard);
         drop(state);
         // its branches are gone: the prefix cache holds nothing
-        self.cache.lock().unwrap_or_else(std::sync::PoisonError::into_inner).take_all();
+        crate::cache::lock(&self.cache).take_all();
     }
 
     /// Free leases and the branches' KV occupancy as of the last call that finished, without
