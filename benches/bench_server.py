@@ -39,7 +39,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Iterator, Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -541,11 +541,19 @@ def main(argv: list[str] | None = None) -> int:
         help="paired mode: every server up at once, this many interleaved rounds of the "
         "shared-prefix/distinct loads, per-round ratios (median and range)",
     )
+    ap.add_argument(
+        "--concurrency", default="", help="comma-separated subset of the size's concurrency levels (e.g. 1)"
+    )
     args = ap.parse_args(argv)
     loads = [x for x in args.loads.split(",") if x]
     if unknown := set(loads) - set(LOADS):
         ap.error(f"unknown --loads {sorted(unknown)}: choose from {','.join(LOADS)}")
     size = FULL if args.full else SMOKE
+    if args.concurrency:
+        levels = tuple(int(c) for c in args.concurrency.split(",") if c)
+        if not set(levels) <= set(size.concurrencies):
+            ap.error(f"--concurrency {levels}: choose from {size.concurrencies}")
+        size = replace(size, concurrencies=levels)
     print(f"threads={THREADS} size={asdict(size)}\n{HEADER}", flush=True)
     only = {x for x in args.only.split(",") if x} or None
     if args.rounds > 0:
