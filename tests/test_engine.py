@@ -444,6 +444,23 @@ def test_a_prompt_after_the_stepping_branches_are_pruned_fills_the_batch(model: 
         assert ctx.engine_stats().decode_calls - before == 1
 
 
+def test_a_prompt_after_a_generation_request_ended_fills_the_batch(model: lloyal.Model) -> None:
+    """A branch whose generation request ended is not a stream that comes back in a moment,
+    even while it lives (a server's prefix cache keeps it): the next prompt, right after the
+    last token, runs as one ``llama_decode`` instead of paced chunks. A branch that commits by
+    hand still counts while it lives (the test above)."""
+    with lloyal.Context(model, n_ctx=2048, n_batch=512, n_seq_max=2) as ctx:
+        prompt = [1000 + (i * 7) % 3000 for i in range(512)]
+        b = lloyal.Branch.create(ctx, 0, lloyal.SamplingParams(temperature=0))
+        b.prefill(prompt[:16])
+        it = b.generate(8)
+        assert len(list(it)) == 8 and it.finish_reason == "length"
+        before = ctx.engine_stats().decode_calls
+        lloyal.Branch.create(ctx, 0, lloyal.SamplingParams(temperature=0)).prefill(prompt)
+        assert ctx.engine_stats().decode_calls - before == 1
+        assert not b.disposed and b.position == 16 + 8
+
+
 def test_a_prompt_that_waited_before_the_streams_started_is_not_paced_behind_them(
     model: lloyal.Model,
 ) -> None:

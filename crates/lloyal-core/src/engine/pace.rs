@@ -19,7 +19,8 @@
 //! already decodes) fills the batch, as it would have had it gone first. With no decode rows
 //! there is nothing to protect either; a tick whose streams have not come back yet (a gap of
 //! less than [`ACTIVE_GAP`] since the last tick with decode rows) is paced as if they had,
-//! unless their branches are gone ([`Pacer::streams_gone`]).
+//! unless they cannot come back ([`Pacer::streams_gone`]: the branches committed by hand are
+//! pruned, the generation requests have ended).
 
 use std::collections::BTreeMap;
 use std::time::{Duration, Instant};

@@ -117,12 +117,15 @@ enum Part {
 }
 
 impl Part {
-    /// The branches a commit or generation part steps (none for a prefill).
-    fn handles(&self) -> Vec<Handle> {
+    /// The branches a commit or generation part steps (none for a prefill), each with whether
+    /// a generation request steps it.
+    fn streams(&self) -> Vec<(Handle, bool)> {
         match self {
-            Part::Commit(_, rows) | Part::Bonus(_, _, rows) => rows.iter().map(|r| r.handle).collect(),
-            Part::Gen(_, g) => vec![g.row.handle],
-            Part::Verify(_, v) => vec![v.work.handle],
+            Part::Commit(_, rows) | Part::Bonus(_, _, rows) => {
+                rows.iter().map(|r| (r.handle, false)).collect()
+            }
+            Part::Gen(_, g) => vec![(g.row.handle, true)],
+            Part::Verify(_, v) => vec![(v.work.handle, false)],
             Part::Prefill(..) => Vec::new(),
         }
     }
@@ -207,8 +210,9 @@ pub(crate) struct Scheduler {
     prompt_waiting: VecDeque<Waiting>,
     /// Prompt rows of a burst prefilled since the generation requests last stepped.
     burst_rows: usize,
-    /// The branches the last tick with decode rows stepped (the streams the pacer protects).
-    last_streams: Vec<Handle>,
+    /// The branches the last tick with decode rows stepped (the streams the pacer protects),
+    /// each with whether a generation request stepped it.
+    last_streams: Vec<(Handle, bool)>,
     /// Verifies walked last tick whose bonus commits next.
     bonuses: Vec<(Op, Bonus)>,
 }
@@ -340,6 +344,18 @@ impl Scheduler {
         Scheduled { parts, ended, hold, oldest }
     }
 
+    /// Whether a branch that the last decode rows stepped may step again in a moment: one that
+    /// commits by hand while it lives (its next commit is usually milliseconds away), one that
+    /// a generation request stepped only while the request runs (a finished request's branch,
+    /// kept by a prefix cache, say, is not a stream: the next prompt need not wait for it).
+    fn comes_back(&self, s: &ContextState, handle: Handle, gen: bool) -> bool {
+        if gen {
+            self.gens.iter().any(|g| g.spec.handle == handle)
+        } else {
+            s.is_live(handle)
+        }
+    }
+
     /// Phase 2: every commit row, then prefill tokens (FIFO) up to the budget; adds the
     /// prefill parts and returns their row count.
     fn plan(
@@ -358,8 +374,8 @@ impl Scheduler {
             Some(cap) => cap,
             None => {
                 if decode_rows > 0 {
-                    self.last_streams = sched.parts.iter().flat_map(Part::handles).collect();
-                } else if !self.last_streams.iter().any(|&h| s.is_live(h)) {
+                    self.last_streams = sched.parts.iter().flat_map(Part::streams).collect();
+                } else if !self.last_streams.iter().any(|&(h, gen)| self.comes_back(s, h, gen)) {
                     self.pacer.streams_gone();
                 }
                 self.pacer.plan(Instant::now(), decode_rows, sched.oldest, n_batch)
