@@ -163,3 +163,23 @@ def test_loading_a_saved_branch_evicts_for_its_lease_and_cells(model: lloyal.Mod
         copy = lloyal.Branch.load_state(ctx, saved)
         assert entry.disposed and cache.stats()["evictions"] == 1
         assert copy.position == 30 and copy.produce().token == b.produce().token
+
+
+def test_the_default_policy_keeps_twice_the_entries_the_recent_hits_reached(model: lloyal.Model) -> None:
+    """Every kept cell slows every decode a little (llama.cpp attends up to the highest cell in
+    use), so a cache that follows reuse keeps twice as many entries as its recent hits reached
+    back: after a hit on the newest of five, an add leaves the hit entry and the new one, and
+    the prompts used once before go with their leases."""
+    with lloyal.Context(model, n_ctx=1024, n_seq_max=8) as ctx:
+        cache = _lloyal.PrefixCache(ctx)
+        cache.follow_reuse()
+        store = lloyal.BranchStore(ctx)
+        olds = [cached(ctx, cache, list(range(1000 * i + 100, 1000 * i + 140))) for i in range(5)]
+        assert len(cache) == 5, "no hit yet: no limit but the budget (n_ctx x reuse, reuse 1)"
+        hit = cache.lookup([*range(4100, 4140), 7])
+        assert hit is not None and hit[0].handle == olds[4].handle
+        cache.unpin(olds[4])
+        new = cached(ctx, cache, list(range(9100, 9140)))
+        assert {b.handle for b, _ in cache.entries()} == {olds[4].handle, new.handle}
+        assert [b.disposed for b in olds] == [True, True, True, True, False]
+        assert store.available == 8 - 2 and cache.stats()["evictions"] == 4

@@ -140,18 +140,22 @@ impl ContextState {
     /// budget (least recently used first): the end of each tick.
     pub fn cache_tidy(&mut self) {
         let cache = Arc::clone(&self.cache);
-        let (budget, busy) = {
+        let (budget, limit, busy) = {
             let mut ix = lock(&cache);
             ix.drop_dead(|h| self.is_live(h));
-            (ix.budget(self.shape().n_ctx as usize), !ix.released.is_empty() || !ix.entries.is_empty())
+            let busy = !ix.released.is_empty() || !ix.entries.is_empty();
+            (ix.budget(self.shape().n_ctx as usize), ix.entry_limit(), busy)
         };
         if !busy {
             return;
         }
         self.cache_sweep();
-        let Some(budget) = budget else { return };
-        let held = |s: &Self| -> usize { lock(&cache).entries.keys().map(|&h| s.own_cells(h)).sum() };
-        while held(self) > budget && self.evict_one(&[]) {
+        let over = |s: &Self| -> bool {
+            let ix = lock(&cache);
+            let cells = || ix.entries.keys().map(|&h| s.own_cells(h)).sum::<usize>();
+            limit.is_some_and(|n| ix.entries.len() > n) || budget.is_some_and(|b| cells() > b)
+        };
+        while over(self) && self.evict_one(&[]) {
             self.cache_sweep();
         }
     }

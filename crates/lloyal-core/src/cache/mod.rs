@@ -32,6 +32,9 @@ pub const GHOSTS: usize = 64;
 /// Weight of the newest request in [`PrefixIndex::reuse`] (about the last 10 requests count).
 pub const REUSE_WEIGHT: f64 = 0.1;
 
+/// Hits whose reach [`PrefixIndex::entry_limit`] remembers (the newest).
+pub const REACH_HITS: usize = 16;
+
 /// One cached branch.
 #[derive(Debug, Clone)]
 struct Entry {
@@ -76,6 +79,9 @@ pub struct PrefixIndex {
     budget: Option<usize>,
     /// The budget is `n_ctx` times [`CacheStats::reuse`] instead ([`PrefixIndex::follow_reuse`]).
     follow_reuse: bool,
+    /// The reach of the newest hits: 1 + the entries used more recently than the one hit (an
+    /// evicted entry's ghost: every entry + 1), at most [`REACH_HITS`] of them.
+    reach: VecDeque<usize>,
 }
 
 impl Default for PrefixIndex {
@@ -91,6 +97,7 @@ impl Default for PrefixIndex {
             stats: CacheStats { reuse: 1.0, ..CacheStats::default() },
             budget: None,
             follow_reuse: false,
+            reach: VecDeque::new(),
         }
     }
 }
@@ -119,6 +126,8 @@ impl PrefixIndex {
     /// The entry a request for `tokens` forks, pinned (see [`PrefixIndex::unpin`]).
     pub fn lookup(&mut self, tokens: &[i32]) -> Option<Found> {
         let (used, &handle) = reusable(&self.tree, tokens)?;
+        let since = self.entries.get(&handle)?.last_used;
+        self.reached(1 + self.entries.values().filter(|e| e.last_used > since).count());
         let now = self.tick();
         let entry = self.entries.get_mut(&handle)?;
         entry.last_used = now;
@@ -133,6 +142,9 @@ impl PrefixIndex {
         self.stats.hit_tokens += hit as u64;
         self.stats.lookup_tokens += prompt.len() as u64;
         let ghost = reusable(&self.ghosts, prompt).map_or(0, |(n, _)| n);
+        if ghost > hit {
+            self.reached(self.entries.len() + 1);
+        }
         let share = hit.max(ghost) as f64 / prompt.len().max(1) as f64;
         self.stats.reuse += REUSE_WEIGHT * (share - self.stats.reuse);
     }
@@ -234,6 +246,24 @@ impl PrefixIndex {
             return Some((n_ctx as f64 * self.stats.reuse) as usize);
         }
         self.budget
+    }
+
+    fn reached(&mut self, reach: usize) {
+        self.reach.push_back(reach);
+        if self.reach.len() > REACH_HITS {
+            self.reach.pop_front();
+        }
+    }
+
+    /// Most entries a budget that follows reuse keeps: twice the farthest reach of the last
+    /// [`REACH_HITS`] hits (None before the first hit, and under a budget set by hand). Every
+    /// cell the cache keeps slows every decode and prefill a little (llama.cpp attends over
+    /// the cells up to the highest one in use, masking other sequences'), so entries that no
+    /// recent hit needed go: a shared system prompt is hit at reach 1 or 2, and the prompts
+    /// used once before it are evicted; users taking turns reach as far as their number.
+    pub fn entry_limit(&self) -> Option<usize> {
+        let far = self.reach.iter().max().filter(|_| self.follow_reuse)?;
+        Some(2 * far)
     }
 
     /// The least recently used unpinned entry for which `leaf` holds.
@@ -347,6 +377,32 @@ mod tests {
         assert_eq!(ix.budget(1000), Some(900));
         ix.set_budget(Some(5));
         assert_eq!(ix.budget(1000), Some(5));
+    }
+
+    /// A prompt of `n` tokens starting at `first` (entries that share nothing).
+    fn family(first: i32, n: i32) -> Vec<i32> {
+        (first..first + n).collect()
+    }
+
+    #[test]
+    fn the_entry_limit_is_twice_the_farthest_reach_of_the_recent_hits() {
+        let mut ix = PrefixIndex::default();
+        for i in 0..6 {
+            ix.add(h(i as u64), &family(1000 * i, 20));
+        }
+        assert!(ix.lookup(&family(5000, 30)).is_some(), "the newest entry: reach 1");
+        assert_eq!(ix.entry_limit(), None, "no limit under a budget set by hand (or none)");
+        ix.follow_reuse();
+        assert_eq!(ix.entry_limit(), Some(2));
+        assert!(ix.lookup(&family(2000, 30)).is_some(), "entries 3, 4, 5 were used since entry 2");
+        assert_eq!(ix.entry_limit(), Some(8));
+        for _ in 0..REACH_HITS {
+            assert!(ix.lookup(&family(2000, 30)).is_some()); // entry 2 again: reach 1
+        }
+        assert_eq!(ix.entry_limit(), Some(2), "the far hit left the window");
+        ix.evicted(h(0));
+        ix.record(0, &family(0, 30)); // entry 0 would have served it: one more entry than now
+        assert_eq!(ix.entry_limit(), Some(2 * 6));
     }
 
     #[test]
