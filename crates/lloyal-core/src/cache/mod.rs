@@ -127,7 +127,7 @@ impl PrefixIndex {
     pub fn lookup(&mut self, tokens: &[i32]) -> Option<Found> {
         let (used, &handle) = reusable(&self.tree, tokens)?;
         let since = self.entries.get(&handle)?.last_used;
-        self.reached(1 + self.entries.values().filter(|e| e.last_used > since).count());
+        self.reached(self.reach_of(&tokens[..used], since));
         let now = self.tick();
         let entry = self.entries.get_mut(&handle)?;
         entry.last_used = now;
@@ -246,6 +246,16 @@ impl PrefixIndex {
             return Some((n_ctx as f64 * self.stats.reuse) as usize);
         }
         self.budget
+    }
+
+    /// How far back in recency a hit that reuses `shared` reached: 1 + the entries used more
+    /// recently than the most recent one holding `shared` (the entry hit, last used at `since`,
+    /// or a newer one: the forks of a shared system prompt hold it too, and an LRU cache that
+    /// kept any of them would have served the hit).
+    fn reach_of(&self, shared: &[i32], since: u64) -> usize {
+        let mut newer: Vec<&Entry> = self.entries.values().filter(|e| e.last_used > since).collect();
+        newer.sort_unstable_by_key(|e| std::cmp::Reverse(e.last_used));
+        1 + newer.iter().take_while(|e| !e.tokens.starts_with(shared)).count()
     }
 
     fn reached(&mut self, reach: usize) {
@@ -400,9 +410,19 @@ mod tests {
             assert!(ix.lookup(&family(2000, 30)).is_some()); // entry 2 again: reach 1
         }
         assert_eq!(ix.entry_limit(), Some(2), "the far hit left the window");
+        // Forks of a shared prefix, newer than the entry hit, hold what it reuses: reach 1 + the
+        // entries newer than the newest of them.
+        let shared = family(7000, 40);
+        ix.add(h(10), &shared);
+        for (k, handle) in [(11, 11), (12, 12)] {
+            ix.add(h(handle), &[&shared[..30], &family(100 * k, 20)].concat());
+        }
+        ix.add(h(13), &family(8000, 20));
+        assert!(ix.lookup(&[&shared[..30], &family(50, 5)].concat()).is_some());
+        assert_eq!(ix.entry_limit(), Some(4), "entry 13 is newer than entry 12, which holds the 30");
         ix.evicted(h(0));
         ix.record(0, &family(0, 30)); // entry 0 would have served it: one more entry than now
-        assert_eq!(ix.entry_limit(), Some(2 * 6));
+        assert_eq!(ix.entry_limit(), Some(2 * (5 + 4 + 1)));
     }
 
     #[test]
