@@ -165,11 +165,12 @@ def test_loading_a_saved_branch_evicts_for_its_lease_and_cells(model: lloyal.Mod
         assert copy.position == 30 and copy.produce().token == b.produce().token
 
 
-def test_the_default_policy_keeps_twice_the_entries_the_recent_hits_reached(model: lloyal.Model) -> None:
+def test_the_default_policy_keeps_the_prompts_the_recent_hits_reached(model: lloyal.Model) -> None:
     """Every kept cell slows every decode a little (llama.cpp attends up to the highest cell in
-    use), so a cache that follows reuse keeps twice as many entries as its recent hits reached
-    back: after a hit on the newest of five, an add leaves the hit entry and the new one, and
-    the prompts used once before go with their leases."""
+    use), so a cache that follows reuse keeps as many entries that nothing forks as its recent
+    hits reached back: after a hit on the newest of five prompts (reach 1), whose fork is
+    cached as a server caches a finished request, the four prompts used once go with their
+    leases; the one hit stays under its fork."""
     with lloyal.Context(model, n_ctx=1024, n_seq_max=8) as ctx:
         cache = _lloyal.PrefixCache(ctx)
         cache.follow_reuse()
@@ -178,8 +179,35 @@ def test_the_default_policy_keeps_twice_the_entries_the_recent_hits_reached(mode
         assert len(cache) == 5, "no hit yet: no limit but the budget (n_ctx x reuse, reuse 1)"
         hit = cache.lookup([*range(4100, 4140), 7])
         assert hit is not None and hit[0].handle == olds[4].handle
+        answer = olds[4].fork()
+        answer.prefill([7, 8, 9])
         cache.unpin(olds[4])
-        new = cached(ctx, cache, list(range(9100, 9140)))
-        assert {b.handle for b, _ in cache.entries()} == {olds[4].handle, new.handle}
+        assert cache.add(answer, [*range(4100, 4140), 7, 8, 9])
+        assert {b.handle for b, _ in cache.entries()} == {olds[4].handle, answer.handle}
         assert [b.disposed for b in olds] == [True, True, True, True, False]
         assert store.available == 8 - 2 and cache.stats()["evictions"] == 4
+
+
+def test_a_conversations_turns_count_once_against_the_entry_limit(model: lloyal.Model) -> None:
+    """Each turn of a chat forks the last one's entry, so the older turns are not entries a
+    user comes back to on their own: after a hit at reach 1 (a limit of 1), the next turn's
+    entry evicts the older prompt that nothing forks, and the conversation's four turns stay."""
+    with lloyal.Context(model, n_ctx=1024, n_seq_max=8) as ctx:
+        cache = _lloyal.PrefixCache(ctx)
+        cache.follow_reuse()
+        other = cached(ctx, cache, list(range(5000, 5040)))
+        history = list(range(100, 140))
+        turns = [cached(ctx, cache, history)]
+        for t in range(3):
+            if t == 2:  # the chat's next turn: the newest of its entries, nothing newer
+                hit = cache.lookup([*history, 7])
+                assert hit is not None and hit[0].handle == turns[-1].handle and hit[1] == len(history)
+                cache.unpin(turns[-1])
+            nxt = turns[-1].fork()
+            more = list(range(200 + 40 * t, 240 + 40 * t))
+            nxt.prefill(more)
+            history = [*history, *more]
+            assert cache.add(nxt, history)
+            turns.append(nxt)
+        assert not any(b.disposed for b in turns) and other.disposed
+        assert {b.handle for b, _ in cache.entries()} == {b.handle for b in turns}

@@ -539,8 +539,9 @@ class PrefixCache:
         """Keep the :attr:`budget` at ``n_ctx`` times ``stats()["reuse"]`` (the share of recent
         prompts the cache served or, trimmed less, would have), recomputed at every trim (the
         end of each tick, each ``add`` or ``release``) until a budget is set; and keep at most
-        twice as many entries as the last 16 hits reached back (1 + the entries used since the
-        one hit), since every kept cell slows every decode a little.
+        as many entries nothing forks (a conversation's turns count once) as the last 16
+        hits reached back (1 + the entries used since the newest holding what a hit
+        reused), since every kept cell slows every decode a little.
         """
     def amake_room(self, *, leases: int = 0, cells: int = 0) -> Coroutine[Any, Any, None]:
         """Await room for ``leases`` more branches and ``cells`` more KV cells, evicting entries

@@ -502,7 +502,7 @@ def _parser() -> argparse.ArgumentParser:
         default=None,
         metavar="N",
         help="most KV cells the prefix cache keeps of finished requests (default: --n-ctx times the share "
-        "of recent prompts it served or would have, and at most twice the entries its recent hits "
+        "of recent prompts it served or would have, and at most the prompts its recent hits "
         "reached back); every cell kept slows every decode a little (docs/server.md)",
     )
     sv.add_argument(

@@ -82,8 +82,8 @@ class PrefixCache:
     def follow_reuse(self) -> None:
         """Keep the budget at ``n_ctx`` times ``stats()["reuse"]``, recomputed by the core at
         every trim (the end of each tick, each :meth:`add` or :meth:`release`) until
-        :meth:`trim` sets one, and the entries at most twice as many as the last 16 hits
-        reached back."""
+        :meth:`trim` sets one, and the entries nothing forks (a conversation's turns count once)
+        at most as many as the last 16 hits reached back."""
         self._native.follow_reuse()
 
     @property

@@ -153,7 +153,9 @@ impl ContextState {
         let over = |s: &Self| -> bool {
             let ix = lock(&cache);
             let cells = || ix.entries.keys().map(|&h| s.own_cells(h)).sum::<usize>();
-            limit.is_some_and(|n| ix.entries.len() > n) || budget.is_some_and(|b| cells() > b)
+            // Entries nothing forks: a conversation's turns (each a fork of the last) count once.
+            let tips = || ix.entries.keys().filter(|&&h| s.is_leaf(h)).count();
+            limit.is_some_and(|n| tips() > n) || budget.is_some_and(|b| cells() > b)
         };
         while over(self) && self.evict_one(&[]) {
             self.cache_sweep();

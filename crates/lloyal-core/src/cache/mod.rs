@@ -79,8 +79,9 @@ pub struct PrefixIndex {
     budget: Option<usize>,
     /// The budget is `n_ctx` times [`CacheStats::reuse`] instead ([`PrefixIndex::follow_reuse`]).
     follow_reuse: bool,
-    /// The reach of the newest hits: 1 + the entries used more recently than the one hit (an
-    /// evicted entry's ghost: every entry + 1), at most [`REACH_HITS`] of them.
+    /// The reach of the newest hits: 1 + the entries used more recently than the newest one
+    /// holding what the hit reused (an evicted entry's ghost: every entry + 1), at most
+    /// [`REACH_HITS`] of them.
     reach: VecDeque<usize>,
 }
 
@@ -265,15 +266,16 @@ impl PrefixIndex {
         }
     }
 
-    /// Most entries a budget that follows reuse keeps: twice the farthest reach of the last
-    /// [`REACH_HITS`] hits (None before the first hit, and under a budget set by hand). Every
+    /// Most entries that no branch forks (a conversation's turns, each a fork of the last,
+    /// count once) a budget that follows reuse keeps: the farthest reach of the last
+    /// [`REACH_HITS`] hits, the capacity at which a least-recently-used cache would have served
+    /// them all (None before the first hit, and under a budget set by hand). Every
     /// cell the cache keeps slows every decode and prefill a little (llama.cpp attends over
     /// the cells up to the highest one in use, masking other sequences'), so entries that no
     /// recent hit needed go: a shared system prompt is hit at reach 1 or 2, and the prompts
     /// used once before it are evicted; users taking turns reach as far as their number.
     pub fn entry_limit(&self) -> Option<usize> {
-        let far = self.reach.iter().max().filter(|_| self.follow_reuse)?;
-        Some(2 * far)
+        self.reach.iter().max().filter(|_| self.follow_reuse).copied()
     }
 
     /// The least recently used unpinned entry for which `leaf` holds.
@@ -395,7 +397,7 @@ mod tests {
     }
 
     #[test]
-    fn the_entry_limit_is_twice_the_farthest_reach_of_the_recent_hits() {
+    fn the_entry_limit_is_the_farthest_reach_of_the_recent_hits() {
         let mut ix = PrefixIndex::default();
         for i in 0..6 {
             ix.add(h(i as u64), &family(1000 * i, 20));
@@ -403,13 +405,13 @@ mod tests {
         assert!(ix.lookup(&family(5000, 30)).is_some(), "the newest entry: reach 1");
         assert_eq!(ix.entry_limit(), None, "no limit under a budget set by hand (or none)");
         ix.follow_reuse();
-        assert_eq!(ix.entry_limit(), Some(2));
+        assert_eq!(ix.entry_limit(), Some(1));
         assert!(ix.lookup(&family(2000, 30)).is_some(), "entries 3, 4, 5 were used since entry 2");
-        assert_eq!(ix.entry_limit(), Some(8));
+        assert_eq!(ix.entry_limit(), Some(4));
         for _ in 0..REACH_HITS {
             assert!(ix.lookup(&family(2000, 30)).is_some()); // entry 2 again: reach 1
         }
-        assert_eq!(ix.entry_limit(), Some(2), "the far hit left the window");
+        assert_eq!(ix.entry_limit(), Some(1), "the far hit left the window");
         // Forks of a shared prefix, newer than the entry hit, hold what it reuses: reach 1 + the
         // entries newer than the newest of them.
         let shared = family(7000, 40);
@@ -419,10 +421,10 @@ mod tests {
         }
         ix.add(h(13), &family(8000, 20));
         assert!(ix.lookup(&[&shared[..30], &family(50, 5)].concat()).is_some());
-        assert_eq!(ix.entry_limit(), Some(4), "entry 13 is newer than entry 12, which holds the 30");
+        assert_eq!(ix.entry_limit(), Some(2), "entry 13 is newer than entry 12, which holds the 30");
         ix.evicted(h(0));
         ix.record(0, &family(0, 30)); // entry 0 would have served it: one more entry than now
-        assert_eq!(ix.entry_limit(), Some(2 * (5 + 4 + 1)));
+        assert_eq!(ix.entry_limit(), Some(5 + 4 + 1));
     }
 
     #[test]
