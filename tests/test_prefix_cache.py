@@ -211,3 +211,24 @@ def test_a_conversations_turns_count_once_against_the_entry_limit(model: lloyal.
             turns.append(nxt)
         assert not any(b.disposed for b in turns) and other.disposed
         assert {b.handle for b, _ in cache.entries()} == {b.handle for b in turns}
+
+
+def test_forking_a_released_branch_evicts_around_it_never_it(model: lloyal.Model) -> None:
+    """A fork that needs a lease may evict entries and prune released branches, but not the
+    branch it forks: with every lease held by a released chain ending in an entry, forking the
+    chain's released root evicts the entry and prunes the middle, and the root stays (found by
+    the prefix-cache state machine: the sweep pruned the parent the fork was making room for)."""
+    with lloyal.Context(model, n_ctx=96, n_batch=32, n_seq_max=3) as ctx:
+        cache = _lloyal.PrefixCache(ctx)
+        root = lloyal.Branch.create(ctx, 0, GREEDY)
+        middle = root.fork()
+        leaf = middle.fork()
+        cache.release(root)
+        assert cache.add(leaf, [1000, 1097, 1194, 1291])
+        cache.release(middle)
+        child = root.fork()
+        assert (root.disposed, middle.disposed, leaf.disposed) == (False, True, True)
+        assert child.parent is not None and child.parent.handle == root.handle
+        child.prune()  # the root's last fork: the released root goes with the next sweep
+        cache.clear()
+        assert root.disposed and lloyal.BranchStore(ctx).available == 3

@@ -42,10 +42,16 @@ impl ContextState {
     /// Prune the released branches nothing depends on any more (leaves without pins), until
     /// none is left (pruning one may make its parent a leaf). The count pruned.
     pub fn cache_sweep(&mut self) -> usize {
+        self.sweep_keeping(&[])
+    }
+
+    /// [`ContextState::cache_sweep`], but none of `keep` (the branches a caller is about to
+    /// use: a released parent being forked stays, to be pruned once its forks are gone).
+    fn sweep_keeping(&mut self, keep: &[Handle]) -> usize {
         let cache = Arc::clone(&self.cache);
         let mut pruned = 0;
         loop {
-            let ready = lock(&cache).take_prunable(|h| self.is_leaf(h));
+            let ready = lock(&cache).take_prunable(|h| !keep.contains(&h) && self.is_leaf(h));
             if ready.is_empty() {
                 return pruned;
             }
@@ -113,12 +119,12 @@ impl ContextState {
         if self.available() + more_leases < leases || self.room(reserved) + more_cells < cells {
             return false;
         }
-        self.cache_sweep();
+        self.sweep_keeping(keep);
         while short(self) {
             if !self.evict_one(keep) {
                 return false;
             }
-            self.cache_sweep();
+            self.sweep_keeping(keep);
         }
         true
     }
