@@ -40,14 +40,10 @@ impl ContextState {
     }
 
     /// Prune the released branches nothing depends on any more (leaves without pins), until
-    /// none is left (pruning one may make its parent a leaf). The count pruned.
-    pub fn cache_sweep(&mut self) -> usize {
-        self.sweep_keeping(&[])
-    }
-
-    /// [`ContextState::cache_sweep`], but none of `keep` (the branches a caller is about to
-    /// use: a released parent being forked stays, to be pruned once its forks are gone).
-    fn sweep_keeping(&mut self, keep: &[Handle]) -> usize {
+    /// none is left (pruning one may make its parent a leaf), but none of `keep` (the branches a
+    /// caller is about to use: a released parent being forked stays, to be pruned once its forks
+    /// are gone). The count pruned.
+    fn cache_sweep(&mut self, keep: &[Handle]) -> usize {
         let cache = Arc::clone(&self.cache);
         let mut pruned = 0;
         loop {
@@ -119,12 +115,12 @@ impl ContextState {
         if self.available() + more_leases < leases || self.room(reserved) + more_cells < cells {
             return false;
         }
-        self.sweep_keeping(keep);
+        self.cache_sweep(keep);
         while short(self) {
             if !self.evict_one(keep) {
                 return false;
             }
-            self.sweep_keeping(keep);
+            self.cache_sweep(keep);
         }
         true
     }
@@ -155,7 +151,7 @@ impl ContextState {
         if !busy {
             return;
         }
-        self.cache_sweep();
+        self.cache_sweep(&[]);
         let over = |s: &Self| -> bool {
             let ix = lock(&cache);
             let cells = || ix.entries.keys().map(|&h| s.own_cells(h)).sum::<usize>();
@@ -164,7 +160,7 @@ impl ContextState {
             limit.is_some_and(|n| tips() > n) || budget.is_some_and(|b| cells() > b)
         };
         while over(self) && self.evict_one(&[]) {
-            self.cache_sweep();
+            self.cache_sweep(&[]);
         }
     }
 
