@@ -65,6 +65,7 @@ pub(crate) struct GenArgs {
     lookahead: usize,
     reserve: bool,
     arrived: Option<Instant>,
+    commit_last: bool,
 }
 
 impl Default for GenArgs {
@@ -80,6 +81,7 @@ impl Default for GenArgs {
             lookahead: 1,
             reserve: true,
             arrived: None,
+            commit_last: true,
         }
     }
 }
@@ -128,6 +130,7 @@ impl PyTokenIter {
             timeout: a.timeout,
             reserve: a.reserve,
             arrived: a.arrived,
+            commit_last: a.commit_last,
             stream: Arc::clone(&stream),
         };
         let ticket = self.core.generate(spec).py();
@@ -297,6 +300,7 @@ impl GenArgs {
         lookahead: usize,
         reserve: bool,
         waited: f64,
+        commit_last: bool,
     ) -> PyResult<Self> {
         if lookahead == 0 {
             return Err(pyo3::exceptions::PyValueError::new_err(
@@ -333,6 +337,7 @@ impl GenArgs {
             lookahead,
             reserve,
             arrived,
+            commit_last,
         })
     }
 }

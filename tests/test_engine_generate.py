@@ -71,6 +71,29 @@ def test_greedy_generation_equals_a_hand_loop(ctx9: lloyal.Context, root: Branch
     assert ctx9.engine_stats().generating == 0
 
 
+def test_the_last_token_uncommitted_saves_its_decode_and_comes_next(
+    ctx9: lloyal.Context, root: Branch
+) -> None:
+    """``commit_last=False``: the same tokens, the one that reaches ``max_tokens`` never
+    decoded (one decode call and one cell fewer); the branch ends before it, and generating
+    on yields it first."""
+    ref = hand_loop(root.fork(), 8)
+    pos = root.position
+    twin = root.fork()
+    calls = ctx9.engine_stats().decode_calls
+    assert [t.token for t in twin.generate(6)] == ref[:6]
+    assert ctx9.engine_stats().decode_calls - calls == 6 and twin.position == pos + 6
+    calls = ctx9.engine_stats().decode_calls
+    it = root.generate(6, commit_last=False, logprobs=True)
+    toks = list(it)
+    assert [t.token for t in toks] == ref[:6] and it.finish_reason == "length"
+    assert ctx9.engine_stats().decode_calls - calls == 5
+    assert root.position == pos + 5 and ctx9.kv_seq_pos_max(root.seq_id) == pos + 4
+    assert toks[-1].logprob is not None and toks[-1].logprob <= 0.0
+    assert [t.token for t in root.generate(3)] == ref[5:8]
+    assert root.position == pos + 8
+
+
 def test_stop_string_across_token_boundaries_is_not_yielded(ctx9: lloyal.Context, root: Branch) -> None:
     ref_branch = root.fork()
     ref = hand_loop(ref_branch, 16)

@@ -106,32 +106,32 @@ def test_a_best_of_request_whose_choices_cannot_be_set_up_leaves_no_branch(model
 
 def test_choices_run_as_generation_requests_and_the_cache_keeps_its_budget(model: lloyal.Model) -> None:
     with lloyal.Context(model, n_ctx=512, n_batch=64, n_seq_max=8) as ctx:
-        sched = Scheduler(ctx, max_running=2, cache_cells=40)
+        sched = Scheduler(ctx, max_running=2, cache_cells=38)
         before = ctx.engine_stats().ticks
         a = ctx.tokenize("The capital of France is a city that")
         _, done = run(sched, GenSpec(prompt=a, params=GREEDY, max_tokens=12))
         assert done.completion_tokens == 12 and done.finish_reasons == ["length"]
         assert len(sched.cache) == 1  # one choice, no separate root: one cached branch, one lease
-        assert sched.cache.cells == len(a) + 12
+        assert sched.cache.cells == len(a) + 11  # the last token is yielded, not decoded
         assert sched.steps == ctx.engine_stats().ticks - before >= 12
         # B shares nothing (fewer than MIN_SHARED tokens): A, least recently used, makes way
         b = ctx.tokenize("Quantum computers use qubits, which can be in superpositions of zero and one")
         _, done = run(sched, GenSpec(prompt=b, params=GREEDY, max_tokens=4))
         assert [e.tokens[: len(b)] for e in sched.cache.entries()] == [tuple(b)]
-        assert sched.cache.stats()["evictions"] == 1 and sched.cache.cells == len(b) + 4
+        assert sched.cache.stats()["evictions"] == 1 and sched.cache.cells == len(b) + 3
         # C forks B's prompt (0 new cells for it): only C's own cells count, both stay
         c = b + ctx.tokenize(" and")
         _, done = run(sched, GenSpec(prompt=c, params=GREEDY, max_tokens=4))
         assert done.cached_tokens == len(b) and sched.cache.stats()["evictions"] == 1
-        assert len(sched.cache) == 2 and sched.cache.cells == len(b) + 4 + (len(c) - len(b)) + 4
+        assert len(sched.cache) == 2 and sched.cache.cells == len(b) + 3 + (len(c) - len(b)) + 3
         asyncio.run(sched.stop())
 
 
 def test_a_running_choice_evicts_the_cache_for_its_read_ahead(model: lloyal.Model) -> None:
     with lloyal.Context(model, n_ctx=512, n_batch=64, n_seq_max=8) as ctx:
         sched = Scheduler(ctx, max_running=4, cache_cells=512)
-        long = (ctx.tokenize("alpha beta gamma delta ") * 200)[:504]
-        run(sched, GenSpec(prompt=long, params=GREEDY, max_tokens=4))
+        long = (ctx.tokenize("alpha beta gamma delta ") * 200)[:505]
+        run(sched, GenSpec(prompt=long, params=GREEDY, max_tokens=4))  # 3 of its 4 tokens decode
         assert len(sched.cache) == 1 and lloyal.BranchStore(ctx).kv_pressure.remaining == 4
         hello = ctx.tokenize("Hello")
         _, done = run(sched, GenSpec(prompt=hello, params=GREEDY, max_tokens=8))
@@ -197,6 +197,25 @@ async def together(sched: Scheduler, prompts: list[list[int]], n: int) -> list[t
     return await asyncio.gather(*(one(p) for p in prompts))
 
 
+def test_a_finished_choice_is_cached_without_its_uncommitted_last_token(exact_model: lloyal.Model) -> None:
+    """A choice that reaches ``max_tokens`` does not decode its last token: the cache entry
+    holds the prompt and the tokens before it, and the next turn (prompt + answer + more)
+    forks it there and prefills the rest, answering as a cold run does."""
+    with lloyal.Context(exact_model, n_ctx=1024, n_batch=64, n_seq_max=6, batch_invariant=True) as ctx:
+        sched = Scheduler(ctx, max_running=2)
+        prompt = ctx.tokenize("The three most important inventions of the last century were")
+        answer = greedy_completion(ctx, prompt, 6)
+        turn = prompt + answer + ctx.tokenize(" Name one more.", add_special=False)
+        want = greedy_completion(ctx, turn, 4)
+        calls = ctx.engine_stats().decode_calls
+        first, done = run(sched, GenSpec(prompt=prompt, params=GREEDY, max_tokens=6))
+        assert [e.token for e in first] == answer and done.finish_reasons == ["length"]
+        assert ctx.engine_stats().decode_calls - calls == 1 + 5  # the prompt, five of six tokens
+        second, done = run(sched, GenSpec(prompt=turn, params=GREEDY, max_tokens=4))
+        assert done.cached_tokens == len(prompt) + 5
+        assert [e.token for e in second] == want
+
+
 def test_requests_arriving_together_with_a_new_prefix_prefill_it_once(exact_model: lloyal.Model) -> None:
     """A burst of prompts sharing a prefix nobody has sent yet: the first writes it, the others
     wait for its first token and fork it there (each prefills only its own tail)."""
@@ -214,8 +233,9 @@ def test_requests_arriving_together_with_a_new_prefix_prefill_it_once(exact_mode
         assert [t for t, _ in got] == want
         assert [d.cached_tokens for _, d in got] == [0, common, len(prompts[0]) - 1]
         # the prefix was written once: each prompt row is decoded once, plus the generated tokens
+        # but each one's last (yielded, never decoded)
         prompt_rows = len(prompts[0]) + (len(prompts[1]) - common) + 1
-        assert ctx.engine_stats().rows - rows0 == prompt_rows + sum(len(w) for w in want)
+        assert ctx.engine_stats().rows - rows0 == prompt_rows + sum(len(w) - 1 for w in want)
         # the first request's branch is the cached parent of the second's; the third's sequence
         # (the first's again) was pruned once it finished: two entries, two leases, none leaked
         assert len(sched.cache) == 2 and sched.store.available == ctx.n_seq_max - 2

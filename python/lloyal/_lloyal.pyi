@@ -1075,6 +1075,7 @@ class Branch:
         lookahead: int = 1,
         reserve: bool = True,
         waited: float = 0.0,
+        commit_last: bool = True,
     ) -> TokenIterator:
         """Generate until a stop (not yielded) or ``max_tokens``, committing each token before
         yielding it. The engine samples and commits in Rust, batched with every other
@@ -1105,6 +1106,10 @@ class Branch:
                 The engine paces a prompt next to running streams (a few rows a step) unless it is
                 older than they are; ``waited`` makes it that much older, so a request that waited
                 while others started prefills at full batch.
+            commit_last: Commit the token that reaches ``max_tokens`` before yielding it. False:
+                it is yielded as soon as it is sampled and never decoded, one decode less for a
+                request whose branch is only kept as a prefix (a server's); the branch then ends
+                one token short of what was yielded, and its perplexity leaves that token out.
 
         Raises:
             InvalidTokenError: A stop or prompt token is out of the vocabulary.

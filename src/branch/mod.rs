@@ -299,6 +299,10 @@ impl PyBranch {
     ///         The engine paces a prompt next to running streams (a few rows a step) unless it is
     ///         older than they are; ``waited`` makes it that much older, so a request that waited
     ///         while others started prefills at full batch.
+    ///     commit_last: Commit the token that reaches ``max_tokens`` before yielding it. False:
+    ///         it is yielded as soon as it is sampled and never decoded, one decode less for a
+    ///         request whose branch is only kept as a prefix (a server's); the branch then ends
+    ///         one token short of what was yielded, and its perplexity leaves that token out.
     ///
     /// Raises:
     ///     InvalidTokenError: A stop or prompt token is out of the vocabulary.
@@ -308,7 +312,7 @@ impl PyBranch {
     ///     ValueError: An empty stop string, ``top_logprobs`` out of range or another iterator
     ///         of this branch still generating (at the first ``next()``), a negative
     ///         ``timeout`` or ``waited``, or a ``lookahead`` below 1.
-    #[pyo3(signature = (max_tokens=None, *, prompt=None, stop=None, stop_tokens=None, logprobs=false, top_logprobs=0, timeout=None, lookahead=1, reserve=true, waited=0.0))]
+    #[pyo3(signature = (max_tokens=None, *, prompt=None, stop=None, stop_tokens=None, logprobs=false, top_logprobs=0, timeout=None, lookahead=1, reserve=true, waited=0.0, commit_last=true))]
     #[allow(clippy::too_many_arguments)]
     fn generate(
         &self,
@@ -322,6 +326,7 @@ impl PyBranch {
         lookahead: usize,
         reserve: bool,
         waited: f64,
+        commit_last: bool,
     ) -> PyResult<PyTokenIter> {
         let args = GenArgs::parse(
             self.core().model(),
@@ -335,6 +340,7 @@ impl PyBranch {
             lookahead,
             reserve,
             waited,
+            commit_last,
         )?;
         Ok(PyTokenIter::new(self.core(), self.handle, args))
     }

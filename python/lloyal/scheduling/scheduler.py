@@ -81,6 +81,13 @@ class GenSpec:
     seed: int | None = None
     rank: bool = False  # order the choices by perplexity (lowest first) even when best_of == n
 
+    @property
+    def commits_last(self) -> bool:
+        """Whether each choice decodes the token that reaches ``max_tokens``: only when the
+        choices are ranked by perplexity (over every token); otherwise the branch goes on only
+        as a cached prefix, and the decode is saved."""
+        return self.rank or self.best_of > self.n
+
 
 @dataclass
 class TopLogprob:
@@ -380,12 +387,21 @@ class Scheduler:
         Returns the choices it returns, best first, and the perplexities it ranked by."""
         assert req.plan is not None
         root = req.root if req.root is not None and not req.root_is_entry else None
-        choices = [(c.branch, c.generated, c.ppl) for c in req.choices]
         spec = req.spec
+        choices = [(c.branch, self._committed(c), c.ppl) for c in req.choices]
         kept, ppls = self.book.finish(req.plan, choices, root, n=spec.n, rank=spec.rank, keep_best=keep_best)
         if self.waiting:
             asyncio.get_running_loop().create_task(self._notify_room())
         return kept, ppls
+
+    @staticmethod
+    def _committed(c: _Choice) -> list[int]:
+        """The tokens ``c``'s branch holds past the prompt: a choice that reached
+        ``max_tokens`` without :attr:`GenSpec.commits_last` did not decode its last one."""
+        spec = c.req.spec
+        if spec.commits_last or len(c.generated) < spec.max_tokens:
+            return c.generated
+        return c.generated[: spec.max_tokens - 1]
 
     @staticmethod
     async def _setup(b: lloyal.Branch, spec: GenSpec, i: int, *, reseed: bool) -> None:
@@ -416,6 +432,7 @@ class Scheduler:
             # a request that waited (for a slot, or for a prefix to fork) is older than the
             # streams that started meanwhile: its prompt is not paced behind them
             waited=time.monotonic() - c.req.arrived,
+            commit_last=spec.commits_last,
         )
         reason = "cancelled"
         try:

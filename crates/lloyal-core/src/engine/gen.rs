@@ -243,6 +243,10 @@ pub struct GenSpec {
     /// its prompt is paced as that old, so it goes first past streams that started after it
     /// (`None`: when its prompt starts).
     pub arrived: Option<Instant>,
+    /// Commit the token that reaches `max_tokens` (`false`: it is yielded as soon as it is
+    /// sampled and never decoded, saving a decode per request whose branch goes on only as a
+    /// cached prefix; the branch ends one token short of what was yielded).
+    pub commit_last: bool,
     /// Where the tokens go.
     pub stream: Arc<GenStream>,
 }
@@ -259,6 +263,7 @@ impl std::fmt::Debug for GenSpec {
             .field("top_logprobs", &self.top_logprobs)
             .field("timeout", &self.timeout)
             .field("reserve", &self.reserve)
+            .field("commit_last", &self.commit_last)
             .field("arrived", &self.arrived)
             .finish()
     }
@@ -451,6 +456,7 @@ mod tests {
             timeout: None,
             reserve,
             arrived: None,
+            commit_last: true,
             stream: Arc::new(GenStream::default()),
         };
         assert_eq!((spec(Some(8), true).cells(), spec(Some(8), true).reservation(3)), (8, 5));

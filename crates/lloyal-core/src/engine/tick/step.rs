@@ -15,14 +15,19 @@ use crate::tenancy::Handle;
 /// A generation request's token this tick, with its logprobs when asked.
 pub(super) struct GenRow {
     pub(super) row: CommitRow,
-    logprobs: Option<(f64, Vec<(i32, f64)>)>,
+    logprobs: Logprobs,
 }
 
 /// What a generation request does this tick.
 enum Step {
     Row(GenRow),
+    /// Its last token by `max_tokens`, yielded uncommitted (`GenSpec::commit_last` off).
+    Last(i32, Logprobs),
     End(Finish),
 }
+
+/// A sampled token's logprob and top logprobs, when asked.
+type Logprobs = Option<(f64, Vec<(i32, f64)>)>;
 
 impl Scheduler {
     /// Sample the generation requests that want a token, oldest first: their rows join
@@ -49,6 +54,11 @@ impl Scheduler {
                     budget.reserved += usize::from(own == 0);
                     budget.busy.insert(g.spec.handle);
                     parts.push(Part::Gen(gi, row));
+                }
+                Ok(Step::Last(token, logprobs)) => {
+                    let (item, end) = gen_item(s, g, token, logprobs);
+                    out.events.push((Arc::clone(&g.spec.stream), Event::Item(item)));
+                    ended.push((gi, Ok(end.unwrap_or(Finish::Length))));
                 }
                 Ok(Step::End(finish)) => ended.push((gi, Ok(finish))),
                 Err(e) => ended.push((gi, Err(e))),
@@ -79,7 +89,7 @@ impl Scheduler {
         s.produce_ahead(&handles);
         for (gi, row) in published {
             let g = &mut self.gens[gi];
-            let (item, end) = gen_item(s, g, row);
+            let (item, end) = gen_item(s, g, row.row.token, row.logprobs);
             out.events.push((Arc::clone(&g.spec.stream), Event::Item(item)));
             if let Some(finish) = end {
                 ended.push((gi, Ok(finish)));
@@ -120,22 +130,24 @@ fn step_gen(s: &mut ContextState, g: &Gen, reserved: usize) -> Result<Step> {
     if g.spec.stop_tokens.contains(&token) {
         return Ok(Step::End(Finish::Stop));
     }
-    let mut rows = admit_commit(s, &[(h, token)], reserved)?;
-    let row = rows.pop().ok_or_else(|| LloyalError::Backend("a commit admitted no row".into()))?;
     let logprobs = if g.spec.logprobs || g.spec.top_logprobs > 0 {
         let b = s.branch(h)?;
         Some(logprobs(b.logits()?, b.logits.stats().lse, token, g.spec.top_logprobs))
     } else {
         None
     };
+    if !g.spec.commit_last && g.ends_by_length_next() {
+        return Ok(Step::Last(token, logprobs));
+    }
+    let mut rows = admit_commit(s, &[(h, token)], reserved)?;
+    let row = rows.pop().ok_or_else(|| LloyalError::Backend("a commit admitted no row".into()))?;
     Ok(Step::Row(GenRow { row, logprobs }))
 }
 
-/// The item for a committed generation token, and the request's end if it ends with it.
-/// Peeks at the next token (a cached `produce`, reused by the next step) so text held back
-/// for a stop string is released with the last token.
-fn gen_item(s: &mut ContextState, g: &mut Gen, row: GenRow) -> (GenItem, Option<Finish>) {
-    let token = row.row.token;
+/// The item for a generation token (committed, or the last one uncommitted), and the
+/// request's end if it ends with it. Peeks at the next token (a cached `produce`, reused by
+/// the next step) so text held back for a stop string is released with the last token.
+fn gen_item(s: &mut ContextState, g: &mut Gen, token: i32, logprobs: Logprobs) -> (GenItem, Option<Finish>) {
     g.generated += 1;
     let bytes = s.model().token_bytes(token, false).unwrap_or_default();
     let piece = g.utf8.push(&bytes);
@@ -159,7 +171,7 @@ fn gen_item(s: &mut ContextState, g: &mut Gen, row: GenRow) -> (GenItem, Option<
             text.push_str(&g.stops.flush());
         }
     }
-    let (logprob, top_logprobs) = match row.logprobs {
+    let (logprob, top_logprobs) = match logprobs {
         Some((lp, top)) => (g.spec.logprobs.then_some(lp), (g.spec.top_logprobs > 0).then_some(top)),
         None => (None, None),
     };
