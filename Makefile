@@ -6,7 +6,7 @@ export VIRTUAL_ENV := $(CURDIR)/.venv
 export PYO3_PYTHON := $(CURDIR)/.venv/bin/python
 PYDIRS := python tests benches examples .ci
 
-.PHONY: help sysdeps browser venv llama-settings build soak fuzz test test-rust test-py test-docs families lint format bench bench-deps bench-batched bench-server-paired demo serve \
+.PHONY: help sysdeps browser venv llama-settings build soak fuzz test test-rust test-py test-docs families lint format bench bench-deps bench-batched bench-server-paired bench-peer-same-ggml bench-server-requests demo serve \
 	smoke-wheel wheel-portable bench-wheel clean distclean
 .DEFAULT_GOAL := help
 
@@ -138,6 +138,16 @@ bench-peers-cpp: sysdeps venv  ## llama-server + llama-batched-bench from llama-
 		-DCMAKE_PROJECT_INCLUDE=$(CURDIR)/llama-build/project_include.cmake
 	cmake --build $(PEERS)/build --config Release -j $$(nproc) --target llama-server llama-batched-bench
 	@echo "built $(PEERS)/build/bin/llama-server (benches/bench_server.py finds it there, or set LLAMA_SERVER)"
+
+# llama-cpp-sys-2's vendored llama.cpp (the one lloyal compiles), version from Cargo.lock
+LLAMA_SYS := $(firstword $(wildcard $(HOME)/.cargo/registry/src/*/llama-cpp-sys-2-$(shell awk '/name = "llama-cpp-sys-2"/{getline; gsub(/"/, "", $$3); print $$3}' Cargo.lock)/llama.cpp))
+PEER_LLAMA_CPP := $(PEERS)/llama_cpp_python-$(LLAMA_CPP_PYTHON)/vendor/llama.cpp
+bench-peer-same-ggml: bench-peers-cpp build  ## llama-batched-bench and llama-server built on lloyal's own llama.cpp, into target/peers/same-ggml{,-server}
+	bash benches/cpu_peer.sh $(LLAMA_SYS) $(PEER_LLAMA_CPP)/tools/batched-bench $(PEERS)/same-ggml
+	bash benches/cpu_peer_server.sh $(LLAMA_SYS) $(PEER_LLAMA_CPP) $(PEERS)/same-ggml-server
+
+bench-server-requests: build  ## concurrency 1 request by request (TTFT, ms/token): lloyal serve, llama-server, and llama-server on lloyal's llama.cpp when built
+	$(PY) benches/server_request_times.py --rounds 6 $(if $(wildcard $(PEERS)/same-ggml-server/build/bin/llama-server),--variant-server $(PEERS)/same-ggml-server/build/bin/llama-server)
 
 bench-server: build  ## server load benchmark: lloyal serve vs llama-server vs llama-cpp-python's server (tables)
 	$(PY) -m pip install -q "llama-cpp-python[server]==$(LLAMA_CPP_PYTHON)"

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # llama.cpp's llama-batched-bench built from the llama.cpp lloyal itself compiles (llama-cpp-sys-2's
 # vendored copy), for the host's CPU with lloyal's build additions: the same ggml and flags on both
-# sides of benches/batched_side_by_side.py (`make bench-peer-same-ggml`).
+# sides of benches/batched_side_by_side.py (`make bench-peer-same-ggml`, which also builds a
+# llama-server on it: benches/cpu_peer_server.sh).
 #
 #   benches/cpu_peer.sh LLAMA_CPP BATCHED_BENCH OUT
 #
