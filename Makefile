@@ -139,8 +139,9 @@ bench-peers-cpp: sysdeps venv  ## llama-server + llama-batched-bench from llama-
 	cmake --build $(PEERS)/build --config Release -j $$(nproc) --target llama-server llama-batched-bench
 	@echo "built $(PEERS)/build/bin/llama-server (benches/bench_server.py finds it there, or set LLAMA_SERVER)"
 
-# llama-cpp-sys-2's vendored llama.cpp (the one lloyal compiles), version from Cargo.lock
-LLAMA_SYS := $(firstword $(wildcard $(HOME)/.cargo/registry/src/*/llama-cpp-sys-2-$(shell awk '/name = "llama-cpp-sys-2"/{getline; gsub(/"/, "", $$3); print $$3}' Cargo.lock)/llama.cpp))
+# llama-cpp-sys-2's vendored llama.cpp (the one lloyal compiles), version from Cargo.lock (read
+# only by the targets that use it)
+LLAMA_SYS = $(firstword $(wildcard $(HOME)/.cargo/registry/src/*/llama-cpp-sys-2-$(shell awk '/name = "llama-cpp-sys-2"/{getline; gsub(/"/, "", $$3); print $$3}' Cargo.lock)/llama.cpp))
 PEER_LLAMA_CPP := $(PEERS)/llama_cpp_python-$(LLAMA_CPP_PYTHON)/vendor/llama.cpp
 bench-peer-same-ggml: bench-peers-cpp build  ## llama-batched-bench and llama-server built on lloyal's own llama.cpp, into target/peers/same-ggml{,-server}
 	bash benches/cpu_peer.sh $(LLAMA_SYS) $(PEER_LLAMA_CPP)/tools/batched-bench $(PEERS)/same-ggml
