@@ -283,6 +283,16 @@ impl PyTokenIter {
         let st = self.lock();
         st.stream.as_ref().filter(|_| st.done)?.perplexity()
     }
+
+    /// How many of the yielded tokens the branch holds when its generation request ended: all
+    /// of them, unless ``commit_last=False`` (then a token may be yielded before its decode,
+    /// and the one that ended the request is never decoded); None while running or when
+    /// closed before its end.
+    #[getter]
+    fn committed(&self) -> Option<usize> {
+        let st = self.lock();
+        st.stream.as_ref().filter(|_| st.done)?.committed()
+    }
 }
 
 impl GenArgs {

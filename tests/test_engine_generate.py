@@ -94,6 +94,44 @@ def test_the_last_token_uncommitted_saves_its_decode_and_comes_next(
     assert root.position == pos + 8
 
 
+def test_the_first_token_after_a_prompt_comes_before_its_decode(ctx9: lloyal.Context, root: Branch) -> None:
+    """``commit_last=False`` with a prompt: the first token is yielded as the prompt is written,
+    before the decode that commits it, which runs when the consumer asks for the next one (a
+    consumer that stops there leaves the branch before it). The tokens are a hand loop's, and
+    ``committed`` counts the yielded tokens the branch holds."""
+    extra = ctx9.tokenize(" Number four is", add_special=False)
+    ref_branch = root.fork()
+    ref_branch.prefill(extra)
+    ref = hand_loop(ref_branch, 4)
+    b = root.fork()
+    pos = b.position
+    calls = ctx9.engine_stats().decode_calls
+    it = b.generate(4, prompt=extra, commit_last=False)
+    first = next(it)
+    assert first.token == ref[0]
+    time.sleep(0.05)  # nothing is decoded until the next ask
+    assert ctx9.engine_stats().decode_calls - calls == 1  # the prompt's
+    assert b.position == pos + len(extra) and it.committed is None
+    rest = list(it)
+    assert [t.token for t in [first, *rest]] == ref and it.finish_reason == "length"
+    assert ctx9.engine_stats().decode_calls - calls == 1 + 3  # the 4th never decoded
+    assert it.committed == 3 and b.position == pos + len(extra) + 3
+    assert it.perplexity == b.perplexity
+
+    stopped = root.fork()  # stops at the first token: its branch never holds it
+    it = stopped.generate(4, prompt=extra, commit_last=False)
+    assert next(it).token == ref[0]
+    it.close()
+    wait_until(lambda: ctx9.engine_stats().generating == 0)
+    assert stopped.position == pos + len(extra)
+    assert [t.token for t in stopped.generate(2)] == ref[:2]  # and generates it next
+    one = root.fork()  # max_tokens=1: yielded with the prompt's tick, never decoded
+    calls = ctx9.engine_stats().decode_calls
+    it = one.generate(1, prompt=extra, commit_last=False)
+    assert [t.token for t in it] == ref[:1] and it.finish_reason == "length" and it.committed == 0
+    assert ctx9.engine_stats().decode_calls - calls == 1 and one.position == pos + len(extra)
+
+
 def test_stop_string_across_token_boundaries_is_not_yielded(ctx9: lloyal.Context, root: Branch) -> None:
     ref_branch = root.fork()
     ref = hand_loop(ref_branch, 16)

@@ -836,6 +836,13 @@ class TokenIterator:
         (with a :attr:`finish_reason`, or with an error such as ``KvCacheFullError``), read without
         waiting for the engine; None while running or when closed before its end.
         """
+    @property
+    def committed(self) -> int | None:
+        """How many of the yielded tokens the branch holds when its generation request ended: all
+        of them, unless ``commit_last=False`` (then a token may be yielded before its decode,
+        and the one that ended the request is never decoded); None while running or when
+        closed before its end.
+        """
 
 @final
 class LoopWaker:
@@ -1110,6 +1117,9 @@ class Branch:
                 it is yielded as soon as it is sampled and never decoded, one decode less for a
                 request whose branch is only kept as a prefix (a server's); the branch then ends
                 one token short of what was yielded, and its perplexity leaves that token out.
+                It also yields the first token after ``prompt`` as the prompt is written, a step
+                before its decode (a shorter time to first token); :attr:`TokenIterator.committed`
+                says how many of the yielded tokens the branch holds at the end.
 
         Raises:
             InvalidTokenError: A stop or prompt token is out of the vocabulary.

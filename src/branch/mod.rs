@@ -303,6 +303,9 @@ impl PyBranch {
     ///         it is yielded as soon as it is sampled and never decoded, one decode less for a
     ///         request whose branch is only kept as a prefix (a server's); the branch then ends
     ///         one token short of what was yielded, and its perplexity leaves that token out.
+    ///         It also yields the first token after ``prompt`` as the prompt is written, a step
+    ///         before its decode (a shorter time to first token); :attr:`TokenIterator.committed`
+    ///         says how many of the yielded tokens the branch holds at the end.
     ///
     /// Raises:
     ///     InvalidTokenError: A stop or prompt token is out of the vocabulary.

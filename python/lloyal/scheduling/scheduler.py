@@ -122,7 +122,19 @@ class Done:
 
 
 class _Choice:
-    __slots__ = ("branch", "done", "generated", "index", "ppl", "prompt", "reason", "req", "task", "text")
+    __slots__ = (
+        "branch",
+        "committed",
+        "done",
+        "generated",
+        "index",
+        "ppl",
+        "prompt",
+        "reason",
+        "req",
+        "task",
+        "text",
+    )
 
     def __init__(self, req: _Request, index: int, branch: lloyal.Branch) -> None:
         self.req, self.index, self.branch = req, index, branch
@@ -132,6 +144,7 @@ class _Choice:
         self.done = False
         self.reason = ""
         self.ppl = math.inf  # its branch's perplexity as its generation request ended
+        self.committed: int | None = None  # of ``generated``, the tokens its branch holds at the end
         self.task: asyncio.Task[None] | None = None
 
 
@@ -388,20 +401,13 @@ class Scheduler:
         assert req.plan is not None
         root = req.root if req.root is not None and not req.root_is_entry else None
         spec = req.spec
-        choices = [(c.branch, self._committed(c), c.ppl) for c in req.choices]
+        choices = [(c.branch, c.generated[: c.committed or 0], c.ppl) for c in req.choices]
+        # a branch whose engine request did not say how many tokens it holds is not cached
+        keep_best = keep_best and all(c.committed is not None for c in req.choices)
         kept, ppls = self.book.finish(req.plan, choices, root, n=spec.n, rank=spec.rank, keep_best=keep_best)
         if self.waiting:
             asyncio.get_running_loop().create_task(self._notify_room())
         return kept, ppls
-
-    @staticmethod
-    def _committed(c: _Choice) -> list[int]:
-        """The tokens ``c``'s branch holds past the prompt: a choice that reached
-        ``max_tokens`` without :attr:`GenSpec.commits_last` did not decode its last one."""
-        spec = c.req.spec
-        if spec.commits_last or len(c.generated) < spec.max_tokens:
-            return c.generated
-        return c.generated[: spec.max_tokens - 1]
 
     @staticmethod
     async def _setup(b: lloyal.Branch, spec: GenSpec, i: int, *, reseed: bool) -> None:
@@ -460,6 +466,7 @@ class Scheduler:
         finally:
             ppl = it.perplexity
             c.ppl = ppl if ppl is not None and math.isfinite(ppl) else math.inf
+            c.committed = it.committed
             self._started(c)
             c.done, c.reason = True, reason
             if all(x.done for x in c.req.choices) and c.req in self._requests:

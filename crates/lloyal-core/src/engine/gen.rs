@@ -8,7 +8,10 @@
 //! leaves the branch exactly at the last token it received. A stream with a lookahead of
 //! `k > 1` ([`GenStream::with_lookahead`]) is stepped while fewer than `k` of its tokens wait
 //! unread, so the engine decodes the next token while the consumer handles this one (and a
-//! consumer that stops leaves the branch up to `k - 1` tokens past the last it read).
+//! consumer that stops leaves the branch up to `k - 1` tokens past the last it read). With
+//! [`GenSpec::commit_last`] off, the first token after a prompt is pushed as the prompt is
+//! written and committed when the consumer wants the next one (a consumer that stops at it
+//! leaves the branch before it), and the last one is never committed.
 
 use std::collections::VecDeque;
 use std::sync::{Arc, Condvar, Mutex, MutexGuard};
@@ -83,6 +86,8 @@ struct StreamState {
     lookahead: usize,
     /// The branch's perplexity when the request ended.
     perplexity: Option<f64>,
+    /// How many of the yielded tokens the branch holds, when the request ended.
+    committed: Option<usize>,
 }
 
 impl StreamState {
@@ -167,6 +172,20 @@ impl GenStream {
         self.lock().perplexity = Some(perplexity);
     }
 
+    /// How many of the tokens yielded the branch holds, as the request ended (`None` before,
+    /// or when it was dropped without an end from the engine). All of them unless
+    /// [`GenSpec::commit_last`] is off: then a token is yielded before its commit, and the one
+    /// that ended the request, or one yielded as it failed or was cancelled, is not held.
+    /// Read without the context's lock.
+    pub fn committed(&self) -> Option<usize> {
+        self.lock().committed
+    }
+
+    /// Note how many yielded tokens the branch holds at the request's end (engine side).
+    pub(crate) fn set_committed(&self, committed: usize) {
+        self.lock().committed = Some(committed);
+    }
+
     /// Take the consumer's request for a token (engine side).
     pub(crate) fn take_wanted(&self) -> bool {
         let mut st = self.lock();
@@ -192,7 +211,9 @@ impl GenStream {
             match event {
                 Event::Item(item) => {
                     st.items.push_back(item);
+                    // answered (an item yielded before its step answers the want it left)
                     st.asked = false;
+                    st.wanted = false;
                 }
                 Event::End(end) => {
                     if st.end.is_none() {
@@ -245,7 +266,9 @@ pub struct GenSpec {
     pub arrived: Option<Instant>,
     /// Commit the token that reaches `max_tokens` (`false`: it is yielded as soon as it is
     /// sampled and never decoded, saving a decode per request whose branch goes on only as a
-    /// cached prefix; the branch ends one token short of what was yielded).
+    /// cached prefix; the branch ends one token short of what was yielded). Off, the first
+    /// token after a prompt is also yielded as the prompt's tick ends, a tick before its commit
+    /// ([`GenStream::committed`] then says how many yielded tokens the branch holds).
     pub commit_last: bool,
     /// Where the tokens go.
     pub stream: Arc<GenStream>,
@@ -350,6 +373,11 @@ impl StopMatcher {
     /// Release whatever is held (the request ended for another reason).
     pub fn flush(&mut self) -> String {
         std::mem::take(&mut self.held)
+    }
+
+    /// Whether text that may begin a stop string is held back.
+    pub fn holds(&self) -> bool {
+        !self.held.is_empty()
     }
 }
 

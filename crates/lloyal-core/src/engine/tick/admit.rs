@@ -27,6 +27,7 @@ fn gone(s: &ContextState, op: &Op, handle: Handle) -> Option<LloyalError> {
 
 /// End a waiting generation request with `err`.
 fn fail_waiting(out: &mut TickOutcome, w: Waiting, err: LloyalError) {
+    w.spec.stream.set_committed(0);
     out.end_stream(w.op, &w.spec.stream, Err(err));
 }
 
@@ -279,7 +280,10 @@ impl Scheduler {
         let mut keep = Vec::with_capacity(self.gens.len());
         for g in self.gens.drain(..) {
             match gone(s, &g.op, g.spec.handle) {
-                Some(err) => out.end_stream(g.op, &g.spec.stream, Err(err)),
+                Some(err) => {
+                    g.spec.stream.set_committed(g.committed);
+                    out.end_stream(g.op, &g.spec.stream, Err(err));
+                }
                 None => keep.push(g),
             }
         }

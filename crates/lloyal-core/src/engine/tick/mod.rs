@@ -64,29 +64,53 @@ struct Flight {
     reseed: Option<Reseeding>,
 }
 
-/// A generation request running on its branch.
-struct Gen {
-    op: Op,
-    spec: GenSpec,
+/// How far a generation request got through its tokens: the items made, and the text held
+/// back (an incomplete character, the start of a stop string).
+struct Progress {
     generated: usize,
     utf8: Utf8Stream,
     stops: StopMatcher,
 }
 
-impl Gen {
-    fn start(w: Waiting) -> Self {
-        let stops = StopMatcher::new(w.spec.stop.clone());
-        Gen { op: w.op, spec: w.spec, generated: 0, utf8: Utf8Stream::new(), stops }
+impl Progress {
+    fn new(spec: &GenSpec) -> Self {
+        Progress { generated: 0, utf8: Utf8Stream::new(), stops: StopMatcher::new(spec.stop.clone()) }
     }
 
-    /// Whether the token being committed now is its last by `max_tokens`.
+    /// Whether text is held back for the next token.
+    fn holds(&self) -> bool {
+        !self.utf8.pending().is_empty() || self.stops.holds()
+    }
+}
+
+/// A generation request running on its branch.
+struct Gen {
+    op: Op,
+    spec: GenSpec,
+    p: Progress,
+    /// The token its next commit decodes was yielded already (the first one, as its prompt's
+    /// tick ended: [`step::publish_first`]).
+    ahead: bool,
+    /// Tokens committed on its branch.
+    committed: usize,
+}
+
+impl Gen {
+    fn start(w: Waiting) -> Self {
+        let ahead = w.first.is_some();
+        let p = w.first.unwrap_or_else(|| Progress::new(&w.spec));
+        Gen { op: w.op, spec: w.spec, p, ahead, committed: 0 }
+    }
+
+    /// Whether the token being committed now is its last by `max_tokens` (one yielded ahead
+    /// never is: it would have ended the request as it went out).
     fn ends_by_length_next(&self) -> bool {
-        self.spec.max_tokens.is_some_and(|m| self.generated + 1 >= m)
+        !self.ahead && self.spec.max_tokens.is_some_and(|m| self.p.generated + 1 >= m)
     }
 
     /// Cells still reserved for this request's future tokens (0 when unbounded or not reserving).
     fn reserved(&self) -> usize {
-        self.spec.reservation(self.generated)
+        self.spec.reservation(self.p.generated)
     }
 }
 
@@ -95,11 +119,13 @@ struct Waiting {
     op: Op,
     spec: GenSpec,
     since: Instant,
+    /// Its first token went out as its prompt's tick ended (not committed yet).
+    first: Option<Progress>,
 }
 
 impl Waiting {
     fn new(op: Op, spec: GenSpec) -> Self {
-        Waiting { op, spec, since: Instant::now() }
+        Waiting { op, spec, since: Instant::now(), first: None }
     }
 }
 

@@ -1,14 +1,15 @@
 //! Generation requests' steps: the schedule phase samples each ready request's next token
 //! (ending it on a stop) and admits its commit row; the update phase turns a decoded token
-//! into the stream's item (text past stop strings, logprobs).
+//! into the stream's item (text past stop strings, logprobs). A request with
+//! `commit_last` off gets its first token as its prompt's tick ends ([`publish_first`]).
 
 use std::sync::Arc;
 use std::time::Instant;
 
 use super::admit::admit_commit;
-use super::{Budget, CommitRow, Gen, Part, Scheduler, TickOutcome};
+use super::{Budget, CommitRow, Gen, Part, Progress, Scheduler, TickOutcome, Waiting};
 use crate::context::state::ContextState;
-use crate::engine::gen::{logprobs, Event, Finish, GenItem};
+use crate::engine::gen::{logprobs, Event, Finish, GenItem, GenSpec};
 use crate::error::{LloyalError, Result};
 use crate::tenancy::Handle;
 
@@ -41,7 +42,10 @@ impl Scheduler {
         out: &mut TickOutcome,
     ) {
         for (gi, g) in self.gens.iter_mut().enumerate() {
-            if budget.busy.contains(&g.spec.handle) || !g.spec.stream.take_wanted() {
+            // A token yielded ahead is committed once its consumer wants another, the want
+            // left for that next token.
+            let wants = if g.ahead { g.spec.stream.is_wanted() } else { g.spec.stream.take_wanted() };
+            if budget.busy.contains(&g.spec.handle) || !wants {
                 continue;
             }
             // A bounded request's row takes one of the cells it reserved.
@@ -56,7 +60,7 @@ impl Scheduler {
                     parts.push(Part::Gen(gi, row));
                 }
                 Ok(Step::Last(token, logprobs)) => {
-                    let (item, end) = gen_item(s, g, token, logprobs);
+                    let (item, end) = gen_item(s, &g.spec, &mut g.p, token, logprobs);
                     out.events.push((Arc::clone(&g.spec.stream), Event::Item(item)));
                     ended.push((gi, Ok(end.unwrap_or(Finish::Length))));
                 }
@@ -79,7 +83,10 @@ impl Scheduler {
         let mut published = Vec::with_capacity(rows.len());
         for (gi, row) in rows {
             match super::update::finish_commit(s, std::slice::from_ref(&row.row)) {
-                Ok(()) => published.push((gi, row)),
+                Ok(()) => {
+                    self.gens[gi].committed += 1;
+                    published.push((gi, row));
+                }
                 Err(e) => ended.push((gi, Err(e))),
             }
         }
@@ -89,7 +96,10 @@ impl Scheduler {
         s.produce_ahead(&handles);
         for (gi, row) in published {
             let g = &mut self.gens[gi];
-            let (item, end) = gen_item(s, g, row.row.token, row.logprobs);
+            if std::mem::take(&mut g.ahead) {
+                continue; // its item went out before its commit
+            }
+            let (item, end) = gen_item(s, &g.spec, &mut g.p, row.row.token, row.logprobs);
             out.events.push((Arc::clone(&g.spec.stream), Event::Item(item)));
             if let Some(finish) = end {
                 ended.push((gi, Ok(finish)));
@@ -112,6 +122,7 @@ impl Scheduler {
             if let Ok(b) = s.branch(g.spec.handle) {
                 g.spec.stream.set_perplexity(b.perplexity());
             }
+            g.spec.stream.set_committed(g.committed);
             out.end_stream(g.op, &g.spec.stream, result);
         }
     }
@@ -120,59 +131,115 @@ impl Scheduler {
 /// Sample a generation request's next token; end it on a stop, else admit its commit row.
 fn step_gen(s: &mut ContextState, g: &Gen, reserved: usize) -> Result<Step> {
     let h = g.spec.handle;
-    if g.spec.max_tokens.is_some_and(|m| g.generated >= m) {
+    if g.ahead {
+        // yielded as its prompt's tick ended (a cached `produce`: the same token)
+        let token = s.branch_produce(h)?;
+        return commit_row(s, h, token, None, reserved);
+    }
+    if g.spec.max_tokens.is_some_and(|m| g.p.generated >= m) {
         return Ok(Step::End(Finish::Length));
     }
     let token = s.branch_produce(h)?;
-    if s.model().is_eog(token) {
-        return Ok(Step::End(Finish::Eog));
+    if ends_at(s, &g.spec, token) {
+        return Ok(Step::End(if s.model().is_eog(token) { Finish::Eog } else { Finish::Stop }));
     }
-    if g.spec.stop_tokens.contains(&token) {
-        return Ok(Step::End(Finish::Stop));
-    }
-    let logprobs = if g.spec.logprobs || g.spec.top_logprobs > 0 {
-        let b = s.branch(h)?;
-        Some(logprobs(b.logits()?, b.logits.stats().lse, token, g.spec.top_logprobs))
-    } else {
-        None
-    };
+    let logprobs = token_logprobs(s, &g.spec, token)?;
     if !g.spec.commit_last && g.ends_by_length_next() {
         return Ok(Step::Last(token, logprobs));
     }
+    commit_row(s, h, token, logprobs, reserved)
+}
+
+/// Admit the commit row of `token` on `h`'s branch.
+fn commit_row(
+    s: &mut ContextState,
+    h: Handle,
+    token: i32,
+    logprobs: Logprobs,
+    reserved: usize,
+) -> Result<Step> {
     let mut rows = admit_commit(s, &[(h, token)], reserved)?;
     let row = rows.pop().ok_or_else(|| LloyalError::Backend("a commit admitted no row".into()))?;
     Ok(Step::Row(GenRow { row, logprobs }))
 }
 
-/// The item for a generation token (committed, or the last one uncommitted), and the
+/// Whether `token` ends the request without being yielded (the model's EOG, a stop token).
+fn ends_at(s: &ContextState, spec: &GenSpec, token: i32) -> bool {
+    s.model().is_eog(token) || spec.stop_tokens.contains(&token)
+}
+
+/// The logprobs of `token` on the request's branch, when it asks for them.
+fn token_logprobs(s: &ContextState, spec: &GenSpec, token: i32) -> Result<Logprobs> {
+    if !spec.logprobs && spec.top_logprobs == 0 {
+        return Ok(None);
+    }
+    let b = s.branch(spec.handle)?;
+    Ok(Some(logprobs(b.logits()?, b.logits.stats().lse, token, spec.top_logprobs)))
+}
+
+/// As a request's prompt finishes (`commit_last` off): yield its first token now, a tick before
+/// the tick that commits it, as llama-server sends a token once it is sampled. Returns the
+/// request to wait for room for its tokens, or `None` when that token ended it (a stop string,
+/// `max_tokens` of 1: never committed). A token that ends it unyielded (EOG, a stop token) or
+/// leaves text held back for the next one goes the usual way, untouched.
+pub(super) fn publish_first(s: &mut ContextState, mut w: Waiting, out: &mut TickOutcome) -> Option<Waiting> {
+    let Ok(token) = s.branch_produce(w.spec.handle) else { return Some(w) };
+    if ends_at(s, &w.spec, token) {
+        return Some(w);
+    }
+    let Ok(logprobs) = token_logprobs(s, &w.spec, token) else { return Some(w) };
+    let mut p = Progress::new(&w.spec);
+    let (item, end) = gen_item(s, &w.spec, &mut p, token, logprobs);
+    if end.is_none() && p.holds() {
+        return Some(w);
+    }
+    let stream = Arc::clone(&w.spec.stream);
+    out.events.push((Arc::clone(&stream), Event::Item(item)));
+    let Some(finish) = end else {
+        w.first = Some(p);
+        return Some(w);
+    };
+    if let Ok(b) = s.branch(w.spec.handle) {
+        stream.set_perplexity(b.perplexity());
+    }
+    stream.set_committed(0);
+    out.end_stream(w.op, &stream, Ok(finish));
+    None
+}
+
+/// The item for a generation token (committed, or yielded before its commit), and the
 /// request's end if it ends with it. Peeks at the next token (a cached `produce`, reused by
 /// the next step) so text held back for a stop string is released with the last token.
-fn gen_item(s: &mut ContextState, g: &mut Gen, token: i32, logprobs: Logprobs) -> (GenItem, Option<Finish>) {
-    g.generated += 1;
+fn gen_item(
+    s: &mut ContextState,
+    spec: &GenSpec,
+    p: &mut Progress,
+    token: i32,
+    logprobs: Logprobs,
+) -> (GenItem, Option<Finish>) {
+    p.generated += 1;
     let bytes = s.model().token_bytes(token, false).unwrap_or_default();
-    let piece = g.utf8.push(&bytes);
-    let (mut text, matched) = g.stops.push(&piece);
+    let piece = p.utf8.push(&bytes);
+    let (mut text, matched) = p.stops.push(&piece);
     let mut end = if matched {
         Some(Finish::Stop)
-    } else if g.spec.max_tokens.is_some_and(|m| g.generated >= m) {
+    } else if spec.max_tokens.is_some_and(|m| p.generated >= m) {
         Some(Finish::Length)
     } else {
         None
     };
-    let last = end.is_some()
-        || s.branch_produce(g.spec.handle)
-            .is_ok_and(|t| s.model().is_eog(t) || g.spec.stop_tokens.contains(&t));
+    let last = end.is_some() || s.branch_produce(spec.handle).is_ok_and(|t| ends_at(s, spec, t));
     if last && !matched {
-        let (tail, matched) = g.stops.push(&g.utf8.flush());
+        let (tail, matched) = p.stops.push(&p.utf8.flush());
         text.push_str(&tail);
         if matched {
             end = Some(Finish::Stop);
         } else {
-            text.push_str(&g.stops.flush());
+            text.push_str(&p.stops.flush());
         }
     }
     let (logprob, top_logprobs) = match logprobs {
-        Some((lp, top)) => (g.spec.logprobs.then_some(lp), (g.spec.top_logprobs > 0).then_some(top)),
+        Some((lp, top)) => (spec.logprobs.then_some(lp), (spec.top_logprobs > 0).then_some(top)),
         None => (None, None),
     };
     (GenItem { token, text, logprob, top_logprobs }, end)

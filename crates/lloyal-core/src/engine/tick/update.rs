@@ -1,6 +1,7 @@
 //! The update phase: each decoded part's result published (branches accept, advance and
 //! publish their logits; streams get their items), finished prefills answered (a generation
-//! request's prompt then queues it for its tokens), failed ones rolled back.
+//! request's prompt then queues it for its tokens, its first token yielded already when it
+//! does not commit its last), failed ones rolled back.
 
 use super::{CommitRow, Item, Part, Scheduler, TickOutcome, Waiting};
 use crate::context::state::ContextState;
@@ -82,8 +83,12 @@ impl Scheduler {
             match (&f.op.work, finished) {
                 (Work::Generate(spec), Ok(())) => {
                     let spec = GenSpec { prompt: Vec::new(), ..(**spec).clone() };
-                    self.waiting.push_back(Waiting::new(f.op, spec));
-                    self.fresh_waiting = true;
+                    let w = Waiting::new(f.op, spec);
+                    let w = if w.spec.commit_last { Some(w) } else { super::step::publish_first(s, w, out) };
+                    if let Some(w) = w {
+                        self.waiting.push_back(w);
+                        self.fresh_waiting = true;
+                    }
                 }
                 (_, r) => {
                     out.prefills_done += u64::from(r.is_ok());
