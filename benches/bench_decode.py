@@ -20,6 +20,7 @@ import lloyal
 
 GROUP = "decode-single-stream"
 PAIRED = "decode-single-stream-paired"
+PAGES = "decode-weight-pages"
 Run = Callable[[], list[int]]
 
 
@@ -164,3 +165,24 @@ def test_paired_branch_vs_raw(benchmark, model_path: Path, prompt_tokens: list[i
         raw.close()
     benchmark.extra_info.update(rounds=rounds, **median_figures(medians, ("branch", "raw"), ("flat", "raw")))
     assert all(len(out) == n for out in outputs.values())
+
+
+@pytest.mark.benchmark(group=PAGES)
+def test_paired_weights_read_vs_mapped(
+    benchmark, model_path: Path, prompt_tokens: list[int], full: bool
+) -> None:
+    """The flat loop on weights mapped from the file (``use_mmap=True``: 4 KiB pages) and read
+    into memory (``use_mmap=False``: 2 MiB pages, ``Model.huge_page_bytes``), turn about;
+    pytest-benchmark times the read ones. The same tokens either way."""
+    n, rounds = steps(full), 9 if full else 1
+    mapped = lloyal.Model(model_path, use_mmap=True)
+    read = lloyal.Model(model_path, use_mmap=False)
+    with (
+        lloyal.Context(mapped, n_ctx=1024, n_threads=THREADS) as a,
+        lloyal.Context(read, n_ctx=1024, n_threads=THREADS) as b,
+    ):
+        runs = {"mapped": flat_run(a, prompt_tokens, n), "read": flat_run(b, prompt_tokens, n)}
+        medians, outputs = interleaved(benchmark, runs, rounds)
+    figures = median_figures(medians, ("read", "mapped"))
+    benchmark.extra_info.update(rounds=rounds, huge_page_mb=read.huge_page_bytes >> 20, **figures)
+    assert outputs["read"] == outputs["mapped"] and len(outputs["read"]) == n

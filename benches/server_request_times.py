@@ -10,8 +10,13 @@ streaming 64 tokens. Medians per server:
     python benches/server_request_times.py --rounds 6 --variant=--swa-full \\
         --variant-server target/peers/same-ggml-server/build/bin/llama-server
 
-``--variant ARGS`` adds llama-server with ARGS; ``--variant-server PATH`` adds another
-llama-server binary (``benches/cpu_peer_server.sh`` builds one on lloyal's own llama.cpp).
+``--variant ARGS`` adds llama-server with ARGS (leading ``NAME=VALUE`` words set its
+environment), ``--lloyal-variant ARGS`` lloyal serve with ARGS; ``--variant-server PATH`` adds
+another llama-server binary (``benches/cpu_peer_server.sh`` builds one on lloyal's own llama.cpp).
+Weights in huge pages on both sides (lloyal's default, llama-server's with glibc's THP tunable):
+
+    python benches/server_request_times.py --rounds 6 --lloyal-variant=--mmap \
+        --variant="GLIBC_TUNABLES=glibc.malloc.hugetlb=1 --no-mmap"
 """
 
 from __future__ import annotations
@@ -53,6 +58,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--rounds", type=int, default=6)
     ap.add_argument("--variant", action="append", default=[], help="llama-server with these extra args")
     ap.add_argument("--variant-server", action="append", default=[], help="another llama-server binary")
+    ap.add_argument("--lloyal-variant", action="append", default=[], help="lloyal serve with these args")
     a = ap.parse_args(argv)
     size = bs.FULL
     model = lloyal.default_model_path()
@@ -62,7 +68,14 @@ def main(argv: list[str] | None = None) -> int:
     if peer is None:
         raise SystemExit(f"no llama-server at {bs.LLAMA_SERVER}: run make bench-peers-cpp")
     for args in a.variant:
-        specs.append(dataclasses.replace(peer, name=f"llama-server {args}", cmd=[*peer.cmd, *args.split()]))
+        words = args.split()
+        env = [w for w in words if "=" in w and not w.startswith("-")]
+        rest = [w for w in words if w not in env]
+        cmd = [*(["env", *env] if env else []), *peer.cmd, *rest]
+        specs.append(dataclasses.replace(peer, name=f"llama-server {args}", cmd=cmd))
+    mine = next(s for s in specs if s.name == "lloyal serve")
+    for args in a.lloyal_variant:
+        specs.append(dataclasses.replace(mine, name=f"lloyal serve {args}", cmd=[*mine.cmd, *args.split()]))
     for i, path in enumerate(a.variant_server, 2):
         print(f"llama-server #{i}: {path}")
         specs.append(dataclasses.replace(peer, name=f"llama-server #{i}", cmd=[path, *peer.cmd[1:]]))

@@ -129,6 +129,11 @@ def produce_commit(branch: lloyal.Branch, n: int, *, forbid_stop: bool = False) 
     return out
 
 
+# Linux with transparent huge pages (whatever their setting): madvise(MADV_HUGEPAGE) is taken,
+# so a model load marks its weight buffers (Model.huge_page_bytes).
+THP = sys.platform == "linux" and Path("/sys/kernel/mm/transparent_hugepage/enabled").exists()
+
+
 def wait_until(cond: Callable[[], bool], timeout: float = 30.0) -> None:
     """Poll ``cond`` until it holds; fail the test after ``timeout`` seconds."""
     deadline = time.monotonic() + timeout

@@ -9,6 +9,7 @@ import time
 from pathlib import Path
 
 import pytest
+from helpers import THP
 
 import lloyal
 
@@ -26,6 +27,22 @@ def test_model_facts(model: lloyal.Model, model_path: Path) -> None:
     assert 200_000_000 < model.n_params < 300_000_000
     assert 0 < model.size <= model_path.stat().st_size
     assert "gemma3" in repr(model)
+
+
+def test_weights_read_into_memory_are_advised_huge_pages(model: lloyal.Model, model_path: Path) -> None:
+    """``use_mmap=False``: every weight buffer the load allocates is marked for 2 MiB pages
+    before llama.cpp reads into it (``Model.huge_page_bytes``); mapped, only the repacked
+    weights are (the file's pages stay mapped), and nothing off Linux."""
+    read = lloyal.Model(model_path, use_mmap=False)
+    # the main weight buffer alone is ~90% of the weights (what else a load maps varies)
+    assert not THP or read.huge_page_bytes >= 0.85 * read.size
+    assert not THP or 0 < model.huge_page_bytes < 0.5 * read.size  # mapped: repacked Q4 layers only
+    assert THP or read.huge_page_bytes == model.huge_page_bytes == 0
+    with lloyal.Context(read, n_ctx=256) as a, lloyal.Context(model, n_ctx=256) as b:
+        toks = a.tokenize("One, two, three,")
+        a.decode(toks, 0)
+        b.decode(toks, 0)
+        assert a.sample(temperature=0) == b.sample(temperature=0)  # the same weights
 
 
 def test_same_path_loads_once(model: lloyal.Model, model_path: Path, tmp_path: Path) -> None:

@@ -22,7 +22,7 @@ import httpx
 import jsonschema
 import numpy as np
 import pytest
-from helpers import free_port, greedy_completion, person_schema, stream_with_usage
+from helpers import THP, free_port, greedy_completion, person_schema, stream_with_usage
 
 import lloyal
 
@@ -538,6 +538,8 @@ def test_fast_kernels_by_default_and_prefill_chunk_options(
     state = app.state.lloyal["s"]
     assert state.model.repack and state.ctx.batch_invariant is False and state.ctx.type_k == "f16"
     assert state.ctx.engine_prefill_chunk == 16
+    # the weights are read into memory, not mapped: they get huge pages (tests/test_model.py)
+    assert state.model.huge_page_bytes >= 0.85 * state.model.size or not THP
     c = openai.OpenAI(base_url=f"{url}/v1", api_key="-", max_retries=0)
     out = c.completions.create(model=name, prompt="The capital of France is", max_tokens=4, temperature=0)
     assert out.usage is not None and out.usage.completion_tokens == 4 and out.choices[0].text
@@ -549,8 +551,10 @@ def test_fast_kernels_by_default_and_prefill_chunk_options(
     monkeypatch.setattr("lloyal.server.serve", lambda cfg, **kw: seen.append(cfg))
     assert cli.main(["--model", str(model_path), "serve", "--batch-invariant", "--prefill-chunk", "0"]) == 0
     assert seen[0].batch_invariant and seen[0].prefill_chunk == 0 and seen[0].n_gpu_layers is None
+    assert not seen[0].use_mmap
     assert cli.main(["--model", str(model_path), "serve", "--prefill-chunk", "paced", "-ngl", "99"]) == 0
     assert not seen[1].batch_invariant and seen[1].prefill_chunk is None and seen[1].n_gpu_layers == 99
+    assert cli.main(["--model", str(model_path), "serve", "--mmap"]) == 0 and seen[2].use_mmap
     # Batch invariance and GPU layers together: the state refuses with the context's reason.
     with pytest.raises(ValueError, match="batch_invariant=True is not possible here: the model is offloaded"):
         ServerState(ServerConfig(model=model_path, n_ctx=256, batch_invariant=True, n_gpu_layers=99))

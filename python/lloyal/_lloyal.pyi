@@ -118,6 +118,13 @@ class Model:
     def size(self) -> int:
         """Size of the weights in bytes."""
     @property
+    def huge_page_bytes(self) -> int:
+        """Bytes of the weights' memory the load asked the kernel to back with 2 MiB pages (Linux):
+        all the weights with ``use_mmap=False``, the repacked ones with ``use_mmap=True``
+        (mapped file pages stay 4 KiB). A decode reads every weight each step, and huge pages
+        spare it TLB misses; 0 elsewhere.
+        """
+    @property
     def architecture(self) -> str:
         """Architecture name from the GGUF metadata (e.g. ``"gemma3"``)."""
     @property

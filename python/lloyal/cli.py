@@ -395,6 +395,7 @@ def serve(args: argparse.Namespace) -> int:
         n_threads=args.threads,
         model_name=args.served_model_name,
         request_timeout=args.request_timeout or None,
+        use_mmap=args.mmap,
         **{name: getattr(args, name) for name in same_name},
     )
     if args.ray:
@@ -504,6 +505,12 @@ def _parser() -> argparse.ArgumentParser:
         help="most KV cells the prefix cache keeps of finished requests (default: --n-ctx times the share "
         "of recent prompts it served or would have, and at most the prompts its recent hits "
         "reached back); every cell kept slows every decode a little (docs/server.md)",
+    )
+    sv.add_argument(
+        "--mmap",
+        action="store_true",
+        help="map the weights file instead of reading it into memory (default: read, so the weights get "
+        "2 MiB pages and a decode a few percent faster; a map starts sooner and shares the page cache)",
     )
     sv.add_argument(
         "--batch-invariant",

@@ -19,6 +19,7 @@ pub mod embeddings;
 pub mod engine;
 pub mod error;
 pub mod grammar;
+pub mod hugepages;
 pub mod ledger;
 pub mod metrics;
 pub mod model;

@@ -25,6 +25,8 @@ pub struct Model {
     path: PathBuf,
     options: ModelOptions,
     n_vocab: i32,
+    /// Bytes of the mappings the load created that it asked to be backed by huge pages.
+    huge_page_bytes: usize,
     /// Tokens allowed at the start rule of recently used grammars, keyed by (rules, root).
     grammar_starts: Mutex<Vec<GrammarStart>>,
     /// llguidance's parser factory (token trie over the vocabulary), built on first use.
@@ -73,9 +75,14 @@ impl Model {
             params.load_mode =
                 if options.use_mmap { sys::LLAMA_LOAD_MODE_MMAP } else { sys::LLAMA_LOAD_MODE_NONE };
             params.use_extra_bufts = options.repack;
-            load_model(&cpath, params)
+            // The weight buffers get huge pages before llama.cpp reads into them (hugepages.rs).
+            let mut advisor = crate::hugepages::Advisor::new();
+            params.progress_callback = Some(crate::hugepages::Advisor::callback);
+            params.progress_callback_user_data = std::ptr::addr_of_mut!(advisor).cast();
+            let llama = load_model(&cpath, params);
+            llama.map(|llama| (llama, advisor.advised))
         };
-        let llama = crate::omp::on_own_thread(load).ok_or_else(|| {
+        let (llama, huge_page_bytes) = crate::omp::on_own_thread(load).ok_or_else(|| {
             let detail = recent_errors();
             fail(if detail.is_empty() { "llama.cpp could not load it".into() } else { detail })
         })?;
@@ -85,6 +92,7 @@ impl Model {
             path: path.to_path_buf(),
             options,
             n_vocab,
+            huge_page_bytes,
             grammar_starts: Mutex::new(Vec::new()),
             llg_factory: OnceLock::new(),
         })
@@ -103,6 +111,13 @@ impl Model {
     /// Options the weights were loaded with.
     pub fn options(&self) -> ModelOptions {
         self.options
+    }
+
+    /// Bytes of the weights' mappings the load asked the kernel to back with 2 MiB pages (the
+    /// weights it read into memory: all of them with `use_mmap` off, the repacked ones with it
+    /// on; 0 off Linux). See [`crate::hugepages`].
+    pub fn huge_page_bytes(&self) -> usize {
+        self.huge_page_bytes
     }
 
     /// Vocabulary size.

@@ -36,7 +36,8 @@ pub fn model_ptr(model: &LlamaModel) -> *mut sys::llama_model {
 /// (its log says why).
 pub fn load_model(path: &std::ffi::CStr, params: sys::llama_model_params) -> Option<LlamaModel> {
     // SAFETY: `path` is NUL-terminated and outlives the call; `params` is a plain struct whose
-    // pointer fields (devices, overrides, callbacks) are the null defaults.
+    // pointer fields (devices, overrides) are the null defaults, and whose progress callback,
+    // when set, is a function whose user data the caller keeps alive through the call.
     let ptr = unsafe { sys::llama_model_load_from_file(path.as_ptr(), params) };
     if ptr.is_null() {
         return None;

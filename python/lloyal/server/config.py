@@ -28,6 +28,7 @@ class ServerConfig:
     n_gpu_layers: int | None = None  # layers on the GPU (None: $LLOYAL_N_GPU_LAYERS; invariant: CPU)
     prefill_chunk: int | None = None  # Context.engine_prefill_chunk: None paced, 0 the batch, N a cap
     cache_cells: int | None = None  # most KV cells the prefix cache keeps (None: see Scheduler)
+    use_mmap: bool = False  # map the weights file (True) or read it into huge-page memory
     context_options: dict[str, Any] = field(default_factory=dict)
 
     @property

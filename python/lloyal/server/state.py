@@ -32,7 +32,8 @@ class ServerState:
         # An invariant server runs on the CPU (GPU kernels are not batch-invariant), whatever
         # LLOYAL_N_GPU_LAYERS offloads by default; asked for both, its context refuses.
         ngl = 0 if invariant and cfg.n_gpu_layers is None else cfg.n_gpu_layers
-        self.model = lloyal.Model(cfg.model, repack=not invariant, n_gpu_layers=ngl)
+        # Weights read into memory (not mapped) get huge pages: a faster decode (Model.huge_page_bytes).
+        self.model = lloyal.Model(cfg.model, repack=not invariant, n_gpu_layers=ngl, use_mmap=cfg.use_mmap)
         # Per running choice: its own sequence, its request's prompt root, and the cached prefix
         # the root forked from (pinned while the request runs); +2 spare for admissions.
         n_seq_max = min(256, max(4, 3 * cfg.parallel + 2))

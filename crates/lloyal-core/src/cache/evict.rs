@@ -40,11 +40,14 @@ impl ContextState {
     }
 
     /// Prune the released branches nothing depends on any more (leaves without pins), until
-    /// none is left (pruning one may make its parent a leaf), but none of `keep` (the branches a
+    /// none is left (pruning one may make its parent a leaf; a released parent first takes the
+    /// place of a leaf entry holding its tokens), but none of `keep` (the branches a
     /// caller is about to use: a released parent being forked stays, to be pruned once its forks
     /// are gone). The count pruned.
     fn cache_sweep(&mut self, keep: &[Handle]) -> usize {
         let cache = Arc::clone(&self.cache);
+        let stays = |h: Handle| self.is_live(h) && !self.topology.children(h).is_empty();
+        lock(&cache).swap_dupes(stays, |h| !keep.contains(&h) && self.is_leaf(h));
         let mut pruned = 0;
         loop {
             let ready = lock(&cache).take_prunable(|h| !keep.contains(&h) && self.is_leaf(h));

@@ -70,6 +70,10 @@ pub struct PrefixIndex {
     tree: RadixTree<Handle>,
     entries: HashMap<Handle, Entry>,
     released: Vec<Handle>,
+    /// Released branches that were added holding the same tokens as an entry: `(released,
+    /// entry)`. The two swap when the released one has forks (it stays anyway) and the entry
+    /// has none ([`PrefixIndex::swap_dupes`]), so the one that goes can go now.
+    dupes: Vec<(Handle, Handle)>,
     pins: HashMap<Handle, u32>,
     ghosts: RadixTree<()>,
     ghost_order: VecDeque<Vec<i32>>,
@@ -91,6 +95,7 @@ impl Default for PrefixIndex {
             tree: RadixTree::default(),
             entries: HashMap::new(),
             released: Vec::new(),
+            dupes: Vec::new(),
             pins: HashMap::new(),
             ghosts: RadixTree::default(),
             ghost_order: VecDeque::new(),
@@ -163,6 +168,7 @@ impl PrefixIndex {
                 e.last_used = now;
             }
             self.release(handle);
+            self.dupes.push((handle, old));
             return false;
         }
         self.tree.insert(tokens, handle);
@@ -201,10 +207,33 @@ impl PrefixIndex {
     /// tokens it held when it was an entry.
     pub(crate) fn forget(&mut self, handle: Handle) -> Option<Vec<i32>> {
         self.released.retain(|&h| h != handle);
+        self.dupes.retain(|&(r, e)| r != handle && e != handle);
         self.pins.remove(&handle);
         let e = self.entries.remove(&handle)?;
         self.tree.remove(&e.tokens);
         Some(e.tokens)
+    }
+
+    /// Let each released branch that duplicates an entry and `must_stay` (it has forks) hold
+    /// that entry instead, when the entry `can_go` (a leaf, unpinned by a caller): the entry's
+    /// branch is released in its place. Two requests with one prompt that forked each other
+    /// end with the same tokens; whichever finishes second is released, and when that is the
+    /// parent, it would hold its lease and cells as long as its fork is cached.
+    fn swap_dupes(&mut self, must_stay: impl Fn(Handle) -> bool, can_go: impl Fn(Handle) -> bool) {
+        for (released, entry) in std::mem::take(&mut self.dupes) {
+            if !self.released.contains(&released) || !self.entries.contains_key(&entry) {
+                continue; // pruned, or no longer an entry: nothing to swap
+            }
+            if !(must_stay(released) && can_go(entry) && !self.pinned(entry)) {
+                self.dupes.push((released, entry));
+                continue;
+            }
+            let Some(e) = self.entries.remove(&entry) else { continue };
+            self.tree.insert(&e.tokens, released);
+            self.entries.insert(released, e);
+            self.released.retain(|&h| h != released);
+            self.released.push(entry);
+        }
     }
 
     /// Forget the branches `live` says are gone (added after they were pruned).
@@ -313,6 +342,7 @@ impl PrefixIndex {
         let mut all: Vec<(usize, Handle)> = self.entries.iter().map(|(&h, e)| (e.tokens.len(), h)).collect();
         all.sort_unstable_by(|a, b| b.cmp(a)); // longest first: forks before what they forked
         let mut out: Vec<Handle> = std::mem::take(&mut self.released);
+        self.dupes.clear();
         out.extend(all.into_iter().map(|(_, h)| h));
         self.entries.clear();
         self.tree = RadixTree::default();
@@ -377,6 +407,28 @@ mod tests {
         ix.record(0, &prompt(30)); // the evicted entry would have served 20 of 30
         assert!((ix.stats().reuse - (0.9 + 0.1 * (20.0 / 30.0 - 0.9))).abs() < 1e-9);
         assert_eq!((ix.stats().hit_tokens, ix.stats().lookup_tokens), (0, 50));
+    }
+
+    #[test]
+    fn a_released_duplicate_with_forks_takes_the_place_of_a_leaf_entry() {
+        let mut ix = PrefixIndex::default();
+        assert!(ix.add(h(3), &prompt(20))); // a fork of 1 that finished first
+        assert!(!ix.add(h(1), &prompt(20)));
+        ix.pin(h(3));
+        ix.swap_dupes(|x| x == h(1), |x| x == h(3));
+        assert_eq!((ix.entries().len(), ix.stats().released), (1, 1), "a pinned entry stays");
+        ix.unpin(h(3));
+        ix.swap_dupes(|_| false, |_| true);
+        assert!(ix.entries.contains_key(&h(3)), "the released one has no forks: no swap");
+        ix.swap_dupes(|x| x == h(1), |x| x == h(3));
+        assert_eq!(ix.entries(), vec![(h(1), prompt(20))], "1 holds the entry now");
+        assert_eq!(ix.take_prunable(|_| true), [h(3)], "and 3 is released");
+        assert_eq!(ix.lookup(&prompt(30)).map(|f| f.handle), Some(h(1)));
+        assert!(ix.dupes.is_empty(), "swapped once");
+        assert!(ix.add(h(4), &prompt(25)));
+        assert!(!ix.add(h(5), &prompt(25)));
+        assert_eq!(ix.forget(h(4)), Some(prompt(25)));
+        assert!(ix.dupes.is_empty(), "a forgotten entry takes its pair along");
     }
 
     #[test]
