@@ -16,7 +16,7 @@ another llama-server binary (``benches/cpu_peer_server.sh`` builds one on lloyal
 Weights in huge pages on both sides (lloyal's default, llama-server's with glibc's THP tunable):
 
     python benches/server_request_times.py --rounds 6 --lloyal-variant=--mmap \
-        --variant="GLIBC_TUNABLES=glibc.malloc.hugetlb=1 --no-mmap"
+        --variant="GLIBC_TUNABLES=glibc.malloc.hugetlb=1 -lm none"
 """
 
 from __future__ import annotations
