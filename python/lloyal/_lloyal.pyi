@@ -847,7 +847,7 @@ class TokenIterator:
     def committed(self) -> int | None:
         """How many of the yielded tokens the branch holds when its generation request ended: all
         of them, unless ``commit_last=False`` (then a token may be yielded before its decode,
-        and the one that ended the request is never decoded); None while running or when
+        and the one that reaches ``max_tokens`` is never decoded); None while running or when
         closed before its end.
         """
 

@@ -28,8 +28,9 @@ from __future__ import annotations
 
 import asyncio
 import math
+import sys
 import time
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncGenerator, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -272,14 +273,23 @@ class Scheduler:
                 f"{self.max_queue}); retry after the Retry-After delay"
             )
 
-    async def generate(self, spec: GenSpec) -> AsyncIterator[TokenEvent | Done]:
-        """Run ``spec``; yields :class:`TokenEvent` as choices advance, then one :class:`Done`."""
+    async def generate(
+        self, spec: GenSpec, *, deadline: float | None = None
+    ) -> AsyncGenerator[TokenEvent | Done, None]:
+        """Run ``spec``; yields :class:`TokenEvent` as choices advance, then one :class:`Done`.
+        At loop time ``deadline`` (waiting for a slot included) it raises ``asyncio.TimeoutError``
+        instead of its next event, and the request is cancelled; one timer for the request, not
+        one per event."""
         self.check(spec)
         req = _Request(spec)
-        await self._admit(req)
+        loop = asyncio.get_running_loop()
+        await self._admit_by(req, deadline)
         self._requests.append(req)
         for c in req.choices:
-            c.task = asyncio.get_running_loop().create_task(self._run_choice(c))
+            c.task = loop.create_task(self._run_choice(c))
+        timer = None
+        if deadline is not None:
+            timer = loop.call_at(deadline, req.events.put_nowait, asyncio.TimeoutError())
         try:
             while True:
                 ev = await req.events.get()
@@ -289,10 +299,23 @@ class Scheduler:
                 if isinstance(ev, Done):
                     return
         finally:
+            if timer is not None:
+                timer.cancel()
             req.cancelled = True  # choices still running stop, and the request's branches go
             for c in req.choices:
                 if c.task is not None and not c.task.done():
                     c.task.cancel()
+
+    async def _admit_by(self, req: _Request, deadline: float | None) -> None:
+        """:meth:`_admit`, given up with ``asyncio.TimeoutError`` at loop time ``deadline``."""
+        if deadline is None:
+            await self._admit(req)
+        elif sys.version_info >= (3, 11):
+            async with asyncio.timeout_at(deadline):
+                await self._admit(req)
+        else:
+            left = max(0.0, deadline - asyncio.get_running_loop().time())
+            await asyncio.wait_for(self._admit(req), left)
 
     async def _admit(self, req: _Request) -> None:
         spec = req.spec

@@ -4,7 +4,6 @@ timeout (408), and the collected results of a request that is not streamed."""
 from __future__ import annotations
 
 import asyncio
-import sys
 from collections.abc import AsyncGenerator, AsyncIterator, Sequence
 
 from ..scheduling.scheduler import Done, GenSpec, TokenEvent
@@ -18,55 +17,40 @@ _Item = tuple[int, TokenEvent | Done]
 
 async def merged(st: ServerState, specs: Sequence[GenSpec]) -> AsyncIterator[_Item]:
     """Events of several specs run concurrently, tagged with the spec's index; the request is
-    cancelled with a 408 when it runs past ``request_timeout``."""
+    cancelled with a 408 when it runs past ``request_timeout`` (one deadline for the request,
+    which the scheduler keeps)."""
     timeout = st.cfg.request_timeout
-    events = _merged_events(st, specs)
-    if not timeout:
-        async for item in events:
-            yield item
-        return
-    loop = asyncio.get_running_loop()
-    end = loop.time() + timeout
+    deadline = asyncio.get_running_loop().time() + timeout if timeout else None
     try:
-        while True:
+        if len(specs) == 1:
+            events = st.scheduler.generate(specs[0], deadline=deadline)
             try:
-                item = await _next_by(events, end)
-            except StopAsyncIteration:
-                return
-            except asyncio.TimeoutError:  # wait_for cancelled the request: its branches are pruned
-                raise ApiError(
-                    f"the request did not finish within the server's timeout of {timeout:g} s "
-                    "(--request-timeout) and was cancelled: lower max_tokens or n, or retry later",
-                    status=408,
-                    type="timeout_error",
-                    code="request_timeout",
-                ) from None
-            yield item
-    finally:
-        await events.aclose()
+                async for ev in events:
+                    yield 0, ev
+            finally:
+                await events.aclose()
+        else:
+            async for item in _several(st, specs, deadline):
+                yield item
+    except asyncio.TimeoutError:  # the scheduler cancelled the request: its branches are pruned
+        raise ApiError(
+            f"the request did not finish within the server's timeout of {timeout:g} s "
+            "(--request-timeout) and was cancelled: lower max_tokens or n, or retry later",
+            status=408,
+            type="timeout_error",
+            code="request_timeout",
+        ) from None
 
 
-async def _next_by(events: AsyncIterator[_Item], end: float) -> _Item:
-    """The next of ``events``, or ``asyncio.TimeoutError`` at loop time ``end`` (the wait is
-    cancelled). On 3.11+ a timer on the current task per item; ``wait_for`` would run each
-    item in a task of its own (one per streamed token)."""
-    if sys.version_info >= (3, 11):
-        async with asyncio.timeout_at(end):
-            return await anext(events)
-    return await asyncio.wait_for(anext(events), max(0.0, end - asyncio.get_running_loop().time()))
-
-
-async def _merged_events(st: ServerState, specs: Sequence[GenSpec]) -> AsyncGenerator[_Item, None]:
-    """The specs' events as they come; several specs each run in a task of their own."""
-    if len(specs) == 1:
-        async for ev in st.scheduler.generate(specs[0]):
-            yield 0, ev
-        return
+async def _several(
+    st: ServerState, specs: Sequence[GenSpec], deadline: float | None
+) -> AsyncGenerator[_Item, None]:
+    """The specs' events as they come, each spec run in a task of its own."""
     queue: asyncio.Queue[_Item | BaseException] = asyncio.Queue()
 
     async def pump(k: int, spec: GenSpec) -> None:
         try:
-            async for ev in st.scheduler.generate(spec):
+            async for ev in st.scheduler.generate(spec, deadline=deadline):
                 queue.put_nowait((k, ev))
         except BaseException as exc:
             queue.put_nowait(exc)

@@ -23,6 +23,9 @@ from .state import ServerState
 
 __all__ = ["chat_chunks", "completion_chunks", "sse"]
 
+# one encoder for every chunk (json.dumps with a non-default option builds one per call)
+_encode = json.JSONEncoder(ensure_ascii=False).encode
+
 
 def sse(chunks: AsyncIterator[dict[str, Any]]) -> StreamingResponse:
     """``chunks`` as ``text/event-stream``, ended by ``data: [DONE]``."""
@@ -30,7 +33,7 @@ def sse(chunks: AsyncIterator[dict[str, Any]]) -> StreamingResponse:
     async def body() -> AsyncIterator[str]:
         try:
             async for c in chunks:
-                yield f"data: {json.dumps(c, ensure_ascii=False)}\n\n"
+                yield f"data: {_encode(c)}\n\n"
         except (ApiError, QueueFull, ShuttingDown) as exc:
             e = exc if isinstance(exc, ApiError) else scheduler_error(exc)
             yield f"data: {json.dumps(error_body(e.message, e.type, e.param, e.code))}\n\n"

@@ -174,8 +174,9 @@ impl GenStream {
 
     /// How many of the tokens yielded the branch holds, as the request ended (`None` before,
     /// or when it was dropped without an end from the engine). All of them unless
-    /// [`GenSpec::commit_last`] is off: then a token is yielded before its commit, and the one
-    /// that ended the request, or one yielded as it failed or was cancelled, is not held.
+    /// [`GenSpec::commit_last`] is off: then a token may be yielded before its commit, and the
+    /// one that reached `max_tokens` (or a first token that matched a stop string), or one
+    /// yielded as the request failed or was cancelled, is not held.
     /// Read without the context's lock.
     pub fn committed(&self) -> Option<usize> {
         self.lock().committed
