@@ -14,6 +14,7 @@ pub mod branch;
 pub mod cache;
 pub mod chat;
 pub mod context;
+pub mod cxx_alloc;
 pub mod device_rows;
 pub mod embeddings;
 pub mod engine;

@@ -508,8 +508,9 @@ mod tests {
     /// The files allowed to hold `unsafe`: the FFI wrappers.
     // FFI wrappers (omp.rs: libgomp's GOMP_parallel), and scan/x86.rs: the SIMD kernels' loads
     // and stores (intrinsics take raw pointers).
-    const FFI_WRAPPERS: [&str; 9] = [
+    const FFI_WRAPPERS: [&str; 10] = [
         "raw.rs",
+        "cxx_alloc.rs",
         "hugepages.rs",
         "sampler/mod.rs",
         "grammar/gbnf.rs",
