@@ -27,8 +27,15 @@ from lloyal.ray.routing import HashRing, prefix_key  # noqa: E402
 MAX_TOKENS = 4
 
 # Ray Data 2.60 sets its own deprecated DataContext attributes when it copies the context to a
-# worker; nothing lloyal can change.
-pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning:ray.data.context")
+# worker, and swaps its per-dataset log file handler without closing the old file (a garbage
+# collection in the middle of a test reports it, now and then); nothing lloyal can change.
+pytestmark = [
+    pytest.mark.filterwarnings("ignore::DeprecationWarning:ray.data.context"),
+    pytest.mark.filterwarnings(r"ignore:unclosed file <_io.TextIOWrapper name='/tmp/ray/:ResourceWarning"),
+    pytest.mark.filterwarnings(
+        r"ignore:Exception ignored in. <_io.FileIO name='/tmp/ray/:pytest.PytestUnraisableExceptionWarning"
+    ),
+]
 
 
 def _free_port() -> int:
