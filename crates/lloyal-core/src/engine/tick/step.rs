@@ -10,6 +10,7 @@ use super::admit::admit_commit;
 use super::{Budget, CommitRow, Gen, Part, Progress, Scheduler, TickOutcome, Waiting};
 use crate::context::state::ContextState;
 use crate::engine::gen::{logprobs, Event, Finish, GenItem, GenSpec};
+use crate::engine::op::Op;
 use crate::error::{LloyalError, Result};
 use crate::tenancy::Handle;
 
@@ -119,13 +120,26 @@ impl Scheduler {
         ended.sort_by_key(|e| std::cmp::Reverse(e.0));
         for (gi, result) in ended {
             let g = self.gens.remove(gi);
-            if let Ok(b) = s.branch(g.spec.handle) {
-                g.spec.stream.set_perplexity(b.perplexity());
-            }
-            g.spec.stream.set_committed(g.committed);
-            out.end_stream(g.op, &g.spec.stream, result);
+            end_gen(s, g.op, &g.spec, g.committed, result, out);
         }
     }
+}
+
+/// End a generation request with `result`, its branch's perplexity and the count of yielded
+/// tokens it committed going with the end (its caller ranks and caches without a context call).
+fn end_gen(
+    s: &ContextState,
+    op: Op,
+    spec: &GenSpec,
+    committed: usize,
+    result: Result<Finish>,
+    out: &mut TickOutcome,
+) {
+    if let Ok(b) = s.branch(spec.handle) {
+        spec.stream.set_perplexity(b.perplexity());
+    }
+    spec.stream.set_committed(committed);
+    out.end_stream(op, &spec.stream, result);
 }
 
 /// Sample a generation request's next token; end it on a stop, else admit its commit row.
@@ -193,17 +207,12 @@ pub(super) fn publish_first(s: &mut ContextState, mut w: Waiting, out: &mut Tick
     if end.is_none() && p.holds() {
         return Some(w);
     }
-    let stream = Arc::clone(&w.spec.stream);
-    out.events.push((Arc::clone(&stream), Event::Item(item)));
+    out.events.push((Arc::clone(&w.spec.stream), Event::Item(item)));
     let Some(finish) = end else {
         w.first = Some(p);
         return Some(w);
     };
-    if let Ok(b) = s.branch(w.spec.handle) {
-        stream.set_perplexity(b.perplexity());
-    }
-    stream.set_committed(0);
-    out.end_stream(w.op, &stream, Ok(finish));
+    end_gen(s, w.op, &w.spec, 0, Ok(finish), out);
     None
 }
 
