@@ -626,21 +626,22 @@ def test_shutdown_answers_503_and_cancels_after_the_grace(
 ) -> None:
     """Last in this module: the tight server stays closed."""
     url, app = tight
-    c = openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0, timeout=60)
-    stream = iter(c.completions.create(model=name, stream=True, **{**_endless(ref), "max_tokens": 400}))
-    next(stream)
-    drained = begin_shutdown(app, grace=0.5)
-    deadline = time.monotonic() + 5
-    while not _sched(app).closing:
-        assert time.monotonic() < deadline
-        time.sleep(0.01)
-    with pytest.raises(openai.InternalServerError) as e:
-        c.completions.create(model=name, prompt="x", max_tokens=2)
-    assert e.value.status_code == 503 and e.value.code == "shutting_down"
-    assert httpx.get(url + "/health").status_code == 503
-    with pytest.raises(openai.APIError) as s:  # the running stream is cancelled at the end of the grace
-        for _ in stream:
-            pass
-    assert s.value.body["code"] == "shutting_down"
-    assert drained.result(10) == 1
-    _idle(app)
+    # closed at the end: its pool holds the cancelled stream's connection
+    with openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0, timeout=60) as c:
+        stream = iter(c.completions.create(model=name, stream=True, **{**_endless(ref), "max_tokens": 400}))
+        next(stream)
+        drained = begin_shutdown(app, grace=0.5)
+        deadline = time.monotonic() + 5
+        while not _sched(app).closing:
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+        with pytest.raises(openai.InternalServerError) as e:
+            c.completions.create(model=name, prompt="x", max_tokens=2)
+        assert e.value.status_code == 503 and e.value.code == "shutting_down"
+        assert httpx.get(url + "/health").status_code == 503
+        with pytest.raises(openai.APIError) as s:  # the running stream is cancelled at the end of the grace
+            for _ in stream:
+                pass
+        assert s.value.body["code"] == "shutting_down"
+        assert drained.result(10) == 1
+        _idle(app)
