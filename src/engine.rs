@@ -58,6 +58,9 @@ crate::wrap::wrapper_class! {
         paused: bool,
         /// Seconds a tick waits for as many commits as the previous tick decoded.
         gather: f64,
+        /// Times the engine, run dry, moved the KV cache's cells back to its front (cells left
+        /// high by a busy stretch slow every later decode).
+        kv_compactions: u64,
     }
 }
 

@@ -1265,6 +1265,11 @@ class EngineStats:
     @property
     def gather(self) -> float:
         """Seconds a tick waits for as many commits as the previous tick decoded."""
+    @property
+    def kv_compactions(self) -> int:
+        """Times the engine, run dry, moved the KV cache's cells back to its front (cells left
+        high by a busy stretch slow every later decode).
+        """
 
 @final
 class BranchStore:

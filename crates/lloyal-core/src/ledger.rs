@@ -36,12 +36,21 @@ pub struct Ledger {
     /// Leases a reseed in flight parked a branch's old cells on, and how many (still counted
     /// in `cells`: they stay occupied until the new ones are written).
     parked: Vec<(i32, usize)>,
+    /// The most cells branches held since the KV cache was last compacted: llama.cpp's
+    /// highest cell in use went at least this high ([`crate::state::compact`]).
+    peak: usize,
 }
 
 impl Ledger {
     /// A ledger for `n_seq_max` leases and no cells.
     pub fn new(n_seq_max: u32) -> Self {
-        Ledger { leases: Leases::new(n_seq_max), cells: 0, in_flight: Vec::new(), parked: Vec::new() }
+        Ledger {
+            leases: Leases::new(n_seq_max),
+            cells: 0,
+            in_flight: Vec::new(),
+            parked: Vec::new(),
+            peak: 0,
+        }
     }
 
     /// The lease table (read-only).
@@ -105,6 +114,17 @@ impl Ledger {
     /// Branches now hold `n` more cells.
     pub(crate) fn grow_cells(&mut self, n: usize) {
         self.cells += n;
+        self.peak = self.peak.max(self.cells);
+    }
+
+    /// The most cells branches held since the last [`Self::compacted`].
+    pub fn peak_cells(&self) -> usize {
+        self.peak
+    }
+
+    /// The cells went back to the front of the KV cache: the peak starts over from now.
+    pub(crate) fn compacted(&mut self) {
+        self.peak = self.cells;
     }
 
     /// Branches now hold `n` fewer cells.

@@ -338,8 +338,32 @@ impl RawContext {
     /// llama.cpp wrote fewer bytes than it asked for.
     pub fn state_seq_get(&mut self, seq_id: i32) -> std::result::Result<Vec<u8>, (usize, usize)> {
         self.check_seq(seq_id);
+        self.state_get(seq_id)
+    }
+
+    /// Load a serialised sequence state into `seq_id`; bytes read (0: refused).
+    pub fn state_seq_set(&mut self, seq_id: i32, payload: &[u8]) -> usize {
+        self.check_seq(seq_id);
+        self.state_set(seq_id, payload)
+    }
+
+    /// llama.cpp's serialised state of the whole KV cache: every cell in cell order, with its
+    /// position and all its sequences; `Err((written, size))` as for [`Self::state_seq_get`].
+    pub fn memory_state_get(&mut self) -> std::result::Result<Vec<u8>, (usize, usize)> {
+        self.state_get(-1)
+    }
+
+    /// Replace the whole KV cache with a state from [`Self::memory_state_get`]: llama.cpp
+    /// empties the cache and writes the cells back from cell 0, in their order. Bytes read
+    /// (0: refused; the cache is then empty).
+    pub fn memory_state_set(&mut self, payload: &[u8]) -> usize {
+        self.state_set(-1, payload)
+    }
+
+    /// `seq_id` checked by the caller (-1: the whole cache).
+    fn state_get(&mut self, seq_id: i32) -> std::result::Result<Vec<u8>, (usize, usize)> {
         let ctx = self.ptr.as_ptr();
-        // SAFETY: valid context; id checked above.
+        // SAFETY: valid context; `seq_id` is a sequence of the context or -1 (every sequence).
         let size = unsafe { sys::llama_state_seq_get_size(ctx, seq_id) };
         let mut payload = vec![0u8; size];
         // SAFETY: `payload` has exactly `size` writable bytes, the size llama.cpp asked for.
@@ -351,10 +375,10 @@ impl RawContext {
         }
     }
 
-    /// Load a serialised sequence state into `seq_id`; bytes read (0: refused).
-    pub fn state_seq_set(&mut self, seq_id: i32, payload: &[u8]) -> usize {
-        self.check_seq(seq_id);
-        // SAFETY: valid context; `payload` is readable for its length; id checked above.
+    /// `seq_id` checked by the caller (-1: the whole cache).
+    fn state_set(&mut self, seq_id: i32, payload: &[u8]) -> usize {
+        // SAFETY: valid context; `payload` is readable for its length; `seq_id` is a sequence
+        // of the context or -1 (every sequence).
         unsafe { sys::llama_state_seq_set_data(self.ptr.as_ptr(), payload.as_ptr(), payload.len(), seq_id) }
     }
 }

@@ -119,6 +119,7 @@ impl Context {
             batches_in_call: 0,
             cache: Default::default(),
             in_engine: Vec::new(),
+            compacts: crate::state::compact::enabled(options.is_batch_invariant()),
         };
         let cache = Arc::clone(&state.cache);
         let occupancy = Mutex::new((state.available(), state.kv_pressure()));
@@ -213,8 +214,9 @@ impl Context {
         }
     }
 
-    /// `f` under the lock with `interrupt` installed, then the ledger check and the
-    /// published occupancy. The lock is released fairly (handed to a waiting thread).
+    /// `f` under the lock with `interrupt` installed, then the ledger check, the published
+    /// occupancy and, when the cells in use have grown sparse, a word to the engine. The lock
+    /// is released fairly (handed to a waiting thread).
     fn locked<T>(
         &self,
         interrupt: Option<InterruptCheck>,
@@ -228,7 +230,13 @@ impl Context {
         state.interrupt = None;
         check_ledger(state);
         *self.occupancy.lock() = (state.available(), state.kv_pressure());
+        let compact = state.wants_compaction();
         MutexGuard::unlock_fair(guard);
+        if compact {
+            // Cells left high by a busy stretch: the engine compacts once it has nothing
+            // else to do (`state::compact`).
+            self.engine.check_compaction();
+        }
         result
     }
 

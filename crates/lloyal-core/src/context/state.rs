@@ -57,6 +57,8 @@ pub struct ContextState {
     pub(crate) cache: crate::cache::SharedIndex,
     /// Branches the engine's requests use (set by the engine each tick): never evicted.
     pub(crate) in_engine: Vec<crate::tenancy::Handle>,
+    /// The engine compacts the KV cache when it pays (`state::compact`).
+    pub(crate) compacts: bool,
 }
 
 /// A check run between the decodes of one call: `true` stops the call, which then rolls

@@ -91,6 +91,9 @@ pub struct EngineStats {
     pub paused: bool,
     /// Seconds a tick waits for as many commits as the previous tick decoded.
     pub gather: f64,
+    /// Times the engine, run dry, moved the KV cache's cells back to its front
+    /// ([`crate::state::compact`]).
+    pub kv_compactions: u64,
 }
 
 struct Queue {
@@ -121,6 +124,9 @@ struct Queue {
     last_tick_prefills: u64,
     /// Most prefill tokens per tick (0: fill the tick's batch; None: paced, [`pace`]).
     prefill_chunk: Option<usize>,
+    /// Look whether the KV cache is worth compacting once nothing else is left to do: set
+    /// by a context call (a tick included) that left the cells in use sparse.
+    compact_check: bool,
     stats: EngineStats,
 }
 
@@ -194,6 +200,7 @@ impl Default for Engine {
                     last_tick_ops: 0,
                     last_tick_prefills: 0,
                     prefill_chunk: None,
+                    compact_check: false,
                     stats: EngineStats { gather: 0.002, ..EngineStats::default() },
                 }),
                 cv: Condvar::new(),
@@ -233,6 +240,16 @@ impl Engine {
         q.stats.queue_depth = q.ops.len();
         self.shared.cv.notify_all();
         Ok(Ticket { id, cancelled, shared: Arc::downgrade(&self.shared) })
+    }
+
+    /// Ask the engine to compact the KV cache once it has nothing else to do (it looks again
+    /// then). An engine that has not started has decoded nothing to compact.
+    pub(crate) fn check_compaction(&self) {
+        let mut q = self.shared.lock();
+        if q.started {
+            q.compact_check = true;
+            self.shared.cv.notify_all();
+        }
     }
 
     /// Wake the engine thread (a generation stream asked for a token).
@@ -357,6 +374,10 @@ fn engine_loop<H: Host>(ctx: Weak<H>, shared: Arc<Shared>) {
                 apply::run(&*context, &shared, applies);
                 continue;
             }
+            Taken::Compact => {
+                compact_if_sparse(&*context, &shared);
+                continue;
+            }
             Taken::Tick(ops, max_prefill) => (ops, max_prefill),
         };
         let Some(mut outcome) = run_tick(&*context, &shared, &mut sched, ops, max_prefill) else {
@@ -385,12 +406,25 @@ fn engine_loop<H: Host>(ctx: Weak<H>, shared: Arc<Shared>) {
     }
 }
 
+/// The engine has nothing else to do: move the KV cache's cells back to its front when cells
+/// left high by a busy stretch would slow what comes next ([`crate::state::compact`]).
+fn compact_if_sparse<H: Host>(context: &H, shared: &Shared) {
+    // A failure (a llama.cpp fault) disposed every branch; their callers meet that on their
+    // next call, which is all there is to tell. A panic (a bug) must not end the engine.
+    let ran = catch_unwind(AssertUnwindSafe(|| context.locked(None, ContextState::compact_if_sparse)));
+    if let Ok(Ok(true)) = ran {
+        shared.lock().stats.kv_compactions += 1;
+    }
+}
+
 /// What the engine runs next.
 enum Taken {
     /// Context calls queued while a tick ran ([`apply`]).
     Calls(Vec<apply::Apply>),
     /// A tick's operations and its prefill cap.
     Tick(Vec<Op>, Option<usize>),
+    /// A look at whether the KV cache is worth compacting (nothing else to do).
+    Compact,
 }
 
 /// Wait for work: the queued context calls if any (a paused engine runs them too), else
@@ -426,6 +460,10 @@ fn take_ops(shared: &Shared, sched: &mut Scheduler) -> Option<Taken> {
                     break;
                 }
                 continue;
+            }
+            if q.compact_check && !q.paused && !q.closing {
+                q.compact_check = false;
+                return Some(Taken::Compact);
             }
             q = shared.cv.wait(q).unwrap_or_else(|p| p.into_inner());
         }
