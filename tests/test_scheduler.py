@@ -183,6 +183,38 @@ def test_the_cache_budget_follows_reuse_and_a_trimmed_entry_that_is_missed_count
         assert ghosts.stats()["reuse"] < before
 
 
+def test_a_request_that_shares_nothing_makes_room_under_the_entry_limit_before_its_prompt(
+    model: lloyal.Model,
+) -> None:
+    """A cache that follows reuse keeps as many entries nothing forks as its recent hits
+    reached back. A request that shares nothing with them will add one more when it ends, so
+    the least recently used go at its admission, before its prompt: the prompt's attention then
+    spans only its own cells (llama.cpp's spans every cell up to the highest one in use; at
+    concurrency 1 the last request's ~1,100 cells cost a 1,000-token prompt ~35 ms)."""
+    with lloyal.Context(model, n_ctx=1024, n_batch=64, n_seq_max=8) as ctx:
+        sched = Scheduler(ctx, max_running=1)
+        store = lloyal.BranchStore(ctx)
+        system = ctx.tokenize("You answer questions about the old harbour town and its boats. " * 4)
+        for q in (" Who built the pier?", " When do the ferries run?"):  # the second hits the first
+            prompt = system + ctx.tokenize(q, add_special=False)
+            run(sched, GenSpec(prompt=prompt, params=GREEDY, max_tokens=4))
+        assert len(sched.cache) == 2 and sched.cache.stats()["hit_tokens"] >= len(system)
+        other = ctx.tokenize("A different task entirely: list three prime numbers.")
+
+        async def first_token() -> tuple[int, int]:
+            seen: tuple[int, int] | None = None
+            async for ev in sched.generate(GenSpec(prompt=other, params=GREEDY, max_tokens=4)):
+                if seen is None and isinstance(ev, TokenEvent):
+                    seen = (len(sched.cache), store.kv_pressure.cells_used)
+            assert seen is not None
+            return seen
+
+        entries, cells = asyncio.run(first_token())
+        assert entries == 0  # both went before the prompt (else they stay until it ends)
+        assert len(other) <= cells <= len(other) + 1
+        assert len(sched.cache) == 1 and sched.cache.stats()["evictions"] == 2
+
+
 async def together(sched: Scheduler, prompts: list[list[int]], n: int) -> list[tuple[list[int], Done]]:
     """Greedy requests for ``prompts``, all sent at once: each one's tokens and Done."""
 

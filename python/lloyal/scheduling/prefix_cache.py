@@ -83,7 +83,8 @@ class PrefixCache:
         """Keep the budget at ``n_ctx`` times ``stats()["reuse"]``, recomputed by the core at
         every trim (the end of each tick, each :meth:`add` or :meth:`release`) until
         :meth:`trim` sets one, and the entries nothing forks (a conversation's turns count once)
-        at most as many as the last 16 hits reached back."""
+        at most as many as the last 16 hits reached back, counting the requests an
+        ``Admission`` admitted on a miss, which will add one each."""
         self._native.follow_reuse()
 
     @property

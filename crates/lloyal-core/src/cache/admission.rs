@@ -99,6 +99,8 @@ struct Held {
     /// It registered its prompt as in flight.
     writes: bool,
     running: bool,
+    /// It forks nothing: counted by [`PrefixIndex::expect_tip`] until released.
+    new_tip: bool,
 }
 
 fn held(plans: &mut HashMap<u64, Held>, plan: u64) -> Result<&mut Held> {
@@ -221,7 +223,11 @@ impl Admission {
             reserved: false,
             writes: false,
             running: false,
+            new_tip: start == Start::New,
         };
+        if held.new_tip {
+            index.expect_tip();
+        }
         self.plans.insert(id, held);
         Some(Plan { id, best_of, start, reused, exact, room: need.plus(self.reserved), need })
     }
@@ -331,6 +337,9 @@ impl Admission {
             self.writing.remove(&held.prompt);
             self.flights.remove(&held.prompt);
         }
+        if held.new_tip {
+            index.tip_settled();
+        }
         true
     }
 
@@ -393,6 +402,10 @@ impl Admission {
 mod tests {
     use super::*;
 
+    fn h(i: u64) -> Handle {
+        i
+    }
+
     fn toks(from: i32, n: i32) -> Vec<i32> {
         (from..from + n).collect()
     }
@@ -406,6 +419,25 @@ mod tests {
         let p = book.plan(ix, prompt, best_of).expect("admitted now");
         book.reserve(p.id).unwrap();
         p
+    }
+
+    #[test]
+    fn a_request_on_a_miss_counts_against_the_entry_limit_until_released() {
+        let (mut ix, mut book) = (PrefixIndex::default(), Admission::new(4));
+        ix.follow_reuse();
+        assert!(ix.add(h(1), &toks(0, 20)));
+        let hit = book.plan(&mut ix, &toks(0, 30), 1).unwrap(); // reach 1: a limit of 1
+        assert!(matches!(hit.start, Start::Fork { .. }) && ix.entry_limit() == Some(1));
+        assert!(!ix.tips_over(1), "a fork adds no entry nothing forks");
+        let miss = book.plan(&mut ix, &toks(500, 30), 1).unwrap();
+        assert_eq!(miss.start, Start::New);
+        assert!(ix.tips_over(1) && !ix.tips_over(0), "the miss's entry is on its way");
+        let other = book.plan(&mut ix, &toks(900, 30), 1).unwrap();
+        assert!(ix.tips_over(0), "two on their way");
+        book.admitted(&mut ix, miss.id).unwrap();
+        assert!(ix.tips_over(0), "counted while it runs");
+        assert!(book.release(&mut ix, miss.id) && book.release(&mut ix, other.id));
+        assert!(!ix.tips_over(1) && !book.release(&mut ix, miss.id), "counted once");
     }
 
     #[test]

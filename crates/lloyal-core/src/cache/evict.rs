@@ -145,11 +145,11 @@ impl ContextState {
     /// budget (least recently used first): the end of each tick.
     pub fn cache_tidy(&mut self) {
         let cache = Arc::clone(&self.cache);
-        let (budget, limit, busy) = {
+        let (budget, busy) = {
             let mut ix = lock(&cache);
             ix.drop_dead(|h| self.is_live(h));
             let busy = !ix.released.is_empty() || !ix.entries.is_empty();
-            (ix.budget(self.shape().n_ctx as usize), ix.entry_limit(), busy)
+            (ix.budget(self.shape().n_ctx as usize), busy)
         };
         if !busy {
             return;
@@ -159,8 +159,8 @@ impl ContextState {
             let ix = lock(&cache);
             let cells = || ix.entries.keys().map(|&h| s.own_cells(h)).sum::<usize>();
             // Entries nothing forks: a conversation's turns (each a fork of the last) count once.
-            let tips = || ix.entries.keys().filter(|&&h| s.is_leaf(h)).count();
-            limit.is_some_and(|n| tips() > n) || budget.is_some_and(|b| cells() > b)
+            let tips = ix.entries.keys().filter(|&&h| s.is_leaf(h)).count();
+            ix.tips_over(tips) || budget.is_some_and(|b| cells() > b)
         };
         while over(self) && self.evict_one(&[]) {
             self.cache_sweep(&[]);
