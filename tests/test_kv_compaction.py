@@ -14,7 +14,7 @@ import time
 from collections.abc import Callable
 
 import pytest
-from helpers import wait_until
+from helpers import produce_commit, wait_until
 
 import lloyal
 from lloyal import Branch, BranchStore, SamplingParams
@@ -33,16 +33,6 @@ def _prompt(ctx: lloyal.Context, k: int, n: int) -> list[int]:
 def _spans(log: str) -> list[tuple[int, int]]:
     """(highest cell in use + 1, cells in use) before each batch llama.cpp placed."""
     return [(int(n), int(used)) for n, used in FIND_SLOT.findall(log)]
-
-
-def _greedy(branch: Branch, n: int) -> list[int]:
-    """``n`` greedy tokens committed on ``branch``."""
-    out = []
-    for _ in range(n):
-        token = branch.produce().token
-        branch.commit(token)
-        out.append(token)
-    return out
 
 
 @pytest.fixture
@@ -76,8 +66,8 @@ def test_cells_left_high_go_back_to_the_front_and_branches_continue_unchanged(
     assert max(n for n, _ in _spans(capfd.readouterr().err)) >= 1800
 
     wait_until(lambda: ctx.engine_stats().kv_compactions == 1)
-    tokens = _greedy(last, 8)
-    twin_tokens = _greedy(twin, 8)
+    tokens = produce_commit(last, 8)
+    twin_tokens = produce_commit(twin, 8)
     after = _spans(capfd.readouterr().err)
 
     # The first decode after compaction spans the 600 cells in use (one copy: still shared),
@@ -91,7 +81,7 @@ def test_cells_left_high_go_back_to_the_front_and_branches_continue_unchanged(
     # not, by up to ~0.1 in total variation at this prompt's flattest step.)
     ref = Branch.create(logged_context(), 0, GREEDY)
     ref.prefill(prompts[-1])
-    assert tokens == _greedy(ref, 8) == twin_tokens
+    assert tokens == produce_commit(ref, 8) == twin_tokens
 
 
 def test_a_dense_cache_is_left_in_place(
@@ -103,7 +93,7 @@ def test_a_dense_cache_is_left_in_place(
     store.prefill([(a, _prompt(ctx, 0, 600)), (b, _prompt(ctx, 1, 600))])
     a.prune()  # 600 cells freed below b's: fewer than compaction's least worth moving for
     capfd.readouterr()
-    _greedy(b, 2)
+    produce_commit(b, 2)
     # b's next cells go into the freed ones below it; the span stays at b's end
     assert _spans(capfd.readouterr().err)[0] == (1200, 600)
     assert ctx.engine_stats().kv_compactions == 0
@@ -124,6 +114,6 @@ def test_a_context_made_with_compaction_off_keeps_its_cells_in_place(
         b.prune()
     time.sleep(0.2)  # room for a compaction that should not come
     capfd.readouterr()
-    _greedy(branches[-1], 1)
+    produce_commit(branches[-1], 1)
     assert _spans(capfd.readouterr().err)[0] == (2400, 600)
     assert ctx.engine_stats().kv_compactions == 0
