@@ -117,3 +117,31 @@ def test_a_context_made_with_compaction_off_keeps_its_cells_in_place(
     produce_commit(branches[-1], 1)
     assert _spans(capfd.readouterr().err)[0] == (2400, 600)
     assert ctx.engine_stats().kv_compactions == 0
+
+
+def test_a_fork_shorter_than_its_parent_keeps_the_window_it_shares(
+    logged_context: Callable[..., lloyal.Context],
+) -> None:
+    """Gemma 3's sliding-window layers keep a sequence's last 512 cells. A fork that stopped
+    short of its parent still needs parent cells the parent's own window has left behind; after
+    compaction both continue as the same tree built on a fresh context does."""
+
+    def tree(ctx: lloyal.Context, burst: bool) -> tuple[Branch, Branch]:
+        store = BranchStore(ctx)
+        others = [Branch.create(ctx, 0, GREEDY) for _ in range(3)] if burst else []
+        parent = Branch.create(ctx, 0, GREEDY)
+        jobs = [(b, _prompt(ctx, k + 1, 700)) for k, b in enumerate(others)]
+        store.prefill([*jobs, (parent, _prompt(ctx, 0, 600))])
+        child = parent.fork()
+        parent.prefill(_prompt(ctx, 4, 300))  # the parent's window moves 300 cells on
+        child.prefill(_prompt(ctx, 5, 20))
+        for b in others:
+            b.prune()
+        return parent, child
+
+    ctx = logged_context()
+    parent, child = tree(ctx, burst=True)  # 2,100 cells pruned below the tree's 920
+    wait_until(lambda: ctx.engine_stats().kv_compactions == 1)
+    ref_parent, ref_child = tree(logged_context(), burst=False)
+    assert produce_commit(child, 8) == produce_commit(ref_child, 8)
+    assert produce_commit(parent, 8) == produce_commit(ref_parent, 8)
