@@ -104,10 +104,10 @@ wheel-portable: sysdeps venv  ## the portable wheel (CPU backend picked at run t
 bench-wheel: build  ## the portable wheel (make wheel-portable first) vs the native source build: paired per-round ratios
 	$(PY) benches/wheel_vs_source.py --wheel-python $(PORTABLE)/venv/bin/python --rounds 5
 
-soak: build  ## full-size reliability run: state machines (>=10,000 steps each), 10,000 fork cycles, 200 contexts
+soak: build  ## full-size reliability run: state machines (>=10,000 steps each), 10,000 fork cycles, 200 contexts, 60 compactions
 	@mkdir -p benches/results && rm -f benches/results/soak.jsonl
 	LLOYAL_SOAK_REPORT=benches/results/soak.jsonl LLOYAL_STATE_EXAMPLES=400 LLOYAL_STATE_STEPS=50 \
-		LLOYAL_LEAK_CYCLES=10000 LLOYAL_CONTEXT_CYCLES=200 \
+		LLOYAL_LEAK_CYCLES=10000 LLOYAL_CONTEXT_CYCLES=200 LLOYAL_COMPACTION_CYCLES=60 \
 		$(PY) -m pytest -q tests/test_state_machine.py tests/test_prefix_cache_machine.py tests/test_leaks.py
 	@cat benches/results/soak.jsonl
 
