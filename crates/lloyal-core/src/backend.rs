@@ -112,3 +112,11 @@ pub fn recent_errors() -> String {
         .map(|q| q.iter().filter(|l| !l.is_empty()).cloned().collect::<Vec<_>>().join("; "))
         .unwrap_or_default()
 }
+
+/// [`recent_errors`], or `fallback` when llama.cpp logged none (an error message's detail).
+pub fn recent_errors_or(fallback: &str) -> String {
+    match recent_errors() {
+        d if d.is_empty() => fallback.to_string(),
+        d => d,
+    }
+}

@@ -10,7 +10,7 @@ use llama_cpp_2::model::LlamaModel;
 use llama_cpp_2::token::LlamaToken;
 use llama_cpp_sys_2 as sys;
 
-use crate::backend::{backend, clear_recent_errors, recent_errors};
+use crate::backend::{backend, clear_recent_errors, recent_errors_or};
 use crate::error::{LloyalError, Result};
 use crate::model_file::check_gguf_file;
 use crate::options::ModelOptions;
@@ -82,10 +82,8 @@ impl Model {
             let llama = load_model(&cpath, params);
             llama.map(|llama| (llama, advisor.advised))
         };
-        let (llama, huge_page_bytes) = crate::omp::on_own_thread(load).ok_or_else(|| {
-            let detail = recent_errors();
-            fail(if detail.is_empty() { "llama.cpp could not load it".into() } else { detail })
-        })?;
+        let (llama, huge_page_bytes) = crate::omp::on_own_thread(load)
+            .ok_or_else(|| fail(recent_errors_or("llama.cpp could not load it")))?;
         let n_vocab = llama.n_vocab();
         Ok(Model {
             llama,

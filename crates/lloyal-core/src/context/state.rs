@@ -5,7 +5,7 @@ use std::collections::HashMap;
 use std::sync::Arc;
 
 use super::ContextShape;
-use crate::backend::{clear_recent_errors, recent_errors};
+use crate::backend::{clear_recent_errors, recent_errors_or};
 use crate::branch::BranchState;
 use crate::embeddings::vectors::Encoded;
 use crate::error::{LloyalError, Result};
@@ -187,10 +187,7 @@ impl ContextState {
             2 => Err(LloyalError::Interrupted),
             _ => Err(LloyalError::Decode {
                 code,
-                detail: match recent_errors() {
-                    d if d.is_empty() => "see LLOYAL_LOG=1 for llama.cpp's log".into(),
-                    d => d,
-                },
+                detail: recent_errors_or("see LLOYAL_LOG=1 for llama.cpp's log"),
             }),
         }
     }

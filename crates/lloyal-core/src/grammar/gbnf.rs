@@ -13,7 +13,7 @@ use super::gbnf_check::check_gbnf;
 
 use llama_cpp_sys_2 as sys;
 
-use crate::backend::{clear_recent_errors, recent_errors};
+use crate::backend::{clear_recent_errors, recent_errors_or};
 use crate::error::{LloyalError, Result};
 use crate::model::Model;
 use crate::raw::vocab_ptr;
@@ -82,8 +82,7 @@ impl GbnfEngine {
         // the wrapper catches C++ exceptions and returns null on failure.
         let raw = unsafe { sys::llama_rs_sampler_init_grammar(vocab, c_gbnf.as_ptr(), c_root.as_ptr()) };
         let raw = NonNull::new(raw).ok_or_else(|| {
-            let detail = recent_errors();
-            let detail = if detail.is_empty() { "parse error".to_string() } else { detail };
+            let detail = recent_errors_or("parse error");
             LloyalError::Grammar(format!("invalid grammar (root rule {root:?}): {detail}"))
         })?;
         Ok(GbnfEngine { raw, n_vocab: model.n_vocab(), candidates: Vec::new() })

@@ -13,7 +13,7 @@
 //! position and all its sequences. Shared prefixes stay shared, sliding-window caches keep their
 //! windows, and flash attention visits each sequence's cells in the same order as before.
 
-use crate::backend::{clear_recent_errors, recent_errors};
+use crate::backend::{clear_recent_errors, recent_errors_or};
 use crate::context::state::ContextState;
 use crate::error::{LloyalError, Result};
 
@@ -73,10 +73,7 @@ impl ContextState {
             self.dispose_all();
             return Err(LloyalError::Backend(format!(
                 "compacting the KV cache failed and every branch was disposed ({})",
-                match recent_errors() {
-                    d if d.is_empty() => "see LLOYAL_LOG=1 for llama.cpp's log".into(),
-                    d => d,
-                }
+                recent_errors_or("see LLOYAL_LOG=1 for llama.cpp's log")
             )));
         }
         self.ledger.compacted();

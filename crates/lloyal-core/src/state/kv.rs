@@ -2,7 +2,7 @@
 //! verified envelope of [`crate::state::envelope`]. A failed load leaves the target sequence
 //! empty and every other sequence untouched.
 
-use crate::backend::{clear_recent_errors, recent_errors};
+use crate::backend::{clear_recent_errors, recent_errors, recent_errors_or};
 use crate::context::state::ContextState;
 use crate::error::{LloyalError, Result};
 use crate::model::Model;
@@ -102,10 +102,7 @@ impl ContextState {
             return Err(LloyalError::State(format!(
                 "cannot load KV state: llama.cpp rejected it ({}); the context may have a different \
                  cache type or too few free cells",
-                match recent_errors() {
-                    d if d.is_empty() => "see LLOYAL_LOG=1".into(),
-                    d => d,
-                }
+                recent_errors_or("see LLOYAL_LOG=1")
             )));
         }
         let pos_max = self.seq_pos_max(seq_id)?;
