@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import json
 import os
@@ -229,11 +230,17 @@ def flat_constrained(
     return out, False
 
 
-def greedy_completion(ctx: lloyal.Context, prompt: list[int], n: int, stop: Iterable[int] = ()) -> list[int]:
+def greedy_completion(
+    ctx: lloyal.Context,
+    prompt: list[int],
+    n: int,
+    stop: Iterable[int] = (),
+    grammar: lloyal.Grammar | None = None,
+) -> list[int]:
     """The greedy continuation of ``prompt`` by the library itself: at most ``n`` tokens, up to
-    (without) a stop token or one of ``stop``."""
+    (without) a stop token or one of ``stop``, under ``grammar`` when given."""
     stops = frozenset(stop)
-    with lloyal.Branch.create(ctx, 0, GREEDY) as b:
+    with lloyal.Branch.create(ctx, 0, GREEDY, grammar=grammar) as b:
         b.prefill(prompt)
         out: list[int] = []
         for _ in range(n):
@@ -249,6 +256,26 @@ def stream_with_usage(create: Callable[..., Any], **request: Any) -> Any:
     """The stream of an OpenAI client's ``completions.create`` or ``chat.completions.create``
     for ``request``, its last chunk carrying the usage."""
     return create(stream=True, stream_options={"include_usage": True}, **request)
+
+
+@contextlib.contextmanager
+def serving(app: Any) -> Iterator[str]:
+    """``app`` (an ASGI app) served by uvicorn in a thread on a free loopback port: its base URL.
+    Stopped and joined on exit."""
+    import uvicorn
+
+    port = free_port()
+    srv = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
+    t = threading.Thread(target=srv.run, daemon=True)
+    t.start()
+    deadline = time.monotonic() + 60
+    while not srv.started:
+        assert t.is_alive() and time.monotonic() < deadline, "the server did not start"
+        time.sleep(0.05)
+    yield f"http://127.0.0.1:{port}"
+    srv.should_exit = True
+    t.join(30)
+    assert not t.is_alive()
 
 
 def free_port() -> int:

@@ -8,7 +8,6 @@ cache are checked for exactness, not just for running.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import json
 import math
 import re
@@ -22,7 +21,7 @@ import httpx
 import jsonschema
 import numpy as np
 import pytest
-from helpers import THP, free_port, greedy_completion, person_schema, stream_with_usage
+from helpers import THP, greedy_completion, person_schema, serving, stream_with_usage
 
 import lloyal
 
@@ -34,24 +33,6 @@ from lloyal.server.state import ServerState  # noqa: E402
 
 KEY = "sk-test-key"
 N_CTX = 1024
-
-
-@contextlib.contextmanager
-def _serving(app: Any) -> Iterator[str]:
-    """``app`` served by uvicorn in a thread on a free loopback port: its base URL. Stopped and
-    joined on exit."""
-    port = free_port()
-    srv = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
-    t = threading.Thread(target=srv.run, daemon=True)
-    t.start()
-    deadline = time.monotonic() + 60
-    while not srv.started:
-        assert t.is_alive() and time.monotonic() < deadline, "the server did not start"
-        time.sleep(0.05)
-    yield f"http://127.0.0.1:{port}"
-    srv.should_exit = True
-    t.join(30)
-    assert not t.is_alive()
 
 
 @pytest.fixture(scope="module")
@@ -66,7 +47,7 @@ def server(model_path: str) -> Iterator[str]:
         n_threads=2,
         batch_invariant=True,
     )
-    with _serving(create_app(cfg)) as url:
+    with serving(create_app(cfg)) as url:
         yield url
 
 
@@ -499,7 +480,7 @@ def tight(model_path: str) -> Iterator[tuple[str, Any]]:
         prefill_chunk=16,
     )
     app = create_app(cfg)
-    with _serving(app) as url:
+    with serving(app) as url:
         yield url, app
 
 

@@ -21,9 +21,10 @@ import lloyal
 from ..scheduling.scheduler import Done, TokenEvent
 from .generation import run_all
 from .protocol import ApiError, ChatRequest, CompletionRequest
-from .replies import assistant_message, chat_logprobs, completion_logprobs, usage
+from .replies import chat_logprobs, completion_logprobs, usage
 from .state import ServerState, StateGetter
 from .streaming import chat_chunks, completion_chunks, sse
+from .tools import ToolChoice, tool_choice
 from .translate import check_model, gen_spec, message_dict, request_grammar, token_lists
 
 __all__ = ["add_routes", "answer_chat", "answer_completion"]
@@ -110,16 +111,17 @@ def _completion_choices(
 
 async def answer_chat(st: ServerState, body: ChatRequest) -> Response | dict[str, Any]:
     """``/v1/chat/completions``: the messages through the model's chat template, ``n`` choices,
-    tool calls parsed from the output when the request offers tools."""
+    tool calls parsed from the output when the request offers tools, or generated under a grammar
+    when it forces one (:mod:`.tools`)."""
     ctx = st.ctx
     check_model(body.model, st.cfg)
     if body.top_logprobs is not None and not body.logprobs:
         raise ApiError("top_logprobs needs logprobs=true", param="top_logprobs")
-    tools = _chat_tools(body)
+    choice = tool_choice(body)
     messages = [message_dict(m.model_dump(exclude_none=True)) for m in body.messages]
-    fc = ctx.format_chat(messages, add_generation_prompt=True, tools=tools)
+    fc = ctx.format_chat(messages, add_generation_prompt=True, tools=choice.tools)
     prompt = ctx.tokenize(fc.prompt, add_special=False, parse_special=True)
-    grammar = await asyncio.to_thread(request_grammar, ctx, body.response_format, body.grammar)
+    grammar = await asyncio.to_thread(_chat_grammar, ctx, body, choice)
     max_tokens = body.max_completion_tokens or body.max_tokens or max(1, ctx.n_ctx - len(prompt))
     k = (body.top_logprobs or 0) if body.logprobs else None
     spec = gen_spec(ctx, body, prompt, body.n, max_tokens, k, fc.stop_tokens, grammar)
@@ -128,39 +130,43 @@ async def answer_chat(st: ServerState, body: ChatRequest) -> Response | dict[str
     if body.stream:
         st.scheduler.check(spec)  # refused now with a status, not inside a 200 stream
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
-        return sse(chat_chunks(st, spec, cid, created, st.cfg.name, tools is not None, include_usage))
+        return sse(chat_chunks(st, spec, cid, created, st.cfg.name, choice, include_usage))
     dones, tokens = await run_all(st, [spec])
     return {
         "id": cid,
         "object": "chat.completion",
         "created": created,
         "model": st.cfg.name,
-        "choices": _chat_choices(ctx, body, tools is not None, dones[0], tokens[0]),
+        "choices": _chat_choices(ctx, body, choice, dones[0], tokens[0]),
         "usage": usage(dones),
     }
 
 
-def _chat_tools(body: ChatRequest) -> list[dict[str, Any]] | None:
-    """The tools the model is offered: none with ``tool_choice="none"``; forcing a call is refused."""
-    if body.tool_choice not in (None, "auto", "none"):
+def _chat_grammar(ctx: lloyal.Context, body: ChatRequest, choice: ToolChoice) -> lloyal.Grammar | None:
+    """A forced tool call's grammar, or ``response_format``'s / ``grammar``'s (not both)."""
+    if choice.forced is None:
+        return request_grammar(ctx, body.response_format, body.grammar)
+    fmt = body.response_format
+    if body.grammar is not None or (fmt and fmt.get("type") not in (None, "text")):
         raise ApiError(
-            "tool_choice must be 'auto' or 'none' on this server (forced tool calls are not supported)",
+            "a forced tool_choice constrains the output itself: drop response_format / grammar, "
+            "or set tool_choice to 'auto'",
             param="tool_choice",
         )
-    return None if body.tool_choice == "none" else body.tools
+    return choice.grammar(ctx)
 
 
 def _chat_choices(
     ctx: lloyal.Context,
     body: ChatRequest,
-    with_tools: bool,
+    tools: ToolChoice,
     done: Done,
     evs: Sequence[Sequence[TokenEvent]],
 ) -> list[dict[str, Any]]:
     """The finished choices as assistant messages, with their logprobs when asked for."""
     choices = []
     for j, i in enumerate(done.choices):
-        message, reason = assistant_message(done.texts[i], done.finish_reasons[i], with_tools)
+        message, reason = tools.message(done.texts[i], done.finish_reasons[i])
         choice: dict[str, Any] = {"index": j, "message": message, "finish_reason": reason}
         choice["logprobs"] = {"content": chat_logprobs(ctx, evs[i])} if body.logprobs else None
         choices.append(choice)

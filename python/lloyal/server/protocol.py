@@ -99,6 +99,7 @@ class ChatRequest(_Sampling):
     top_logprobs: int | None = Field(default=None, ge=0, le=20)
     tools: list[dict[str, Any]] | None = None
     tool_choice: str | dict[str, Any] | None = None
+    parallel_tool_calls: bool | None = None
     response_format: dict[str, Any] | None = None
 
 

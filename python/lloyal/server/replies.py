@@ -12,7 +12,7 @@ import lloyal
 
 from ..scheduling.scheduler import Done, TokenEvent
 
-__all__ = ["assistant_message", "chat_logprobs", "completion_logprobs", "usage"]
+__all__ = ["assistant_message", "chat_logprobs", "completion_logprobs", "tool_call", "usage"]
 
 
 def assistant_message(text: str, reason: str, with_tools: bool) -> tuple[dict[str, Any], str]:
@@ -23,17 +23,19 @@ def assistant_message(text: str, reason: str, with_tools: bool) -> tuple[dict[st
     if out.reasoning_content is not None and with_tools:
         msg["reasoning_content"] = out.reasoning_content
     if with_tools and out.tool_calls:
-        msg["tool_calls"] = [
-            {
-                "id": f"call_{uuid.uuid4().hex[:24]}",
-                "type": "function",
-                "function": {"name": c.name, "arguments": json.dumps(c.arguments)},
-            }
-            for c in out.tool_calls
-        ]
+        msg["tool_calls"] = [tool_call(c.name, json.dumps(c.arguments)) for c in out.tool_calls]
         msg["content"] = out.content or None
         return msg, "tool_calls"
     return msg, reason
+
+
+def tool_call(name: str, arguments: str) -> dict[str, Any]:
+    """One entry of an assistant message's ``tool_calls``: ``arguments`` is JSON text."""
+    return {
+        "id": f"call_{uuid.uuid4().hex[:24]}",
+        "type": "function",
+        "function": {"name": name, "arguments": arguments},
+    }
 
 
 def usage(dones: Sequence[Done]) -> dict[str, Any]:

@@ -18,8 +18,9 @@ from ..scheduling.scheduler import Done, GenSpec, QueueFull, ShuttingDown
 from .errors import scheduler_error
 from .generation import merged
 from .protocol import ApiError, error_body
-from .replies import assistant_message, chat_logprobs, completion_logprobs, usage
+from .replies import chat_logprobs, completion_logprobs, tool_call, usage
 from .state import ServerState
+from .tools import ToolChoice
 
 __all__ = ["chat_chunks", "completion_chunks", "sse"]
 
@@ -87,14 +88,16 @@ async def chat_chunks(
     cid: str,
     created: int,
     model: str,
-    with_tools: bool,
+    tools: ToolChoice,
     include_usage: bool,
 ) -> AsyncIterator[dict[str, Any]]:
-    """``chat.completion.chunk`` chunks: the assistant role, content deltas as they come (with
-    tools, the whole parsed message at the end instead), each choice's finish reason, and
-    optionally the usage."""
+    """``chat.completion.chunk`` chunks: the assistant role, content deltas as they come (a named
+    forced call: its arguments' deltas; other tool requests: the whole parsed message at the end),
+    each choice's finish reason, and optionally the usage."""
     ctx = st.ctx
     head = {"id": cid, "object": "chat.completion.chunk", "created": created, "model": model}
+    named = tools.named
+    at_end = tools.tools is not None and named is None  # tool calls parsed from the whole text
 
     def chunk(index: int, delta: dict[str, Any], reason: str | None, logprobs: Any = None) -> dict[str, Any]:
         return head | {
@@ -102,23 +105,26 @@ async def chat_chunks(
         }
 
     for j in range(spec.n):
-        yield chunk(j, {"role": "assistant", "content": ""}, None)
-    texts = [""] * spec.best_of
+        if named is None:
+            yield chunk(j, {"role": "assistant", "content": ""}, None)
+        else:
+            call = tool_call(named, "") | {"index": 0}
+            yield chunk(j, {"role": "assistant", "content": None, "tool_calls": [call]}, None)
     done: Done | None = None
     async for _, ev in merged(st, [spec]):
         if isinstance(ev, Done):
             done = ev
             break
-        texts[ev.index] += ev.text
-        if with_tools:
-            continue  # tool calls are parsed from the whole text at the end
+        if at_end:
+            continue
         lp = {"content": chat_logprobs(ctx, [ev])} if ev.logprob is not None else None
         if ev.text or lp:
-            yield chunk(ev.index, {"content": ev.text}, None, lp)
+            piece = {"content": ev.text} if named is None else _arguments_delta(ev.text)
+            yield chunk(ev.index, piece, None, lp)
     assert done is not None
     for j, i in enumerate(done.choices):
-        if with_tools:
-            msg, reason = assistant_message(done.texts[i], done.finish_reasons[i], True)
+        if at_end:
+            msg, reason = tools.message(done.texts[i], done.finish_reasons[i])
             delta = {k: v for k, v in msg.items() if k != "role"}
             if "tool_calls" in delta:
                 delta["tool_calls"] = [c | {"index": x} for x, c in enumerate(delta["tool_calls"])]
@@ -128,3 +134,8 @@ async def chat_chunks(
         yield chunk(j, {}, reason)
     if include_usage:
         yield head | {"choices": [], "usage": usage([done])}
+
+
+def _arguments_delta(text: str) -> dict[str, Any]:
+    """A piece of a named forced call's arguments as a chunk's delta."""
+    return {"tool_calls": [{"index": 0, "function": {"arguments": text}}]}

@@ -1,0 +1,277 @@
+"""Forced tool calls on `lloyal serve` (``tool_choice`` ``"required"`` or a named function),
+through the official `openai` client over loopback, on the real model.
+
+A forced call is generated under a JSON-schema grammar; greedy calls are compared token for token
+with the library's own greedy run under the same schema (both contexts batch-invariant).
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import jsonschema
+import pytest
+from helpers import greedy_completion, serving
+
+import lloyal
+
+openai = pytest.importorskip("openai", reason="the server extra: pip install 'lloyal[server]'")
+pytest.importorskip("uvicorn")
+
+from lloyal.server import ServerConfig, create_app  # noqa: E402
+from lloyal.server.protocol import ChatRequest  # noqa: E402
+from lloyal.server.tools import tool_choice  # noqa: E402
+
+KEY = "sk-test-key"
+N_CTX = 1024
+WEATHER = {
+    "type": "object",
+    "properties": {
+        "city": {"type": "string", "maxLength": 12},
+        "unit": {"enum": ["celsius", "fahrenheit"]},
+    },
+    "required": ["city", "unit"],
+    "additionalProperties": False,
+}
+TOOLS = [
+    {
+        "type": "function",
+        "function": {"name": "get_weather", "description": "Weather in a city", "parameters": WEATHER},
+    },
+    {"type": "function", "function": {"name": "get_time", "description": "The time now"}},
+]
+SCHEMAS = {
+    "get_weather": WEATHER,
+    "get_time": {"type": "object", "properties": {}, "additionalProperties": False},
+}
+MESSAGES = [{"role": "user", "content": "What is the weather in Paris?"}]
+NAMED = {"type": "function", "function": {"name": "get_weather"}}
+
+
+@pytest.fixture(scope="module")
+def server(model_path: str) -> Iterator[str]:
+    # Batch-invariant: the tests compare the server's tokens with a context of their own.
+    cfg = ServerConfig(
+        model=model_path, n_ctx=N_CTX, parallel=4, api_key=KEY, n_threads=2, batch_invariant=True
+    )
+    with serving(create_app(cfg)) as url:
+        yield url
+
+
+@pytest.fixture(scope="module")
+def client(server: str) -> Iterator[openai.OpenAI]:
+    with openai.OpenAI(base_url=server + "/v1", api_key=KEY, max_retries=0, timeout=120) as c:
+        yield c
+
+
+@pytest.fixture(scope="module")
+def name(model_path: str) -> str:
+    return Path(model_path).stem
+
+
+@pytest.fixture(scope="module")
+def ref(model_path: str) -> Iterator[lloyal.Context]:
+    """A context of our own, to compute what the server should answer."""
+    with lloyal.Context(model_path, n_ctx=N_CTX, n_seq_max=2, n_threads=2, batch_invariant=True) as ctx:
+        yield ctx
+
+
+def library_call(ref: lloyal.Context, schema: dict[str, Any], max_tokens: int = 64) -> str:
+    """The library's greedy output for ``MESSAGES`` (tools shown) under ``schema``."""
+    fc = ref.format_chat(MESSAGES, tools=TOOLS)
+    prompt = ref.tokenize(fc.prompt, add_special=False, parse_special=True)
+    grammar = lloyal.Grammar.from_json_schema(ref, schema)
+    return ref.detokenize(greedy_completion(ref, prompt, max_tokens, fc.stop_tokens, grammar))
+
+
+def running(server: str) -> float:
+    text = httpx.get(server + "/metrics", headers={"authorization": f"Bearer {KEY}"}).text
+    line = next(x for x in text.splitlines() if x.startswith("lloyal_running_sequences "))
+    return float(line.split()[1])
+
+
+def test_a_named_function_is_called_with_arguments_under_its_schema(
+    client: openai.OpenAI, name: str, ref: lloyal.Context
+) -> None:
+    r = client.chat.completions.create(
+        model=name, messages=MESSAGES, tools=TOOLS, tool_choice=NAMED, max_tokens=64, temperature=0
+    )
+    choice = r.choices[0]
+    assert choice.finish_reason == "stop"  # as OpenAI answers a forced function
+    assert choice.message.content is None and len(choice.message.tool_calls) == 1
+    call = choice.message.tool_calls[0]
+    assert call.type == "function" and call.function.name == "get_weather" and call.id.startswith("call_")
+    jsonschema.validate(json.loads(call.function.arguments), WEATHER)
+    assert call.function.arguments == library_call(ref, WEATHER)
+
+
+def test_a_function_without_parameters_is_called_with_an_empty_object(
+    client: openai.OpenAI, name: str
+) -> None:
+    r = client.chat.completions.create(
+        model=name,
+        messages=MESSAGES,
+        tools=TOOLS,
+        tool_choice={"type": "function", "function": {"name": "get_time"}},
+        max_tokens=16,
+        temperature=0,
+    )
+    call = r.choices[0].message.tool_calls[0]
+    assert (call.function.name, json.loads(call.function.arguments)) == ("get_time", {})
+
+
+def test_a_named_call_streams_its_id_and_name_then_its_arguments(client: openai.OpenAI, name: str) -> None:
+    whole = client.chat.completions.create(
+        model=name, messages=MESSAGES, tools=TOOLS, tool_choice=NAMED, max_tokens=64, temperature=0
+    )
+    chunks = list(
+        client.chat.completions.create(
+            model=name,
+            messages=MESSAGES,
+            tools=TOOLS,
+            tool_choice=NAMED,
+            max_tokens=64,
+            temperature=0,
+            stream=True,
+        )
+    )
+    first = chunks[0].choices[0].delta
+    assert first.role == "assistant" and first.content is None
+    assert first.tool_calls[0].id.startswith("call_") and first.tool_calls[0].function.name == "get_weather"
+    pieces = [
+        c.choices[0].delta.tool_calls for c in chunks[1:] if c.choices and c.choices[0].delta.tool_calls
+    ]
+    assert len(pieces) > 3 and all(p[0].index == 0 and p[0].id is None for p in pieces)
+    assert (
+        "".join(p[0].function.arguments for p in pieces)
+        == whole.choices[0].message.tool_calls[0].function.arguments
+    )
+    assert not any(c.choices[0].delta.content for c in chunks if c.choices)
+    assert chunks[-1].choices[0].finish_reason == "stop"
+
+
+def test_required_calls_one_or_more_offered_tools(
+    client: openai.OpenAI, name: str, ref: lloyal.Context
+) -> None:
+    r = client.chat.completions.create(
+        model=name, messages=MESSAGES, tools=TOOLS, tool_choice="required", max_tokens=96, temperature=0
+    )
+    choice = r.choices[0]
+    assert choice.finish_reason == "tool_calls" and choice.message.content is None
+    calls = [(c.function.name, json.loads(c.function.arguments)) for c in choice.message.tool_calls]
+    assert calls
+    for fn, args in calls:
+        jsonschema.validate(args, SCHEMAS[fn])
+    schema = tool_choice(ChatRequest(messages=MESSAGES, tools=TOOLS, tool_choice="required")).schema
+    assert schema is not None
+    want = json.loads(library_call(ref, schema, 96))
+    assert calls == [(c["name"], c["parameters"]) for c in want]
+    assert len({c.id for c in choice.message.tool_calls}) == len(calls)
+
+
+def test_required_without_parallel_calls_makes_exactly_one(client: openai.OpenAI, name: str) -> None:
+    r = client.chat.completions.create(
+        model=name,
+        messages=MESSAGES,
+        tools=TOOLS,
+        tool_choice="required",
+        parallel_tool_calls=False,
+        max_tokens=96,
+        temperature=1.0,
+        seed=11,
+        n=3,
+    )
+    assert len(r.choices) == 3
+    for choice in r.choices:
+        assert choice.finish_reason == "tool_calls", choice.message
+        (call,) = choice.message.tool_calls
+        jsonschema.validate(json.loads(call.function.arguments), SCHEMAS[call.function.name])
+
+
+def test_a_streamed_required_call_arrives_whole_at_the_end(client: openai.OpenAI, name: str) -> None:
+    request: dict[str, Any] = dict(
+        model=name, messages=MESSAGES, tools=TOOLS, tool_choice="required", max_tokens=96, temperature=0
+    )
+    whole = client.chat.completions.create(**request).choices[0].message.tool_calls
+    chunks = list(client.chat.completions.create(stream=True, **request))
+    deltas = [c.choices[0].delta for c in chunks if c.choices]
+    streamed = [t for d in deltas for t in d.tool_calls or []]
+    assert [(t.index, t.function.name, t.function.arguments) for t in streamed] == [
+        (i, t.function.name, t.function.arguments) for i, t in enumerate(whole)
+    ]
+    assert chunks[-1].choices[0].finish_reason == "tool_calls"
+
+
+def test_a_forced_call_cut_by_max_tokens_ends_with_length(client: openai.OpenAI, name: str) -> None:
+    full = client.chat.completions.create(
+        model=name, messages=MESSAGES, tools=TOOLS, tool_choice=NAMED, max_tokens=64, temperature=0
+    )
+    cut = client.chat.completions.create(
+        model=name, messages=MESSAGES, tools=TOOLS, tool_choice=NAMED, max_tokens=3, temperature=0
+    )
+    assert cut.choices[0].finish_reason == "length" and cut.usage.completion_tokens == 3
+    partial = cut.choices[0].message.tool_calls[0].function.arguments
+    assert full.choices[0].message.tool_calls[0].function.arguments.startswith(partial) and partial
+    required = client.chat.completions.create(
+        model=name, messages=MESSAGES, tools=TOOLS, tool_choice="required", max_tokens=3, temperature=0
+    )
+    assert required.choices[0].finish_reason == "length" and not required.choices[0].message.tool_calls
+    assert required.choices[0].message.content  # the cut JSON, as text
+
+
+@pytest.mark.parametrize(
+    ("fields", "param", "message"),
+    [
+        ({"tool_choice": "required"}, "tool_choice", "needs tools"),
+        (
+            {"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "nope"}}},
+            "tool_choice",
+            "'nope'",
+        ),
+        ({"tools": TOOLS, "tool_choice": {"type": "function"}}, "tool_choice", "function"),
+        ({"tools": TOOLS, "tool_choice": "sometimes"}, "tool_choice", "'sometimes'"),
+        ({"tools": [{"type": "function", "function": {}}], "tool_choice": "required"}, "tools", "tools[0]"),
+        (
+            {
+                "tools": [{"type": "function", "function": {"name": "f", "parameters": 3}}],
+                "tool_choice": "required",
+            },
+            "tools",
+            "parameters",
+        ),
+        (
+            {
+                "tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "nope"}}}],
+                "tool_choice": {"type": "function", "function": {"name": "f"}},
+            },
+            "tools",
+            "schema",
+        ),
+        (
+            {"tools": TOOLS, "tool_choice": NAMED, "response_format": {"type": "json_object"}},
+            "tool_choice",
+            "response_format",
+        ),
+        ({"tools": TOOLS, "tool_choice": "required", "grammar": 'root ::= "x"'}, "tool_choice", "grammar"),
+    ],
+)
+def test_a_bad_tool_choice_is_a_400_naming_the_field(
+    server: str, name: str, fields: dict[str, Any], param: str, message: str
+) -> None:
+    for stream in (False, True):
+        r = httpx.post(
+            server + "/v1/chat/completions",
+            json={"model": name, "messages": MESSAGES, "max_tokens": 4, "stream": stream} | fields,
+            headers={"authorization": f"Bearer {KEY}"},
+            timeout=60,
+        )
+        assert r.status_code == 400, r.text
+        err = r.json()["error"]
+        assert (
+            err["type"] == "invalid_request_error" and err["param"] == param and message in err["message"]
+        ), err
+    assert running(server) == 0
