@@ -19,13 +19,14 @@ from fastapi.responses import Response
 import lloyal
 
 from ..scheduling.scheduler import Done, TokenEvent
+from .constraints import constraint_fields, output_grammar
 from .generation import run_all
 from .protocol import ApiError, ChatRequest, CompletionRequest
 from .replies import chat_logprobs, completion_logprobs, usage
 from .state import ServerState, StateGetter
 from .streaming import chat_chunks, completion_chunks, sse
 from .tools import ToolChoice, tool_choice
-from .translate import check_model, gen_spec, message_dict, request_grammar, token_lists
+from .translate import check_model, gen_spec, message_dict, token_lists
 
 __all__ = ["add_routes", "answer_chat", "answer_completion"]
 
@@ -49,8 +50,11 @@ async def answer_completion(st: ServerState, body: CompletionRequest) -> Respons
     best_of = _completion_best_of(body)
     prompts = token_lists(ctx, body.prompt, add_special=True, param="prompt")
     max_tokens = body.max_tokens or 16
-    grammar = await asyncio.to_thread(request_grammar, ctx, None, body.grammar)
-    specs = [gen_spec(ctx, body, p, best_of, max_tokens, body.logprobs, (), grammar) for p in prompts]
+    grammar = await asyncio.to_thread(output_grammar, ctx, body)
+    specs = [
+        gen_spec(ctx, body, p, best_of, max_tokens, body.logprobs, (), grammar, st.eog_tokens)
+        for p in prompts
+    ]
     cid = f"cmpl-{uuid.uuid4().hex}"
     created = int(time.time())
     echoes = [ctx.detokenize(p, special=False) if body.echo else "" for p in prompts]
@@ -124,7 +128,7 @@ async def answer_chat(st: ServerState, body: ChatRequest) -> Response | dict[str
     grammar = await asyncio.to_thread(_chat_grammar, ctx, body, choice)
     max_tokens = body.max_completion_tokens or body.max_tokens or max(1, ctx.n_ctx - len(prompt))
     k = (body.top_logprobs or 0) if body.logprobs else None
-    spec = gen_spec(ctx, body, prompt, body.n, max_tokens, k, fc.stop_tokens, grammar)
+    spec = gen_spec(ctx, body, prompt, body.n, max_tokens, k, fc.stop_tokens, grammar, st.eog_tokens)
     cid = f"chatcmpl-{uuid.uuid4().hex}"
     created = int(time.time())
     if body.stream:
@@ -143,13 +147,13 @@ async def answer_chat(st: ServerState, body: ChatRequest) -> Response | dict[str
 
 
 def _chat_grammar(ctx: lloyal.Context, body: ChatRequest, choice: ToolChoice) -> lloyal.Grammar | None:
-    """A forced tool call's grammar, or ``response_format``'s / ``grammar``'s (not both)."""
+    """A forced tool call's grammar, or the request's output constraint (:mod:`.constraints`)."""
     if choice.forced is None:
-        return request_grammar(ctx, body.response_format, body.grammar)
-    fmt = body.response_format
-    if body.grammar is not None or (fmt and fmt.get("type") not in (None, "text")):
+        return output_grammar(ctx, body)
+    given = constraint_fields(body)
+    if given:
         raise ApiError(
-            "a forced tool_choice constrains the output itself: drop response_format / grammar, "
+            f"a forced tool_choice constrains the output itself: drop {given[0]}, "
             "or set tool_choice to 'auto'",
             param="tool_choice",
         )

@@ -1,8 +1,9 @@
 """Request bodies of the OpenAI-compatible endpoints (pydantic models) and the error shape.
 
-Fields follow the OpenAI API reference; fields this server does not implement are refused by
-name (:class:`Unsupported`) rather than silently ignored. Unknown extra fields are ignored, as
-OpenAI-compatible servers do, so clients that send vendor extensions keep working.
+Fields follow the OpenAI API reference, with llama-server's and vLLM's common extensions; a field
+this server does not implement is refused by name when it asks for something (a value other than
+its default) rather than silently ignored. Unknown extra fields are ignored, as OpenAI-compatible
+servers do, so clients that send other vendor extensions keep working.
 """
 
 from __future__ import annotations
@@ -72,7 +73,22 @@ class _Sampling(_Body):
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: str | None = None
-    grammar: str | None = None  # llama-server extension: GBNF rules (start rule ``root``)
+    # Output constraints, at most one (:mod:`.constraints`): OpenAI's, llama-server's and vLLM's.
+    response_format: dict[str, Any] | None = None
+    grammar: str | None = None  # llama-server: GBNF rules (start rule ``root``)
+    json_schema: dict[str, Any] | None = None  # llama-server
+    guided_json: dict[str, Any] | str | None = None  # vLLM
+    guided_regex: str | None = None  # vLLM
+    guided_choice: list[str] | None = None  # vLLM
+    guided_grammar: str | None = None  # vLLM: GBNF
+    structured_outputs: dict[str, Any] | None = None  # vLLM's newer form of the guided_* fields
+    # vLLM's (and llama-server's ignore_eos) sampling extensions
+    ignore_eos: bool = False
+    stop_token_ids: list[int] | None = None
+    min_tokens: int = Field(default=0, ge=0)  # refused unless 0
+    include_stop_str_in_output: bool = False  # refused unless false
+    skip_special_tokens: bool = True  # refused unless true
+    prompt_logprobs: int | None = None  # refused unless null
 
 
 class CompletionRequest(_Sampling):
@@ -100,7 +116,6 @@ class ChatRequest(_Sampling):
     tools: list[dict[str, Any]] | None = None
     tool_choice: str | dict[str, Any] | None = None
     parallel_tool_calls: bool | None = None
-    response_format: dict[str, Any] | None = None
 
 
 class EmbeddingRequest(_Body):

@@ -41,6 +41,8 @@ class ServerState:
             self.model, n_ctx=cfg.n_ctx, n_seq_max=n_seq_max, n_threads=cfg.n_threads, **options
         )
         self.ctx.engine_prefill_chunk = cfg.prefill_chunk
+        # the model's end-of-generation tokens (banned by a request's ignore_eos)
+        self.eog_tokens = [t for t in range(self.ctx.n_vocab) if self.ctx.is_stop_token(t)]
         self.scheduler = Scheduler(
             self.ctx, max_running=cfg.parallel, max_queue=cfg.max_queue, cache_cells=cfg.cache_cells
         )

@@ -14,7 +14,7 @@ from ..scheduling.scheduler import GenSpec
 from .config import ServerConfig
 from .protocol import ApiError, ChatRequest, CompletionRequest
 
-__all__ = ["check_model", "gen_spec", "message_dict", "request_grammar", "token_lists"]
+__all__ = ["check_model", "gen_spec", "message_dict", "token_lists"]
 
 
 def check_model(name: str | None, cfg: ServerConfig) -> None:
@@ -58,8 +58,11 @@ def gen_spec(
     logprobs: int | None,
     stop_tokens: Sequence[int],
     grammar: lloyal.Grammar | None,
+    eog: Sequence[int] = (),
 ) -> GenSpec:
-    """One prompt of ``body`` as what the scheduler runs, refused if it does not fit the context."""
+    """One prompt of ``body`` as what the scheduler runs, refused if it does not fit the context.
+    ``eog``: the model's end-of-generation tokens, banned when ``body.ignore_eos``."""
+    _refuse_unimplemented(body)
     if not prompt:
         raise ApiError("the prompt is empty", param="prompt")
     if len(prompt) + max_tokens > ctx.n_ctx:
@@ -72,9 +75,23 @@ def gen_spec(
         )
     params = _sampling_params(body)
     bias = _logit_bias(ctx, body.logit_bias)
+    if body.ignore_eos:
+        if grammar is not None:
+            raise ApiError(
+                "ignore_eos cannot go with an output constraint, which ends with the end-of-generation token",
+                param="ignore_eos",
+            )
+        bias |= dict.fromkeys(eog, float("-inf"))
     stop = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
     if len(stop) > 4 or any(not s for s in stop):
         raise ApiError("stop takes at most 4 non-empty strings", param="stop")
+    stop_ids = body.stop_token_ids or []
+    bad = [t for t in stop_ids if not 0 <= t < ctx.n_vocab]
+    if bad:
+        raise ApiError(
+            f"stop_token_ids holds {bad[0]}, outside the vocabulary [0, {ctx.n_vocab})",
+            param="stop_token_ids",
+        )
     return GenSpec(
         prompt=prompt,
         params=params,
@@ -82,12 +99,25 @@ def gen_spec(
         n=body.n,
         best_of=best_of,
         stop=stop,
-        stop_tokens=list(stop_tokens),
+        stop_tokens=[*stop_tokens, *stop_ids],
         grammar=grammar,
         logit_bias=bias,
         logprobs=logprobs,
         seed=body.seed,
     )
+
+
+def _refuse_unimplemented(body: CompletionRequest | ChatRequest) -> None:
+    """A 400 for a vLLM extension this server does not implement, when it asks for something."""
+    asked = {
+        "min_tokens": body.min_tokens != 0,
+        "include_stop_str_in_output": body.include_stop_str_in_output,
+        "skip_special_tokens": not body.skip_special_tokens,
+        "prompt_logprobs": body.prompt_logprobs is not None,
+    }
+    for name, given in asked.items():
+        if given:
+            raise ApiError(f"{name} is not supported by this server: leave it out", param=name)
 
 
 def _sampling_params(body: CompletionRequest | ChatRequest) -> lloyal.SamplingParams:
@@ -142,39 +172,3 @@ def message_dict(m: dict[str, Any]) -> dict[str, Any]:
             except json.JSONDecodeError:
                 raise ApiError("tool_calls[].function.arguments must be JSON", param="messages") from None
     return m
-
-
-def request_grammar(
-    ctx: lloyal.Context, fmt: dict[str, Any] | None, gbnf: str | None
-) -> lloyal.Grammar | None:
-    """``response_format`` or llama-server's ``grammar`` (GBNF) as a grammar on llguidance, the
-    engine of every grammar kind (the token mask is applied before sampling)."""
-    if gbnf is not None:
-        if fmt and fmt.get("type") not in (None, "text"):
-            raise ApiError("give either grammar or response_format, not both", param="grammar")
-        try:
-            return lloyal.Grammar.from_gbnf(ctx, gbnf)
-        except lloyal.GrammarError as exc:
-            raise ApiError(f"grammar: {exc}", param="grammar") from None
-    return _response_grammar(ctx, fmt)
-
-
-def _response_grammar(ctx: lloyal.Context, fmt: dict[str, Any] | None) -> lloyal.Grammar | None:
-    """``response_format`` as a grammar."""
-    if not fmt or fmt.get("type") in (None, "text"):
-        return None
-    kind = fmt.get("type")
-    if kind == "json_object":
-        return lloyal.Grammar.from_json_schema(ctx, {"type": "object"})
-    if kind == "json_schema":
-        spec = fmt.get("json_schema") or {}
-        schema = spec.get("schema")
-        if not isinstance(schema, dict):
-            raise ApiError(
-                "response_format.json_schema.schema must be a JSON schema object", param="response_format"
-            )
-        try:
-            return lloyal.Grammar.from_json_schema(ctx, schema)
-        except lloyal.GrammarError as exc:
-            raise ApiError(f"response_format schema: {exc}", param="response_format") from None
-    raise ApiError(f"response_format type {kind!r} is not supported (text, json_object, json_schema)")

@@ -1,13 +1,16 @@
-"""Forced tool calls on `lloyal serve` (``tool_choice`` ``"required"`` or a named function),
-through the official `openai` client over loopback, on the real model.
+"""Structured output on `lloyal serve`, through the official `openai` client over loopback, on
+the real model: forced tool calls (``tool_choice`` ``"required"`` or a named function), vLLM's and
+llama-server's output constraints (``guided_*``, ``structured_outputs``, ``json_schema``) and their
+sampling extensions (``ignore_eos``, ``stop_token_ids``).
 
-A forced call is generated under a JSON-schema grammar; greedy calls are compared token for token
-with the library's own greedy run under the same schema (both contexts batch-invariant).
+Outputs are generated under llguidance grammars; greedy ones are compared token for token with
+the library's own greedy run under the same grammar (both contexts batch-invariant).
 """
 
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -23,6 +26,7 @@ openai = pytest.importorskip("openai", reason="the server extra: pip install 'll
 pytest.importorskip("uvicorn")
 
 from lloyal.server import ServerConfig, create_app  # noqa: E402
+from lloyal.server.constraints import choice_regex  # noqa: E402
 from lloyal.server.protocol import ChatRequest  # noqa: E402
 from lloyal.server.tools import tool_choice  # noqa: E402
 
@@ -275,3 +279,178 @@ def test_a_bad_tool_choice_is_a_400_naming_the_field(
             err["type"] == "invalid_request_error" and err["param"] == param and message in err["message"]
         ), err
     assert running(server) == 0
+
+
+# -- vLLM's and llama-server's output constraints ---------------------------------------------
+
+PERSON = {
+    "type": "object",
+    "properties": {"name": {"type": "string", "maxLength": 10}, "age": {"type": "integer", "maximum": 120}},
+    "required": ["name", "age"],
+    "additionalProperties": False,
+}
+CHOICES = ["red", "green (light)", "blue"]
+YES_NO = 'root ::= ("yes" | "no") " " [0-9]'
+
+
+def _check_json(text: str) -> None:
+    jsonschema.validate(json.loads(text), PERSON)
+
+
+def _check_choice(text: str) -> None:
+    assert text in CHOICES, text
+
+
+def _check_yes_no(text: str) -> None:
+    assert re.fullmatch(r"(yes|no) [0-9]", text), text
+
+
+CONSTRAINTS = [
+    ({"guided_json": PERSON}, _check_json),
+    ({"guided_json": json.dumps(PERSON)}, _check_json),
+    ({"json_schema": PERSON}, _check_json),
+    ({"guided_choice": CHOICES}, _check_choice),
+    ({"guided_regex": "(yes|no) [0-9]"}, _check_yes_no),
+    ({"guided_grammar": YES_NO}, _check_yes_no),
+    ({"structured_outputs": {"json": PERSON, "disable_any_whitespace": True}}, _check_json),
+    ({"structured_outputs": {"choice": CHOICES}}, _check_choice),
+    ({"structured_outputs": {"regex": "(yes|no) [0-9]"}}, _check_yes_no),
+    ({"structured_outputs": {"grammar": YES_NO}}, _check_yes_no),
+]
+
+
+@pytest.mark.parametrize(
+    ("field", "check"), CONSTRAINTS, ids=lambda x: json.dumps(x)[:40] if isinstance(x, dict) else ""
+)
+def test_vllm_and_llama_server_constraints_hold_on_both_endpoints(
+    client: openai.OpenAI, name: str, field: dict[str, Any], check: Any
+) -> None:
+    c = client.completions.create(
+        model=name,
+        prompt="A colour, an answer or a person:",
+        max_tokens=40,
+        temperature=1.0,
+        seed=5,
+        extra_body=field,
+    )
+    assert c.choices[0].finish_reason == "stop", c.choices[0].text
+    check(c.choices[0].text)
+    r = client.chat.completions.create(
+        model=name, messages=MESSAGES, max_tokens=40, temperature=1.0, seed=5, extra_body=field
+    )
+    assert r.choices[0].finish_reason == "stop", r.choices[0].message.content
+    check(r.choices[0].message.content)
+
+
+def test_a_structured_json_object_is_response_formats_json_object(client: openai.OpenAI, name: str) -> None:
+    def answer(field: dict[str, Any]) -> str:
+        r = client.chat.completions.create(
+            model=name, messages=MESSAGES, max_tokens=48, temperature=0, extra_body=field
+        )
+        return str(r.choices[0].message.content)
+
+    text = answer({"structured_outputs": {"json_object": True}})
+    assert text == answer({"response_format": {"type": "json_object"}}) and text.startswith("{")
+
+
+def test_a_guided_choice_is_the_librarys_greedy_choice(
+    client: openai.OpenAI, name: str, ref: lloyal.Context
+) -> None:
+    prompt = "Pick a colour:"
+    c = client.completions.create(
+        model=name, prompt=prompt, max_tokens=16, temperature=0, extra_body={"guided_choice": CHOICES}
+    )
+    grammar = lloyal.Grammar.from_regex(ref, choice_regex(CHOICES))
+    assert c.choices[0].text == ref.detokenize(greedy_completion(ref, ref.tokenize(prompt), 16, (), grammar))
+
+
+@pytest.mark.parametrize(
+    ("fields", "param", "message"),
+    [
+        ({"guided_json": PERSON, "response_format": {"type": "json_object"}}, "guided_json", "not both"),
+        ({"grammar": YES_NO, "guided_regex": "x"}, "guided_regex", "not both"),
+        ({"guided_json": "{not json"}, "guided_json", "not valid JSON"),
+        ({"guided_json": "[1]"}, "guided_json", "schema object"),
+        ({"guided_choice": []}, "guided_choice", "non-empty strings"),
+        ({"guided_choice": ["a", ""]}, "guided_choice", "non-empty strings"),
+        ({"guided_regex": "("}, "guided_regex", "guided_regex"),
+        ({"guided_grammar": "root ::= ("}, "guided_grammar", "guided_grammar"),
+        ({"json_schema": {"type": "nope"}}, "json_schema", "json_schema"),
+        ({"structured_outputs": {"json": PERSON, "regex": "x"}}, "structured_outputs", "one of"),
+        ({"structured_outputs": {}}, "structured_outputs", "one of"),
+        ({"structured_outputs": {"structural_tag": "{}"}}, "structured_outputs", "structural_tag"),
+        ({"guided_choice": CHOICES, "ignore_eos": True}, "ignore_eos", "ignore_eos"),
+        ({"stop_token_ids": [-1]}, "stop_token_ids", "outside the vocabulary"),
+        ({"min_tokens": 2}, "min_tokens", "not supported"),
+        ({"include_stop_str_in_output": True}, "include_stop_str_in_output", "not supported"),
+        ({"skip_special_tokens": False}, "skip_special_tokens", "not supported"),
+        ({"prompt_logprobs": 1}, "prompt_logprobs", "not supported"),
+        ({"tools": TOOLS, "tool_choice": NAMED, "guided_choice": CHOICES}, "tool_choice", "guided_choice"),
+    ],
+)
+def test_a_bad_output_field_is_a_400_naming_it(
+    server: str, name: str, fields: dict[str, Any], param: str, message: str
+) -> None:
+    chat = {"messages": MESSAGES}
+    for route, body in (("chat/completions", chat), ("completions", {"prompt": "x"})):
+        if "tools" in fields and route == "completions":
+            continue
+        for stream in (False, True):
+            r = httpx.post(
+                f"{server}/v1/{route}",
+                json={"model": name, "max_tokens": 4, "stream": stream} | body | fields,
+                headers={"authorization": f"Bearer {KEY}"},
+                timeout=60,
+            )
+            assert r.status_code == 400, r.text
+            err = r.json()["error"]
+            assert err["param"] == param and message in err["message"], err
+    assert running(server) == 0
+
+
+def test_defaults_of_the_unimplemented_fields_are_accepted(client: openai.OpenAI, name: str) -> None:
+    defaults = {
+        "min_tokens": 0,
+        "include_stop_str_in_output": False,
+        "skip_special_tokens": True,
+        "prompt_logprobs": None,
+    }
+    c = client.completions.create(model=name, prompt="Hi", max_tokens=2, temperature=0, extra_body=defaults)
+    assert c.usage.completion_tokens == 2
+
+
+def test_ignore_eos_bans_every_end_of_generation_token(
+    client: openai.OpenAI, name: str, ref: lloyal.Context
+) -> None:
+    eog = [t for t in range(ref.n_vocab) if ref.is_stop_token(t)]
+    assert len(eog) > 1  # Gemma's <eos> and <end_of_turn> at least
+    favoured = {str(t): 100 for t in eog}  # an end-of-generation token would come first
+    request: dict[str, Any] = dict(model=name, prompt="Once upon a time", max_tokens=12, temperature=0)
+    short = client.completions.create(logit_bias=favoured, **request)
+    assert short.choices[0].finish_reason == "stop" and short.usage.completion_tokens == 0
+    long = client.completions.create(logit_bias=favoured, extra_body={"ignore_eos": True}, **request)
+    assert long.choices[0].finish_reason == "length" and long.usage.completion_tokens == 12
+    # the library's greedy run with every end-of-generation token banned
+    greedy = lloyal.SamplingParams(temperature=0)
+    with lloyal.Branch.create(ref, 0, greedy) as b:
+        b.set_sampling(greedy, logit_bias=dict.fromkeys(eog, float("-inf")))
+        b.prefill(ref.tokenize("Once upon a time"))
+        want = []
+        for _ in range(12):
+            want.append(b.produce().token)
+            b.commit(want[-1])
+    assert long.choices[0].text == ref.detokenize(want)
+
+
+def test_stop_token_ids_end_the_completion_before_that_token(
+    client: openai.OpenAI, name: str, ref: lloyal.Context
+) -> None:
+    prompt = "The colours of the rainbow are"
+    tokens = greedy_completion(ref, ref.tokenize(prompt), 12)
+    stop_at = tokens[5]
+    first = tokens.index(stop_at)
+    c = client.completions.create(
+        model=name, prompt=prompt, max_tokens=12, temperature=0, extra_body={"stop_token_ids": [stop_at]}
+    )
+    assert c.choices[0].finish_reason == "stop"
+    assert c.choices[0].text == ref.detokenize(tokens[:first]) and c.usage.completion_tokens == first
