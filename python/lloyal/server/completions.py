@@ -26,7 +26,7 @@ from .replies import chat_logprobs, completion_logprobs, usage
 from .state import ServerState, StateGetter
 from .streaming import chat_chunks, completion_chunks, sse
 from .tools import ToolChoice, tool_choice
-from .translate import check_model, gen_spec, message_dict, token_lists
+from .translate import chat_prompt, check_model, gen_spec, message_dict, token_lists
 
 __all__ = ["add_routes", "answer_chat", "answer_completion"]
 
@@ -123,7 +123,7 @@ async def answer_chat(st: ServerState, body: ChatRequest) -> Response | dict[str
         raise ApiError("top_logprobs needs logprobs=true", param="top_logprobs")
     choice = tool_choice(body)
     messages = [message_dict(m.model_dump(exclude_none=True)) for m in body.messages]
-    fc = ctx.format_chat(messages, add_generation_prompt=True, tools=choice.tools)
+    fc = chat_prompt(ctx, body, messages, choice.tools)
     prompt = ctx.tokenize(fc.prompt, add_special=False, parse_special=True)
     grammar = await asyncio.to_thread(_chat_grammar, ctx, body, choice)
     max_tokens = body.max_completion_tokens or body.max_tokens or max(1, ctx.n_ctx - len(prompt))

@@ -116,6 +116,10 @@ class ChatRequest(_Sampling):
     tools: list[dict[str, Any]] | None = None
     tool_choice: str | dict[str, Any] | None = None
     parallel_tool_calls: bool | None = None
+    # vLLM's (and llama-server's chat_template_kwargs) control of the chat template
+    chat_template_kwargs: dict[str, Any] | None = None
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
 
 
 class EmbeddingRequest(_Body):

@@ -4,6 +4,7 @@ checked and turned into the scheduler's :class:`~.scheduler.GenSpec`. Every refu
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from collections.abc import Sequence
 from typing import Any
@@ -14,7 +15,7 @@ from ..scheduling.scheduler import GenSpec
 from .config import ServerConfig
 from .protocol import ApiError, ChatRequest, CompletionRequest
 
-__all__ = ["check_model", "gen_spec", "message_dict", "token_lists"]
+__all__ = ["chat_prompt", "check_model", "gen_spec", "message_dict", "token_lists"]
 
 
 def check_model(name: str | None, cfg: ServerConfig) -> None:
@@ -172,3 +173,37 @@ def message_dict(m: dict[str, Any]) -> dict[str, Any]:
             except json.JSONDecodeError:
                 raise ApiError("tool_calls[].function.arguments must be JSON", param="messages") from None
     return m
+
+
+# format_chat's own parameters, which chat_template_kwargs cannot set
+_TEMPLATE_RESERVED = ("messages", "add_generation_prompt", "template", "tools")
+
+
+def chat_prompt(
+    ctx: lloyal.Context, body: ChatRequest, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None
+) -> lloyal.FormattedChat:
+    """``messages`` through the model's chat template, with ``body``'s ``chat_template_kwargs``
+    as template variables; ``add_generation_prompt`` opens an assistant turn, and
+    ``continue_final_message`` leaves the last message open for the model to go on with (the
+    prompt ends with its text, as vLLM renders it)."""
+    kwargs = body.chat_template_kwargs or {}
+    reserved = [k for k in _TEMPLATE_RESERVED if k in kwargs]
+    if reserved:
+        raise ApiError(f"chat_template_kwargs cannot set {reserved[0]!r}", param="chat_template_kwargs")
+    if body.continue_final_message and body.add_generation_prompt:
+        raise ApiError(
+            "continue_final_message continues the last message: set add_generation_prompt to false",
+            param="continue_final_message",
+        )
+    fc = ctx.format_chat(messages, add_generation_prompt=body.add_generation_prompt, tools=tools, **kwargs)
+    if not body.continue_final_message:
+        return fc
+    content = messages[-1].get("content")
+    text = "".join(p["text"] for p in content) if isinstance(content, list) else str(content or "")
+    at = fc.prompt.rfind(text) if text else -1
+    if at < 0:
+        raise ApiError(
+            "continue_final_message needs a last message with text that the chat template keeps as it is",
+            param="continue_final_message",
+        )
+    return dataclasses.replace(fc, prompt=fc.prompt[: at + len(text)])
