@@ -103,9 +103,18 @@ impl PyAdmission {
     /// The terms on which a request for ``prompt`` with ``best_of`` choices starts now, the
     /// branch it forks pinned; ``None`` when it must wait (no free slot, or the prompt in
     /// flight it would fork is not written yet). Await room for the plan's ``leases`` and
-    /// ``cells``, then :meth:`reserve` it; :meth:`release` it in every case.
-    fn plan(&self, py: Python<'_>, prompt: Vec<i32>, best_of: usize) -> PyResult<Option<PyPlan>> {
-        let Some(plan) = self.with_index(|book, index| book.plan(index, &prompt, best_of)) else {
+    /// ``cells``, then :meth:`reserve` it; :meth:`release` it in every case. ``share=False``:
+    /// the request forks nothing and writes its whole prompt (one scored token by token).
+    #[pyo3(signature = (prompt, best_of, share = true))]
+    fn plan(
+        &self,
+        py: Python<'_>,
+        prompt: Vec<i32>,
+        best_of: usize,
+        share: bool,
+    ) -> PyResult<Option<PyPlan>> {
+        let Some(plan) = self.with_index(|book, index| book.plan_shared(index, &prompt, best_of, share))
+        else {
             return Ok(None);
         };
         let base = match plan.start {

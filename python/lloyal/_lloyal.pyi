@@ -601,11 +601,12 @@ class Admission:
         """Whether a request of ``best_of`` choices would queue: behind ``waiting`` others, or for
         a free slot.
         """
-    def plan(self, prompt: list[int], best_of: int) -> AdmissionPlan | None:
+    def plan(self, prompt: list[int], best_of: int, share: bool = True) -> AdmissionPlan | None:
         """The terms on which a request for ``prompt`` with ``best_of`` choices starts now, the
         branch it forks pinned; ``None`` when it must wait (no free slot, or the prompt in
         flight it would fork is not written yet). Await room for the plan's ``leases`` and
-        ``cells``, then :meth:`reserve` it; :meth:`release` it in every case.
+        ``cells``, then :meth:`reserve` it; :meth:`release` it in every case. ``share=False``:
+        the request forks nothing and writes its whole prompt (one scored token by token).
         """
     def reserve(self, plan: AdmissionPlan) -> None:
         """The room was found: hold the plan's need from later requests, and make its prompt one
@@ -968,6 +969,22 @@ class Branch:
     @property
     def last_token(self) -> int | None:
         """The most recently accepted token (``None`` before any)."""
+    def score(
+        self, tokens: list[int], top_logprobs: int = 0
+    ) -> list[tuple[float | None, list[tuple[int, float]]]]:
+        """Write ``tokens`` as :meth:`prefill` does and score each one: ``(logprob, top)``, its
+        ``log_softmax`` under the logits before it (for the first, the branch's logits; ``None``
+        on a branch without any) and the ``top_logprobs`` most likely ``(token, logprob)`` pairs
+        there, best first (0 to 20). A prompt's logprobs, as OpenAI's ``echo`` reports them.
+
+        Runs on the context's engine as a prefill whose rows all keep logits, 64 rows a tick
+        (each costs the output layer); a failure leaves the branch as it was.
+
+        Example:
+            >>> scored = branch.score(ctx.tokenize(" and the cat", add_special=False), top_logprobs=2)
+            >>> len(scored), len(scored[0][1]), branch.position
+            (3, 2, 13)
+        """
     def aprefill(self, tokens: list[int]) -> Coroutine[Any, Any, None]:
         """Await ``prefill(tokens)``: queued on the context's engine, the event loop keeps running."""
     def afork(

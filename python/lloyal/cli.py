@@ -33,7 +33,7 @@ from typing import Any, NamedTuple
 
 import lloyal
 from lloyal import progress, strategies
-from lloyal.scheduling import Done, GenSpec, Scheduler
+from lloyal.scheduling import Done, GenSpec, Scheduler, TokenEvent
 from lloyal.tree_html import TreeNode, write_tree_html
 
 __all__ = ["main"]
@@ -154,7 +154,8 @@ def _scheduled_best_of_n(
             async for ev in sched.generate(spec):
                 if isinstance(ev, Done):
                     return ev
-                bar.update(int(ev.token >= 0))
+                if isinstance(ev, TokenEvent):
+                    bar.update(int(ev.token >= 0))
         finally:
             await sched.stop()
         raise RuntimeError("the scheduler ended the request without its result")  # pragma: no cover

@@ -3,6 +3,7 @@
 
 use std::sync::Arc;
 
+use lloyal_core::branch::score::ScoreWork;
 use lloyal_core::branch::verify::VerifyWork;
 use lloyal_core::{LloyalError, Work};
 use pyo3::prelude::*;
@@ -12,6 +13,9 @@ use crate::aio;
 use crate::context::to_i32;
 use crate::engine;
 use crate::error::IntoPyResult;
+
+/// A scored token: its logprob (`None` without logits before it) and the best alternatives.
+type Scored = (Option<f64>, Vec<(i32, f64)>);
 
 #[pymethods]
 impl PyBranch {
@@ -71,6 +75,28 @@ impl PyBranch {
     fn prefill(&self, py: Python<'_>, tokens: Vec<i64>) -> PyResult<()> {
         let tokens = to_i32(self.core().model(), &tokens)?;
         engine::wait(py, self.core(), Work::Prefill(vec![(self.handle, tokens)]))
+    }
+
+    /// Write ``tokens`` as :meth:`prefill` does and score each one: ``(logprob, top)``, its
+    /// ``log_softmax`` under the logits before it (for the first, the branch's logits; ``None``
+    /// on a branch without any) and the ``top_logprobs`` most likely ``(token, logprob)`` pairs
+    /// there, best first (0 to 20). A prompt's logprobs, as OpenAI's ``echo`` reports them.
+    ///
+    /// Runs on the context's engine as a prefill whose rows all keep logits, 64 rows a tick
+    /// (each costs the output layer); a failure leaves the branch as it was.
+    ///
+    /// Example:
+    ///     >>> scored = branch.score(ctx.tokenize(" and the cat", add_special=False), top_logprobs=2)
+    ///     >>> len(scored), len(scored[0][1]), branch.position
+    ///     (3, 2, 13)
+    #[pyo3(signature = (tokens, top_logprobs = 0))]
+    fn score(&self, py: Python<'_>, tokens: Vec<i64>, top_logprobs: usize) -> PyResult<Vec<Scored>> {
+        let tokens = to_i32(self.core().model(), &tokens)?;
+        let work = Arc::new(ScoreWork::new(self.handle, tokens, top_logprobs).py()?);
+        engine::wait(py, self.core(), Work::Score(Arc::clone(&work)))?;
+        let missing = || LloyalError::Backend("internal error: score answered without its result".into());
+        let scored = work.take().ok_or_else(missing).py()?;
+        Ok(scored.into_iter().map(|s| (s.logprob, s.top)).collect())
     }
 
     /// Await ``prefill(tokens)``: queued on the context's engine, the event loop keeps running.

@@ -9,7 +9,17 @@ extra.
 """
 
 from .prefix_cache import CacheEntry, PrefixCache
-from .scheduler import LOOKAHEAD, Done, GenSpec, QueueFull, Scheduler, ShuttingDown, TokenEvent, TopLogprob
+from .scheduler import (
+    LOOKAHEAD,
+    Done,
+    GenSpec,
+    PromptScores,
+    QueueFull,
+    Scheduler,
+    ShuttingDown,
+    TokenEvent,
+    TopLogprob,
+)
 
 __all__ = [
     "LOOKAHEAD",
@@ -17,6 +27,7 @@ __all__ = [
     "Done",
     "GenSpec",
     "PrefixCache",
+    "PromptScores",
     "QueueFull",
     "Scheduler",
     "ShuttingDown",

@@ -44,6 +44,7 @@ __all__ = [
     "LOOKAHEAD",
     "Done",
     "GenSpec",
+    "PromptScores",
     "QueueFull",
     "Scheduler",
     "ShuttingDown",
@@ -79,6 +80,9 @@ class GenSpec:
     grammar: lloyal.Grammar | str | None = None  # a Grammar, or GBNF text
     logit_bias: dict[int, float] = field(default_factory=dict)
     logprobs: int | None = None  # None: off; k: the sampled token's logprob and k alternatives
+    # None: off; k: each prompt token's logprob and k alternatives (the prompt is then written
+    # whole, forking nothing cached: Branch.score)
+    prompt_logprobs: int | None = None
     seed: int | None = None
     rank: bool = False  # order the choices by perplexity (lowest first) even when best_of == n
 
@@ -109,6 +113,14 @@ class TokenEvent:
 
 
 @dataclass
+class PromptScores:
+    """A request's prompt scored (:attr:`GenSpec.prompt_logprobs`), its first event: one
+    :class:`TokenEvent` per prompt token (the first one's ``logprob`` is None)."""
+
+    tokens: list[TokenEvent]
+
+
+@dataclass
 class Done:
     """The request finished: ``choices`` are the returned internal indices, best first for best_of."""
 
@@ -120,6 +132,7 @@ class Done:
     cached_tokens: int
     lengths: list[int] = field(default_factory=list)  # tokens per internal index
     perplexities: list[float] = field(default_factory=list)  # per internal index, when ranked
+    prompt: list[TokenEvent] = field(default_factory=list)  # the prompt scored, when asked
 
 
 class _Choice:
@@ -160,6 +173,7 @@ class _Request:
         self.arrived = time.monotonic()
         self.cached_tokens = 0
         self.cancelled = False
+        self.prompt_scored: list[TokenEvent] = []  # GenSpec.prompt_logprobs: the prompt's tokens
 
 
 class Scheduler:
@@ -275,8 +289,9 @@ class Scheduler:
 
     async def generate(
         self, spec: GenSpec, *, deadline: float | None = None
-    ) -> AsyncGenerator[TokenEvent | Done, None]:
-        """Run ``spec``; yields :class:`TokenEvent` as choices advance, then one :class:`Done`.
+    ) -> AsyncGenerator[TokenEvent | PromptScores | Done, None]:
+        """Run ``spec``; yields :class:`TokenEvent` as choices advance, then one :class:`Done`
+        (first, with :attr:`GenSpec.prompt_logprobs`, the prompt's :class:`PromptScores`).
         At loop time ``deadline`` (waiting for a slot included) it raises ``asyncio.TimeoutError``
         instead of its next event, and the request is cancelled; one timer for the request, not
         one per event."""
@@ -291,6 +306,8 @@ class Scheduler:
         if deadline is not None:
             timer = loop.call_at(deadline, req.events.put_nowait, asyncio.TimeoutError())
         try:
+            if spec.prompt_logprobs is not None:
+                yield PromptScores(req.prompt_scored)
             while True:
                 ev = await req.events.get()
                 if isinstance(ev, BaseException):
@@ -327,7 +344,7 @@ class Scheduler:
                         raise ShuttingDown(self._cancelled_message())
                     # what it forks is pinned from here: a request finishing while this one
                     # awaits room must not prune it
-                    plan = self.book.plan(spec.prompt, spec.best_of)
+                    plan = self.book.plan(spec.prompt, spec.best_of, spec.prompt_logprobs is None)
                     if plan is not None:
                         fits = False
                         try:
@@ -370,7 +387,11 @@ class Scheduler:
         req.choices.append(_Choice(req, 0, b))
         await self._setup(b, spec, 0, reseed=plan.exact)
         self.book.holds(plan, b)
-        req.choices[0].prompt = [] if plan.exact else spec.prompt[plan.reused :]
+        if spec.prompt_logprobs is not None:
+            await self._score(req, b)
+            self._written(req)
+        else:
+            req.choices[0].prompt = [] if plan.exact else spec.prompt[plan.reused :]
 
     async def _admit_forks(
         self, req: _Request, plan: _lloyal.AdmissionPlan, made: list[lloyal.Branch]
@@ -383,7 +404,10 @@ class Scheduler:
         else:
             made.append(await self._prefix_branch(plan, spec.params))
             self.book.holds(plan, made[0])
-            await made[0].aprefill(spec.prompt[plan.reused :])
+            if spec.prompt_logprobs is not None:
+                await self._score(req, made[0])
+            else:
+                await made[0].aprefill(spec.prompt[plan.reused :])
             req.root = made[0]
             self._written(req)
         if self._closed:
@@ -399,6 +423,17 @@ class Scheduler:
         first = next((e for e in errors if isinstance(e, BaseException)), None)
         if first is not None:
             raise first
+
+    async def _score(self, req: _Request, b: lloyal.Branch) -> None:
+        """Write ``req``'s whole prompt on ``b``, each token scored (in a worker thread: the
+        engine's wait releases the GIL)."""
+        k = req.spec.prompt_logprobs or 0
+        scored = await asyncio.to_thread(b.score, req.spec.prompt, k)
+        text = self.ctx.token_to_text
+        req.prompt_scored = [
+            TokenEvent(0, t, text(t), lp, [TopLogprob(a, text(a), alp) for a, alp in top])
+            for t, (lp, top) in zip(req.spec.prompt, scored, strict=True)
+        ]
 
     async def _prefix_branch(
         self, plan: _lloyal.AdmissionPlan, params: lloyal.SamplingParams
@@ -536,6 +571,7 @@ class Scheduler:
             cached_tokens=req.cached_tokens,
             lengths=[len(c.generated) for c in req.choices],
             perplexities=ppls,
+            prompt=req.prompt_scored,
         )
         req.events.put_nowait(done)
         asyncio.get_running_loop().create_task(self._notify_room())

@@ -8,6 +8,7 @@ the stream starts, so a refusal gets its status rather than an error inside a 20
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import time
 import uuid
 from collections.abc import Sequence
@@ -55,6 +56,8 @@ async def answer_completion(st: ServerState, body: CompletionRequest) -> Respons
         gen_spec(ctx, body, p, best_of, max_tokens, body.logprobs, (), grammar, st.eog_tokens)
         for p in prompts
     ]
+    if body.echo and body.logprobs is not None:  # the prompt's logprobs too, each prompt written whole
+        specs = [dataclasses.replace(s, prompt_logprobs=body.logprobs) for s in specs]
     cid = f"cmpl-{uuid.uuid4().hex}"
     created = int(time.time())
     echoes = [ctx.detokenize(p, special=False) if body.echo else "" for p in prompts]
@@ -76,7 +79,7 @@ async def answer_completion(st: ServerState, body: CompletionRequest) -> Respons
 
 def _completion_best_of(body: CompletionRequest) -> int:
     """``best_of`` (default ``n``), after refusing what this server does not do: ``suffix``,
-    ``best_of`` < ``n``, streamed ``best_of`` > ``n``, ``echo`` with ``logprobs``."""
+    ``best_of`` < ``n``, streamed ``best_of`` > ``n``."""
     if body.suffix:
         raise ApiError("suffix (fill-in-the-middle) is not supported by this server", param="suffix")
     best_of = body.best_of or body.n
@@ -84,10 +87,6 @@ def _completion_best_of(body: CompletionRequest) -> int:
         raise ApiError(f"best_of ({best_of}) must be >= n ({body.n})", param="best_of")
     if body.stream and best_of != body.n:
         raise ApiError("best_of > n cannot be streamed: set stream=false or best_of=n", param="best_of")
-    if body.echo and body.logprobs is not None:
-        raise ApiError(
-            "echo with logprobs (prompt logprobs) is not supported: drop one of them", param="echo"
-        )
     return best_of
 
 
@@ -106,7 +105,9 @@ def _completion_choices(
                 {
                     "index": p * body.n + j,
                     "text": echoes[p] + done.texts[i],
-                    "logprobs": completion_logprobs(ctx, evs[i]) if body.logprobs is not None else None,
+                    "logprobs": None
+                    if body.logprobs is None
+                    else completion_logprobs(ctx, [*done.prompt, *evs[i]]),
                     "finish_reason": done.finish_reasons[i],
                 }
             )

@@ -6,13 +6,13 @@ from __future__ import annotations
 import asyncio
 from collections.abc import AsyncGenerator, AsyncIterator, Sequence
 
-from ..scheduling.scheduler import Done, GenSpec, TokenEvent
+from ..scheduling.scheduler import Done, GenSpec, PromptScores, TokenEvent
 from .protocol import ApiError
 from .state import ServerState
 
 __all__ = ["merged", "run_all"]
 
-_Item = tuple[int, TokenEvent | Done]
+_Item = tuple[int, TokenEvent | PromptScores | Done]
 
 
 async def merged(st: ServerState, specs: Sequence[GenSpec]) -> AsyncIterator[_Item]:
@@ -75,12 +75,13 @@ async def _several(
 async def run_all(
     st: ServerState, specs: Sequence[GenSpec]
 ) -> tuple[list[Done], list[list[list[TokenEvent]]]]:
-    """Run ``specs`` to the end: each spec's :class:`Done`, and each spec's choices' tokens."""
+    """Run ``specs`` to the end: each spec's :class:`Done` (its prompt scored, when asked, in
+    ``Done.prompt``), and each spec's choices' tokens."""
     dones: list[Done | None] = [None] * len(specs)
     tokens: list[list[list[TokenEvent]]] = [[[] for _ in range(s.best_of)] for s in specs]
     async for k, ev in merged(st, specs):
         if isinstance(ev, Done):
             dones[k] = ev
-        elif ev.token >= 0:
+        elif isinstance(ev, TokenEvent) and ev.token >= 0:
             tokens[k][ev.index].append(ev)
     return [d for d in dones if d is not None], tokens

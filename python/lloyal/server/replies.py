@@ -52,7 +52,8 @@ def usage(dones: Sequence[Done]) -> dict[str, Any]:
 
 
 def completion_logprobs(ctx: lloyal.Context, evs: Sequence[TokenEvent]) -> dict[str, Any]:
-    """``/v1/completions`` logprobs: tokens, their logprobs, the top alternatives, text offsets."""
+    """``/v1/completions`` logprobs: tokens, their logprobs, the top alternatives (None where the
+    logprob is: a prompt's first token), text offsets."""
     pieces = [ctx.token_to_text(e.token) for e in evs]
     offsets, at = [], 0
     for p in pieces:
@@ -61,7 +62,7 @@ def completion_logprobs(ctx: lloyal.Context, evs: Sequence[TokenEvent]) -> dict[
     return {
         "tokens": pieces,
         "token_logprobs": [e.logprob for e in evs],
-        "top_logprobs": [{t.text: t.logprob for t in e.top} for e in evs],
+        "top_logprobs": [None if e.logprob is None else {t.text: t.logprob for t in e.top} for e in evs],
         "text_offset": offsets,
     }
 

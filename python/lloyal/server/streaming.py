@@ -14,7 +14,7 @@ from fastapi.responses import StreamingResponse
 
 import lloyal
 
-from ..scheduling.scheduler import Done, GenSpec, QueueFull, ShuttingDown
+from ..scheduling.scheduler import Done, GenSpec, PromptScores, QueueFull, ShuttingDown
 from .errors import scheduler_error
 from .generation import merged
 from .protocol import ApiError, error_body
@@ -63,13 +63,17 @@ async def completion_chunks(
         c = {"index": index, "text": text, "logprobs": logprobs, "finish_reason": reason}
         return {"id": cid, "object": "text_completion", "created": created, "model": model, "choices": [c]}
 
+    scored = any(s.prompt_logprobs is not None for s in specs)
     for p, e in enumerate(echoes):
-        if e:
+        if e and not scored:  # else with its logprobs, once the prompt is scored
             for j in range(n):
                 yield chunk(p * n + j, e, None, None)
     dones: list[Done] = []
     async for k, ev in merged(st, specs):
-        if isinstance(ev, Done):
+        if isinstance(ev, PromptScores):
+            for j in range(n):
+                yield chunk(k * n + j, echoes[k], completion_logprobs(ctx, ev.tokens), None)
+        elif isinstance(ev, Done):
             dones.append(ev)
             for j, i in enumerate(ev.choices):
                 yield chunk(k * n + j, "", None, ev.finish_reasons[i])
@@ -115,7 +119,7 @@ async def chat_chunks(
         if isinstance(ev, Done):
             done = ev
             break
-        if at_end:
+        if at_end or isinstance(ev, PromptScores):
             continue
         lp = {"content": chat_logprobs(ctx, [ev])} if ev.logprob is not None else None
         if ev.text or lp:

@@ -5,6 +5,7 @@
 mod logits;
 pub mod ops;
 pub mod reseed;
+pub mod score;
 pub mod verify;
 
 pub(crate) use logits::Logits;

@@ -181,12 +181,25 @@ impl Admission {
     /// forks pinned in `index`; `None` when it must wait: no slot is free, or a prompt in
     /// flight it would fork is not written yet. Hold the plan until [`Admission::release`].
     pub fn plan(&mut self, index: &mut PrefixIndex, prompt: &[i32], best_of: usize) -> Option<Plan> {
+        self.plan_shared(index, prompt, best_of, true)
+    }
+
+    /// [`Admission::plan`]; with `share` false the request forks nothing (it writes its whole
+    /// prompt: a prompt scored token by token, say).
+    pub fn plan_shared(
+        &mut self,
+        index: &mut PrefixIndex,
+        prompt: &[i32],
+        best_of: usize,
+        share: bool,
+    ) -> Option<Plan> {
         if !self.has_slots(best_of) {
             return None;
         }
-        let entry = index.lookup(prompt);
+        let entry = if share { index.lookup(prompt) } else { None };
         let hit = entry.map_or(0, |f| f.used);
-        let (start, reused, exact, source) = match self.in_flight(prompt, hit) {
+        let shared = if share { self.in_flight(prompt, hit) } else { None };
+        let (start, reused, exact, source) = match shared {
             Some((key, shared)) => {
                 if let Some(f) = entry {
                     index.unpin(f.handle);
@@ -438,6 +451,17 @@ mod tests {
         assert!(ix.tips_over(0), "counted while it runs");
         assert!(book.release(&mut ix, miss.id) && book.release(&mut ix, other.id));
         assert!(!ix.tips_over(1) && !book.release(&mut ix, miss.id), "counted once");
+    }
+
+    #[test]
+    fn an_unshared_plan_forks_nothing_however_much_is_cached() {
+        let (mut ix, mut book) = (PrefixIndex::default(), Admission::new(4));
+        assert!(ix.add(h(1), &toks(0, 20)));
+        let plan = book.plan_shared(&mut ix, &toks(0, 30), 1, false).unwrap();
+        assert_eq!((plan.start, plan.reused, plan.exact), (Start::New, 0, false));
+        assert_eq!(plan.need.cells, 31, "the whole prompt and a token");
+        let shared = book.plan(&mut ix, &toks(0, 30), 1).unwrap();
+        assert_eq!((shared.start, shared.reused), (Start::Fork { handle: h(1), at: None }, 20));
     }
 
     #[test]

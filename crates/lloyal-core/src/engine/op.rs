@@ -24,13 +24,16 @@ pub enum Work {
     /// `Branch.reseed(sinks, tail)`: the branch's cells freed (or parked), then `sinks + tail`
     /// prefilled from position 0 ([`crate::branch::reseed`]).
     Reseed(Handle, Vec<i32>, Vec<i32>),
+    /// `Branch.score`: a prefill whose rows each score the token after them
+    /// ([`crate::branch::score`]).
+    Score(Arc<crate::branch::score::ScoreWork>),
 }
 
 impl Work {
     /// Whether the work writes a prompt (a prefill, or a generation request with one).
     pub(crate) fn has_prompt(&self) -> bool {
         match self {
-            Work::Prefill(_) | Work::Reseed(..) => true,
+            Work::Prefill(_) | Work::Reseed(..) | Work::Score(_) => true,
             Work::Generate(spec) => !spec.prompt.is_empty(),
             Work::Commit(_) | Work::Lease(_) | Work::Verify(_) => false,
         }
@@ -45,6 +48,7 @@ impl Work {
             Work::Lease(w) => w.parent.into_iter().collect(),
             Work::Verify(w) => vec![w.handle],
             Work::Reseed(h, ..) => vec![*h],
+            Work::Score(w) => vec![w.handle],
         }
     }
 }

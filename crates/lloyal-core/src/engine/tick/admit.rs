@@ -6,7 +6,8 @@ use std::collections::VecDeque;
 use std::sync::Arc;
 use std::time::Instant;
 
-use super::{Budget, CommitRow, Flight, Gen, Item, Part, Scheduler, TickOutcome, Waiting};
+use super::{Budget, CommitRow, Flight, Gen, Item, Part, Scheduler, Scoring, TickOutcome, Waiting};
+use crate::branch::score::ScoreWork;
 use crate::context::state::ContextState;
 use crate::engine::gen::GenSpec;
 use crate::engine::op::{Op, Work};
@@ -134,10 +135,32 @@ impl Scheduler {
                 Ok((items, cells)) => {
                     budget.reserved += cells;
                     budget.busy.extend(handles);
-                    self.flights.push(Flight { op, items, cells, arrived: Instant::now(), reseed: None });
+                    self.flights.push(Flight {
+                        op,
+                        items,
+                        cells,
+                        arrived: Instant::now(),
+                        reseed: None,
+                        scoring: None,
+                    });
                 }
             },
             Work::Lease(_) => self.lease_waiting.push_back(op),
+            Work::Score(w) => {
+                let w = Arc::clone(w);
+                match admit_score(s, &w, budget.reserved) {
+                    Err(e) => out.reply(op, Err(e)),
+                    Ok(None) => out.reply(op, Ok(())),
+                    Ok(Some((items, scoring))) => {
+                        budget.reserved += w.tokens.len();
+                        budget.busy.extend(handles);
+                        let arrived = Instant::now();
+                        let scoring = Some(scoring);
+                        let cells = w.tokens.len();
+                        self.flights.push(Flight { op, items, cells, arrived, reseed: None, scoring });
+                    }
+                }
+            }
             Work::Verify(w) => {
                 let w = Arc::clone(w);
                 return self.admit_verify(s, op, w, budget, out);
@@ -149,7 +172,8 @@ impl Scheduler {
                     budget.reserved += cells;
                     budget.busy.insert(*h);
                     let items = vec![Item { handle: *h, seq: r.seq, pos0: 0, tokens, done: 0 }];
-                    self.flights.push(Flight { op, items, cells, arrived: Instant::now(), reseed: Some(r) });
+                    let arrived = Instant::now();
+                    self.flights.push(Flight { op, items, cells, arrived, reseed: Some(r), scoring: None });
                 }
             },
             Work::Generate(spec) => {
@@ -200,7 +224,7 @@ impl Scheduler {
                     budget.reserved += cells;
                     budget.busy.insert(w.spec.handle);
                     let arrived = w.spec.arrived.unwrap_or_else(Instant::now);
-                    flights.push(Flight { op: w.op, items, cells, arrived, reseed: None });
+                    flights.push(Flight { op: w.op, items, cells, arrived, reseed: None, scoring: None });
                 }
                 Err(e) => fail_waiting(out, w, e),
             }
@@ -363,4 +387,20 @@ pub(super) fn admit_prefill(
         })
         .collect::<Result<Vec<_>>>()?;
     Ok((items, total))
+}
+
+/// Check a score and start it: its prefill item, and the first token's score (from the
+/// branch's logits). `None` for no tokens (answered at once, with an empty result).
+fn admit_score(
+    s: &mut ContextState,
+    w: &Arc<ScoreWork>,
+    reserved: usize,
+) -> Result<Option<(Vec<Item>, Scoring)>> {
+    let Some(&first) = w.tokens.first() else {
+        w.set(Vec::new());
+        return Ok(None);
+    };
+    let (items, _) = admit_prefill(s, &[(w.handle, w.tokens.clone())], reserved)?;
+    let scored = vec![s.score_first(w.handle, first, w.top)?];
+    Ok(Some((items, Scoring { work: Arc::clone(w), scored })))
 }

@@ -21,6 +21,8 @@ pub(super) struct Row {
     seq: i32,
     handle: Handle,
     out: Out,
+    /// The token after this one (a scored row's target).
+    next: i32,
 }
 
 /// What becomes of a row's logits.
@@ -34,6 +36,9 @@ enum Out {
     Commit,
     /// Copied out (a verify's draft row).
     Copy,
+    /// Scored against the next token, with this many alternatives (a score's row before its
+    /// last).
+    Score(u8),
 }
 
 /// Rows of one flash-attention query tile in ggml's CPU kernel (`GGML_FA_TILE_Q`).
@@ -55,7 +60,7 @@ impl Scheduler {
         out.rows = all.len() as u64;
         out.ops = parts.len() as u64;
         let split = split_point(s.split_mixed_ticks, decode_rows, prefill_rows);
-        let mut copies = Copies::new();
+        let mut copies = Copies::default();
         let (result, decodes) = decode(s, &all, split, &mut out.decode_secs, &mut copies);
         out.decodes += decodes;
         let e = match result {
@@ -78,7 +83,7 @@ impl Scheduler {
         // Isolate the culprit: each operation alone.
         let mut outcomes = Vec::with_capacity(parts.len());
         for rows in &rows_of {
-            let mut mine = Copies::new();
+            let mut mine = Copies::default();
             let (r, d) = decode(s, rows, None, &mut out.decode_secs, &mut mine);
             out.decodes += d;
             if r.is_err() {
@@ -97,8 +102,10 @@ impl Scheduler {
             Part::Commit(_, rows) | Part::Bonus(_, _, rows) => commit_rows(rows),
             Part::Verify(_, v) => Row::drafts(v),
             Part::Prefill(fi, take) => {
-                let items = self.flights[*fi].items.iter().zip(take);
-                items.flat_map(|(item, &t)| Row::prefill(item, item.done..item.done + t)).collect()
+                let f = &self.flights[*fi];
+                let top = f.scoring.as_ref().map(|sc| sc.work.top as u8);
+                let items = f.items.iter().zip(take);
+                items.flat_map(|(item, &t)| Row::prefill(item, item.done..item.done + t, top)).collect()
             }
         }
     }
@@ -117,7 +124,7 @@ impl AsBatchRow for Row {
 impl Row {
     /// A commit's row (logits kept).
     fn commit(r: &CommitRow) -> Row {
-        Row { token: r.token, pos: r.pos, seq: r.seq, handle: r.handle, out: Out::Commit }
+        Row { token: r.token, pos: r.pos, seq: r.seq, handle: r.handle, out: Out::Commit, next: -1 }
     }
 
     /// A verify's draft rows (every row's logits copied out).
@@ -125,17 +132,33 @@ impl Row {
         let (seq, pos) = v.at;
         let handle = v.work.handle;
         let rows = v.work.drafts.iter().enumerate();
-        rows.map(|(i, &token)| Row { token, pos: pos + i as i32, seq, handle, out: Out::Copy }).collect()
+        rows.map(|(i, &token)| Row { token, pos: pos + i as i32, seq, handle, out: Out::Copy, next: -1 })
+            .collect()
     }
 
-    /// The rows of `item`'s tokens `range` (logits kept for its last token only).
-    fn prefill(item: &Item, range: std::ops::Range<usize>) -> impl Iterator<Item = Row> + '_ {
-        range.map(move |i| Row {
-            token: item.tokens[i],
-            pos: item.pos0 + i as i32,
-            seq: item.seq,
-            handle: item.handle,
-            out: if i + 1 == item.tokens.len() { Out::Next } else { Out::No },
+    /// The rows of `item`'s tokens `range`: logits kept for its last token, and with
+    /// `score` (a score's alternatives) every other row scored against the token after it.
+    fn prefill(
+        item: &Item,
+        range: std::ops::Range<usize>,
+        score: Option<u8>,
+    ) -> impl Iterator<Item = Row> + '_ {
+        range.map(move |i| {
+            let last = i + 1 == item.tokens.len();
+            let out = match (last, score) {
+                (true, _) => Out::Next,
+                (false, Some(top)) => Out::Score(top),
+                (false, None) => Out::No,
+            };
+            let next = if last { -1 } else { item.tokens[i + 1] };
+            Row {
+                token: item.tokens[i],
+                pos: item.pos0 + i as i32,
+                seq: item.seq,
+                handle: item.handle,
+                out,
+                next,
+            }
         })
     }
 }
@@ -184,7 +207,10 @@ fn fill_logits(s: &mut ContextState, chunk: &[Row], copies: &mut Copies) -> Resu
         match r.out {
             Out::No => {}
             Out::Next | Out::Commit => rows.push((i as i32, r.handle)),
-            Out::Copy => copies.push((r.handle, s.copy_logits_row(i as i32)?)),
+            Out::Copy => copies.rows.push((r.handle, s.copy_logits_row(i as i32)?)),
+            Out::Score(top) => {
+                copies.scores.push((r.handle, s.score_row(i as i32, r.next, usize::from(top))?))
+            }
         }
     }
     s.fill_next_logits_rows(&rows)

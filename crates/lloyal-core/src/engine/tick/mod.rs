@@ -28,6 +28,7 @@ use super::op::{Op, Reply};
 use super::pace::Pacer;
 use super::plan::plan_tick;
 use crate::branch::reseed::Reseeding;
+use crate::branch::score::{ScoreWork, Scored, SCORE_ROWS_PER_TICK};
 use crate::context::state::ContextState;
 use crate::error::{LloyalError, Result};
 use crate::tenancy::Handle;
@@ -62,6 +63,14 @@ struct Flight {
     arrived: Instant,
     /// A reseed's way back, settled when the flight ends.
     reseed: Option<Reseeding>,
+    /// A score's result so far: every row scores the token after it.
+    scoring: Option<Scoring>,
+}
+
+/// A `Branch.score` in flight: the scores of its tokens so far, in order.
+struct Scoring {
+    work: Arc<ScoreWork>,
+    scored: Vec<Scored>,
 }
 
 /// How far a generation request got through its tokens: the items made, and the text held
@@ -394,8 +403,13 @@ impl Scheduler {
     ) -> usize {
         let n_batch = s.shape().n_batch as usize;
         out.commits = sched.parts.len() as u64;
-        let lefts: Vec<usize> =
-            self.flights.iter().flat_map(|f| f.items.iter().map(|i| i.tokens.len() - i.done)).collect();
+        // A score's rows keep their logits: a few a tick (llama.cpp's output buffer holds them).
+        let cap_of = |f: &Flight| if f.scoring.is_some() { SCORE_ROWS_PER_TICK } else { usize::MAX };
+        let lefts: Vec<usize> = self
+            .flights
+            .iter()
+            .flat_map(|f| f.items.iter().map(move |i| (i.tokens.len() - i.done).min(cap_of(f))))
+            .collect();
         let cap = match max_prefill {
             Some(cap) => cap,
             None => {

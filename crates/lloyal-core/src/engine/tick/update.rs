@@ -4,14 +4,39 @@
 //! does not commit its last), failed ones rolled back.
 
 use super::{CommitRow, Item, Part, Scheduler, TickOutcome, Waiting};
+use crate::branch::score::Scored;
 use crate::context::state::ContextState;
 use crate::engine::gen::{Finish, GenSpec};
 use crate::engine::op::Work;
 use crate::error::Result;
 use crate::tenancy::Handle;
 
-/// Logits rows copied out of a tick's decodes (a verify's drafts), in row order.
-pub(super) type Copies = Vec<(Handle, Vec<f32>)>;
+/// What a tick's decodes leave for the update beside the branches' logits, in row order: the
+/// rows copied out (a verify's drafts) and the rows scored (a score's).
+#[derive(Default)]
+pub(super) struct Copies {
+    pub(super) rows: Vec<(Handle, Vec<f32>)>,
+    pub(super) scores: Vec<(Handle, Scored)>,
+}
+
+impl Copies {
+    pub(super) fn clear(&mut self) {
+        self.rows.clear();
+        self.scores.clear();
+    }
+
+    pub(super) fn append(&mut self, other: &mut Copies) {
+        self.rows.append(&mut other.rows);
+        self.scores.append(&mut other.scores);
+    }
+
+    /// The scores of `handle`'s rows, taken.
+    fn take_scores(&mut self, handle: Handle) -> Vec<Scored> {
+        let (mine, rest) = std::mem::take(&mut self.scores).into_iter().partition(|s| s.0 == handle);
+        self.scores = rest;
+        mine.into_iter().map(|s: (Handle, Scored)| s.1).collect()
+    }
+}
 
 impl Scheduler {
     /// Publish the tick's `parts` with their decode `outcomes` (and the rows copied for them).
@@ -39,6 +64,9 @@ impl Scheduler {
                     for (item, t) in f.items.iter_mut().zip(take) {
                         item.done += t;
                     }
+                    if let (Some(sc), Some(item)) = (f.scoring.as_mut(), f.items.first()) {
+                        sc.scored.extend(copies.take_scores(item.handle));
+                    }
                     if f.items.iter().all(|i| i.done == i.tokens.len()) {
                         flights_ended.push((fi, Ok(())));
                     }
@@ -46,8 +74,12 @@ impl Scheduler {
                 (Part::Prefill(fi, _), Err(e)) => flights_ended.push((fi, Err(e))),
                 (Part::Verify(op, v), Ok(())) => {
                     let h = v.work.handle;
-                    let rows =
-                        copies.iter_mut().filter(|c| c.0 == h).map(|c| std::mem::take(&mut c.1)).collect();
+                    let rows = copies
+                        .rows
+                        .iter_mut()
+                        .filter(|c| c.0 == h)
+                        .map(|c| std::mem::take(&mut c.1))
+                        .collect();
                     self.walk_verify(s, op, v, rows, out);
                 }
                 (Part::Verify(op, _), Err(e)) => out.reply(op, Err(e)),
@@ -91,6 +123,9 @@ impl Scheduler {
                     }
                 }
                 (_, r) => {
+                    if let (Some(sc), true) = (f.scoring.take(), r.is_ok()) {
+                        sc.work.set(sc.scored);
+                    }
                     out.prefills_done += u64::from(r.is_ok());
                     out.reply(f.op, r)
                 }

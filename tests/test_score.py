@@ -1,0 +1,125 @@
+"""Branch.score: a prefill that gives each token's logprob under the logits before it, on the
+real model, against the same tokens committed one by one on a batch-invariant context."""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable
+
+import numpy as np
+import pytest
+
+import lloyal
+
+GREEDY = lloyal.SamplingParams(temperature=0)
+TEXT = "The quick brown fox jumps over the lazy dog while the cat sleeps in the warm sun."
+
+
+@pytest.fixture
+def ctx(make_exact_context: Callable[..., lloyal.Context]) -> lloyal.Context:
+    return make_exact_context(n_ctx=1024, n_seq_max=4, batch_invariant=True)
+
+
+def log_softmax(logits: np.ndarray) -> np.ndarray:
+    x = logits.astype(np.float64)
+    return x - (np.log(np.exp(x - x.max()).sum()) + x.max())
+
+
+def one_by_one(
+    ctx: lloyal.Context, head: list[int], tokens: list[int], top: int
+) -> list[tuple[float, list[int]]]:
+    """Each token's logprob and best ``top`` ids from the logits before it, committing the
+    tokens one at a time after ``head`` (prefilled)."""
+    out = []
+    with lloyal.Branch.create(ctx, 0, GREEDY) as b:
+        b.prefill(head)
+        for t in tokens:
+            lp = log_softmax(b.logits)
+            out.append((float(lp[t]), [int(i) for i in np.argsort(-lp, kind="stable")[:top]]))
+            b.commit(t)
+    return out
+
+
+def test_each_token_is_scored_under_the_logits_before_it(ctx: lloyal.Context) -> None:
+    tokens = ctx.tokenize(TEXT)
+    with lloyal.Branch.create(ctx, 0, GREEDY) as b:
+        scored = b.score(tokens, top_logprobs=3)
+        assert b.position == len(tokens) and ctx.kv_seq_pos_max(b.seq_id) == len(tokens) - 1
+        with lloyal.Branch.create(ctx, 0, GREEDY) as plain:
+            plain.prefill(tokens)
+            assert np.array_equal(b.logits, plain.logits), "the last row is the branch's logits"
+    assert len(scored) == len(tokens)
+    assert scored[0] == (None, []), "nothing came before the first token"
+    want = one_by_one(ctx, tokens[:1], tokens[1:], 3)
+    for (lp, top), (want_lp, want_top) in zip(scored[1:], want, strict=True):
+        assert lp is not None and abs(lp - want_lp) < 1e-5
+        assert [t for t, _ in top] == want_top
+        assert [x[1] for x in top] == sorted((x[1] for x in top), reverse=True), "best first"
+        assert top[0][1] >= lp - 1e-9
+
+
+def test_the_first_token_is_scored_against_the_branchs_logits(ctx: lloyal.Context) -> None:
+    tokens = ctx.tokenize(TEXT)
+    head, tail = tokens[:6], tokens[6:12]
+    with lloyal.Branch.create(ctx, 0, GREEDY) as b:
+        b.prefill(head)
+        before = log_softmax(b.logits)
+        scored = b.score(tail)
+        assert b.position == 12
+    assert scored[0][0] == pytest.approx(float(before[tail[0]]), abs=1e-5)
+    assert [s[1] for s in scored] == [[]] * 6, "no alternatives unless asked"
+    want = one_by_one(ctx, head, tail, 0)
+    assert [s[0] for s in scored] == pytest.approx([w[0] for w in want], abs=1e-5)
+
+
+def test_a_long_prompt_is_scored_64_rows_a_tick(ctx: lloyal.Context) -> None:
+    tokens = ctx.tokenize(" ".join([TEXT] * 8))
+    assert len(tokens) > 130
+    calls = ctx.engine_stats().decode_calls
+    with lloyal.Branch.create(ctx, 0, GREEDY) as b:
+        scored = b.score(tokens)
+        assert b.position == len(tokens)
+    assert ctx.engine_stats().decode_calls - calls == -(-len(tokens) // 64)
+    want = one_by_one(ctx, tokens[:1], tokens[1:], 0)
+    assert [s[0] for s in scored[1:]] == pytest.approx([w[0] for w in want], abs=1e-5)
+
+
+def test_scores_do_not_depend_on_other_branches_decoding_alongside(ctx: lloyal.Context) -> None:
+    tokens = ctx.tokenize(TEXT)
+    with lloyal.Branch.create(ctx, 0, GREEDY) as b:
+        alone = b.score(tokens, top_logprobs=2)
+    with lloyal.Branch.create(ctx, 0, GREEDY) as other, lloyal.Branch.create(ctx, 0, GREEDY) as b:
+        other.prefill(ctx.tokenize("Once upon a time"))
+        t = threading.Thread(target=lambda: [None for _ in other.generate(24)])
+        t.start()
+        beside = b.score(tokens, top_logprobs=2)
+        t.join()
+    assert beside == alone
+
+
+def test_nothing_to_score_changes_nothing(ctx: lloyal.Context) -> None:
+    with lloyal.Branch.create(ctx, 0, GREEDY) as b:
+        b.prefill(ctx.tokenize("Hello"))
+        pos, logits = b.position, b.logits.copy()
+        assert b.score([]) == []
+        assert b.position == pos and np.array_equal(b.logits, logits)
+
+
+def test_a_refused_score_leaves_the_branch_as_it_was(
+    make_exact_context: Callable[..., lloyal.Context],
+) -> None:
+    ctx = make_exact_context(n_ctx=64, n_seq_max=2, batch_invariant=True)
+    with lloyal.Branch.create(ctx, 0, GREEDY) as b:
+        b.prefill(ctx.tokenize("Hello there"))
+        pos, logits = b.position, b.logits.copy()
+        cells = lloyal.BranchStore(ctx).kv_pressure.cells_used
+        with pytest.raises(ValueError, match="top_logprobs"):
+            b.score(ctx.tokenize(" you"), top_logprobs=21)
+        with pytest.raises(lloyal.InvalidTokenError):
+            b.score([1, ctx.n_vocab])
+        with pytest.raises(lloyal.KvCacheFullError):
+            b.score(ctx.tokenize(" word" * ctx.n_ctx, add_special=False))
+        assert b.position == pos and np.array_equal(b.logits, logits)
+        assert ctx.kv_seq_pos_max(b.seq_id) == pos - 1
+        assert lloyal.BranchStore(ctx).kv_pressure.cells_used == cells
+        assert b.score(ctx.tokenize(" you", add_special=False))[0][0] is not None, "still usable"
