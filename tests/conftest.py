@@ -12,6 +12,7 @@ from __future__ import annotations
 import os
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -22,6 +23,8 @@ os.environ.setdefault("LLOYAL_CHECK_LEDGER", "1")
 # whichever test decoded first (tests/test_batch_invariance.py checks the switch in fresh
 # processes without this).
 os.environ.setdefault("GGML_CPU_TILED_MM", "0")
+
+from helpers import SERVER_KEY, serving
 
 import lloyal
 
@@ -68,6 +71,42 @@ def exact_model(model_path: Path) -> lloyal.Model:
     """The model on the CPU, not repacked: its contexts are batch-invariant on any run (without
     LLOYAL_N_GPU_LAYERS it is the same object as ``model``)."""
     return lloyal.Model(model_path, repack=False, n_gpu_layers=0)
+
+
+@pytest.fixture(scope="module")
+def server(model_path: Path) -> Iterator[str]:
+    """A batch-invariant `lloyal serve` app for the module (4 running choices, 1024 cells,
+    ``SERVER_KEY``), served on loopback: its URL. Modules that need another define their own."""
+    pytest.importorskip("uvicorn", reason="the server extra: pip install 'lloyal[server]'")
+    from lloyal.server import ServerConfig, create_app
+
+    cfg = ServerConfig(
+        model=model_path, n_ctx=1024, parallel=4, api_key=SERVER_KEY, n_threads=2, batch_invariant=True
+    )
+    with serving(create_app(cfg)) as url:
+        yield url
+
+
+@pytest.fixture(scope="module")
+def client(server: str) -> Iterator[Any]:
+    """An `openai` client of the module's ``server`` fixture (a URL), with ``SERVER_KEY``."""
+    openai = pytest.importorskip("openai", reason="the server extra: pip install 'lloyal[server]'")
+    with openai.OpenAI(base_url=server + "/v1", api_key=SERVER_KEY, max_retries=0, timeout=120) as c:
+        yield c
+
+
+@pytest.fixture(scope="session")
+def name(model_path: Path) -> str:
+    """The id the OpenAI server tests' servers give the model (its file's stem)."""
+    return model_path.stem
+
+
+@pytest.fixture(scope="module")
+def ref(exact_model: lloyal.Model) -> Iterator[lloyal.Context]:
+    """The OpenAI server tests' own batch-invariant context (1024 cells), to compute what a
+    batch-invariant server should answer."""
+    with lloyal.Context(exact_model, n_ctx=1024, n_seq_max=2, n_threads=2, batch_invariant=True) as ctx:
+        yield ctx
 
 
 @pytest.fixture

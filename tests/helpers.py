@@ -24,6 +24,7 @@ import lloyal
 
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
 GREEDY = lloyal.SamplingParams(temperature=0)
+SERVER_KEY = "sk-test-key"  # the API key of the OpenAI server tests' servers (conftest's `client`)
 
 
 def context_fixture(**options: Any) -> Any:

@@ -21,6 +21,7 @@ import httpx
 import jsonschema
 import numpy as np
 import pytest
+from helpers import SERVER_KEY as KEY
 from helpers import THP, greedy_completion, person_schema, serving, stream_with_usage
 
 import lloyal
@@ -31,7 +32,6 @@ uvicorn = pytest.importorskip("uvicorn")
 from lloyal.server import ServerConfig, begin_shutdown, create_app  # noqa: E402
 from lloyal.server.state import ServerState  # noqa: E402
 
-KEY = "sk-test-key"
 N_CTX = 1024
 
 
@@ -49,26 +49,6 @@ def server(model_path: str) -> Iterator[str]:
     )
     with serving(create_app(cfg)) as url:
         yield url
-
-
-@pytest.fixture(scope="module")
-def name(model_path: str) -> str:
-    from pathlib import Path
-
-    return Path(model_path).stem
-
-
-@pytest.fixture(scope="module")
-def client(server: str) -> Iterator[openai.OpenAI]:
-    with openai.OpenAI(base_url=server + "/v1", api_key=KEY, max_retries=0, timeout=120) as c:
-        yield c
-
-
-@pytest.fixture(scope="module")
-def ref(model_path: str) -> Iterator[lloyal.Context]:
-    """A context of our own, to compute what the server should answer."""
-    with lloyal.Context(model_path, n_ctx=N_CTX, n_seq_max=2, n_threads=2, batch_invariant=True) as ctx:
-        yield ctx
 
 
 AUTH = {"authorization": f"Bearer {KEY}"}

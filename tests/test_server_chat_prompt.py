@@ -37,12 +37,6 @@ def server() -> Iterator[str]:
 
 
 @pytest.fixture(scope="module")
-def client(server: str) -> Iterator[openai.OpenAI]:
-    with openai.OpenAI(base_url=server + "/v1", api_key="none", max_retries=0, timeout=60) as c:
-        yield c
-
-
-@pytest.fixture(scope="module")
 def ref() -> Iterator[lloyal.Context]:
     model = lloyal.Model(family_path(NAME), repack=False)
     with lloyal.Context(model, n_ctx=N_CTX, n_threads=2, batch_invariant=True) as ctx:

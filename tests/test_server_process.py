@@ -62,19 +62,6 @@ def client(proc: tuple[str, subprocess.Popen[bytes]]) -> openai.OpenAI:
     return openai.OpenAI(base_url=proc[0] + "/v1", api_key="none", max_retries=0, timeout=120)
 
 
-@pytest.fixture(scope="module")
-def name(model_path: str) -> str:
-    from pathlib import Path
-
-    return Path(model_path).stem
-
-
-@pytest.fixture(scope="module")
-def ref(model_path: str) -> Iterator[lloyal.Context]:
-    with lloyal.Context(model_path, n_ctx=N_CTX, n_seq_max=2, n_threads=2, batch_invariant=True) as ctx:
-        yield ctx
-
-
 def test_completion(client: openai.OpenAI, name: str, ref: lloyal.Context) -> None:
     prompt = "The capital of France is"
     want = ref.detokenize(greedy_completion(ref, ref.tokenize(prompt), 8))

@@ -6,49 +6,16 @@ batch-invariant).
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-from pathlib import Path
-
 import pytest
-from helpers import serving
 
 import lloyal
 
 openai = pytest.importorskip("openai", reason="the server extra: pip install 'lloyal[server]'")
 pytest.importorskip("uvicorn")
 
-from lloyal.server import ServerConfig, create_app  # noqa: E402
 
-KEY = "sk-test-key"
-N_CTX = 1024
 CONTEXT = "Question: What is the capital of France?\nAnswer:"
 CONTINUATION = " The capital of France is Paris."
-
-
-@pytest.fixture(scope="module")
-def server(model_path: str) -> Iterator[str]:
-    cfg = ServerConfig(
-        model=model_path, n_ctx=N_CTX, parallel=4, api_key=KEY, n_threads=2, batch_invariant=True
-    )
-    with serving(create_app(cfg)) as url:
-        yield url
-
-
-@pytest.fixture(scope="module")
-def client(server: str) -> Iterator[openai.OpenAI]:
-    with openai.OpenAI(base_url=server + "/v1", api_key=KEY, max_retries=0, timeout=120) as c:
-        yield c
-
-
-@pytest.fixture(scope="module")
-def name(model_path: str) -> str:
-    return Path(model_path).stem
-
-
-@pytest.fixture(scope="module")
-def ref(model_path: str) -> Iterator[lloyal.Context]:
-    with lloyal.Context(model_path, n_ctx=N_CTX, n_seq_max=2, n_threads=2, batch_invariant=True) as ctx:
-        yield ctx
 
 
 def scored(

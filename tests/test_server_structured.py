@@ -11,27 +11,23 @@ from __future__ import annotations
 
 import json
 import re
-from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import httpx
 import jsonschema
 import pytest
-from helpers import greedy_completion, serving
+from helpers import SERVER_KEY as KEY
+from helpers import greedy_completion
 
 import lloyal
 
 openai = pytest.importorskip("openai", reason="the server extra: pip install 'lloyal[server]'")
 pytest.importorskip("uvicorn")
 
-from lloyal.server import ServerConfig, create_app  # noqa: E402
 from lloyal.server.constraints import choice_regex  # noqa: E402
 from lloyal.server.protocol import ChatRequest  # noqa: E402
 from lloyal.server.tools import tool_choice  # noqa: E402
 
-KEY = "sk-test-key"
-N_CTX = 1024
 WEATHER = {
     "type": "object",
     "properties": {
@@ -54,34 +50,6 @@ SCHEMAS = {
 }
 MESSAGES = [{"role": "user", "content": "What is the weather in Paris?"}]
 NAMED = {"type": "function", "function": {"name": "get_weather"}}
-
-
-@pytest.fixture(scope="module")
-def server(model_path: str) -> Iterator[str]:
-    # Batch-invariant: the tests compare the server's tokens with a context of their own.
-    cfg = ServerConfig(
-        model=model_path, n_ctx=N_CTX, parallel=4, api_key=KEY, n_threads=2, batch_invariant=True
-    )
-    with serving(create_app(cfg)) as url:
-        yield url
-
-
-@pytest.fixture(scope="module")
-def client(server: str) -> Iterator[openai.OpenAI]:
-    with openai.OpenAI(base_url=server + "/v1", api_key=KEY, max_retries=0, timeout=120) as c:
-        yield c
-
-
-@pytest.fixture(scope="module")
-def name(model_path: str) -> str:
-    return Path(model_path).stem
-
-
-@pytest.fixture(scope="module")
-def ref(model_path: str) -> Iterator[lloyal.Context]:
-    """A context of our own, to compute what the server should answer."""
-    with lloyal.Context(model_path, n_ctx=N_CTX, n_seq_max=2, n_threads=2, batch_invariant=True) as ctx:
-        yield ctx
 
 
 def library_call(ref: lloyal.Context, schema: dict[str, Any], max_tokens: int = 64) -> str:
