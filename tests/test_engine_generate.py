@@ -130,6 +130,9 @@ def test_the_first_token_after_a_prompt_comes_before_its_decode(ctx9: lloyal.Con
     it = one.generate(1, prompt=extra, commit_last=False)
     assert [t.token for t in it] == ref[:1] and it.finish_reason == "length" and it.committed == 0
     assert ctx9.engine_stats().decode_calls - calls == 1 and one.position == pos + len(extra)
+    none = root.fork()  # max_tokens=0: the prompt only, nothing yielded
+    it = none.generate(0, prompt=extra, commit_last=False)
+    assert list(it) == [] and it.finish_reason == "length" and none.position == pos + len(extra)
 
 
 def test_stop_string_across_token_boundaries_is_not_yielded(ctx9: lloyal.Context, root: Branch) -> None:

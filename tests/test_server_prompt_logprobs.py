@@ -100,3 +100,23 @@ def test_a_streamed_echo_carries_the_prompts_logprobs_first(client: openai.OpenA
     assert first.logprobs.tokens == whole.choices[0].logprobs.tokens[:n]
     text = "".join(c.choices[0].text for c in chunks if c.choices)
     assert text == whole.choices[0].text
+
+
+def test_max_tokens_0_with_echo_scores_the_prompt_alone(
+    client: openai.OpenAI, name: str, ref: lloyal.Context
+) -> None:
+    prompt = ref.tokenize(CONTEXT + CONTINUATION)
+    r = client.completions.create(
+        model=name, prompt=prompt, max_tokens=0, logprobs=2, echo=True, temperature=0
+    )
+    choice = r.choices[0]
+    assert choice.text == ref.detokenize(prompt, special=False) and choice.finish_reason == "length"
+    assert r.usage.completion_tokens == 0 and len(choice.logprobs.tokens) == len(prompt)
+    want = scored(ref, prompt, 2)
+    assert choice.logprobs.token_logprobs[1:] == pytest.approx([w for w, _ in want[1:]], abs=1e-6)
+    plain = client.completions.create(model=name, prompt=prompt, max_tokens=0, echo=True)
+    assert plain.choices[0].text == choice.text and plain.usage.completion_tokens == 0
+    assert plain.choices[0].logprobs is None
+    with pytest.raises(openai.BadRequestError, match="echo=true") as bad:
+        client.completions.create(model=name, prompt=prompt, max_tokens=0)
+    assert bad.value.body["param"] == "max_tokens"

@@ -50,7 +50,7 @@ async def answer_completion(st: ServerState, body: CompletionRequest) -> Respons
     check_model(body.model, st.cfg)
     best_of = _completion_best_of(body)
     prompts = token_lists(ctx, body.prompt, add_special=True, param="prompt")
-    max_tokens = body.max_tokens or 16
+    max_tokens = 16 if body.max_tokens is None else body.max_tokens
     grammar = await asyncio.to_thread(output_grammar, ctx, body)
     specs = [
         gen_spec(ctx, body, p, best_of, max_tokens, body.logprobs, (), grammar, st.eog_tokens)
@@ -87,6 +87,12 @@ def _completion_best_of(body: CompletionRequest) -> int:
         raise ApiError(f"best_of ({best_of}) must be >= n ({body.n})", param="best_of")
     if body.stream and best_of != body.n:
         raise ApiError("best_of > n cannot be streamed: set stream=false or best_of=n", param="best_of")
+    if body.max_tokens == 0 and not body.echo:
+        raise ApiError(
+            "max_tokens 0 returns nothing: set echo=true (the prompt, scored with logprobs) "
+            "or max_tokens >= 1",
+            param="max_tokens",
+        )
     return best_of
 
 

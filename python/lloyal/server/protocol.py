@@ -93,6 +93,7 @@ class _Sampling(_Body):
 
 class CompletionRequest(_Sampling):
     prompt: str | list[str] | list[int] | list[list[int]]
+    max_tokens: int | None = Field(default=None, ge=0)  # 0: with echo, the prompt alone (scored)
     best_of: int | None = Field(default=None, ge=1, le=64)
     logprobs: int | None = Field(default=None, ge=0, le=20)
     echo: bool = False

@@ -195,8 +195,12 @@ fn token_logprobs(s: &ContextState, spec: &GenSpec, token: i32) -> Result<Logpro
 /// the tick that commits it, as llama-server sends a token once it is sampled. Returns the
 /// request to wait for room for its tokens, or `None` when that token ended it (a stop string,
 /// `max_tokens` of 1: never committed). A token that ends it unyielded (EOG, a stop token) or
-/// leaves text held back for the next one goes the usual way, untouched.
+/// leaves text held back for the next one goes the usual way, untouched, and so does a request
+/// for no tokens (`max_tokens` 0: its prompt only).
 pub(super) fn publish_first(s: &mut ContextState, mut w: Waiting, out: &mut TickOutcome) -> Option<Waiting> {
+    if w.spec.max_tokens == Some(0) {
+        return Some(w);
+    }
     let Ok(token) = s.branch_produce(w.spec.handle) else { return Some(w) };
     if ends_at(s, &w.spec, token) {
         return Some(w);
