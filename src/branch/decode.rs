@@ -59,7 +59,7 @@ impl PyBranch {
         let work = Arc::new(VerifyWork::new(self.handle, drafts));
         engine::wait(py, self.core(), Work::Verify(Arc::clone(&work)))?;
         let missing = || LloyalError::Backend("internal error: verify answered without its result".into());
-        work.take().map(|v| v.accepted).ok_or_else(missing).py()
+        work.result.take().map(|v| v.accepted).ok_or_else(missing).py()
     }
 
     /// The most recently accepted token (``None`` before any).
@@ -95,7 +95,7 @@ impl PyBranch {
         let work = Arc::new(ScoreWork::new(self.handle, tokens, top_logprobs).py()?);
         engine::wait(py, self.core(), Work::Score(Arc::clone(&work)))?;
         let missing = || LloyalError::Backend("internal error: score answered without its result".into());
-        let scored = work.take().ok_or_else(missing).py()?;
+        let scored = work.result.take().ok_or_else(missing).py()?;
         Ok(scored.into_iter().map(|s| (s.logprob, s.top)).collect())
     }
 

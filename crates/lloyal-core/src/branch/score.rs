@@ -7,10 +7,10 @@
 //! branch as before, as a prefill's does.
 
 use std::fmt;
-use std::sync::Mutex;
 
 use crate::context::state::ContextState;
 use crate::engine::gen::logprobs;
+use crate::engine::op::Answer;
 use crate::error::{LloyalError, Result};
 use crate::metrics::log_sum_exp;
 use crate::tenancy::Handle;
@@ -39,7 +39,8 @@ pub struct ScoreWork {
     pub tokens: Vec<i32>,
     /// Alternatives per token (0 to [`MAX_TOP`]).
     pub top: usize,
-    result: Mutex<Option<Vec<Scored>>>,
+    /// Every token's score, once the prefill is written.
+    pub result: Answer<Vec<Scored>>,
 }
 
 impl ScoreWork {
@@ -49,16 +50,7 @@ impl ScoreWork {
         if top > MAX_TOP {
             return Err(LloyalError::invalid(format!("top_logprobs must be 0 to {MAX_TOP}, got {top}")));
         }
-        Ok(ScoreWork { handle, tokens, top, result: Mutex::new(None) })
-    }
-
-    pub(crate) fn set(&self, scored: Vec<Scored>) {
-        *self.result.lock().unwrap_or_else(|p| p.into_inner()) = Some(scored);
-    }
-
-    /// The result, once the engine answered the operation with success.
-    pub fn take(&self) -> Option<Vec<Scored>> {
-        self.result.lock().unwrap_or_else(|p| p.into_inner()).take()
+        Ok(ScoreWork { handle, tokens, top, result: Answer::default() })
     }
 }
 

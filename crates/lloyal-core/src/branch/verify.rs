@@ -7,10 +7,10 @@
 //! as before.
 
 use std::fmt;
-use std::sync::Mutex;
 
 use crate::branch::{BranchState, Logits};
 use crate::context::state::ContextState;
+use crate::engine::op::Answer;
 use crate::error::{LloyalError, Result};
 use crate::tenancy::Handle;
 
@@ -29,22 +29,14 @@ pub struct VerifyWork {
     pub handle: Handle,
     /// The draft tokens.
     pub drafts: Vec<i32>,
-    result: Mutex<Option<Verified>>,
+    /// What the walk accepted, once the bonus is committed.
+    pub result: Answer<Verified>,
 }
 
 impl VerifyWork {
     /// A verify of `drafts` on `handle`.
     pub fn new(handle: Handle, drafts: Vec<i32>) -> Self {
-        VerifyWork { handle, drafts, result: Mutex::new(None) }
-    }
-
-    pub(crate) fn set(&self, v: Verified) {
-        *self.result.lock().unwrap_or_else(|p| p.into_inner()) = Some(v);
-    }
-
-    /// The result, once the engine answered the operation with success.
-    pub fn take(&self) -> Option<Verified> {
-        self.result.lock().unwrap_or_else(|p| p.into_inner()).take()
+        VerifyWork { handle, drafts, result: Answer::default() }
     }
 }
 

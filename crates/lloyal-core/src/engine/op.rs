@@ -100,6 +100,28 @@ impl Op {
     }
 }
 
+/// Where the engine leaves the result of an operation that returns more than success (a
+/// verify's, a score's): set when the operation succeeded, taken once by its caller after the
+/// reply.
+pub struct Answer<T>(Mutex<Option<T>>);
+
+impl<T> Default for Answer<T> {
+    fn default() -> Self {
+        Answer(Mutex::new(None))
+    }
+}
+
+impl<T> Answer<T> {
+    pub(crate) fn set(&self, value: T) {
+        *self.0.lock().unwrap_or_else(|p| p.into_inner()) = Some(value);
+    }
+
+    /// The result, once the engine answered the operation with success.
+    pub fn take(&self) -> Option<T> {
+        self.0.lock().unwrap_or_else(|p| p.into_inner()).take()
+    }
+}
+
 /// A blocking result slot for synchronous callers.
 pub struct Waiter<T = ()> {
     slot: Arc<(Mutex<Option<Result<T>>>, Condvar)>,

@@ -397,7 +397,7 @@ fn admit_score(
     reserved: usize,
 ) -> Result<Option<(Vec<Item>, Scoring)>> {
     let Some(&first) = w.tokens.first() else {
-        w.set(Vec::new());
+        w.result.set(Vec::new());
         return Ok(None);
     };
     let (items, _) = admit_prefill(s, &[(w.handle, w.tokens.clone())], reserved)?;

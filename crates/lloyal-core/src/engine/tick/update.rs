@@ -124,7 +124,7 @@ impl Scheduler {
                 }
                 (_, r) => {
                     if let (Some(sc), true) = (f.scoring.take(), r.is_ok()) {
-                        sc.work.set(sc.scored);
+                        sc.work.result.set(sc.scored);
                     }
                     out.prefills_done += u64::from(r.is_ok());
                     out.reply(f.op, r)

@@ -136,7 +136,7 @@ impl Scheduler {
     ) {
         match decoded.and_then(|()| super::update::finish_commit(s, rows)) {
             Ok(()) => {
-                bonus.work.set(bonus.verified);
+                bonus.work.result.set(bonus.verified);
                 out.reply(op, Ok(()));
             }
             Err(e) => {
