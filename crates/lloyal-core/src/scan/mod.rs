@@ -15,8 +15,8 @@
 //! parts of several rows over a decode's threads (one row alone is four jobs, not one), with the
 //! same bits as [`scan_row`] on one thread.
 //!
-//! The kernels are explicit AVX-512F and AVX2+FMA code, picked at run time, with a portable one
-//! for every other CPU. They agree to a few units in the last place, not bit for bit: a
+//! The kernels are explicit AVX-512F+DQ and AVX2+FMA code, picked at run time, with a portable
+//! one for every other CPU. They agree to a few units in the last place, not bit for bit: a
 //! perplexity can differ in its last digits between an AVX-512 host and an AVX2 one.
 
 mod portable;

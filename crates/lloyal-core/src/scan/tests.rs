@@ -40,7 +40,8 @@ fn every_kernel_matches_the_f64_reference_at_sizes_around_each_width() {
             values[n - 2] = 25.0;
         }
         for (name, k) in all_kernels() {
-            for scale in [None, Some(1.25f32), Some(0.5)] {
+            // 4: scaled exponents far below the smallest normal float.
+            for scale in [None, Some(1.25f32), Some(0.5), Some(4.0)] {
                 let (mut copy, mut maxima) = (Vec::new(), Vec::new());
                 let stats = scan_with(k, &values, Some(&mut copy), &mut maxima, scale);
                 assert_eq!(copy.len(), n);
@@ -54,18 +55,12 @@ fn every_kernel_matches_the_f64_reference_at_sizes_around_each_width() {
                 let want_pos = values.iter().position(|&v| v == want_max).unwrap_or(0) as i32;
                 assert_eq!(stats.argmax, want_pos, "{name} n={n}");
                 let lse = reference_lse(&values, 1.0);
-                assert!(
-                    (stats.lse - lse).abs() < 2e-6 * lse.abs().max(1.0),
-                    "{name} n={n}: {} vs {lse}",
-                    stats.lse
-                );
+                // Each kernel's exponential is good to ~1.5e-7 relative: so is the sum.
+                assert!((stats.lse - lse).abs() < 5e-7, "{name} n={n}: {} vs {lse}", stats.lse);
                 if let Some(s) = scale {
                     let want = reference_lse(&values, f64::from(s));
                     let got = stats.scaled.map(|x| x.lse).unwrap_or(f64::NAN);
-                    assert!(
-                        (got - want).abs() < 2e-6 * want.abs().max(1.0),
-                        "{name} n={n} s={s}: {got} vs {want}"
-                    );
+                    assert!((got - want).abs() < 5e-7, "{name} n={n} s={s}: {got} vs {want}");
                 }
             }
         }
