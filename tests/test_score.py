@@ -27,15 +27,17 @@ def log_softmax(logits: np.ndarray) -> np.ndarray:
 
 def one_by_one(
     ctx: lloyal.Context, head: list[int], tokens: list[int], top: int
-) -> list[tuple[float, list[int]]]:
-    """Each token's logprob and best ``top`` ids from the logits before it, committing the
-    tokens one at a time after ``head`` (prefilled)."""
+) -> list[tuple[float, list[int], int]]:
+    """Each token's logprob, best ``top`` ids and rank (1 + the tokens with a higher logit) from
+    the logits before it, committing the tokens one at a time after ``head`` (prefilled)."""
     out = []
     with lloyal.Branch.create(ctx, 0, GREEDY) as b:
         b.prefill(head)
         for t in tokens:
-            lp = log_softmax(b.logits)
-            out.append((float(lp[t]), [int(i) for i in np.argsort(-lp, kind="stable")[:top]]))
+            logits = b.logits
+            lp = log_softmax(logits)
+            rank = 1 + int((logits > logits[t]).sum())
+            out.append((float(lp[t]), [int(i) for i in np.argsort(-lp, kind="stable")[:top]], rank))
             b.commit(t)
     return out
 
@@ -49,10 +51,12 @@ def test_each_token_is_scored_under_the_logits_before_it(ctx: lloyal.Context) ->
             plain.prefill(tokens)
             assert np.array_equal(b.logits, plain.logits), "the last row is the branch's logits"
     assert len(scored) == len(tokens)
-    assert scored[0] == (None, []), "nothing came before the first token"
+    assert scored[0] == (None, [], None), "nothing came before the first token"
     want = one_by_one(ctx, tokens[:1], tokens[1:], 3)
-    for (lp, top), (want_lp, want_top) in zip(scored[1:], want, strict=True):
+    assert any(w[2] > 3 for w in want) and any(w[2] == 1 for w in want), "ranks in and out of the top"
+    for (lp, top, rank), (want_lp, want_top, want_rank) in zip(scored[1:], want, strict=True):
         assert lp is not None and abs(lp - want_lp) < 1e-5
+        assert rank == want_rank
         assert [t for t, _ in top] == want_top
         assert [x[1] for x in top] == sorted((x[1] for x in top), reverse=True), "best first"
         assert top[0][1] >= lp - 1e-9

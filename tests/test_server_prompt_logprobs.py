@@ -1,7 +1,7 @@
 """Prompt logprobs on `lloyal serve` (``/v1/completions`` with ``echo`` and ``logprobs``, what
-lm-evaluation-harness asks an OpenAI-compatible server for), through the official `openai`
-client over loopback, against `Branch.score` on a context of the test's own (both
-batch-invariant).
+lm-evaluation-harness asks an OpenAI-compatible server for, and vLLM's ``prompt_logprobs`` on
+both endpoints), through the official `openai` client over loopback, against `Branch.score` on
+a context of the test's own (both batch-invariant).
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ CONTINUATION = " The capital of France is Paris."
 
 def scored(
     ref: lloyal.Context, tokens: list[int], top: int
-) -> list[tuple[float | None, list[tuple[int, float]]]]:
+) -> list[tuple[float | None, list[tuple[int, float]], int | None]]:
     with lloyal.Branch.create(ref, 0, lloyal.SamplingParams(temperature=0)) as b:
         return b.score(tokens, top)
 
@@ -38,7 +38,7 @@ def test_an_lm_eval_loglikelihood_request_gets_every_prompt_tokens_logprob(
     assert lp is not None and len(lp.tokens) == len(prompt) + 1 and len(lp.token_logprobs) == len(prompt) + 1
     assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
     want = scored(ref, prompt, 1)
-    for got, got_top, (w, w_top) in zip(
+    for got, got_top, (w, w_top, _) in zip(
         lp.token_logprobs[1:-1], lp.top_logprobs[1:-1], want[1:], strict=True
     ):
         assert got == pytest.approx(w, abs=1e-6)
@@ -47,7 +47,7 @@ def test_an_lm_eval_loglikelihood_request_gets_every_prompt_tokens_logprob(
     assert r.choices[0].text.startswith(ref.detokenize(prompt, special=False))
     # the continuation's log-likelihood, as the harness sums it
     continuation = sum(lp.token_logprobs[len(ctx_tokens) : -1])
-    assert continuation == pytest.approx(sum(w for w, _ in want[len(ctx_tokens) :]), abs=1e-5)
+    assert continuation == pytest.approx(sum(w for w, _, _ in want[len(ctx_tokens) :]), abs=1e-5)
     assert lp.token_logprobs[-1] is not None and lp.token_logprobs[-1] <= 0
     assert r.usage.prompt_tokens == len(prompt) and r.usage.completion_tokens == 1
 
@@ -63,7 +63,7 @@ def test_a_scored_prompt_forks_nothing_cached(client: openai.OpenAI, name: str, 
     )
     assert r.usage.prompt_tokens_details.cached_tokens == 0
     lp = r.choices[0].logprobs
-    want = [w for w, _ in scored(ref, ref.tokenize(prompt), 0)]
+    want = [w for w, _, _ in scored(ref, ref.tokenize(prompt), 0)]
     assert lp.token_logprobs[0] is None and want[0] is None
     assert lp.token_logprobs[1 : len(want)] == pytest.approx(want[1:], abs=1e-6)
     assert lp.top_logprobs[1] == {}, "logprobs=0: no alternatives"
@@ -113,10 +113,108 @@ def test_max_tokens_0_with_echo_scores_the_prompt_alone(
     assert choice.text == ref.detokenize(prompt, special=False) and choice.finish_reason == "length"
     assert r.usage.completion_tokens == 0 and len(choice.logprobs.tokens) == len(prompt)
     want = scored(ref, prompt, 2)
-    assert choice.logprobs.token_logprobs[1:] == pytest.approx([w for w, _ in want[1:]], abs=1e-6)
+    assert choice.logprobs.token_logprobs[1:] == pytest.approx([w for w, _, _ in want[1:]], abs=1e-6)
     plain = client.completions.create(model=name, prompt=prompt, max_tokens=0, echo=True)
     assert plain.choices[0].text == choice.text and plain.usage.completion_tokens == 0
     assert plain.choices[0].logprobs is None
     with pytest.raises(openai.BadRequestError, match="echo=true") as bad:
         client.completions.create(model=name, prompt=prompt, max_tokens=0)
     assert bad.value.body["param"] == "max_tokens"
+
+
+def vllm_prompt_logprobs(
+    ref: lloyal.Context, tokens: list[int], k: int
+) -> list[dict[str, dict[str, object]] | None]:
+    """vLLM's ``prompt_logprobs`` for ``tokens`` from `Branch.score`: per token, the token itself
+    (its rank) then the ``k`` best (ranks 1 to k), keyed by id; None for the first."""
+    out: list[dict[str, dict[str, object]] | None] = []
+    for t, (lp, top, rank) in zip(tokens, scored(ref, tokens, k), strict=True):
+        if lp is None:
+            out.append(None)
+            continue
+        d = {str(t): {"logprob": lp, "rank": rank, "decoded_token": ref.token_to_text(t)}}
+        for r, (a, alp) in enumerate(top, start=1):
+            d.setdefault(str(a), {"logprob": alp, "rank": r, "decoded_token": ref.token_to_text(a)})
+        out.append(d)
+    return out
+
+
+def same_logprobs(
+    got: list[dict[str, dict[str, object]] | None], want: list[dict[str, dict[str, object]] | None]
+) -> None:
+    assert len(got) == len(want) and got[0] is None and want[0] is None
+    for g, w in zip(got[1:], want[1:], strict=True):
+        assert g is not None and w is not None and list(g) == list(w), "the token first, then the best"
+        for key in w:
+            assert g[key]["rank"] == w[key]["rank"] and g[key]["decoded_token"] == w[key]["decoded_token"]
+            assert g[key]["logprob"] == pytest.approx(w[key]["logprob"], abs=1e-6)
+
+
+def test_vllms_prompt_logprobs_field_scores_a_completions_prompt(
+    client: openai.OpenAI, name: str, ref: lloyal.Context
+) -> None:
+    prompt = ref.tokenize(CONTEXT + CONTINUATION)
+    r = client.completions.create(
+        model=name, prompt=prompt, max_tokens=2, temperature=0, n=2, extra_body={"prompt_logprobs": 2}
+    )
+    want = vllm_prompt_logprobs(ref, prompt, 2)
+    ranks = [next(iter(w.values()))["rank"] for w in want[1:] if w is not None]
+    assert any(rank > 2 for rank in ranks), "a prompt token outside the best two keeps its own rank"
+    for c in r.choices:
+        same_logprobs(c.model_extra["prompt_logprobs"], want)
+        assert c.logprobs is None and not c.text.startswith(CONTEXT), "no echo, no sampled logprobs asked"
+    # echo with fewer sampled alternatives: each field keeps its own count
+    e = client.completions.create(
+        model=name,
+        prompt=prompt,
+        max_tokens=1,
+        logprobs=1,
+        echo=True,
+        temperature=0,
+        extra_body={"prompt_logprobs": 3},
+    )
+    assert all(len(t) == 1 for t in e.choices[0].logprobs.top_logprobs[1:])
+    same_logprobs(e.choices[0].model_extra["prompt_logprobs"], vllm_prompt_logprobs(ref, prompt, 3))
+    # the prompt alone: max_tokens 0 needs no echo when the prompt is scored
+    z = client.completions.create(model=name, prompt=prompt, max_tokens=0, extra_body={"prompt_logprobs": 0})
+    assert z.choices[0].text == "" and z.usage.completion_tokens == 0
+    same_logprobs(z.choices[0].model_extra["prompt_logprobs"], vllm_prompt_logprobs(ref, prompt, 0))
+
+
+def test_vllms_prompt_logprobs_field_scores_a_chat_prompt_at_the_top_level(
+    client: openai.OpenAI, name: str, ref: lloyal.Context
+) -> None:
+    messages = [{"role": "user", "content": "Name a colour."}]
+    r = client.chat.completions.create(
+        model=name, messages=messages, max_tokens=3, temperature=0, extra_body={"prompt_logprobs": 1}
+    )
+    prompt = ref.tokenize(ref.format_chat(messages).prompt, add_special=False, parse_special=True)
+    assert r.usage.prompt_tokens == len(prompt)
+    same_logprobs(r.model_extra["prompt_logprobs"], vllm_prompt_logprobs(ref, prompt, 1))
+    plain = client.chat.completions.create(model=name, messages=messages, max_tokens=3, temperature=0)
+    assert plain.choices[0].message.content == r.choices[0].message.content
+    assert "prompt_logprobs" not in (plain.model_extra or {})
+
+
+@pytest.mark.parametrize("stream", [False, True])
+@pytest.mark.parametrize("value", [21, -1, 1.5])
+def test_a_prompt_logprobs_outside_0_to_20_is_refused_naming_it(
+    client: openai.OpenAI, name: str, value: object, stream: bool
+) -> None:
+    with pytest.raises(openai.UnprocessableEntityError, match="prompt_logprobs") as bad:
+        client.completions.create(
+            model=name, prompt=CONTEXT, max_tokens=2, stream=stream, extra_body={"prompt_logprobs": value}
+        )
+    assert bad.value.code == "invalid_schema" and bad.value.param == "prompt_logprobs"
+
+
+@pytest.mark.parametrize("chat", [False, True])
+def test_prompt_logprobs_cannot_be_streamed(client: openai.OpenAI, name: str, chat: bool) -> None:
+    extra = {"prompt_logprobs": 1}
+    with pytest.raises(openai.BadRequestError, match="stream") as bad:
+        if chat:
+            messages = [{"role": "user", "content": "Hi"}]
+            client.chat.completions.create(model=name, messages=messages, stream=True, extra_body=extra)
+        else:
+            client.completions.create(model=name, prompt=CONTEXT, stream=True, extra_body=extra)
+    assert bad.value.body["param"] == "prompt_logprobs"

@@ -352,7 +352,6 @@ def test_a_guided_choice_is_the_librarys_greedy_choice(
         ({"min_tokens": 2}, "min_tokens", "not supported"),
         ({"include_stop_str_in_output": True}, "include_stop_str_in_output", "not supported"),
         ({"skip_special_tokens": False}, "skip_special_tokens", "not supported"),
-        ({"prompt_logprobs": 1}, "prompt_logprobs", "not supported"),
         ({"tools": TOOLS, "tool_choice": NAMED, "guided_choice": CHOICES}, "tool_choice", "guided_choice"),
     ],
 )
@@ -381,7 +380,6 @@ def test_defaults_of_the_unimplemented_fields_are_accepted(client: openai.OpenAI
         "min_tokens": 0,
         "include_stop_str_in_output": False,
         "skip_special_tokens": True,
-        "prompt_logprobs": None,
     }
     c = client.completions.create(model=name, prompt="Hi", max_tokens=2, temperature=0, extra_body=defaults)
     assert c.usage.completion_tokens == 2

@@ -971,19 +971,21 @@ class Branch:
         """The most recently accepted token (``None`` before any)."""
     def score(
         self, tokens: list[int], top_logprobs: int = 0
-    ) -> list[tuple[float | None, list[tuple[int, float]]]]:
-        """Write ``tokens`` as :meth:`prefill` does and score each one: ``(logprob, top)``, its
-        ``log_softmax`` under the logits before it (for the first, the branch's logits; ``None``
-        on a branch without any) and the ``top_logprobs`` most likely ``(token, logprob)`` pairs
-        there, best first (0 to 20). A prompt's logprobs, as OpenAI's ``echo`` reports them.
+    ) -> list[tuple[float | None, list[tuple[int, float]], int | None]]:
+        """Write ``tokens`` as :meth:`prefill` does and score each one: ``(logprob, top, rank)``,
+        its ``log_softmax`` under the logits before it (for the first, the branch's logits;
+        ``None`` on a branch without any), the ``top_logprobs`` most likely ``(token, logprob)``
+        pairs there, best first (0 to 20), and its rank there (1 + the tokens with a higher
+        logit, as vLLM counts it; ``None`` with the logprob). A prompt's logprobs, as OpenAI's
+        ``echo`` and vLLM's ``prompt_logprobs`` report them.
 
         Runs on the context's engine as a prefill whose rows all keep logits, 64 rows a tick
         (each costs the output layer); a failure leaves the branch as it was.
 
         Example:
             >>> scored = branch.score(ctx.tokenize(" and the cat", add_special=False), top_logprobs=2)
-            >>> len(scored), len(scored[0][1]), branch.position
-            (3, 2, 13)
+            >>> len(scored), len(scored[0][1]), scored[0][2] >= 1, branch.position
+            (3, 2, True, 13)
         """
     def aprefill(self, tokens: list[int]) -> Coroutine[Any, Any, None]:
         """Await ``prefill(tokens)``: queued on the context's engine, the event loop keeps running."""

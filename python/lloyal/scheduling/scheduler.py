@@ -110,6 +110,7 @@ class TokenEvent:
     text: str
     logprob: float | None = None
     top: list[TopLogprob] = field(default_factory=list)
+    rank: int | None = None  # a scored prompt token's: 1 + the tokens more likely there
 
 
 @dataclass
@@ -431,8 +432,8 @@ class Scheduler:
         scored = await asyncio.to_thread(b.score, req.spec.prompt, k)
         text = self.ctx.token_to_text
         req.prompt_scored = [
-            TokenEvent(0, t, text(t), lp, [TopLogprob(a, text(a), alp) for a, alp in top])
-            for t, (lp, top) in zip(req.spec.prompt, scored, strict=True)
+            TokenEvent(0, t, text(t), lp, [TopLogprob(a, text(a), alp) for a, alp in top], rank)
+            for t, (lp, top, rank) in zip(req.spec.prompt, scored, strict=True)
         ]
 
     async def _prefix_branch(

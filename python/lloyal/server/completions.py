@@ -23,7 +23,7 @@ from ..scheduling.scheduler import Done, TokenEvent
 from .constraints import constraint_fields, output_grammar
 from .generation import run_all
 from .protocol import ApiError, ChatRequest, CompletionRequest
-from .replies import chat_logprobs, completion_logprobs, usage
+from .replies import chat_logprobs, completion_logprobs, prompt_logprobs, usage
 from .state import ServerState, StateGetter
 from .streaming import chat_chunks, completion_chunks, sse
 from .tools import ToolChoice, tool_choice
@@ -56,8 +56,9 @@ async def answer_completion(st: ServerState, body: CompletionRequest) -> Respons
         gen_spec(ctx, body, p, best_of, max_tokens, body.logprobs, (), grammar, st.eog_tokens)
         for p in prompts
     ]
-    if body.echo and body.logprobs is not None:  # the prompt's logprobs too, each prompt written whole
-        specs = [dataclasses.replace(s, prompt_logprobs=body.logprobs) for s in specs]
+    scored = [k for k in (body.logprobs if body.echo else None, body.prompt_logprobs) if k is not None]
+    if scored:  # the prompt's logprobs too, each prompt written whole
+        specs = [dataclasses.replace(s, prompt_logprobs=max(scored)) for s in specs]
     cid = f"cmpl-{uuid.uuid4().hex}"
     created = int(time.time())
     echoes = [ctx.detokenize(p, special=False) if body.echo else "" for p in prompts]
@@ -87,13 +88,20 @@ def _completion_best_of(body: CompletionRequest) -> int:
         raise ApiError(f"best_of ({best_of}) must be >= n ({body.n})", param="best_of")
     if body.stream and best_of != body.n:
         raise ApiError("best_of > n cannot be streamed: set stream=false or best_of=n", param="best_of")
-    if body.max_tokens == 0 and not body.echo:
+    if body.max_tokens == 0 and not body.echo and body.prompt_logprobs is None:
         raise ApiError(
-            "max_tokens 0 returns nothing: set echo=true (the prompt, scored with logprobs) "
-            "or max_tokens >= 1",
+            "max_tokens 0 returns nothing: set echo=true (the prompt, scored with logprobs), "
+            "prompt_logprobs, or max_tokens >= 1",
             param="max_tokens",
         )
+    _unstreamed_prompt_logprobs(body)
     return best_of
+
+
+def _unstreamed_prompt_logprobs(body: CompletionRequest | ChatRequest) -> None:
+    """A 400 for vLLM's ``prompt_logprobs`` in a stream, which vLLM refuses too."""
+    if body.stream and body.prompt_logprobs is not None:
+        raise ApiError("prompt_logprobs cannot be streamed: set stream=false", param="prompt_logprobs")
 
 
 def _completion_choices(
@@ -106,17 +114,19 @@ def _completion_choices(
     """The finished choices, ``n`` per prompt in prompt order (index ``p * n + j``)."""
     choices = []
     for p, (done, evs) in enumerate(zip(dones, tokens, strict=True)):
+        echoed = (
+            [dataclasses.replace(e, top=e.top[: body.logprobs]) for e in done.prompt] if body.echo else []
+        )
         for j, i in enumerate(done.choices):
-            choices.append(
-                {
-                    "index": p * body.n + j,
-                    "text": echoes[p] + done.texts[i],
-                    "logprobs": None
-                    if body.logprobs is None
-                    else completion_logprobs(ctx, [*done.prompt, *evs[i]]),
-                    "finish_reason": done.finish_reasons[i],
-                }
-            )
+            choice = {
+                "index": p * body.n + j,
+                "text": echoes[p] + done.texts[i],
+                "logprobs": None if body.logprobs is None else completion_logprobs(ctx, [*echoed, *evs[i]]),
+                "finish_reason": done.finish_reasons[i],
+            }
+            if body.prompt_logprobs is not None:
+                choice["prompt_logprobs"] = prompt_logprobs(done.prompt, body.prompt_logprobs)
+            choices.append(choice)
     return choices
 
 
@@ -128,6 +138,7 @@ async def answer_chat(st: ServerState, body: ChatRequest) -> Response | dict[str
     check_model(body.model, st.cfg)
     if body.top_logprobs is not None and not body.logprobs:
         raise ApiError("top_logprobs needs logprobs=true", param="top_logprobs")
+    _unstreamed_prompt_logprobs(body)
     choice = tool_choice(body)
     messages = [message_dict(m.model_dump(exclude_none=True)) for m in body.messages]
     fc = chat_prompt(ctx, body, messages, choice.tools)
@@ -136,6 +147,7 @@ async def answer_chat(st: ServerState, body: ChatRequest) -> Response | dict[str
     max_tokens = body.max_completion_tokens or body.max_tokens or max(1, ctx.n_ctx - len(prompt))
     k = (body.top_logprobs or 0) if body.logprobs else None
     spec = gen_spec(ctx, body, prompt, body.n, max_tokens, k, fc.stop_tokens, grammar, st.eog_tokens)
+    spec = dataclasses.replace(spec, prompt_logprobs=body.prompt_logprobs)
     cid = f"chatcmpl-{uuid.uuid4().hex}"
     created = int(time.time())
     if body.stream:
@@ -143,7 +155,7 @@ async def answer_chat(st: ServerState, body: ChatRequest) -> Response | dict[str
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
         return sse(chat_chunks(st, spec, cid, created, st.cfg.name, choice, include_usage))
     dones, tokens = await run_all(st, [spec])
-    return {
+    reply = {
         "id": cid,
         "object": "chat.completion",
         "created": created,
@@ -151,6 +163,9 @@ async def answer_chat(st: ServerState, body: ChatRequest) -> Response | dict[str
         "choices": _chat_choices(ctx, body, choice, dones[0], tokens[0]),
         "usage": usage(dones),
     }
+    if body.prompt_logprobs is not None:  # vLLM's: the response's, not a choice's
+        reply["prompt_logprobs"] = prompt_logprobs(dones[0].prompt, body.prompt_logprobs)
+    return reply
 
 
 def _chat_grammar(ctx: lloyal.Context, body: ChatRequest, choice: ToolChoice) -> lloyal.Grammar | None:

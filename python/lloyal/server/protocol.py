@@ -88,7 +88,8 @@ class _Sampling(_Body):
     min_tokens: int = Field(default=0, ge=0)  # refused unless 0
     include_stop_str_in_output: bool = False  # refused unless false
     skip_special_tokens: bool = True  # refused unless true
-    prompt_logprobs: int | None = None  # refused unless null
+    # vLLM: each prompt token's logprob and rank, with the best k (not streamed)
+    prompt_logprobs: int | None = Field(default=None, ge=0, le=20)
 
 
 class CompletionRequest(_Sampling):

@@ -67,6 +67,22 @@ def completion_logprobs(ctx: lloyal.Context, evs: Sequence[TokenEvent]) -> dict[
     }
 
 
+def prompt_logprobs(evs: Sequence[TokenEvent], k: int) -> list[dict[str, dict[str, Any]] | None]:
+    """vLLM's ``prompt_logprobs``: per prompt token (None for the first, which nothing comes
+    before), the token itself with its rank, then the ``k`` most likely tokens there (ranks 1 to
+    ``k``), keyed by token id."""
+    out: list[dict[str, dict[str, Any]] | None] = []
+    for e in evs:
+        if e.logprob is None:
+            out.append(None)
+            continue
+        entry = {str(e.token): {"logprob": e.logprob, "rank": e.rank, "decoded_token": e.text}}
+        for rank, t in enumerate(e.top[:k], start=1):
+            entry.setdefault(str(t.token), {"logprob": t.logprob, "rank": rank, "decoded_token": t.text})
+        out.append(entry)
+    return out
+
+
 def chat_logprobs(ctx: lloyal.Context, evs: Sequence[TokenEvent]) -> list[dict[str, Any]]:
     """``/v1/chat/completions`` logprobs content: one entry per token, with bytes and the top."""
     out = []

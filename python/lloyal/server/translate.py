@@ -114,7 +114,6 @@ def _refuse_unimplemented(body: CompletionRequest | ChatRequest) -> None:
         "min_tokens": body.min_tokens != 0,
         "include_stop_str_in_output": body.include_stop_str_in_output,
         "skip_special_tokens": not body.skip_special_tokens,
-        "prompt_logprobs": body.prompt_logprobs is not None,
     }
     for name, given in asked.items():
         if given:

@@ -29,6 +29,8 @@ pub struct Scored {
     pub logprob: Option<f64>,
     /// The `top` most likely `(token, logprob)` pairs there, best first.
     pub top: Vec<(i32, f64)>,
+    /// 1 + the number of tokens more likely there (vLLM's `rank`; `None` with `logprob`).
+    pub rank: Option<u32>,
 }
 
 /// A queued `score`: the branch, its tokens, how many alternatives, and the result slot.
@@ -69,7 +71,9 @@ impl PartialEq for ScoreWork {
 /// `token`'s score under `logits` (its log-sum-exp `lse`).
 fn score(logits: &[f32], lse: f64, token: i32, top: usize) -> Scored {
     let (lp, top) = logprobs(logits, lse, token, top);
-    Scored { logprob: Some(lp), top }
+    let own = logits.get(token as usize).copied().unwrap_or(f32::NEG_INFINITY);
+    let above = logits.iter().filter(|&&x| x > own).count();
+    Scored { logprob: Some(lp), top, rank: Some(u32::try_from(above + 1).unwrap_or(u32::MAX)) }
 }
 
 impl ContextState {
@@ -77,7 +81,7 @@ impl ContextState {
     pub(crate) fn score_first(&self, handle: Handle, token: i32, top: usize) -> Result<Scored> {
         let b = self.branch(handle)?;
         if b.logits.is_empty() {
-            return Ok(Scored { logprob: None, top: Vec::new() });
+            return Ok(Scored { logprob: None, top: Vec::new(), rank: None });
         }
         Ok(score(b.logits()?, b.logits.stats().lse, token, top))
     }
@@ -103,6 +107,14 @@ mod tests {
         assert!((s.logprob.unwrap_or(f64::NAN) - (2.0 - z)).abs() < 1e-6);
         assert_eq!(s.top.iter().map(|t| t.0).collect::<Vec<_>>(), vec![1, 2]);
         assert!((s.top[1].1 - s.logprob.unwrap_or(f64::NAN)).abs() < 1e-12, "the same lse for both");
+        assert_eq!(s.rank, Some(2), "one token above it");
+        let ties = [2.0f32, 1.0, 2.0, f32::NAN, 0.0];
+        let ranks: Vec<_> = (0..5).map(|t| score(&ties, log_sum_exp(&ties), t, 0).rank).collect();
+        assert_eq!(
+            ranks,
+            vec![Some(1), Some(3), Some(1), Some(1), Some(4)],
+            "ties share a rank; NaN counts none"
+        );
     }
 
     #[test]
