@@ -21,7 +21,8 @@ pub struct PyToken {
     /// Token id.
     pub token: i32,
     /// The text it completes (UTF-8 safe: may be empty mid-character or while it may begin
-    /// a stop string; a matched stop string is never included).
+    /// a stop string; a matched stop string is included only with
+    /// ``generate(include_stop_str=True)``).
     pub text: String,
     /// ``log_softmax(logits)[token]`` of the logits it was sampled from (``Branch.logits``),
     /// when ``generate(logprobs=True)``; else None.
@@ -59,6 +60,8 @@ pub(crate) struct GenArgs {
     prompt: Vec<i32>,
     stop: Vec<String>,
     stop_tokens: Vec<i32>,
+    min_tokens: usize,
+    include_stop: bool,
     logprobs: bool,
     top_logprobs: usize,
     timeout: Option<Duration>,
@@ -75,6 +78,8 @@ impl Default for GenArgs {
             prompt: Vec::new(),
             stop: Vec::new(),
             stop_tokens: Vec::new(),
+            min_tokens: 0,
+            include_stop: false,
             logprobs: false,
             top_logprobs: 0,
             timeout: None,
@@ -125,6 +130,8 @@ impl PyTokenIter {
             max_tokens: a.max_tokens,
             stop_tokens: a.stop_tokens.clone(),
             stop: a.stop.clone(),
+            min_tokens: a.min_tokens,
+            include_stop: a.include_stop,
             logprobs: a.logprobs,
             top_logprobs: a.top_logprobs,
             timeout: a.timeout,
@@ -304,6 +311,7 @@ impl GenArgs {
         prompt: Option<Vec<i64>>,
         stop: Option<Vec<String>>,
         stop_tokens: Option<Vec<i64>>,
+        (min_tokens, include_stop): (usize, bool),
         logprobs: bool,
         top_logprobs: usize,
         timeout: Option<f64>,
@@ -341,6 +349,8 @@ impl GenArgs {
             prompt,
             stop: stop.unwrap_or_default(),
             stop_tokens,
+            min_tokens,
+            include_stop,
             logprobs,
             top_logprobs,
             timeout,

@@ -738,3 +738,69 @@ def test_without_reservation_a_request_takes_a_cell_per_token_until_the_cache_is
     assert it.perplexity == b.perplexity and it.perplexity is not None and it.perplexity > 1.0
     assert BranchStore(small).kv_pressure.remaining == 0
     assert small.engine_stats().generating == 0
+
+
+def hand_min_tokens(
+    ctx: lloyal.Context, branch: Branch, n: int, min_tokens: int, stop_tokens: list[int]
+) -> list[int]:
+    """Greedy reference for ``generate(n, min_tokens=..., stop_tokens=...)``: the end-of-generation
+    tokens and ``stop_tokens`` steered to ``-inf`` for the first ``min_tokens`` draws."""
+    ends = [t for t in range(ctx.n_vocab) if ctx.is_stop_token(t)] + stop_tokens
+    out: list[int] = []
+    for i in range(n):
+        if i < min_tokens:
+            branch.steer(dict.fromkeys(ends, float("-inf")))
+        else:
+            branch.clear_steer()
+        p = branch.produce()
+        if p.is_stop or p.token in stop_tokens:
+            break
+        branch.commit(p.token)
+        out.append(p.token)
+    branch.clear_steer()
+    return out
+
+
+def test_min_tokens_bans_the_end_until_then_and_leaves_no_ban_behind(
+    ctx9: lloyal.Context, root: Branch
+) -> None:
+    favour = ctx9.tokenize("\n\n", add_special=False)[0]  # made likely, then a stop token
+    root.set_logit_bias({favour: 30.0})
+    want = hand_min_tokens(ctx9, root.fork(), 8, 3, [favour])
+    assert len(want) == 3, "the favoured stop token comes as soon as the ban lifts"
+    pos = root.position
+    it = root.generate(8, min_tokens=3, stop_tokens=[favour])
+    assert [t.token for t in it] == want and it.finish_reason == "stop"
+    assert root.position == pos + 3
+    assert root.produce().token == favour, "the ban ended with its request"
+    # a request that ends by length while the ban holds leaves none behind either
+    it = root.generate(2, min_tokens=5, stop_tokens=[favour])
+    assert len(list(it)) == 2 and it.finish_reason == "length"
+    assert root.produce().token == favour
+    # the model's own end-of-generation token is held back the same way
+    root.set_logit_bias({ctx9.eog_token: 1000.0})
+    eog = hand_min_tokens(ctx9, root.fork(), 6, 2, [])
+    it = root.generate(6, min_tokens=2)
+    assert [t.token for t in it] == eog and len(eog) == 2 and it.finish_reason == "eog"
+
+
+def test_stop_strings_are_looked_for_from_min_tokens_and_included_when_asked(
+    ctx9: lloyal.Context, root: Branch
+) -> None:
+    ref = hand_loop(root.fork(), 8)
+    pieces = [ctx9.token_to_text(t) for t in ref]
+    full = "".join(pieces)
+    # a stop string that is one token's whole text, found nowhere else
+    k, stop = next((i, p) for i, p in enumerate(pieces) if len(p.strip()) > 2 and full.count(p) == 1)
+    it = root.fork().generate(8, stop=[stop])
+    assert "".join(t.text for t in it) == full[: full.index(stop)] and it.finish_reason == "stop"
+    it = root.fork().generate(8, stop=[stop], min_tokens=k + 2)  # token k comes before min_tokens
+    assert [t.token for t in it] == ref and it.finish_reason == "length"
+    # include_stop_str: the text runs to the end of the stop string, then stops
+    later = pieces[3][-2:] + pieces[4][:1]
+    cut = full.index(later)
+    it = root.fork().generate(8, stop=[later], include_stop_str=True)
+    toks = list(it)
+    assert "".join(t.text for t in toks) == full[: cut + len(later)] and it.finish_reason == "stop"
+    it = root.fork().generate(8, stop=[later])
+    assert "".join(t.text for t in it) == full[:cut]

@@ -349,8 +349,8 @@ def test_a_guided_choice_is_the_librarys_greedy_choice(
         ({"structured_outputs": {"structural_tag": "{}"}}, "structured_outputs", "structural_tag"),
         ({"guided_choice": CHOICES, "ignore_eos": True}, "ignore_eos", "ignore_eos"),
         ({"stop_token_ids": [-1]}, "stop_token_ids", "outside the vocabulary"),
-        ({"min_tokens": 2}, "min_tokens", "not supported"),
-        ({"include_stop_str_in_output": True}, "include_stop_str_in_output", "not supported"),
+        ({"min_tokens": 5}, "min_tokens", "at most max_tokens"),
+        ({"guided_choice": CHOICES, "min_tokens": 1}, "min_tokens", "output constraint"),
         ({"skip_special_tokens": False}, "skip_special_tokens", "not supported"),
         ({"tools": TOOLS, "tool_choice": NAMED, "guided_choice": CHOICES}, "tool_choice", "guided_choice"),
     ],
@@ -406,6 +406,55 @@ def test_ignore_eos_bans_every_end_of_generation_token(
             want.append(b.produce().token)
             b.commit(want[-1])
     assert long.choices[0].text == ref.detokenize(want)
+
+
+def test_min_tokens_holds_off_the_end_of_generation_until_then(
+    client: openai.OpenAI, name: str, ref: lloyal.Context
+) -> None:
+    eog = [t for t in range(ref.n_vocab) if ref.is_stop_token(t)]
+    favoured = {str(t): 100 for t in eog}  # an end-of-generation token would come first
+    request: dict[str, Any] = dict(model=name, max_tokens=12, temperature=0, logit_bias=favoured)
+    c = client.completions.create(prompt="Once upon a time", extra_body={"min_tokens": 3}, **request)
+    assert c.choices[0].finish_reason == "stop" and c.usage.completion_tokens == 3
+    messages = [{"role": "user", "content": "Hi"}]
+    chat = client.chat.completions.create(messages=messages, extra_body={"min_tokens": 2}, **request)
+    assert chat.choices[0].finish_reason == "stop" and chat.usage.completion_tokens == 2
+    # the library's greedy run with every end-of-generation token banned for three tokens
+    greedy = lloyal.SamplingParams(temperature=0)
+    with lloyal.Branch.create(ref, 0, greedy) as b:
+        b.set_sampling(greedy, logit_bias={t: 100.0 for t in eog})
+        b.prefill(ref.tokenize("Once upon a time"))
+        want = [t.token for t in b.generate(12, min_tokens=3)]
+    assert c.choices[0].text == ref.detokenize(want)
+
+
+def test_include_stop_str_in_output_ends_the_text_with_the_stop_string(
+    client: openai.OpenAI, name: str, ref: lloyal.Context
+) -> None:
+    prompt = "The colours of the rainbow are"
+    text = ref.detokenize(greedy_completion(ref, ref.tokenize(prompt), 12))
+    stop = text[8:11]
+    cut = text.index(stop)
+    for include, want in ((True, text[: cut + len(stop)]), (False, text[:cut])):
+        c = client.completions.create(
+            model=name,
+            prompt=prompt,
+            max_tokens=12,
+            temperature=0,
+            stop=[stop],
+            extra_body={"include_stop_str_in_output": include},
+        )
+        assert c.choices[0].text == want and c.choices[0].finish_reason == "stop"
+        chunks = client.completions.create(
+            model=name,
+            prompt=prompt,
+            max_tokens=12,
+            temperature=0,
+            stop=[stop],
+            stream=True,
+            extra_body={"include_stop_str_in_output": include},
+        )
+        assert "".join(ch.choices[0].text for ch in chunks if ch.choices) == want
 
 
 def test_stop_token_ids_end_the_completion_before_that_token(

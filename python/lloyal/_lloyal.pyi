@@ -804,7 +804,8 @@ class Token:
     @property
     def text(self) -> str:
         """The text it completes (UTF-8 safe: may be empty mid-character or while it may begin
-        a stop string; a matched stop string is never included).
+        a stop string; a matched stop string is included only with
+        ``generate(include_stop_str=True)``).
         """
     @property
     def logprob(self) -> float | None:
@@ -1102,6 +1103,8 @@ class Branch:
         prompt: list[int] | None = None,
         stop: list[str] | None = None,
         stop_tokens: list[int] | None = None,
+        min_tokens: int = 0,
+        include_stop_str: bool = False,
         logprobs: bool = False,
         top_logprobs: int = 0,
         timeout: float | None = None,
@@ -1120,9 +1123,16 @@ class Branch:
             prompt: Tokens the engine prefills first, as part of the request (chunked with
                 the other requests' steps); None: the branch's prompt is already written.
             stop: Strings that end generation; matched on the detokenized text across token
-                boundaries and never yielded (text that may begin one is held back).
+                boundaries and not yielded (text that may begin one is held back).
             stop_tokens: Token ids that end generation (not committed), besides the model's
                 end-of-generation tokens.
+            min_tokens: Tokens to generate before the model's end-of-generation tokens and
+                ``stop_tokens`` may end it (they are banned until then, and the sampling
+                perplexity counts the ban) and before ``stop`` strings are looked for (vLLM's
+                ``min_tokens``; the text before is yielded as it comes, so a stop string that
+                begins there does not match).
+            include_stop_str: Yield a matched ``stop`` string, the text's end (vLLM's
+                ``include_stop_str_in_output``).
             logprobs: Give each Token its ``logprob``.
             top_logprobs: Give each Token its ``top_logprobs`` most likely tokens (0 to 20).
             timeout: Seconds the request may wait (FIFO) for room in the KV cache for its

@@ -280,9 +280,16 @@ impl PyBranch {
     ///     prompt: Tokens the engine prefills first, as part of the request (chunked with
     ///         the other requests' steps); None: the branch's prompt is already written.
     ///     stop: Strings that end generation; matched on the detokenized text across token
-    ///         boundaries and never yielded (text that may begin one is held back).
+    ///         boundaries and not yielded (text that may begin one is held back).
     ///     stop_tokens: Token ids that end generation (not committed), besides the model's
     ///         end-of-generation tokens.
+    ///     min_tokens: Tokens to generate before the model's end-of-generation tokens and
+    ///         ``stop_tokens`` may end it (they are banned until then, and the sampling
+    ///         perplexity counts the ban) and before ``stop`` strings are looked for (vLLM's
+    ///         ``min_tokens``; the text before is yielded as it comes, so a stop string that
+    ///         begins there does not match).
+    ///     include_stop_str: Yield a matched ``stop`` string, the text's end (vLLM's
+    ///         ``include_stop_str_in_output``).
     ///     logprobs: Give each Token its ``logprob``.
     ///     top_logprobs: Give each Token its ``top_logprobs`` most likely tokens (0 to 20).
     ///     timeout: Seconds the request may wait (FIFO) for room in the KV cache for its
@@ -315,7 +322,7 @@ impl PyBranch {
     ///     ValueError: An empty stop string, ``top_logprobs`` out of range or another iterator
     ///         of this branch still generating (at the first ``next()``), a negative
     ///         ``timeout`` or ``waited``, or a ``lookahead`` below 1.
-    #[pyo3(signature = (max_tokens=None, *, prompt=None, stop=None, stop_tokens=None, logprobs=false, top_logprobs=0, timeout=None, lookahead=1, reserve=true, waited=0.0, commit_last=true))]
+    #[pyo3(signature = (max_tokens=None, *, prompt=None, stop=None, stop_tokens=None, min_tokens=0, include_stop_str=false, logprobs=false, top_logprobs=0, timeout=None, lookahead=1, reserve=true, waited=0.0, commit_last=true))]
     #[allow(clippy::too_many_arguments)]
     fn generate(
         &self,
@@ -323,6 +330,8 @@ impl PyBranch {
         prompt: Option<Vec<i64>>,
         stop: Option<Vec<String>>,
         stop_tokens: Option<Vec<i64>>,
+        min_tokens: usize,
+        include_stop_str: bool,
         logprobs: bool,
         top_logprobs: usize,
         timeout: Option<f64>,
@@ -337,6 +346,7 @@ impl PyBranch {
             prompt,
             stop,
             stop_tokens,
+            (min_tokens, include_stop_str),
             logprobs,
             top_logprobs,
             timeout,

@@ -31,6 +31,8 @@ pub struct Model {
     grammar_starts: Mutex<Vec<GrammarStart>>,
     /// llguidance's parser factory (token trie over the vocabulary), built on first use.
     llg_factory: OnceLock<std::result::Result<Arc<llguidance::ParserFactory>, String>>,
+    /// Every end-of-generation token, found on first use.
+    eog_tokens: OnceLock<Arc<Vec<i32>>>,
 }
 
 /// A grammar's (rules, root) and the tokens its start rule allows.
@@ -93,6 +95,7 @@ impl Model {
             huge_page_bytes,
             grammar_starts: Mutex::new(Vec::new()),
             llg_factory: OnceLock::new(),
+            eog_tokens: OnceLock::new(),
         })
     }
 
@@ -237,6 +240,13 @@ impl Model {
     /// Whether `token` ends generation (EOS, EOT, `<end_of_turn>`...).
     pub fn is_eog(&self, token: i32) -> bool {
         token >= 0 && token < self.n_vocab && self.llama.vocab().is_eog(LlamaToken(token))
+    }
+
+    /// Every token [`Self::is_eog`] holds, in id order (one pass over the vocabulary, once).
+    pub fn eog_tokens(&self) -> Arc<Vec<i32>> {
+        Arc::clone(
+            self.eog_tokens.get_or_init(|| Arc::new((0..self.n_vocab).filter(|&t| self.is_eog(t)).collect())),
+        )
     }
 
     /// Beginning-of-sequence token.

@@ -77,6 +77,8 @@ class GenSpec:
     best_of: int = 1
     stop: Sequence[str] = ()
     stop_tokens: Sequence[int] = ()
+    min_tokens: int = 0  # tokens made before the end-of-generation/stop tokens and stop strings count
+    include_stop_str: bool = False  # a matched stop string ends the text
     grammar: lloyal.Grammar | str | None = None  # a Grammar, or GBNF text
     logit_bias: dict[int, float] = field(default_factory=dict)
     logprobs: int | None = None  # None: off; k: the sampled token's logprob and k alternatives
@@ -127,7 +129,7 @@ class Done:
 
     choices: list[int]
     finish_reasons: list[str]  # per internal index
-    texts: list[str]  # per internal index (stop strings removed)
+    texts: list[str]  # per internal index (stop strings removed unless GenSpec.include_stop_str)
     prompt_tokens: int
     completion_tokens: int
     cached_tokens: int
@@ -490,6 +492,8 @@ class Scheduler:
             prompt=c.prompt or None,
             stop=list(spec.stop) or None,
             stop_tokens=list(spec.stop_tokens) or None,
+            min_tokens=spec.min_tokens,
+            include_stop_str=spec.include_stop_str,
             logprobs=k is not None,
             top_logprobs=k or 0,
             lookahead=LOOKAHEAD,

@@ -85,8 +85,8 @@ class _Sampling(_Body):
     # vLLM's (and llama-server's ignore_eos) sampling extensions
     ignore_eos: bool = False
     stop_token_ids: list[int] | None = None
-    min_tokens: int = Field(default=0, ge=0)  # refused unless 0
-    include_stop_str_in_output: bool = False  # refused unless false
+    min_tokens: int = Field(default=0, ge=0)  # the end (EOG, stop tokens, stop strings) held off until then
+    include_stop_str_in_output: bool = False  # a matched stop string ends the text
     skip_special_tokens: bool = True  # refused unless true
     # vLLM: each prompt token's logprob and rank, with the best k (not streamed)
     prompt_logprobs: int | None = Field(default=None, ge=0, le=20)

@@ -86,6 +86,15 @@ def gen_spec(
     stop = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
     if len(stop) > 4 or any(not s for s in stop):
         raise ApiError("stop takes at most 4 non-empty strings", param="stop")
+    if body.min_tokens > max_tokens:
+        raise ApiError(
+            f"min_tokens ({body.min_tokens}) must be at most max_tokens ({max_tokens})", param="min_tokens"
+        )
+    if body.min_tokens and grammar is not None:
+        raise ApiError(
+            "min_tokens cannot go with an output constraint, which may end before it",
+            param="min_tokens",
+        )
     stop_ids = body.stop_token_ids or []
     bad = [t for t in stop_ids if not 0 <= t < ctx.n_vocab]
     if bad:
@@ -101,6 +110,8 @@ def gen_spec(
         best_of=best_of,
         stop=stop,
         stop_tokens=[*stop_tokens, *stop_ids],
+        min_tokens=body.min_tokens,
+        include_stop_str=body.include_stop_str_in_output,
         grammar=grammar,
         logit_bias=bias,
         logprobs=logprobs,
@@ -111,8 +122,6 @@ def gen_spec(
 def _refuse_unimplemented(body: CompletionRequest | ChatRequest) -> None:
     """A 400 for a vLLM extension this server does not implement, when it asks for something."""
     asked = {
-        "min_tokens": body.min_tokens != 0,
-        "include_stop_str_in_output": body.include_stop_str_in_output,
         "skip_special_tokens": not body.skip_special_tokens,
     }
     for name, given in asked.items():

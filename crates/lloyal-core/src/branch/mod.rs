@@ -13,6 +13,7 @@ pub use ops::BranchInfo;
 
 use std::sync::Arc;
 
+use crate::engine::gen::GenStream;
 use crate::error::{LloyalError, Result};
 use crate::grammar::Grammar;
 use crate::metrics::{log_sum_exp_both, replaced_lse, PerplexityTracker};
@@ -85,6 +86,15 @@ pub(crate) enum Drawn {
     Rng(u64),
     /// The copy the token was drawn with (mirostat, XTC: the chain changed too).
     Sampler(Box<Sampler>),
+}
+
+/// The tokens a generation request bans on its branch until it has made its `min_tokens` (the
+/// model's end-of-generation tokens and the request's stop tokens, as vLLM's `min_tokens`
+/// does): in force while its stream runs, so a request that ends any way leaves none behind.
+#[derive(Clone)]
+pub(crate) struct GenBan {
+    pub(crate) tokens: Arc<Vec<i32>>,
+    pub(crate) stream: Arc<GenStream>,
 }
 
 /// How [`draw`] starts over from the sampler's state before the draw (a grammar resample).
@@ -172,6 +182,10 @@ pub struct BranchState {
     /// A produced-but-not-accepted token with what its draw did to the sampler, so
     /// `produce()` is idempotent and accepting that token keeps the RNG stream.
     pub(crate) pending: Option<(i32, Drawn)>,
+    /// Whether `pending` was drawn under [`Self::gen_ban`] (drawn again when that changed).
+    pub(crate) pending_banned: bool,
+    /// Tokens a generation request on this branch bans until it has made its `min_tokens`.
+    pub(crate) gen_ban: Option<GenBan>,
     pub(crate) model_ppl: PerplexityTracker,
     pub(crate) sampling_ppl: PerplexityTracker,
     /// Logits after the last decode (empty before any), read in place in llama.cpp's output
@@ -201,6 +215,8 @@ impl BranchState {
             fork_head: position,
             sampler,
             pending: None,
+            pending_banned: false,
+            gen_ban: None,
             model_ppl: PerplexityTracker::new(),
             sampling_ppl: PerplexityTracker::new(),
             logits: Arc::default(),
@@ -220,6 +236,8 @@ impl BranchState {
             fork_head: self.position,
             sampler: self.sampler.try_clone()?,
             pending: None,
+            pending_banned: false,
+            gen_ban: None,
             model_ppl: self.model_ppl.clone(),
             sampling_ppl: self.sampling_ppl.clone(),
             logits: if clone_logits { Logits::share(&self.logits) } else { Arc::default() },
@@ -245,6 +263,8 @@ impl BranchState {
             fork_head: self.fork_head,
             sampler: self.sampler.try_clone()?,
             pending,
+            pending_banned: self.pending_banned,
+            gen_ban: self.gen_ban.clone(),
             model_ppl: self.model_ppl.clone(),
             sampling_ppl: self.sampling_ppl.clone(),
             logits: Logits::share(&self.logits),
@@ -266,6 +286,8 @@ impl BranchState {
             fork_head: at,
             sampler: self.sampler.try_clone()?,
             pending: None,
+            pending_banned: false,
+            gen_ban: None,
             model_ppl: Default::default(),
             sampling_ppl: Default::default(),
             logits: Arc::default(),
@@ -288,7 +310,16 @@ impl BranchState {
 
     /// Logit bias then steering, as one list.
     pub(crate) fn biases(&self) -> Vec<(i32, f32)> {
-        self.logit_bias.iter().chain(self.steer.iter()).copied().collect()
+        let mut out: Vec<(i32, f32)> = self.logit_bias.iter().chain(self.steer.iter()).copied().collect();
+        if let Some(ban) = self.gen_ban.as_ref().filter(|_| self.ban_active()) {
+            out.extend(ban.tokens.iter().map(|&t| (t, f32::NEG_INFINITY)));
+        }
+        out
+    }
+
+    /// Whether a generation request's ban holds: set, and its request still running.
+    pub(crate) fn ban_active(&self) -> bool {
+        self.gen_ban.as_ref().is_some_and(|b| !b.stream.ended())
     }
 
     /// Sample without side effects on the branch's committed state (idempotent until the
@@ -296,10 +327,15 @@ impl BranchState {
     /// is put back until the token is committed; only a chain whose draw changes more
     /// (mirostat, XTC) draws on a copy.
     pub fn produce(&mut self) -> Result<i32> {
+        let banned = self.ban_active();
         if let Some((token, _)) = &self.pending {
-            return Ok(*token);
+            if self.pending_banned == banned {
+                return Ok(*token);
+            }
+            self.pending = None; // drawn before a ban began or after it ended: draw again
         }
         self.logits()?;
+        self.pending_banned = banned;
         let biases = self.biases();
         let BranchState { sampler, grammar, logits, grammar_resamples, .. } = self;
         let before = sampler.rng_state();

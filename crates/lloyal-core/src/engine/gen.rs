@@ -250,8 +250,15 @@ pub struct GenSpec {
     pub max_tokens: Option<usize>,
     /// Token ids that end generation (not committed, not yielded), besides the model's EOG.
     pub stop_tokens: Vec<i32>,
-    /// Strings that end generation when they appear in the text (not released).
+    /// Strings that end generation when they appear in the text (not released, unless
+    /// `include_stop`).
     pub stop: Vec<String>,
+    /// Tokens made before the model's end-of-generation tokens and `stop_tokens` may end the
+    /// request, which are banned until then, and before stop strings are looked for (vLLM's
+    /// `min_tokens`; text from before it is released as it comes).
+    pub min_tokens: usize,
+    /// Release a matched stop string, ending the text (vLLM's `include_stop_str_in_output`).
+    pub include_stop: bool,
     /// Whether each item carries its logprob.
     pub logprobs: bool,
     /// How many top logprobs each item carries (0: none).
@@ -283,6 +290,8 @@ impl std::fmt::Debug for GenSpec {
             .field("max_tokens", &self.max_tokens)
             .field("stop_tokens", &self.stop_tokens)
             .field("stop", &self.stop)
+            .field("min_tokens", &self.min_tokens)
+            .field("include_stop", &self.include_stop)
             .field("logprobs", &self.logprobs)
             .field("top_logprobs", &self.top_logprobs)
             .field("timeout", &self.timeout)
@@ -333,29 +342,38 @@ impl GenSpec {
 }
 
 /// Stop-string matching over streamed text: releases text that cannot begin a stop string,
-/// holds back a tail that might, and reports a match (whose text is never released).
+/// holds back a tail that might, and reports a match (whose text is released only when the
+/// matcher includes stop strings).
 #[derive(Debug, Default, Clone)]
 pub struct StopMatcher {
     stops: Vec<String>,
     held: String,
+    include: bool,
 }
 
 impl StopMatcher {
-    /// A matcher for `stops` (non-empty strings).
-    pub fn new(stops: Vec<String>) -> Self {
-        StopMatcher { stops, held: String::new() }
+    /// A matcher for `stops` (non-empty strings); `include`: a matched stop string ends the
+    /// released text.
+    pub fn new(stops: Vec<String>, include: bool) -> Self {
+        StopMatcher { stops, held: String::new(), include }
     }
 
     /// Add `text`; returns the text now safe to release and whether a stop string matched
-    /// (then the returned text is everything before the match, and the rest is dropped).
+    /// (then the returned text is everything before the match, and the match too when the
+    /// matcher includes it: the earliest, the first of the stops given at one place; the rest
+    /// is dropped).
     pub fn push(&mut self, text: &str) -> (String, bool) {
         self.held.push_str(text);
         if self.stops.is_empty() {
             return (std::mem::take(&mut self.held), false);
         }
-        let first = self.stops.iter().filter_map(|s| self.held.find(s.as_str())).min();
-        if let Some(at) = first {
-            let out = self.held[..at].to_string();
+        let first = self
+            .stops
+            .iter()
+            .filter_map(|s| Some((self.held.find(s.as_str())?, s.len())))
+            .min_by_key(|m| m.0);
+        if let Some((at, len)) = first {
+            let out = self.held[..at + if self.include { len } else { 0 }].to_string();
             self.held.clear();
             return (out, true);
         }
@@ -369,6 +387,13 @@ impl StopMatcher {
         let out = self.held[..keep].to_string();
         self.held.drain(..keep);
         (out, false)
+    }
+
+    /// Release `text` and whatever is held, unmatched (text before a request's `min_tokens`).
+    pub fn pass(&mut self, text: &str) -> String {
+        let mut out = std::mem::take(&mut self.held);
+        out.push_str(text);
+        out
     }
 
     /// Release whatever is held (the request ended for another reason).
@@ -407,20 +432,33 @@ mod tests {
 
     #[test]
     fn stop_strings_match_across_pushes_and_are_not_released() {
-        let mut m = StopMatcher::new(vec!["\n\n".into(), "END".into()]);
+        let mut m = StopMatcher::new(vec!["\n\n".into(), "END".into()], false);
         assert_eq!(m.push("Hello"), ("Hello".into(), false));
         assert_eq!(m.push(" wor\n"), (" wor".into(), false));
         assert_eq!(m.push("x E"), ("\nx ".into(), false));
         assert_eq!(m.push("N"), ("".into(), false));
         assert_eq!(m.push("Dtail"), ("".into(), true));
-        let mut m = StopMatcher::new(vec!["ab".into()]);
+        let mut m = StopMatcher::new(vec!["ab".into()], false);
         assert_eq!(m.push("xa"), ("x".into(), false));
         assert_eq!(m.flush(), "a");
-        let mut m = StopMatcher::new(vec!["bc".into(), "abcd".into()]);
+        let mut m = StopMatcher::new(vec!["bc".into(), "abcd".into()], false);
         assert_eq!(m.push("zab"), ("z".into(), false));
         assert_eq!(m.push("c"), ("a".into(), true), "the earliest match wins");
-        let mut m = StopMatcher::new(Vec::new());
+        let mut m = StopMatcher::new(Vec::new(), false);
         assert_eq!(m.push("any"), ("any".into(), false));
+    }
+
+    #[test]
+    fn an_including_matcher_releases_the_stop_string_and_nothing_after() {
+        let mut m = StopMatcher::new(vec!["bc".into(), "abcd".into()], true);
+        assert_eq!(m.push("zab"), ("z".into(), false));
+        assert_eq!(m.push("ctail"), ("abc".into(), true), "the earliest match, to its end");
+        let mut m = StopMatcher::new(vec!["END".into(), "E".into()], true);
+        assert_eq!(m.push("xENDy"), ("xEND".into(), true), "at one place, the first stop given");
+        let mut m = StopMatcher::new(vec!["END".into()], false);
+        assert_eq!(m.push("xE"), ("x".into(), false));
+        assert_eq!(m.pass("ND y"), "END y", "passed text is released unmatched");
+        assert!(!m.holds());
     }
 
     #[test]
@@ -480,6 +518,8 @@ mod tests {
             max_tokens,
             stop_tokens: Vec::new(),
             stop: Vec::new(),
+            min_tokens: 0,
+            include_stop: false,
             logprobs: false,
             top_logprobs: 0,
             timeout: None,

@@ -180,7 +180,7 @@ impl Scheduler {
                 // A request with a prompt waits (FIFO) for room for the prompt and its tokens,
                 // then prefills it (a flight) and queues for its tokens when it is written.
                 let spec = (**spec).clone();
-                match self.admit_gen(s, &spec) {
+                match self.admit_gen(s, &spec).and_then(|()| super::step::ban_until_min_tokens(s, &spec)) {
                     Err(e) => out.reply(op, Err(e)),
                     Ok(()) if spec.prompt.is_empty() => {
                         self.waiting.push_back(Waiting::new(op, spec));

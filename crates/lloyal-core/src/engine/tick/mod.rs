@@ -83,7 +83,11 @@ struct Progress {
 
 impl Progress {
     fn new(spec: &GenSpec) -> Self {
-        Progress { generated: 0, utf8: Utf8Stream::new(), stops: StopMatcher::new(spec.stop.clone()) }
+        Progress {
+            generated: 0,
+            utf8: Utf8Stream::new(),
+            stops: StopMatcher::new(spec.stop.clone(), spec.include_stop),
+        }
     }
 
     /// Whether text is held back for the next token.

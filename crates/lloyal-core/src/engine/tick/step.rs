@@ -8,6 +8,7 @@ use std::time::Instant;
 
 use super::admit::admit_commit;
 use super::{Budget, CommitRow, Gen, Part, Progress, Scheduler, TickOutcome, Waiting};
+use crate::branch::GenBan;
 use crate::context::state::ContextState;
 use crate::engine::gen::{logprobs, Event, Finish, GenItem, GenSpec};
 use crate::engine::op::Op;
@@ -220,6 +221,20 @@ pub(super) fn publish_first(s: &mut ContextState, mut w: Waiting, out: &mut Tick
     None
 }
 
+/// Ban, on `spec`'s branch, the tokens that could end the request before its `min_tokens`
+/// (the model's end-of-generation tokens and its stop tokens), for as long as it runs
+/// ([`crate::branch::GenBan`]); lifted in [`gen_item`] when it has made them.
+pub(super) fn ban_until_min_tokens(s: &mut ContextState, spec: &GenSpec) -> Result<()> {
+    if spec.min_tokens == 0 {
+        return Ok(());
+    }
+    let mut tokens = (*s.model().eog_tokens()).clone();
+    tokens.extend(spec.stop_tokens.iter().filter(|t| !tokens.contains(t)).copied().collect::<Vec<_>>());
+    let ban = GenBan { tokens: Arc::new(tokens), stream: Arc::clone(&spec.stream) };
+    s.branch_mut(spec.handle)?.gen_ban = Some(ban);
+    Ok(())
+}
+
 /// The item for a generation token (committed, or yielded before its commit), and the
 /// request's end if it ends with it. Peeks at the next token (a cached `produce`, reused by
 /// the next step) so text held back for a stop string is released with the last token.
@@ -231,9 +246,15 @@ fn gen_item(
     logprobs: Logprobs,
 ) -> (GenItem, Option<Finish>) {
     p.generated += 1;
+    if p.generated == spec.min_tokens {
+        if let Ok(b) = s.branch_mut(spec.handle) {
+            b.gen_ban = None; // its next token may end it: drawn again without the ban
+        }
+    }
     let bytes = s.model().token_bytes(token, false).unwrap_or_default();
     let piece = p.utf8.push(&bytes);
-    let (mut text, matched) = p.stops.push(&piece);
+    let (mut text, matched) =
+        if p.generated < spec.min_tokens { (p.stops.pass(&piece), false) } else { p.stops.push(&piece) };
     let mut end = if matched {
         Some(Finish::Stop)
     } else if spec.max_tokens.is_some_and(|m| p.generated >= m) {
