@@ -436,24 +436,11 @@ def test_include_stop_str_in_output_ends_the_text_with_the_stop_string(
     stop = text[8:11]
     cut = text.index(stop)
     for include, want in ((True, text[: cut + len(stop)]), (False, text[:cut])):
-        c = client.completions.create(
-            model=name,
-            prompt=prompt,
-            max_tokens=12,
-            temperature=0,
-            stop=[stop],
-            extra_body={"include_stop_str_in_output": include},
-        )
+        request: dict[str, Any] = dict(model=name, prompt=prompt, max_tokens=12, temperature=0, stop=[stop])
+        extra = {"include_stop_str_in_output": include}
+        c = client.completions.create(extra_body=extra, **request)
         assert c.choices[0].text == want and c.choices[0].finish_reason == "stop"
-        chunks = client.completions.create(
-            model=name,
-            prompt=prompt,
-            max_tokens=12,
-            temperature=0,
-            stop=[stop],
-            stream=True,
-            extra_body={"include_stop_str_in_output": include},
-        )
+        chunks = client.completions.create(stream=True, extra_body=extra, **request)
         assert "".join(ch.choices[0].text for ch in chunks if ch.choices) == want
 
 
