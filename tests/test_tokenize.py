@@ -108,6 +108,9 @@ def test_stop_tokens(ctx: lloyal.Context) -> None:
     assert ctx.is_stop_token(1) is True  # <eos>
     assert ctx.is_stop_token(ctx.bos_token) is False
     assert ctx.is_stop_token(ctx.tokenize("the", add_special=False)[0]) is False
+    # every one of them, as the engine's min_tokens ban and the server's ignore_eos take them
+    assert ctx.eog_tokens == [t for t in range(ctx.n_vocab) if ctx.is_stop_token(t)]
+    assert {1, 106} <= set(ctx.eog_tokens)
 
 
 def test_turn_separator(ctx: lloyal.Context) -> None:

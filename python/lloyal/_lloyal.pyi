@@ -232,6 +232,11 @@ class Context:
     def eog_token(self) -> int:
         """The end-of-generation token id."""
     @property
+    def eog_tokens(self) -> list[int]:
+        """Every token :meth:`is_stop_token` holds (the model's end-of-generation tokens), in id
+        order: what ``generate(min_tokens=...)`` bans until then.
+        """
+    @property
     def turn_separator(self) -> list[int]:
         """Tokens that close a turn and lead to the next (``<end_of_turn>\\n`` on Gemma)."""
     @property

@@ -65,6 +65,13 @@ impl PyContext {
         self.inner.model().eog()
     }
 
+    /// Every token :meth:`is_stop_token` holds (the model's end-of-generation tokens), in id
+    /// order: what ``generate(min_tokens=...)`` bans until then.
+    #[getter]
+    fn eog_tokens(&self) -> Vec<i32> {
+        self.inner.model().eog_tokens().to_vec()
+    }
+
     /// Tokens that close a turn and lead to the next (``<end_of_turn>\n`` on Gemma).
     #[getter]
     fn turn_separator(&self) -> PyResult<Vec<i32>> {

@@ -117,6 +117,7 @@ def _completion_choices(
         echoed = (
             [dataclasses.replace(e, top=e.top[: body.logprobs]) for e in done.prompt] if body.echo else []
         )
+        scored = None if body.prompt_logprobs is None else prompt_logprobs(done.prompt, body.prompt_logprobs)
         for j, i in enumerate(done.choices):
             choice = {
                 "index": p * body.n + j,
@@ -124,8 +125,8 @@ def _completion_choices(
                 "logprobs": None if body.logprobs is None else completion_logprobs(ctx, [*echoed, *evs[i]]),
                 "finish_reason": done.finish_reasons[i],
             }
-            if body.prompt_logprobs is not None:
-                choice["prompt_logprobs"] = prompt_logprobs(done.prompt, body.prompt_logprobs)
+            if scored is not None:  # every choice repeats its prompt's
+                choice["prompt_logprobs"] = scored
             choices.append(choice)
     return choices
 

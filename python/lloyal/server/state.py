@@ -42,7 +42,7 @@ class ServerState:
         )
         self.ctx.engine_prefill_chunk = cfg.prefill_chunk
         # the model's end-of-generation tokens (banned by a request's ignore_eos)
-        self.eog_tokens = [t for t in range(self.ctx.n_vocab) if self.ctx.is_stop_token(t)]
+        self.eog_tokens = self.ctx.eog_tokens
         self.scheduler = Scheduler(
             self.ctx, max_running=cfg.parallel, max_queue=cfg.max_queue, cache_cells=cfg.cache_cells
         )
