@@ -5,16 +5,21 @@
 (``Context.engine_stats()``) split each tick: ``tick_seconds - decode_seconds`` is the host
 work (sampling, snapshot copies, stop checks, planning, publishing), divided by the rows
 decoded. ``pytest benches`` runs it once at a small size;
-``python benches/bench_host_work.py [STEPS B...]`` prints a table (default 64 steps, B = 1 8 16).
+``python benches/bench_host_work.py [STEPS B...]`` prints a table (default 64 steps, B = 1 8 16):
+the median of three rounds, each running every B on a context that keeps sampling perplexity
+(the default) and then on one made with ``sampling_perplexity=False``, with the ratio per round.
 """
 
 from __future__ import annotations
 
+import statistics
 import sys
 import threading
 import time
 from pathlib import Path
 from typing import Any
+
+import pytest
 
 import lloyal
 
@@ -58,19 +63,20 @@ def host_round(ctx: lloyal.Context, b: int, steps: int) -> dict[str, float]:
     }
 
 
-def test_host_work_per_row(benchmark: Any, model_path: Path, full: bool) -> None:
+@pytest.mark.parametrize("kept", [True, False], ids=["sampling_ppl_kept", "sampling_ppl_off"])
+def test_host_work_per_row(benchmark: Any, model_path: Path, full: bool, kept: bool) -> None:
     b, steps = (16, 64) if full else (2, 3)
-    with lloyal.Context(model_path, n_ctx=4096, n_seq_max=b + 1) as ctx:
+    with lloyal.Context(model_path, n_ctx=4096, n_seq_max=b + 1, sampling_perplexity=kept) as ctx:
         r = benchmark.pedantic(lambda: host_round(ctx, b, steps), rounds=1)
         assert r["made"] == b * steps and r["host_ms_per_row"] > 0
         if full:
-            print("\n" + fmt(b, r))
+            print("\n" + fmt(b, r, "kept" if kept else "off"))
 
 
-def fmt(b: int, r: dict[str, float]) -> str:
+def fmt(b: int, r: dict[str, float], ppl: str = "kept") -> str:
     return (
-        f"| {b} | {r['rows_per_tick']:.1f} | {r['host_ms_per_tick']:.3f} | {r['decode_ms_per_tick']:.1f} "
-        f"| {r['host_ms_per_row']:.3f} | {r['sample_ms_per_row']:.3f} |"
+        f"| {b} | {ppl} | {r['rows_per_tick']:.1f} | {r['host_ms_per_tick']:.3f} "
+        f"| {r['decode_ms_per_tick']:.1f} | {r['host_ms_per_row']:.3f} | {r['sample_ms_per_row']:.3f} |"
     )
 
 
@@ -78,13 +84,33 @@ def main() -> None:
     args = [int(a) for a in sys.argv[1:]]
     steps, bs = (args[0], args[1:]) if args else (64, [])
     bs = bs or [1, 8, 16]
-    print(f"{steps} steps, {lloyal.system_info()}")
-    print("| B | rows/tick | host ms/tick | decode ms/tick | host ms/row | of it sampling ms/row |")
-    print("|---|---|---|---|---|---|")
-    with lloyal.Context(lloyal.default_model_path(), n_ctx=4096, n_seq_max=max(bs) + 1) as ctx:
-        host_round(ctx, max(bs), 4)  # warm-up
+    rounds = 3
+    print(f"{steps} steps, {rounds} interleaved rounds (median), {lloyal.system_info()}")
+    print(
+        "| B | sampling perplexity | rows/tick | host ms/tick | decode ms/tick | host ms/row "
+        "| of it sampling ms/row |"
+    )
+    print("|---|---|---|---|---|---|---|")
+    path = lloyal.default_model_path()
+    opts: dict[str, Any] = {"n_ctx": 4096, "n_seq_max": max(bs) + 1}
+    with lloyal.Context(path, **opts) as on, lloyal.Context(path, **opts, sampling_perplexity=False) as off:
+        runs: dict[tuple[int, bool], list[dict[str, float]]] = {}
+        for ctx in (on, off):
+            host_round(ctx, max(bs), 4)  # warm-up
+        for _ in range(rounds):
+            for b in bs:
+                for ctx in (on, off):
+                    runs.setdefault((b, ctx.sampling_perplexity), []).append(host_round(ctx, b, steps))
         for b in bs:
-            print(fmt(b, host_round(ctx, b, steps)), flush=True)
+            for kept in (True, False):
+                rs = runs[(b, kept)]
+                med = {k: statistics.median(r[k] for r in rs) for k in rs[0]}
+                print(fmt(b, med, "kept" if kept else "off"), flush=True)
+            each = [
+                f"{off_r['host_ms_per_row'] / on_r['host_ms_per_row']:.2f}"
+                for on_r, off_r in zip(runs[(b, True)], runs[(b, False)], strict=True)
+            ]
+            print(f"|   | off / kept, host ms/row by round: {', '.join(each)} | | | | | |")
 
 
 if __name__ == "__main__":

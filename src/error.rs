@@ -67,7 +67,7 @@ fn class_of<'c>(c: &'c Classes, err: &LloyalError) -> Option<&'c Py<PyType>> {
         LloyalError::Grammar(_) => &c.grammar,
         LloyalError::State(_) => &c.state,
         LloyalError::ChatTemplate(_) => &c.chat_template,
-        LloyalError::NoLogits | LloyalError::Backend(_) => &c.base,
+        LloyalError::NoLogits | LloyalError::SamplingPerplexityOff | LloyalError::Backend(_) => &c.base,
         LloyalError::InvalidArgument(_) | LloyalError::Interrupted => return None,
     })
 }

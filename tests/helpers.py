@@ -6,6 +6,7 @@ import contextlib
 import importlib.util
 import json
 import os
+import platform
 import socket
 import subprocess
 import sys
@@ -134,6 +135,19 @@ def produce_commit(branch: lloyal.Branch, n: int, *, forbid_stop: bool = False) 
 # Linux with transparent huge pages (whatever their setting): madvise(MADV_HUGEPAGE) is taken,
 # so a model load marks its weight buffers (Model.huge_page_bytes).
 THP = sys.platform == "linux" and Path("/sys/kernel/mm/transparent_hugepage/enabled").exists()
+
+
+def _collapses() -> bool:
+    """Whether MADV_COLLAPSE can put written memory on huge pages: Linux 6.1 or later, THP not
+    ``never``."""
+    if not THP:
+        return False
+    enabled = Path("/sys/kernel/mm/transparent_hugepage/enabled").read_text()
+    major, minor = (int(x) for x in platform.release().split(".")[:2])
+    return "[never]" not in enabled and (major, minor) >= (6, 1)
+
+
+THP_COLLAPSE = _collapses()
 
 
 def wait_until(cond: Callable[[], bool], timeout: float = 30.0) -> None:

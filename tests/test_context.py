@@ -2,10 +2,14 @@
 
 from __future__ import annotations
 
+import json
+import subprocess
+import sys
 from collections.abc import Callable
 from pathlib import Path
 
 import pytest
+from helpers import THP_COLLAPSE
 
 import lloyal
 
@@ -187,3 +191,44 @@ def test_two_contexts_are_independent(model: lloyal.Model) -> None:
         assert a.closed and not b.closed
         b.decode([5], len(tb))  # b survives a's close
         assert b.kv_cache_size() == len(tb)
+
+
+_HUGE_LOGITS = """
+import json, sys
+from pathlib import Path
+import lloyal
+
+def anon_huge():
+    for line in Path("/proc/self/smaps_rollup").read_text().splitlines():
+        if line.startswith("AnonHugePages:"):
+            return int(line.split()[1]) << 10
+    return 0
+
+model = lloyal.Model(sys.argv[1], repack=False, n_gpu_layers=0)
+with lloyal.Context(model, n_ctx=256, n_seq_max=8) as c:
+    first = c.huge_page_bytes
+    before = anon_huge()
+    c.decode(c.tokenize("Hello"), 0)
+    after, collapsed = anon_huge(), c.huge_page_bytes
+    c.decode(c.tokenize(" world"), 2)
+    print(json.dumps([first, before, after, collapsed, c.huge_page_bytes, c.n_vocab]))
+"""
+
+
+def test_logits_buffer_is_put_on_huge_pages(model_path: Path) -> None:
+    """After the first decode with logits, llama.cpp's logits buffer (every sequence's row, one
+    MiB each for Gemma 3) is on 2 MiB pages where the kernel can collapse them: all but the
+    partial huge pages at its two ends, as /proc/self/smaps_rollup shows (in a fresh process,
+    where no freed memory already on huge pages can back the buffer)."""
+    argv = [sys.executable, "-c", _HUGE_LOGITS, str(model_path)]
+    run = subprocess.run(argv, capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0, run.stderr
+    first, before, after, collapsed, again, n_vocab = json.loads(run.stdout.splitlines()[-1])
+    assert first == 0  # llama.cpp clears the buffer it makes; it is collapsed at a decode
+    if not THP_COLLAPSE:
+        assert collapsed == again == 0
+        return
+    buffer = 8 * n_vocab * 4
+    assert buffer - 4 * 2**20 <= collapsed <= buffer
+    assert after - before >= collapsed
+    assert again == collapsed  # the same buffer at the next decode

@@ -120,3 +120,61 @@ def test_sampling_perplexity_is_not_truncated_by_top_k_or_top_p(ctx: lloyal.Cont
         assert math.isfinite(b.sampling_perplexity)
         assert math.log(b.sampling_perplexity) == pytest.approx(want, rel=1e-4)
         assert math.log(b.perplexity) == pytest.approx(-log_softmax(logits)[rare], rel=1e-4)
+
+
+def _sampled_run(model: lloyal.Model, kept: bool) -> tuple[list[int], list[int], float]:
+    """Tokens of a sampled branch committed one by one and of its fork through the engine
+    (``generate``), and the first one's model perplexity, on a context that keeps sampling
+    perplexity or not."""
+    params = lloyal.SamplingParams(temperature=0.8, top_k=40, top_p=0.95, seed=11)
+    with lloyal.Context(model, n_ctx=512, n_seq_max=3, sampling_perplexity=kept) as c:
+        assert c.sampling_perplexity is kept
+        with lloyal.Branch.create(c, 0, params) as b:
+            b.prefill(c.tokenize("Once upon a time, in a small village by the sea,"))
+            kid = b.fork()
+            one_by_one = []
+            for _ in range(8):
+                one_by_one.append(b.produce().token)
+                b.commit(one_by_one[-1])
+            engine = [t.token for t in kid.generate(8)]
+            if kept:
+                assert 1.0 <= b.sampling_perplexity < math.inf and 1.0 <= kid.sampling_perplexity < math.inf
+            else:
+                for br in (b, kid, b.fork()):
+                    with pytest.raises(lloyal.LloyalError, match="sampling_perplexity=True") as err:
+                        _ = br.sampling_perplexity
+                    assert type(err.value) is lloyal.LloyalError
+            return one_by_one, engine, b.perplexity
+
+
+def test_sampling_perplexity_off_keeps_tokens_and_model_perplexity(exact_model: lloyal.Model) -> None:
+    """Context(sampling_perplexity=False): the same tokens for a seed, committed one by one and
+    through the engine, and the same model perplexity; reading the sampling perplexity of a
+    branch, or of a fork, raises a LloyalError that says how to keep it."""
+    kept, off = _sampled_run(exact_model, True), _sampled_run(exact_model, False)
+    assert kept[0] == kept[1] and len(kept[0]) == 8  # one by one = the engine, with its own fork
+    assert off[:2] == kept[:2]
+    assert off[2] == pytest.approx(kept[2], rel=1e-12)
+
+
+def test_sampling_perplexity_off_survives_save_and_load(exact_model: lloyal.Model) -> None:
+    """A branch saved on a context that keeps sampling perplexity and loaded into one that does
+    not keeps its model perplexity and raises on the sampling one; back in a keeping context it
+    has the value it was saved with."""
+    params = lloyal.SamplingParams(temperature=0.8, seed=5)
+    with (
+        lloyal.Context(exact_model, n_ctx=256) as on,
+        lloyal.Context(exact_model, n_ctx=256, sampling_perplexity=False) as off,
+    ):
+        with lloyal.Branch.create(on, 0, params) as b:
+            b.prefill(on.tokenize("The capital of France is"))
+            for t in b.generate(3):
+                assert t.token >= 0
+            data, ppl, sppl = b.save_state(), b.perplexity, b.sampling_perplexity
+        with lloyal.Branch.load_state(off, data) as loaded:
+            assert loaded.perplexity == pytest.approx(ppl, rel=1e-9)
+            with pytest.raises(lloyal.LloyalError, match="does not track sampling perplexity"):
+                _ = loaded.sampling_perplexity
+            data = loaded.save_state()
+        with lloyal.Branch.load_state(on, data) as back:
+            assert back.sampling_perplexity == pytest.approx(sppl, rel=1e-9)

@@ -22,7 +22,7 @@ import jsonschema
 import numpy as np
 import pytest
 from helpers import SERVER_KEY as KEY
-from helpers import THP, greedy_completion, person_schema, serving, stream_with_usage
+from helpers import THP, THP_COLLAPSE, greedy_completion, person_schema, serving, stream_with_usage
 
 import lloyal
 
@@ -504,6 +504,10 @@ def test_fast_kernels_by_default_and_prefill_chunk_options(
     c = openai.OpenAI(base_url=f"{url}/v1", api_key="-", max_retries=0)
     out = c.completions.create(model=name, prompt="The capital of France is", max_tokens=4, temperature=0)
     assert out.usage is not None and out.usage.completion_tokens == 4 and out.choices[0].text
+    # Nothing it answers reads a branch's sampling perplexity, so its context does not keep it;
+    # its logits buffer is on huge pages after the first decode (tests/test_context.py).
+    assert state.ctx.sampling_perplexity is False
+    assert state.ctx.huge_page_bytes > 0 or not THP_COLLAPSE
     _idle(app)
     # `lloyal serve` asks for the fast kernels unless told `--batch-invariant`.
     from lloyal import cli

@@ -151,6 +151,11 @@ class Context:
     cache types allow it. Float (F32/F16/BF16) weights never allow it: llama.cpp multiplies them
     with one kernel for a single row and another for several.
 
+    ``sampling_perplexity=False``: branches do not keep ``Branch.sampling_perplexity`` (reading
+    it raises). That sum over the vocabulary at ``1 / temperature`` is half of the host work a
+    decoded row costs (its second exponential a value), so a context that never reads it, like
+    the OpenAI server's, turns it off. Tokens and ``perplexity`` are the same either way.
+
     ``pooling`` (for ``embeddings=True``): ``None`` pools the way the model's GGUF declares
     (``<arch>.pooling_type``, e.g. the last token for Qwen3-Embedding), else by mean.
 
@@ -174,6 +179,7 @@ class Context:
         type_v: str = "f16",
         flash_attn: bool = True,
         batch_invariant: bool | None = None,
+        sampling_perplexity: bool = True,
     ) -> Context: ...
     @classmethod
     def from_path(cls, path: str | os.PathLike[str], **options: Any) -> Context:
@@ -206,6 +212,15 @@ class Context:
     @property
     def batch_invariant(self) -> bool:
         """Whether this context runs batch-invariant kernels (see ``Context``)."""
+    @property
+    def sampling_perplexity(self) -> bool:
+        """Whether branches keep their sampling perplexity (see ``Context``)."""
+    @property
+    def huge_page_bytes(self) -> int:
+        """Bytes of llama.cpp's logits buffer (its rows for every sequence, read in place by each
+        decode's summary) on 2 MiB pages (Linux, a model on the CPU): put there after the first
+        decode that makes logits, and after each that moves the buffer. 0 before, where THP is
+        ``never``, on kernels before 6.1, or with the model's output layer on a GPU."""
     @property
     def device_rows(self) -> bool:
         """Whether decodes summarise each logits row (maximum, log-sum-exps, span maxima) on the
@@ -1184,7 +1199,9 @@ class Branch:
         """Model perplexity ``exp(mean surprisal)`` of accepted tokens; ``inf`` before any."""
     @property
     def sampling_perplexity(self) -> float:
-        """Perplexity under the sampling distribution (penalties, biases, temperature)."""
+        """Perplexity under the sampling distribution (penalties, biases, temperature); ``inf``
+        before any accepted token. Raises ``LloyalError`` on a context created with
+        ``sampling_perplexity=False``."""
     @property
     def parent(self) -> Branch | None:
         """The parent branch, or None for a root."""

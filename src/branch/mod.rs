@@ -384,10 +384,12 @@ impl PyBranch {
         self.call(py, |s, h| Ok(s.branch(h)?.perplexity()))
     }
 
-    /// Perplexity under the sampling distribution (penalties, biases, temperature).
+    /// Perplexity under the sampling distribution (penalties, biases, temperature); ``inf``
+    /// before any accepted token. Raises ``LloyalError`` on a context created with
+    /// ``sampling_perplexity=False``.
     #[getter]
     fn sampling_perplexity(&self, py: Python<'_>) -> PyResult<f64> {
-        self.call(py, |s, h| Ok(s.branch(h)?.sampling_perplexity()))
+        self.call(py, |s, h| s.branch(h)?.sampling_perplexity())
     }
 
     /// The parent branch, or None for a root.

@@ -35,6 +35,11 @@ use crate::model::PyModel;
 /// cache types allow it. Float (F32/F16/BF16) weights never allow it: llama.cpp multiplies them
 /// with one kernel for a single row and another for several.
 ///
+/// ``sampling_perplexity=False``: branches do not keep ``Branch.sampling_perplexity`` (reading
+/// it raises). That sum over the vocabulary at ``1 / temperature`` is half of the host work a
+/// decoded row costs (its second exponential a value), so a context that never reads it, like
+/// the OpenAI server's, turns it off. Tokens and ``perplexity`` are the same either way.
+///
 /// ``pooling`` (for ``embeddings=True``): ``None`` pools the way the model's GGUF declares
 /// (``<arch>.pooling_type``, e.g. the last token for Qwen3-Embedding), else by mean.
 ///
@@ -63,7 +68,7 @@ impl PyContext {
     #[new]
     #[pyo3(signature = (model, *, n_ctx=2048, n_batch=512, n_seq_max=1, n_threads=None,
                         embeddings=false, pooling=None, type_k=None, type_v="f16", flash_attn=true,
-                        batch_invariant=None))]
+                        batch_invariant=None, sampling_perplexity=true))]
     #[allow(clippy::too_many_arguments)]
     fn new(
         py: Python<'_>,
@@ -78,6 +83,7 @@ impl PyContext {
         type_v: &str,
         flash_attn: bool,
         batch_invariant: Option<bool>,
+        sampling_perplexity: bool,
     ) -> PyResult<Self> {
         let options = ContextOptions {
             n_ctx: narrow("n_ctx", n_ctx, "a positive number of KV cells")?,
@@ -90,6 +96,7 @@ impl PyContext {
             type_v: type_v.to_string(),
             flash_attn,
             batch_invariant,
+            sampling_perplexity,
         };
         options.validate().py()?;
         let model: Py<PyModel> = match model.cast::<PyModel>() {
@@ -158,6 +165,21 @@ impl PyContext {
     #[getter]
     fn batch_invariant(&self) -> bool {
         self.inner.options().is_batch_invariant()
+    }
+
+    /// Whether branches keep their sampling perplexity (see ``Context``).
+    #[getter]
+    fn sampling_perplexity(&self) -> bool {
+        self.inner.options().sampling_perplexity
+    }
+
+    /// Bytes of llama.cpp's logits buffer (its rows for every sequence, read in place by each
+    /// decode's summary) on 2 MiB pages (Linux, a model on the CPU): put there after the first
+    /// decode that makes logits, and after each that moves the buffer. 0 before, where THP is
+    /// ``never``, on kernels before 6.1, or with the model's output layer on a GPU.
+    #[getter]
+    fn huge_page_bytes(&self, py: Python<'_>) -> PyResult<usize> {
+        run(py, self.ctx(), |s| Ok(s.huge_logit_bytes()))
     }
 
     /// Whether decodes summarise each logits row (maximum, log-sum-exps, span maxima) on the

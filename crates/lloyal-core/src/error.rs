@@ -87,6 +87,14 @@ pub enum LloyalError {
     #[error("{0}")]
     InvalidArgument(String),
 
+    /// A branch's sampling perplexity read on a context that does not track it.
+    #[error(
+        "this context does not track sampling perplexity (it was created with \
+         sampling_perplexity=False); create the Context with sampling_perplexity=True (the default) \
+         to read it"
+    )]
+    SamplingPerplexityOff,
+
     /// A request that needs logits before any decode produced them.
     #[error("no logits available: decode (or prefill) at least one token first")]
     NoLogits,

@@ -164,6 +164,9 @@ pub struct ContextOptions {
     /// decode, nor on where its sequence's cells sit in the cache. `None` turns them on when
     /// the model allows it (see [`ContextOptions::resolve`]).
     pub batch_invariant: Option<bool>,
+    /// Whether branches keep their sampling perplexity. Off, a decode's summary of each row
+    /// takes one exponential a value instead of two (the sum at `1 / temperature`).
+    pub sampling_perplexity: bool,
 }
 
 impl Default for ContextOptions {
@@ -179,6 +182,7 @@ impl Default for ContextOptions {
             type_v: "f16".into(),
             flash_attn: true,
             batch_invariant: None,
+            sampling_perplexity: true,
         }
     }
 }

@@ -104,6 +104,12 @@ pub struct RawContext {
     device: DeviceRows,
     /// Whether decodes summarise rows (else the host does).
     device_on: bool,
+    /// Whether llama.cpp's logits buffer is put on huge pages (its rows are on the host).
+    huge_logits: bool,
+    /// The logits buffer's base and rows as last put on huge pages (`(0, 0)`: not yet).
+    collapsed: (usize, usize),
+    /// Bytes of it on huge pages.
+    huge_logit_bytes: usize,
 }
 
 // SAFETY: a llama_context has no thread affinity; lloyal only touches it through &mut under
@@ -132,6 +138,9 @@ impl RawContext {
             out_rows: 0,
             device: DeviceRows::new(n_vocab),
             device_on: false,
+            huge_logits: false,
+            collapsed: (0, 0),
+            huge_logit_bytes: 0,
         })
     }
 
@@ -228,11 +237,41 @@ impl RawContext {
                 unsafe { sys::llama_synchronize(self.ptr.as_ptr()) };
             }
             self.device.decoded(self.ptr); // after the wait: llama.cpp copies the summaries async
+            if self.huge_logits && batch.outputs() > 0 {
+                self.collapse_logits();
+            }
         }
         if code == 0 || !clean {
             self.epoch.fetch_add(1, Ordering::Release);
         }
         code
+    }
+
+    /// Put llama.cpp's logits buffer on huge pages after each decode that made (or moved) it
+    /// ([`crate::hugepages::collapse_buffer`]): for a context whose logits are on the host.
+    pub fn use_huge_logits(&mut self) {
+        self.huge_logits = true;
+    }
+
+    /// Bytes of llama.cpp's logits buffer on huge pages.
+    pub fn huge_logit_bytes(&self) -> usize {
+        self.huge_logit_bytes
+    }
+
+    /// The logits buffer on huge pages, once for each place and size it takes: llama.cpp
+    /// allocates it with the context (and again, larger, for a decode with more output rows
+    /// than it holds) and clears it, so its 4 KiB pages exist and are collapsed here.
+    fn collapse_logits(&mut self) {
+        // SAFETY: valid context; returns llama.cpp's logits buffer (null when it has none).
+        let base = unsafe { sys::llama_get_logits(self.ptr.as_ptr()) } as usize;
+        let rows = self.out_rows.max(self.n_seq.max(0) as usize);
+        if base == 0 || (base, rows) == self.collapsed {
+            return;
+        }
+        self.collapsed = (base, rows);
+        // The buffer holds at least `rows` rows: llama.cpp sizes it for max(n_seq_max, the
+        // most outputs a decode asked for).
+        self.huge_logit_bytes = crate::hugepages::collapse_buffer(base, rows * self.n_vocab * 4);
     }
 
     /// Whether a failed `decode` of `batch` leaves the logits rows of the decode before it

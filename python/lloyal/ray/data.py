@@ -70,7 +70,9 @@ class RowGenerator:
         rows_at_once: int,
         context_options: dict[str, Any],
     ) -> None:
-        opts = {"n_ctx": 4096, **context_options}
+        # Only the model perplexity picks the best of n: the sampling one would cost a second
+        # exponential a vocabulary value each decoded row (Context's sampling_perplexity).
+        opts = {"n_ctx": 4096, "sampling_perplexity": False, **context_options}
         opts["n_seq_max"] = min(256, max(opts.get("n_seq_max", 0), rows_at_once * (best_of + 1)))
         self.ctx = lloyal.Context(model, **opts)
         self.prompt_column, self.grammar_column = prompt_column, grammar_column

@@ -25,7 +25,9 @@ class ServerState:
 
     def __init__(self, cfg: ServerConfig) -> None:
         self.cfg = cfg
-        options = dict(cfg.context_options)
+        # Nothing the server answers reads a branch's sampling perplexity: not keeping it halves
+        # the exponentials of every decoded row's summary (Context's sampling_perplexity).
+        options = {"sampling_perplexity": False, **cfg.context_options}
         if cfg.batch_invariant:
             options["batch_invariant"] = True
         invariant = options.get("batch_invariant") is True

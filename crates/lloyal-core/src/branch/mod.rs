@@ -188,6 +188,10 @@ pub struct BranchState {
     pub(crate) gen_ban: Option<GenBan>,
     pub(crate) model_ppl: PerplexityTracker,
     pub(crate) sampling_ppl: PerplexityTracker,
+    /// Whether commits add to `sampling_ppl` (the context's `sampling_perplexity` option): its
+    /// sum over the row at `1 / temperature` is a second exponential a value, so a context that
+    /// never reads it does not pay for it.
+    pub(crate) tracks_sampling: bool,
     /// Logits after the last decode (empty before any), read in place in llama.cpp's output
     /// buffer until a decode may overwrite it ([`Logits`]). Shared with forks until either
     /// side decodes again: forks of one branch copy its row (262,144 floats, 1 MiB, for
@@ -207,8 +211,9 @@ pub struct BranchState {
 }
 
 impl BranchState {
-    /// A fresh branch on `seq_id` at `position`.
-    pub fn new(seq_id: i32, position: i32, sampler: Sampler) -> Self {
+    /// A fresh branch on `seq_id` at `position`; `tracks_sampling`: whether it keeps its
+    /// sampling perplexity.
+    pub fn new(seq_id: i32, position: i32, sampler: Sampler, tracks_sampling: bool) -> Self {
         BranchState {
             seq_id,
             position,
@@ -219,6 +224,7 @@ impl BranchState {
             gen_ban: None,
             model_ppl: PerplexityTracker::new(),
             sampling_ppl: PerplexityTracker::new(),
+            tracks_sampling,
             logits: Arc::default(),
             next_logits: Logits::default(),
             logit_bias: Vec::new(),
@@ -240,6 +246,7 @@ impl BranchState {
             gen_ban: None,
             model_ppl: self.model_ppl.clone(),
             sampling_ppl: self.sampling_ppl.clone(),
+            tracks_sampling: self.tracks_sampling,
             logits: if clone_logits { Logits::share(&self.logits) } else { Arc::default() },
             next_logits: Logits::default(),
             logit_bias: self.logit_bias.clone(),
@@ -267,6 +274,7 @@ impl BranchState {
             gen_ban: self.gen_ban.clone(),
             model_ppl: self.model_ppl.clone(),
             sampling_ppl: self.sampling_ppl.clone(),
+            tracks_sampling: self.tracks_sampling,
             logits: Logits::share(&self.logits),
             next_logits: Logits::default(),
             logit_bias: self.logit_bias.clone(),
@@ -290,6 +298,7 @@ impl BranchState {
             gen_ban: None,
             model_ppl: Default::default(),
             sampling_ppl: Default::default(),
+            tracks_sampling: self.tracks_sampling,
             logits: Arc::default(),
             next_logits: Logits::default(),
             logit_bias: self.logit_bias.clone(),
@@ -374,22 +383,32 @@ impl BranchState {
         }
     }
 
-    /// Surprisals (model, sampling) of `token` under the current snapshot, in nats.
-    /// `None` before any logits exist. O(penalties + biases) when the snapshot's pass summed the
-    /// sampling scale (a decode's row, [`Logits::fill_in_place`]); one pass over the row otherwise.
-    pub(crate) fn surprisals(&self, token: i32) -> Option<(f64, f64)> {
+    /// The scale a decode's summary of this branch's row sums at besides 1 (the sampling
+    /// perplexity's), or `None` when the branch does not track it.
+    pub(crate) fn summary_scale(&self) -> Option<f32> {
+        self.tracks_sampling.then(|| self.sampling_scale())
+    }
+
+    /// Surprisals (model, sampling) of `token` under the current snapshot, in nats; the
+    /// sampling one `None` when the branch does not track it. `None` before any logits exist.
+    /// O(penalties + biases) when the snapshot's pass summed the sampling scale (a decode's row,
+    /// [`Logits::fill_in_place`]); one pass over the row otherwise.
+    pub(crate) fn surprisals(&self, token: i32) -> Option<(f64, Option<f64>)> {
         if self.logits.is_empty() {
             return None;
+        }
+        let t = token as usize;
+        let model_logit = *self.logits.get(t)?;
+        let model = self.logits.surprisal(t);
+        if !self.tracks_sampling {
+            return Some((model, None));
         }
         let params = self.sampler.params();
         let repl = adjusted_replacements(&self.logits, self.sampler.history(), params, &self.biases());
         let scale = self.sampling_scale();
-        let t = token as usize;
-        let model_logit = *self.logits.get(t)?;
         let sampled_logit = repl.iter().find(|(i, _)| *i == t).map(|r| r.1).unwrap_or(model_logit);
-        let model = self.logits.surprisal(t);
         if repl.is_empty() && scale == 1.0 {
-            return Some((model, model));
+            return Some((model, Some(model)));
         }
         let stats = self.logits.stats();
         let lse_sampling = match (scale == 1.0, stats.scaled_lse(scale)) {
@@ -402,12 +421,12 @@ impl BranchState {
         } else {
             (lse_sampling - f64::from(sampled_logit) * f64::from(scale)).max(0.0)
         };
-        Some((model, sampling))
+        Some((model, Some(sampling)))
     }
 
     /// Record an accepted token: metrics (from precomputed surprisals) and sampler history.
     /// The grammar must already allow `token` ([`Self::check_grammar`]).
-    pub(crate) fn accept_with(&mut self, token: i32, surprisals: Option<(f64, f64)>) {
+    pub(crate) fn accept_with(&mut self, token: i32, surprisals: Option<(f64, Option<f64>)>) {
         if let Some(g) = self.grammar.as_mut() {
             // Pre-checked by every caller, so this cannot fail; if it ever did, the grammar is
             // left as it was (accept checks first) and the token still joins the history.
@@ -415,7 +434,9 @@ impl BranchState {
         }
         if let Some((m, s)) = surprisals {
             self.model_ppl.add(m);
-            self.sampling_ppl.add(s);
+            if let Some(s) = s {
+                self.sampling_ppl.add(s);
+            }
         }
         match self.pending.take() {
             Some((t, Drawn::Rng(state))) if t == token => self.sampler.set_rng_state(state),
@@ -444,8 +465,13 @@ impl BranchState {
         self.model_ppl.perplexity()
     }
 
-    /// Perplexity under the sampling distribution (penalties, biases, temperature).
-    pub fn sampling_perplexity(&self) -> f64 {
-        self.sampling_ppl.perplexity()
+    /// Perplexity under the sampling distribution (penalties, biases, temperature);
+    /// `SamplingPerplexityOff` when the branch's context does not track it.
+    pub fn sampling_perplexity(&self) -> Result<f64> {
+        if self.tracks_sampling {
+            Ok(self.sampling_ppl.perplexity())
+        } else {
+            Err(LloyalError::SamplingPerplexityOff)
+        }
     }
 }

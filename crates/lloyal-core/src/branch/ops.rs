@@ -23,7 +23,8 @@ pub struct BranchInfo {
     pub position: i32,
     pub fork_head: i32,
     pub perplexity: f64,
-    pub sampling_perplexity: f64,
+    /// `None` when the context does not track it.
+    pub sampling_perplexity: Option<f64>,
     pub parent: Option<Handle>,
     pub children: Vec<Handle>,
 }
@@ -56,7 +57,7 @@ impl ContextState {
             position: b.position,
             fork_head: b.fork_head,
             perplexity: b.perplexity(),
-            sampling_perplexity: b.sampling_perplexity(),
+            sampling_perplexity: b.sampling_perplexity().ok(),
             parent: self.topology.parent(handle),
             children: self.topology.children(handle).to_vec(),
         })
@@ -72,7 +73,7 @@ impl ContextState {
         let sampler = Sampler::new(&model, params)?;
         self.cache_make_room(1, 0, 0, &[]);
         let seq = self.ledger.take_lease(&mut self.raw)?;
-        let handle = self.branches.insert(BranchState::new(seq, position, sampler));
+        let handle = self.branches.insert(BranchState::new(seq, position, sampler, self.sampling_perplexity));
         self.topology.add(handle, None);
         Ok(handle)
     }

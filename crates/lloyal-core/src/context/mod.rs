@@ -85,6 +85,9 @@ impl Context {
         if device_rows {
             raw.use_device_rows();
         }
+        if model.options().n_gpu_layers == 0 {
+            raw.use_huge_logits(); // a GPU build's output buffer is pinned host memory: left alone
+        }
         let (n_ctx, n_batch, n_seq_all) = raw.sizes();
         let parks = options.parks_freed_cells();
         // The hidden parking sequence is the last id; users and leases see the ones before it.
@@ -120,6 +123,7 @@ impl Context {
             cache: Default::default(),
             in_engine: Vec::new(),
             compacts: crate::state::compact::enabled(options.is_batch_invariant()),
+            sampling_perplexity: options.sampling_perplexity,
         };
         let cache = Arc::clone(&state.cache);
         let occupancy = Mutex::new((state.available(), state.kv_pressure()));

@@ -19,7 +19,7 @@ impl ContextState {
     /// `next_logits`, read in place and summarised in one pass (`scan::scan_rows`), the rows'
     /// parts shared among the decode's threads (on an engine thread: `omp::parallel_for`).
     /// Each branch's snapshot also gets the log-sum-exp of its sampling distribution's scale
-    /// (sampling perplexity at commit).
+    /// (sampling perplexity at commit) when the branch tracks it.
     pub(crate) fn fill_next_logits_rows(&mut self, rows: &[(i32, Handle)]) -> Result<()> {
         let ids: Vec<i32> = rows.iter().map(|r| r.0).collect();
         let Some(srcs) = self.raw.output_rows(&ids) else {
@@ -35,12 +35,12 @@ impl ContextState {
             }
             let b = self.branch_mut(handle)?;
             let mut logits = std::mem::take(&mut b.next_logits);
-            jobs.push((handle, b.sampling_scale(), logits.take_maxima(), logits, src));
+            jobs.push((handle, b.summary_scale(), logits.take_maxima(), logits, src));
         }
         let threads = usize::try_from(self.shape.n_threads).unwrap_or(1);
         let scans = jobs
             .iter_mut()
-            .map(|(_, scale, maxima, _, src)| RowJob { src: src.get(), maxima, scale: Some(*scale) })
+            .map(|(_, scale, maxima, _, src)| RowJob { src: src.get(), maxima, scale: *scale })
             .collect();
         let stats = scan_rows(scans, threads, |n, job| crate::omp::parallel_for(n, threads, job));
         for ((handle, _, maxima, mut logits, src), stats) in jobs.into_iter().zip(stats) {

@@ -59,6 +59,8 @@ pub struct ContextState {
     pub(crate) in_engine: Vec<crate::tenancy::Handle>,
     /// The engine compacts the KV cache when it pays (`state::compact`).
     pub(crate) compacts: bool,
+    /// Whether its branches keep their sampling perplexity (`ContextOptions::sampling_perplexity`).
+    pub(crate) sampling_perplexity: bool,
 }
 
 /// A check run between the decodes of one call: `true` stops the call, which then rolls
@@ -192,6 +194,11 @@ impl ContextState {
         }
     }
 
+    /// Bytes of llama.cpp's logits buffer on huge pages (`RawContext::use_huge_logits`).
+    pub fn huge_logit_bytes(&self) -> usize {
+        self.raw.huge_logit_bytes()
+    }
+
     /// Whether decodes summarise logits rows on the model's device ([`crate::device_rows`]).
     pub fn device_rows(&self) -> bool {
         self.raw.device_rows()
@@ -204,7 +211,7 @@ impl ContextState {
         if !self.raw.device_rows() {
             return false;
         }
-        let scale_of = |seq: i32| self.branch_on(seq).map_or(1.0, BranchState::sampling_scale);
+        let scale_of = |seq: i32| self.branch_on(seq).and_then(BranchState::summary_scale).unwrap_or(1.0);
         let outputs: Vec<(i32, i32, f32)> =
             self.batch.output_seqs().into_iter().map(|(row, seq)| (row, seq, scale_of(seq))).collect();
         self.raw.want_device_rows(&outputs)

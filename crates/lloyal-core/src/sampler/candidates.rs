@@ -2,6 +2,7 @@
 //! best tokens a grammar allows, the greedy token.
 
 use llama_cpp_sys_2 as sys;
+use multiversion::multiversion;
 
 use crate::metrics::{max_f32, max_f32_lanes};
 use crate::scan::SPAN;
@@ -55,17 +56,7 @@ pub fn top_candidates_in(
             owned = logits.chunks(SPAN).map(max_f32_lanes::<16>).collect();
             &owned
         };
-        let bound = nth_largest(maxima, cap);
-        for (b, (span, &span_max)) in logits.chunks(SPAN).zip(maxima).enumerate() {
-            if span_max >= bound {
-                let base = b * SPAN;
-                for (j, &x) in span.iter().enumerate() {
-                    if x >= bound {
-                        heap.offer(Cand(x, (base + j) as i32));
-                    }
-                }
-            }
-        }
+        offer_spans_reaching(&mut heap, logits, maxima, nth_largest(maxima, cap));
     } else {
         for (i, &x) in logits.iter().enumerate() {
             if !x.is_nan() {
@@ -79,6 +70,22 @@ pub fn top_candidates_in(
     out.sort_unstable_by(|a, b| b.cmp(a));
     out.truncate(k);
     out.into_iter().map(|c| (c.1, c.0)).collect()
+}
+
+/// Offer `heap` every value of `logits` at least `bound`, visiting only the [`SPAN`]s whose
+/// maximum (`maxima`) reaches it, a group of [`LANES`] values compared at once.
+#[multiversion(targets("x86_64+avx512f+avx512bw+avx512dq+avx512vl", "x86_64+avx2+fma"))]
+fn offer_spans_reaching(heap: &mut TopHeap, logits: &[f32], maxima: &[f32], bound: f32) {
+    for (c, group) in maxima.chunks(LANES).enumerate() {
+        for b in set_bits(at_least(group, bound)).map(|j| c * LANES + j) {
+            let span = &logits[b * SPAN..((b + 1) * SPAN).min(logits.len())];
+            for (d, part) in span.chunks(LANES).enumerate() {
+                for j in set_bits(at_least(part, bound)).map(|j| d * LANES + j) {
+                    heap.offer(Cand(span[j], (b * SPAN + j) as i32));
+                }
+            }
+        }
+    }
 }
 
 /// A candidate for llama.cpp's chain.
@@ -147,20 +154,63 @@ pub(super) fn pad_to_k(mut best: Vec<(i32, f32)>, k: usize) -> Vec<(i32, f32)> {
     best
 }
 
-/// The `n`-th largest of `values` (`1 <= n <= values.len()`), by a bounded min-heap: one
-/// comparison for most values when `n` is small.
+/// Values a mask of [`at_least`] covers: one SIMD compare a group.
+const LANES: usize = 16;
+
+/// Bit `i` set where `values[i] >= t` (at most [`LANES`] values; NaN never), branch-free so
+/// the compiler makes it a vector compare and a move-mask.
+#[inline(always)]
+fn at_least(values: &[f32], t: f32) -> u32 {
+    if let Ok(group) = <&[f32; LANES]>::try_from(values) {
+        let mut mask = 0;
+        for (i, &x) in group.iter().enumerate() {
+            mask |= u32::from(x >= t) << i;
+        }
+        return mask;
+    }
+    values.iter().enumerate().fold(0, |m, (i, &x)| m | (u32::from(x >= t) << i))
+}
+
+/// The positions of the set bits of `mask`, lowest first.
+#[inline]
+fn set_bits(mut mask: u32) -> impl Iterator<Item = usize> {
+    std::iter::from_fn(move || {
+        let i = (mask != 0).then(|| mask.trailing_zeros() as usize)?;
+        mask &= mask - 1;
+        Some(i)
+    })
+}
+
+/// The `n`-th largest number of `values` (`n >= 1`; NaN skipped; `-inf` when fewer than `n`
+/// numbers). Values reaching a floor gather in a buffer, a group of [`LANES`] compared with it
+/// at once; when the buffer holds `4n`, a selection keeps its `n` largest and the floor rises to
+/// the least of them. The floor starts at the least of the maxima of `n` slices of `values`
+/// (those are `n` numbers at least that big), so few values are ever gathered.
+#[multiversion(targets("x86_64+avx512f+avx512bw+avx512dq+avx512vl", "x86_64+avx2+fma"))]
 fn nth_largest(values: &[f32], n: usize) -> f32 {
-    let mut heap = std::collections::BinaryHeap::with_capacity(n + 1);
-    for &v in values {
-        let v = std::cmp::Reverse(Cand(v, 0));
-        if heap.len() < n {
-            heap.push(v);
-        } else if heap.peek().is_some_and(|floor| v < *floor) {
-            heap.pop();
-            heap.push(v);
+    let n = n.max(1);
+    let mut low = match values.len() / n {
+        0 => f32::NEG_INFINITY,
+        size => values.chunks_exact(size).take(n).map(max_f32_lanes::<LANES>).fold(f32::INFINITY, f32::min),
+    };
+    let keep_n = |buf: &mut Vec<f32>| {
+        let (_, nth, _) = buf.select_nth_unstable_by(n - 1, |a, b| b.total_cmp(a));
+        let nth = *nth;
+        buf.truncate(n);
+        nth
+    };
+    let mut buf: Vec<f32> = Vec::with_capacity(4 * n + LANES);
+    for group in values.chunks(LANES) {
+        buf.extend(set_bits(at_least(group, low)).map(|i| group[i]));
+        if buf.len() >= 4 * n {
+            low = keep_n(&mut buf);
         }
     }
-    heap.peek().map_or(f32::NEG_INFINITY, |r| r.0 .0)
+    if buf.len() < n {
+        f32::NEG_INFINITY
+    } else {
+        keep_n(&mut buf)
+    }
 }
 
 /// The `cap` best candidates seen so far (a min-heap on [`Cand`] order).
@@ -210,4 +260,49 @@ pub fn argmax(values: &[f32]) -> i32 {
         return 0;
     }
     values.iter().position(|&v| v == best).unwrap_or(0) as i32
+}
+
+#[cfg(test)]
+mod tests {
+    use super::{at_least, nth_largest, set_bits};
+
+    /// The n-th largest number equals a sort's, with ties, `-inf` runs and NaN, at lengths on
+    /// both sides of a whole number of groups, and `-inf` when fewer than n numbers.
+    #[test]
+    fn nth_largest_equals_a_sort() {
+        let mut state = 0x853c_49e6_748f_ea9bu64;
+        let mut next = move || {
+            state ^= state << 13;
+            state ^= state >> 7;
+            state ^= state << 17;
+            state
+        };
+        for &len in &[1usize, 15, 16, 17, 100, 4096, 4099] {
+            let mut v: Vec<f32> = (0..len).map(|_| (next() % 200) as f32 / 8.0 - 12.0).collect();
+            for x in v.iter_mut().skip(3).step_by(7) {
+                *x = f32::NEG_INFINITY;
+            }
+            if len > 20 {
+                v[len / 2] = f32::NAN;
+                v[5] = f32::NAN;
+            }
+            let mut sorted: Vec<f32> = v.iter().copied().filter(|x| !x.is_nan()).collect();
+            sorted.sort_by(|a, b| b.total_cmp(a));
+            for n in [1, 2, 5, 42, len] {
+                let want = sorted.get(n - 1).copied().unwrap_or(f32::NEG_INFINITY);
+                assert_eq!(nth_largest(&v, n), want, "len={len} n={n}");
+            }
+        }
+        assert_eq!(nth_largest(&[f32::NAN, 1.0], 2), f32::NEG_INFINITY);
+    }
+
+    #[test]
+    fn masks_and_their_bits() {
+        let v = [3.0, f32::NAN, 5.0, -1.0, 5.0];
+        assert_eq!(at_least(&v, 4.0), 0b10100);
+        assert_eq!(at_least(&v, f32::NEG_INFINITY), 0b11101);
+        assert_eq!(set_bits(0b10100).collect::<Vec<_>>(), vec![2, 4]);
+        assert_eq!(set_bits(0).count(), 0);
+        assert_eq!(set_bits(1 << 15).collect::<Vec<_>>(), vec![15]);
+    }
 }

@@ -311,7 +311,7 @@ impl ContextState {
             self.ledger.return_lease(seq);
             return Err(e);
         }
-        let mut b = BranchState::new(seq, p.position, p.sampler);
+        let mut b = BranchState::new(seq, p.position, p.sampler, self.sampling_perplexity);
         b.fork_head = p.position - p.cells as i32;
         b.grammar = p.grammar;
         b.model_ppl = p.model_ppl;

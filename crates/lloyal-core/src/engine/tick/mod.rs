@@ -42,7 +42,7 @@ struct CommitRow {
     token: i32,
     seq: i32,
     pos: i32,
-    surprisals: Option<(f64, f64)>,
+    surprisals: Option<(f64, Option<f64>)>,
 }
 
 /// One branch's run of a prefill operation.
