@@ -484,17 +484,20 @@ def test_a_prompt_that_waited_before_the_streams_started_is_not_paced_behind_the
         try:
             wait_until(lambda: ctx.engine_stats().ticks > 20)  # the pacer measured the stream
             prompt = [1000 + (i * 7) % 3000 for i in range(200)]
-            ticks = {}
+            ticks: dict[float, list[int]] = {0.0: [], 5.0: []}
             for waited in (0.0, 5.0, 0.0):
                 b = Branch.create(ctx, 0, GREEDY)
                 before = ctx.engine_stats().ticks
                 assert len(list(b.generate(1, prompt=prompt, waited=waited))) == 1
-                ticks[waited] = ctx.engine_stats().ticks - before
+                ticks[waited].append(ctx.engine_stats().ticks - before)
                 b.prune()
         finally:
             stop.set()
             t.join()
-        assert ticks[5.0] <= 3 < 10 <= ticks[0.0]  # one prefill tick (and its commit)
+        # One prefill tick (and its commit) for the prompt that waited. Of the two that did not,
+        # at least one is paced: the other may find the stream's thread late back (over
+        # ACTIVE_GAP, 50 ms, on a loaded host), when nothing runs to be protected.
+        assert ticks[5.0][0] <= 3 < 10 <= max(ticks[0.0]), ticks
         with pytest.raises(ValueError, match="waited must be"):
             stream.generate(1, waited=-1.0)
         stream.prune()
