@@ -152,9 +152,9 @@ class Context:
     with one kernel for a single row and another for several.
 
     ``sampling_perplexity=False``: branches do not keep ``Branch.sampling_perplexity`` (reading
-    it raises). That sum over the vocabulary at ``1 / temperature`` is half of the host work a
-    decoded row costs (its second exponential a value), so a context that never reads it, like
-    the OpenAI server's, turns it off. Tokens and ``perplexity`` are the same either way.
+    it raises). That sum over the vocabulary at ``1 / temperature`` is a second exponential a
+    value in every decoded row's summary, so a context that never reads it, like the OpenAI
+    server's, turns it off. Tokens and ``perplexity`` are the same either way.
 
     ``pooling`` (for ``embeddings=True``): ``None`` pools the way the model's GGUF declares
     (``<arch>.pooling_type``, e.g. the last token for Qwen3-Embedding), else by mean.

@@ -103,8 +103,8 @@ fn read_maps() -> String {
 ///
 /// For llama.cpp's logits buffer: a decode's summary reads every row of it once, and on a
 /// virtual x86 host a 1 MiB row read through 4 KiB pages costs 256 TLB misses (each a two-level
-/// walk). With the rows out of cache, the summary of 16 rows took 62 against 67-77 us a row
-/// on 2 threads (`benches/RESULTS.md`).
+/// walk). The summary of 16 rows on 2 threads took 37-39 against 43-49 us a row in cache, and
+/// 62-73 against 62-77 out of it (`benches/RESULTS.md`).
 pub fn collapse_buffer(start: usize, len: usize) -> usize {
     let Some((a, b)) = huge_interior(start, start.saturating_add(len)) else {
         return 0;
