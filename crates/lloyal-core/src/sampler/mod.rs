@@ -510,4 +510,47 @@ mod tests {
             assert_eq!(top_candidates(&logits, &[], k), plain, "n={n} k={k} no replacements");
         }
     }
+
+    /// A full sort's top-k too for a masked row (fewer numbers than k: the bound from the span
+    /// maxima is -inf, every value is a candidate) and for a row like a model's, whose best
+    /// values sit in a few stretches of the vocabulary and most of the rest far below.
+    #[test]
+    fn top_candidates_of_a_masked_or_stretched_row_equals_a_full_sort() {
+        let sorted_top = |logits: &[f32], k: usize| {
+            let mut all: Vec<(i32, f32)> = logits.iter().enumerate().map(|(i, &x)| (i as i32, x)).collect();
+            all.sort_by(|a, b| b.1.total_cmp(&a.1).then(a.0.cmp(&b.0)));
+            all.truncate(k);
+            all
+        };
+        let n = 262_144;
+        let mut masked = vec![f32::NEG_INFINITY; n];
+        for (j, t) in [5usize, 70_000, 70_001, 200_000, n - 1].into_iter().enumerate() {
+            masked[t] = j as f32;
+        }
+        let top = top_candidates(&masked, &[], 40);
+        assert_eq!(top, sorted_top(&masked, 40));
+        assert_eq!(
+            top[..5].iter().map(|c| c.0).collect::<Vec<_>>(),
+            vec![262_143, 200_000, 70_001, 70_000, 5]
+        );
+        assert_eq!((top[5], top[39]), ((0, f32::NEG_INFINITY), (35, f32::NEG_INFINITY)));
+
+        let mut state = 0x9e37_79b9_7f4a_7c15u64;
+        let mut next = move || {
+            state ^= state << 13;
+            state ^= state >> 7;
+            state ^= state << 17;
+            (state % 10_000) as f32 / 1000.0
+        };
+        let stretched: Vec<f32> = (0..n)
+            .map(|i| match i {
+                0..=99_999 => next() - 30.0,
+                150_000..=152_047 | 240_000..=240_511 => next() + 8.0,
+                _ => next() - 5.0,
+            })
+            .collect();
+        for k in [1, 40, 200] {
+            assert_eq!(top_candidates(&stretched, &[], k), sorted_top(&stretched, k), "k={k}");
+        }
+    }
 }
