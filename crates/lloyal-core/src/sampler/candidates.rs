@@ -275,13 +275,7 @@ mod tests {
     /// both sides of a whole number of groups, and `-inf` when fewer than n numbers.
     #[test]
     fn nth_largest_equals_a_sort() {
-        let mut state = 0x853c_49e6_748f_ea9bu64;
-        let mut next = move || {
-            state ^= state << 13;
-            state ^= state >> 7;
-            state ^= state << 17;
-            state
-        };
+        let mut next = super::super::tests::xorshift(0x853c_49e6_748f_ea9b);
         for &len in &[1usize, 15, 16, 17, 100, 4096, 4099] {
             let mut v: Vec<f32> = (0..len).map(|_| (next() % 200) as f32 / 8.0 - 12.0).collect();
             for x in v.iter_mut().skip(3).step_by(7) {

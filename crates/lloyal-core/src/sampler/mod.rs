@@ -397,6 +397,17 @@ mod tests {
     use crate::sampling::{Mirostat, SamplingParams};
     use llama_cpp_sys_2 as sys;
 
+    /// A xorshift64 generator from `seed` (nonzero): the sampler tests' reproducible rows.
+    pub(super) fn xorshift(seed: u64) -> impl FnMut() -> u64 {
+        let mut state = seed;
+        move || {
+            state ^= state << 13;
+            state ^= state >> 7;
+            state ^= state << 17;
+            state
+        }
+    }
+
     #[test]
     fn chain_order_and_disabled_steps() {
         let p = SamplingParams { seed: Some(3), ..Default::default() };
@@ -480,13 +491,7 @@ mod tests {
     /// replacements, many ties, -inf runs and a NaN, at sizes on both sides of the cut-over.
     #[test]
     fn top_candidates_equals_a_full_sort() {
-        let mut state = 0x2545_f491_4f6c_dd1du64;
-        let mut next = move || {
-            state ^= state << 13;
-            state ^= state >> 7;
-            state ^= state << 17;
-            state
-        };
+        let mut next = xorshift(0x2545_f491_4f6c_dd1d);
         for &(n, k) in &[(100usize, 5usize), (4_000, 1), (20_000, 40), (262_144, 40), (65_536, 200)] {
             let mut logits: Vec<f32> = (0..n).map(|_| (next() % 1000) as f32 / 50.0 - 10.0).collect();
             for x in logits.iter_mut().take(n / 3) {
@@ -535,13 +540,8 @@ mod tests {
         );
         assert_eq!((top[5], top[39]), ((0, f32::NEG_INFINITY), (35, f32::NEG_INFINITY)));
 
-        let mut state = 0x9e37_79b9_7f4a_7c15u64;
-        let mut next = move || {
-            state ^= state << 13;
-            state ^= state >> 7;
-            state ^= state << 17;
-            (state % 10_000) as f32 / 1000.0
-        };
+        let mut bits = xorshift(0x9e37_79b9_7f4a_7c15);
+        let mut next = move || (bits() % 10_000) as f32 / 1000.0;
         let stretched: Vec<f32> = (0..n)
             .map(|i| match i {
                 0..=99_999 => next() - 30.0,
