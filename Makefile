@@ -6,7 +6,7 @@ export VIRTUAL_ENV := $(CURDIR)/.venv
 export PYO3_PYTHON := $(CURDIR)/.venv/bin/python
 PYDIRS := python tests benches examples .ci
 
-.PHONY: help sysdeps browser venv llama-settings build soak fuzz test test-rust test-py test-docs families lint format bench bench-deps bench-batched bench-server-paired bench-peer-same-ggml bench-server-requests demo serve \
+.PHONY: help sysdeps browser venv llama-settings build soak fuzz test test-rust test-py test-docs test-offloaded families lint format bench bench-deps bench-batched bench-server-paired bench-peer-same-ggml bench-server-requests demo serve \
 	smoke-wheel wheel-portable bench-wheel clean distclean
 .DEFAULT_GOAL := help
 
@@ -70,6 +70,9 @@ test-docs: build  ## the examples in every docstring of python/lloyal, run on th
 
 families: build  ## the model-independent suite on tiny generated Llama 3/Mistral/Qwen 2.5/Qwen 3/Phi-3 GGUFs
 	$(PY) -m pytest tests/test_families.py -q
+
+test-offloaded: build  ## tests/ as a GPU run configures them (LLOYAL_N_GPU_LAYERS=99: contexts of the suite's model not batch-invariant), on this CPU
+	LLOYAL_N_GPU_LAYERS=99 $(PY) -m pytest tests -q
 
 test: test-rust test-py  ## everything CI tests: cargo tests, docstring examples, benches smoke, tests/
 

@@ -149,6 +149,11 @@ def _collapses() -> bool:
 
 THP_COLLAPSE = _collapses()
 
+# Whether models loaded without ``n_gpu_layers`` stay on the CPU in this run: not on a GPU run
+# (``LLOYAL_N_GPU_LAYERS=99``, benches/gpu_suite.sh; ``make test-offloaded`` rehearses it here),
+# where their weights and logits live in GPU or pinned memory instead of huge pages.
+MODELS_ON_CPU = os.environ.get("LLOYAL_N_GPU_LAYERS", "").strip() in ("", "0")
+
 
 def wait_until(cond: Callable[[], bool], timeout: float = 30.0) -> None:
     """Poll ``cond`` until it holds; fail the test after ``timeout`` seconds."""

@@ -30,11 +30,13 @@ def test_model_facts(model: lloyal.Model, model_path: Path) -> None:
     assert "gemma3" in repr(model)
 
 
-def test_weights_read_into_memory_are_advised_huge_pages(model: lloyal.Model, model_path: Path) -> None:
+def test_weights_read_into_memory_are_advised_huge_pages(exact_model: lloyal.Model, model_path: Path) -> None:
     """``use_mmap=False``: every weight buffer the load allocates is marked for 2 MiB pages
     before llama.cpp reads into it (``Model.huge_page_bytes``); mapped, only the repacked
-    weights are (the file's pages stay mapped), and nothing off Linux."""
-    read = lloyal.Model(model_path, use_mmap=False)
+    weights are (the file's pages stay mapped), and nothing off Linux. (Host buffers: the
+    models stay on the CPU on a GPU run too.)"""
+    model = exact_model
+    read = lloyal.Model(model_path, use_mmap=False, n_gpu_layers=0)
     # the main weight buffer alone is ~90% of the weights (what else a load maps varies)
     assert not THP or read.huge_page_bytes >= 0.85 * read.size
     assert not THP or 0 < model.huge_page_bytes < 0.5 * read.size  # mapped: repacked Q4 layers only

@@ -21,8 +21,16 @@ import httpx
 import jsonschema
 import numpy as np
 import pytest
+from helpers import (
+    MODELS_ON_CPU,
+    THP,
+    THP_COLLAPSE,
+    greedy_completion,
+    person_schema,
+    serving,
+    stream_with_usage,
+)
 from helpers import SERVER_KEY as KEY
-from helpers import THP, THP_COLLAPSE, greedy_completion, person_schema, serving, stream_with_usage
 
 import lloyal
 
@@ -499,15 +507,17 @@ def test_fast_kernels_by_default_and_prefill_chunk_options(
     state = app.state.lloyal["s"]
     assert state.model.repack and state.ctx.batch_invariant is False and state.ctx.type_k == "f16"
     assert state.ctx.engine_prefill_chunk == 16
-    # the weights are read into memory, not mapped: they get huge pages (tests/test_model.py)
-    assert state.model.huge_page_bytes >= 0.85 * state.model.size or not THP
+    # the weights are read into memory, not mapped: they get huge pages (tests/test_model.py);
+    # on a GPU run they are in the GPU's memory and the logits buffer in pinned host memory
+    on_host_pages = THP and MODELS_ON_CPU
+    assert state.model.huge_page_bytes >= 0.85 * state.model.size or not on_host_pages
     c = openai.OpenAI(base_url=f"{url}/v1", api_key="-", max_retries=0)
     out = c.completions.create(model=name, prompt="The capital of France is", max_tokens=4, temperature=0)
     assert out.usage is not None and out.usage.completion_tokens == 4 and out.choices[0].text
     # Nothing it answers reads a branch's sampling perplexity, so its context does not keep it;
     # its logits buffer is on huge pages after the first decode (tests/test_context.py).
     assert state.ctx.sampling_perplexity is False
-    assert state.ctx.huge_page_bytes > 0 or not THP_COLLAPSE
+    assert state.ctx.huge_page_bytes > 0 or not (THP_COLLAPSE and MODELS_ON_CPU)
     _idle(app)
     # `lloyal serve` asks for the fast kernels unless told `--batch-invariant`.
     from lloyal import cli

@@ -38,7 +38,7 @@ def server() -> Iterator[str]:
 
 @pytest.fixture(scope="module")
 def ref() -> Iterator[lloyal.Context]:
-    model = lloyal.Model(family_path(NAME), repack=False)
+    model = lloyal.Model(family_path(NAME), repack=False, n_gpu_layers=0)  # invariant on a GPU run too
     with lloyal.Context(model, n_ctx=N_CTX, n_threads=2, batch_invariant=True) as ctx:
         yield ctx
 
