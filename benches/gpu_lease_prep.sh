@@ -7,7 +7,9 @@
 #            llama-cpp-python's sdist: `make bench-peers-cpp` unpacks it), whl/ (the test suite's
 #            pure-Python and CPython 3.12 dependencies the GPU image lacks), cache.tar.xz (the
 #            test fixtures in ~/.cache/lloyal), m.00 and model.sha256 (the model's first 30 MiB)
-#   .dev2..  the rest of the model, 56 MB a folder
+#   .dev2..  the rest of the model, 56 MB a folder; then, when benches/gpu_prebuild.sh has built
+#            ggml's CUDA module and llama-batched-bench from this llama.cpp, that build (c.NN,
+#            56 MB a folder; cuda.sha256 in .dev), which spares the lease its ~200 s build
 #
 #   benches/gpu_lease_prep.sh            (then the calls in docs/performance.md, "GPU")
 set -euo pipefail
@@ -46,4 +48,17 @@ for part in .dev/m.[0-9][0-9]; do
     [ "$n" -eq 0 ] && continue
     mkdir -p ".dev$((n + 1))" && mv "$part" ".dev$((n + 1))/"
 done
+prebuilt=tmp/w/build/build/bin
+if [ "$(cat "/$prebuilt/PREBUILT" 2>/dev/null)" = "llama-cpp-sys-2 $version" ]; then
+    tar -cJf .dev/cuda.tar.xz -C / "$prebuilt"
+    (cd .dev && sha256sum cuda.tar.xz > cuda.sha256)
+    last=$(ls -d .dev[0-9]* | sed 's/^.dev//' | sort -n | tail -n 1)
+    split -b 56000000 -d -a 2 .dev/cuda.tar.xz .dev/c. && rm .dev/cuda.tar.xz
+    for part in .dev/c.[0-9][0-9]; do
+        n=$((10#${part##*.} + last + 1))
+        mkdir -p ".dev$n" && mv "$part" ".dev$n/"
+    done
+else
+    echo "no prebuilt CUDA build for llama-cpp-sys-2 $version (benches/gpu_prebuild.sh): the lease builds it"
+fi
 du -sh .dev .dev[0-9]* | sed 's/^/carry: /'

@@ -1,0 +1,40 @@
+#!/usr/bin/env bash
+# ggml's CUDA module and llama-batched-bench built here, without a GPU, for the next GPU lease:
+# the lease then installs them instead of spending ~200 s of its device time on the build.
+#
+#   benches/gpu_prebuild.sh            (~35 min on 2 cores; then benches/gpu_lease_prep.sh packs it)
+#
+# The toolchain is CUDA 13.0 from PyPI (nvcc 13.0.88, the lent H200's version; its runtime,
+# cuBLAS, CCCL and NVVM), laid out as a toolkit under $CUDA_WHEELS (default ~/.cache/lloyal/cuda13),
+# with a link-time stand-in for the driver's libcuda.so.1 (every cu* name cuda.h declares; the
+# lent machine's driver provides the real one). The build is benches/gpu_backend.sh's, into
+# /tmp/w/build, the path benches/gpu_lease.sh builds into there, so the binaries' RPATHs hold on
+# the lent machine; at run time they load libcudart.so.13 and libcublas.so.13 from its
+# /usr/local/cuda/lib64.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+wheels=${CUDA_WHEELS:-$HOME/.cache/lloyal/cuda13}
+kit=$wheels/site/nvidia/cu13
+if [ ! -x "$kit/bin/nvcc" ]; then
+    rm -rf "$wheels" && mkdir -p "$wheels/dl"
+    .venv/bin/python -m pip download -q --no-deps -d "$wheels/dl" "nvidia-cuda-nvcc==13.0.88" \
+        "nvidia-cuda-runtime==13.0.*" "nvidia-cuda-crt==13.0.*" "nvidia-nvvm==13.0.*" \
+        "nvidia-cuda-cccl==13.0.*" "nvidia-cublas==13.0.*" ninja
+    for w in "$wheels"/dl/*.whl; do .venv/bin/python -m zipfile -e "$w" "$wheels/site/"; done
+    chmod +x "$kit"/bin/* "$kit"/nvvm/bin/* "$wheels"/site/ninja-*.data/scripts/ninja
+    # The toolkit layout nvcc and CMake look for: lib64, unversioned libraries, stubs/libcuda.so.
+    ln -sfn lib "$kit/lib64"
+    for lib in cudart cublas cublasLt; do ln -sf "lib$lib.so.13" "$kit/lib/lib$lib.so"; done
+    mkdir -p "$kit/lib/stubs"
+    echo '#include <cuda.h>' | gcc -E -I"$kit/include" -x c - | grep -oE '\bcu[A-Z][A-Za-z0-9_]*\s*\(' |
+        sed 's/\s*(//' | sort -u | awk '{print "void " $1 "(void) {}"}' > "$wheels/libcuda_stub.c"
+    gcc -shared -fPIC -Wl,-soname,libcuda.so.1 -o "$kit/lib/stubs/libcuda.so" "$wheels/libcuda_stub.c"
+fi
+export PATH=$kit/bin:$(dirname "$(ls "$wheels"/site/ninja-*.data/scripts/ninja)"):$PATH
+export CUDAToolkit_ROOT=$kit CUDACXX=$kit/bin/nvcc
+version=$(sed -n 's/^llama-cpp-sys-2 = { version = "=\([0-9.]*\)".*/\1/p' Cargo.toml)
+llama=$(ls -d "${CARGO_HOME:-$HOME/.cargo}"/registry/src/*/"llama-cpp-sys-2-$version"/llama.cpp | tail -n 1)
+bench=$(ls -d target/peers/llama_cpp_python-*/vendor/llama.cpp/tools/batched-bench | tail -n 1)
+rm -rf /tmp/w/build # a fresh configure: CMake keeps the toolkit it found first
+CPU_VARIANTS=avx2 nice -n 5 bash benches/gpu_backend.sh "$llama" "$bench" /tmp/w/build
+echo "llama-cpp-sys-2 $version" > /tmp/w/build/build/bin/PREBUILT
