@@ -21,11 +21,10 @@ mkdir -p .dev/whl
 make wheel-portable
 cp target/portable/dist/lloyal-*.whl .dev/
 
-version=$(sed -n 's/^llama-cpp-sys-2 = { version = "=\([0-9.]*\)".*/\1/p' Cargo.toml)
-llama=$(ls -d "${CARGO_HOME:-$HOME/.cargo}"/registry/src/*/"llama-cpp-sys-2-$version"/llama.cpp | tail -n 1)
-bench=$(ls -d target/peers/llama_cpp_python-*/vendor/llama.cpp/tools/batched-bench | tail -n 1)
+source benches/peer_source.sh
+peer_inputs
 src=$(mktemp -d)
-cp -r "$llama" "$src/llama.cpp" && cp -r "$bench" "$src/batched-bench"
+cp -r "$llama_cpp" "$src/llama.cpp" && cp -r "$batched_bench" "$src/batched-bench"
 for backend in "$src"/llama.cpp/ggml/src/ggml-*/; do
     case "$(basename "$backend")" in ggml-cpu | ggml-cuda) ;; *) rm -rf "$backend" ;; esac
 done
@@ -49,7 +48,7 @@ for part in .dev/m.[0-9][0-9]; do
     mkdir -p ".dev$((n + 1))" && mv "$part" ".dev$((n + 1))/"
 done
 prebuilt=tmp/w/build/build/bin
-if [ "$(cat "/$prebuilt/PREBUILT" 2>/dev/null)" = "llama-cpp-sys-2 $version" ]; then
+if [ "$(cat "/$prebuilt/PREBUILT" 2>/dev/null)" = "llama-cpp-sys-2 $llama_version" ]; then
     tar -cJf .dev/cuda.tar.xz -C / "$prebuilt"
     (cd .dev && sha256sum cuda.tar.xz > cuda.sha256)
     last=$(ls -d .dev[0-9]* | sed 's/^.dev//' | sort -n | tail -n 1)
@@ -59,6 +58,6 @@ if [ "$(cat "/$prebuilt/PREBUILT" 2>/dev/null)" = "llama-cpp-sys-2 $version" ]; 
         mkdir -p ".dev$n" && mv "$part" ".dev$n/"
     done
 else
-    echo "no prebuilt CUDA build for llama-cpp-sys-2 $version (benches/gpu_prebuild.sh): the lease builds it"
+    echo "no prebuilt CUDA build for llama-cpp-sys-2 $llama_version (benches/gpu_prebuild.sh): the lease builds it"
 fi
 du -sh .dev .dev[0-9]* | sed 's/^/carry: /'

@@ -32,9 +32,8 @@ if [ ! -x "$kit/bin/nvcc" ]; then
 fi
 export PATH=$kit/bin:$(dirname "$(ls "$wheels"/site/ninja-*.data/scripts/ninja)"):$PATH
 export CUDAToolkit_ROOT=$kit CUDACXX=$kit/bin/nvcc
-version=$(sed -n 's/^llama-cpp-sys-2 = { version = "=\([0-9.]*\)".*/\1/p' Cargo.toml)
-llama=$(ls -d "${CARGO_HOME:-$HOME/.cargo}"/registry/src/*/"llama-cpp-sys-2-$version"/llama.cpp | tail -n 1)
-bench=$(ls -d target/peers/llama_cpp_python-*/vendor/llama.cpp/tools/batched-bench | tail -n 1)
+source benches/peer_source.sh
+peer_inputs
 rm -rf /tmp/w/build # a fresh configure: CMake keeps the toolkit it found first
-CPU_VARIANTS=avx2 nice -n 5 bash benches/gpu_backend.sh "$llama" "$bench" /tmp/w/build
-echo "llama-cpp-sys-2 $version" > /tmp/w/build/build/bin/PREBUILT
+CPU_VARIANTS=avx2 nice -n 5 bash benches/gpu_backend.sh "$llama_cpp" "$batched_bench" /tmp/w/build
+echo "llama-cpp-sys-2 $llama_version" > /tmp/w/build/build/bin/PREBUILT

@@ -21,3 +21,12 @@ llama_add_compile_flags()
 add_subdirectory(batched-bench)
 CMAKE
 }
+
+# From the repository root: the crate's llama-cpp-sys-2 version (llama_version), its vendored
+# llama.cpp (llama_cpp) and llama-batched-bench's source from llama-cpp-python's sdist
+# (batched_bench; `make bench-peers-cpp` unpacks it).
+peer_inputs() {
+    llama_version=$(sed -n 's/^llama-cpp-sys-2 = { version = "=\([0-9.]*\)".*/\1/p' Cargo.toml)
+    llama_cpp=$(ls -d "${CARGO_HOME:-$HOME/.cargo}"/registry/src/*/"llama-cpp-sys-2-$llama_version"/llama.cpp | tail -n 1)
+    batched_bench=$(ls -d target/peers/llama_cpp_python-*/vendor/llama.cpp/tools/batched-bench | tail -n 1)
+}
