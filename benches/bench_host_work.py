@@ -100,6 +100,7 @@ def main() -> None:
         for _ in range(rounds):
             for b in bs:
                 for ctx in (on, off):
+                    time.sleep(0.15)  # the other context's engine hands back its OpenMP team (idle 0.1 s)
                     runs.setdefault((b, ctx.sampling_perplexity), []).append(host_round(ctx, b, steps))
         for b in bs:
             for kept in (True, False):

@@ -8,7 +8,7 @@ use std::cell::Cell;
 use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::sync::{Arc, Mutex};
 
-use lloyal_core::{Context, ContextState, LloyalError, Result};
+use lloyal_core::{Context, ContextState, InterruptCheck, LloyalError, Result};
 use pyo3::prelude::*;
 
 use crate::error::to_py;
@@ -59,8 +59,27 @@ where
     T: Send + 'static,
     F: FnOnce(&mut ContextState) -> Result<T> + Send + 'static,
 {
+    run_with(py, |check| ctx.apply(check, f))
+}
+
+/// [`run`] for a call that decodes (the flat path's `decode`, embeddings, a reseed): it runs
+/// on the context's engine thread ([`Context::apply_decoding`]).
+pub fn run_decoding<T, F>(py: Python<'_>, ctx: &Arc<Context>, f: F) -> PyResult<T>
+where
+    T: Send + 'static,
+    F: FnOnce(&mut ContextState) -> Result<T> + Send + 'static,
+{
+    run_with(py, |check| ctx.apply_decoding(check, f))
+}
+
+/// Release the GIL and run `apply` with Python's signal check on the main thread (none
+/// elsewhere); map the error.
+fn run_with<T: Send>(
+    py: Python<'_>,
+    apply: impl FnOnce(Option<InterruptCheck>) -> Result<T> + Send,
+) -> PyResult<T> {
     if !on_main_thread(py) {
-        return py.detach(|| guarded(|| ctx.apply(None, f))).map_err(to_py);
+        return py.detach(|| guarded(|| apply(None))).map_err(to_py);
     }
     let raised: Arc<Mutex<Option<PyErr>>> = Arc::default();
     let slot = Arc::clone(&raised);
@@ -73,7 +92,7 @@ where
             }
         })
     });
-    match py.detach(|| guarded(|| ctx.apply(Some(check), f))) {
+    match py.detach(|| guarded(|| apply(Some(check)))) {
         Err(LloyalError::Interrupted) => {
             let pending = raised.lock().unwrap_or_else(|p| p.into_inner()).take();
             Err(pending.unwrap_or_else(|| to_py(LloyalError::Interrupted)))

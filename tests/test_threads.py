@@ -6,7 +6,9 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Callable
+from pathlib import Path
 
+import pytest
 from helpers import exact_model_fixture
 
 import lloyal
@@ -231,3 +233,32 @@ def test_two_contexts_decode_in_parallel(model: lloyal.Model) -> None:
         assert got == expected
         assert a.kv_cache_size() == 199
         assert finished["b"] < finished["a"], "B waited for A's decode: contexts are not parallel"
+
+
+def engine_threads() -> set[str]:
+    """The ids of this process's threads named ``lloyal-engine``: the contexts' engine threads
+    and the OpenMP workers of their decodes, which take the name of the thread that started them."""
+    tasks = Path("/proc/self/task")
+    return {t.name for t in tasks.iterdir() if (t / "comm").read_text().strip() == "lloyal-engine"}
+
+
+@pytest.mark.skipif(not Path("/proc/self/task").is_dir(), reason="needs Linux's /proc")
+def test_decode_threads_live_on_the_engine_thread_and_end_when_it_idles(model: lloyal.Model) -> None:
+    """Every decode runs on the context's engine thread (the flat path's too), whose OpenMP
+    workers end after 0.1 s without work: a context left open but idle keeps no pool that
+    would make libgomp throttle the decodes of the others (docs/performance.md)."""
+    with lloyal.Context(model, n_ctx=256, n_seq_max=2, n_threads=2) as ctx:
+        before = {t.name for t in Path("/proc/self/task").iterdir()}
+        ctx.decode(ctx.tokenize("The capital of France is"), 0)
+        busy = engine_threads()
+        assert len(busy) == 2, busy  # the engine thread and the decode's second thread
+        time.sleep(0.4)
+        idle = {t.name for t in Path("/proc/self/task").iterdir()}
+        (engine,) = busy & idle  # the worker ended; no pool on this (the caller's) thread either
+        assert idle - before == {engine}
+        branch = lloyal.Branch.create(ctx, 0, lloyal.SamplingParams(temperature=0))
+        prompt = ctx.tokenize("Water boils at")
+        branch.prefill(prompt)
+        again = engine_threads()
+        assert engine in again and len(again) == 2, again  # a new worker for the new decode
+        assert branch.position == len(prompt)

@@ -1,7 +1,7 @@
 //! `Context`'s flat path: decode, sample and logits without branches, and embeddings.
 
 use crate::convert::{clamp_i32, readonly_f32};
-use crate::detach::run;
+use crate::detach::{run, run_decoding};
 use crate::embeddings::{extract_texts, to_array};
 use crate::error::IntoPyResult;
 use crate::grammar::PyGrammar;
@@ -24,7 +24,7 @@ impl PyContext {
         let seq_id = clamp_i32(seq_id);
         let pos = clamp_i32(pos);
         let tokens = to_i32(self.inner.model(), &tokens)?;
-        run(py, self.ctx(), move |s| s.decode(&tokens, pos, seq_id))
+        run_decoding(py, &self.inner, move |s| s.decode(&tokens, pos, seq_id))
     }
 
     /// Sample from the last decode's logits; the token joins the penalty history.
@@ -54,7 +54,7 @@ impl PyContext {
     fn clear_and_reseed(&self, py: Python<'_>, sinks: Vec<i64>, tail: Vec<i64>) -> PyResult<i32> {
         let sinks = to_i32(self.inner.model(), &sinks)?;
         let tail = to_i32(self.inner.model(), &tail)?;
-        run(py, self.ctx(), move |s| s.clear_and_reseed(&sinks, &tail))
+        run_decoding(py, &self.inner, move |s| s.clear_and_reseed(&sinks, &tail))
     }
 
     /// Forget the flat sampler's penalty history and RNG state.
@@ -118,7 +118,7 @@ impl PyContext {
     fn encode(&self, py: Python<'_>, tokens: Vec<i64>, seq_id: i64) -> PyResult<()> {
         let seq_id = clamp_i32(seq_id);
         let tokens = to_i32(self.inner.model(), &tokens)?;
-        run(py, self.ctx(), move |s| s.encode(&tokens, seq_id))
+        run_decoding(py, &self.inner, move |s| s.encode(&tokens, seq_id))
     }
 
     /// The vectors of the last :meth:`encode` on ``seq_id``, as a new float32 array.
@@ -162,7 +162,7 @@ impl PyContext {
         normalize: bool,
     ) -> PyResult<Bound<'py, PyAny>> {
         let (texts, single) = extract_texts(texts)?;
-        let encoded = run(py, self.ctx(), move |s| s.embed(&texts, normalize))?;
+        let encoded = run_decoding(py, &self.inner, move |s| s.embed(&texts, normalize))?;
         to_array(py, encoded, single)
     }
 }

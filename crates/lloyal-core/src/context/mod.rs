@@ -178,8 +178,8 @@ impl Context {
     }
 
     /// Run `f` on the open context state: every call that is not decode-bearing engine
-    /// work (create, fork, prune, sampler changes, the flat path, embeddings, reads) comes
-    /// here. It runs at once on the caller's thread when no engine tick is running, else the
+    /// work (create, fork, prune, sampler changes, the flat path's sampling, reads) comes
+    /// here; one that decodes goes through [`Context::apply_decoding`]. It runs at once on the caller's thread when no engine tick is running, else the
     /// engine thread runs it before its next tick ([`crate::engine::apply`]).
     ///
     /// `interrupt` (the Python glue's Ctrl-C check, on the main thread) is asked between the
@@ -196,6 +196,25 @@ impl Context {
             Some(_turn) => self.locked(interrupt, f),
             None => self.engine.call(interrupt, f),
         }
+    }
+
+    /// [`Context::apply`] for a call that decodes (the flat path's `decode`, embeddings, a
+    /// reseed): it runs on the engine thread (started for it), in the same order as any
+    /// other call. Each thread that decodes keeps an OpenMP pool of the context's threads for
+    /// as long as it lives, and libgomp slows every pool in the process while they hold more
+    /// threads than there are CPUs ([`crate::omp`]); the engine hands its pool back when idle,
+    /// a caller's thread could not.
+    pub fn apply_decoding<T, F>(self: &Arc<Self>, interrupt: Option<InterruptCheck>, f: F) -> Result<T>
+    where
+        T: Send + 'static,
+        F: FnOnce(&mut ContextState) -> Result<T> + Send + 'static,
+    {
+        self.check_open()?;
+        if self.engine.is_engine_thread() {
+            return self.apply(interrupt, f); // a finalizer run by the engine thread itself
+        }
+        self.engine.start(self)?;
+        self.engine.call(interrupt, f)
     }
 
     /// [`Context::apply`] for a caller that must not block (an asyncio event loop): `done`

@@ -37,6 +37,12 @@ const WAIT_POLL: Duration = Duration::from_millis(5);
 /// `Branch.create` waits, and their prompts miss the tick).
 const BURST_GATHER: Duration = Duration::from_millis(5);
 
+/// How long an engine idles before it hands its decode threads back ([`crate::omp::release_pool`]):
+/// an idle context's OpenMP pool would otherwise slow every other context's decodes (libgomp
+/// throttles when its pools hold more threads than the CPUs). Starting them again costs its
+/// next decode ~0.1 ms.
+const POOL_IDLE: Duration = Duration::from_millis(100);
+
 /// What the engine ticks on: a context's state behind its lock ([`crate::context::Context`]).
 pub trait Host: Send + Sync + 'static {
     /// Run `f` on the open state under the lock (`interrupt` asked between its decodes), then
@@ -209,6 +215,21 @@ impl Default for Engine {
     }
 }
 
+/// Start the engine thread of `ctx` unless it runs.
+fn start_thread<H: Host>(q: &mut Queue, ctx: &Arc<H>, shared: &Arc<Shared>) -> Result<()> {
+    if !q.started {
+        let (weak, shared) = (Arc::downgrade(ctx), Arc::clone(shared));
+        std::thread::Builder::new()
+            .name("lloyal-engine".into())
+            .spawn(move || engine_loop(weak, shared))
+            .map_err(|e| {
+                LloyalError::Backend(format!("cannot start the engine thread: {e}; free some threads"))
+            })?;
+        q.started = true;
+    }
+    Ok(())
+}
+
 impl Drop for Engine {
     fn drop(&mut self) {
         self.shutdown();
@@ -223,16 +244,7 @@ impl Engine {
         if q.shutdown || q.closing {
             return Err(LloyalError::ContextClosed);
         }
-        if !q.started {
-            let (weak, shared) = (Arc::downgrade(ctx), Arc::clone(&self.shared));
-            std::thread::Builder::new()
-                .name("lloyal-engine".into())
-                .spawn(move || engine_loop(weak, shared))
-                .map_err(|e| {
-                    LloyalError::Backend(format!("cannot start the engine thread: {e}; free some threads"))
-                })?;
-            q.started = true;
-        }
+        start_thread(&mut q, ctx, &self.shared)?;
         let id = q.next_id;
         q.next_id += 1;
         q.ops.push_back(Op { id, work, reply: Reply::new(done), cancelled: Arc::clone(&cancelled) });
@@ -240,6 +252,20 @@ impl Engine {
         q.stats.queue_depth = q.ops.len();
         self.shared.cv.notify_all();
         Ok(Ticket { id, cancelled, shared: Arc::downgrade(&self.shared) })
+    }
+
+    /// Whether the caller is this engine's thread.
+    pub(crate) fn is_engine_thread(&self) -> bool {
+        self.shared.lock().engine_thread == Some(std::thread::current().id())
+    }
+
+    /// Start the engine thread of `ctx` (for a call queued with [`Engine::call`]).
+    pub(crate) fn start<H: Host>(&self, ctx: &Arc<H>) -> Result<()> {
+        let mut q = self.shared.lock();
+        if q.shutdown || q.closing {
+            return Err(LloyalError::ContextClosed);
+        }
+        start_thread(&mut q, ctx, &self.shared)
     }
 
     /// Ask the engine to compact the KV cache once it has nothing else to do (it looks again
@@ -357,10 +383,12 @@ fn engine_loop<H: Host>(ctx: Weak<H>, shared: Arc<Shared>) {
     crate::omp::mark_engine_thread();
     shared.lock().engine_thread = Some(std::thread::current().id());
     let mut sched = Scheduler::default();
+    let mut pool_held = false;
     loop {
-        let Some(taken) = take_ops(&shared, &mut sched) else {
+        let Some(taken) = take_ops(&shared, &mut sched, pool_held) else {
             return;
         };
+        pool_held = !matches!(taken, Taken::Idle);
         let started = Instant::now();
         let Some(context) = ctx.upgrade() else {
             shared.lock().shutdown = true;
@@ -376,6 +404,10 @@ fn engine_loop<H: Host>(ctx: Weak<H>, shared: Arc<Shared>) {
             }
             Taken::Compact => {
                 compact_if_sparse(&*context, &shared);
+                continue;
+            }
+            Taken::Idle => {
+                crate::omp::release_pool();
                 continue;
             }
             Taken::Tick(ops, max_prefill) => (ops, max_prefill),
@@ -425,12 +457,15 @@ enum Taken {
     Tick(Vec<Op>, Option<usize>),
     /// A look at whether the KV cache is worth compacting (nothing else to do).
     Compact,
+    /// Nothing to do for [`POOL_IDLE`]: time to release the decode threads.
+    Idle,
 }
 
 /// Wait for work: the queued context calls if any (a paused engine runs them too), else
-/// gather the tick's operations and take them with the prefill cap; `None` when the engine
+/// gather the tick's operations and take them with the prefill cap; `Idle` after [`POOL_IDLE`]
+/// without work while the engine holds decode threads (`pool_held`); `None` when the engine
 /// shut down (everything it held is answered).
-fn take_ops(shared: &Shared, sched: &mut Scheduler) -> Option<Taken> {
+fn take_ops(shared: &Shared, sched: &mut Scheduler, pool_held: bool) -> Option<Taken> {
     loop {
         let mut q = shared.lock();
         loop {
@@ -464,6 +499,14 @@ fn take_ops(shared: &Shared, sched: &mut Scheduler) -> Option<Taken> {
             if q.compact_check && !q.paused && !q.closing {
                 q.compact_check = false;
                 return Some(Taken::Compact);
+            }
+            if pool_held {
+                let (guard, waited) = shared.cv.wait_timeout(q, POOL_IDLE).unwrap_or_else(|p| p.into_inner());
+                q = guard;
+                if waited.timed_out() {
+                    return Some(Taken::Idle);
+                }
+                continue;
             }
             q = shared.cv.wait(q).unwrap_or_else(|p| p.into_inner());
         }
