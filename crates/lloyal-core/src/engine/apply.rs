@@ -8,8 +8,8 @@
 //! before its next tick, answers each at once, then leaves the callers a short gap
 //! ([`LINGER`]) for their next calls (a server admitting a request forks, then sets a
 //! sampler, a bias and a grammar: one tick's wait, not one per call), which take their turn on
-//! their own threads. A call that decodes is always queued ([`crate::context::Context::apply_decoding`]):
-//! the engine thread is the only one that decodes.
+//! their own threads. A call that decodes is always queued
+//! ([`crate::context::Context::apply_decoding`]): the engine thread is the only one that decodes.
 //!
 //! So the engine decides the order of every change to a context, and the context lock is only
 //! ever contended by one tick and the calls waiting for their turn.
