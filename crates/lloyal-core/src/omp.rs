@@ -96,6 +96,7 @@ mod tests {
     }
 
     /// The kernel ids of the threads that ran two jobs that wait for each other (so two threads).
+    #[cfg(target_os = "linux")]
     fn team_of_two() -> Vec<i32> {
         let arrived = AtomicUsize::new(0);
         let tids = std::sync::Mutex::new(Vec::new());
@@ -110,6 +111,7 @@ mod tests {
         tids.into_inner().unwrap()
     }
 
+    #[cfg(target_os = "linux")]
     fn libc_gettid() -> i32 {
         // SAFETY: gettid has no preconditions.
         unsafe { libc::gettid() }
