@@ -235,11 +235,12 @@ def test_two_contexts_decode_in_parallel(model: lloyal.Model) -> None:
         assert finished["b"] < finished["a"], "B waited for A's decode: contexts are not parallel"
 
 
-def engine_threads() -> set[str]:
-    """The ids of this process's threads named ``lloyal-engine``: the contexts' engine threads
-    and the OpenMP workers of their decodes, which take the name of the thread that started them."""
-    tasks = Path("/proc/self/task")
-    return {t.name for t in tasks.iterdir() if (t / "comm").read_text().strip() == "lloyal-engine"}
+def thread_ids(name: str | None = None) -> set[str]:
+    """The ids of this process's threads, or of those named ``name`` (``lloyal-engine``: the
+    contexts' engine threads and the OpenMP workers of their decodes, which take the name of the
+    thread that started them)."""
+    tasks = Path("/proc/self/task").iterdir()
+    return {t.name for t in tasks if name is None or (t / "comm").read_text().strip() == name}
 
 
 @pytest.mark.skipif(not Path("/proc/self/task").is_dir(), reason="needs Linux's /proc")
@@ -248,17 +249,17 @@ def test_decode_threads_live_on_the_engine_thread_and_end_when_it_idles(model: l
     workers end after 0.1 s without work: a context left open but idle keeps no pool that
     would make libgomp throttle the decodes of the others (docs/performance.md)."""
     with lloyal.Context(model, n_ctx=256, n_seq_max=2, n_threads=2) as ctx:
-        before = {t.name for t in Path("/proc/self/task").iterdir()}
+        before = thread_ids()
         ctx.decode(ctx.tokenize("The capital of France is"), 0)
-        busy = engine_threads()
+        busy = thread_ids("lloyal-engine")
         assert len(busy) == 2, busy  # the engine thread and the decode's second thread
         time.sleep(0.4)
-        idle = {t.name for t in Path("/proc/self/task").iterdir()}
+        idle = thread_ids()
         (engine,) = busy & idle  # the worker ended; no pool on this (the caller's) thread either
         assert idle - before == {engine}
         branch = lloyal.Branch.create(ctx, 0, lloyal.SamplingParams(temperature=0))
         prompt = ctx.tokenize("Water boils at")
         branch.prefill(prompt)
-        again = engine_threads()
+        again = thread_ids("lloyal-engine")
         assert engine in again and len(again) == 2, again  # a new worker for the new decode
         assert branch.position == len(prompt)

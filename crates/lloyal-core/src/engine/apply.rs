@@ -89,7 +89,7 @@ impl Engine {
     /// into Python only outside its ticks (a finalizer there may prune a branch).
     pub(crate) fn turn(&self) -> Option<Turn<'_>> {
         let mut q = self.shared.lock();
-        let engine = q.engine_thread == Some(std::thread::current().id());
+        let engine = q.on_engine_thread();
         if (q.ticking || !q.applies.is_empty()) && !engine {
             return None;
         }

@@ -136,6 +136,13 @@ struct Queue {
     stats: EngineStats,
 }
 
+impl Queue {
+    /// Whether the caller is the engine's own thread.
+    fn on_engine_thread(&self) -> bool {
+        self.engine_thread == Some(std::thread::current().id())
+    }
+}
+
 struct Shared {
     queue: Mutex<Queue>,
     cv: Condvar,
@@ -256,7 +263,7 @@ impl Engine {
 
     /// Whether the caller is this engine's thread.
     pub(crate) fn is_engine_thread(&self) -> bool {
-        self.shared.lock().engine_thread == Some(std::thread::current().id())
+        self.shared.lock().on_engine_thread()
     }
 
     /// Start the engine thread of `ctx` (for a call queued with [`Engine::call`]).
