@@ -47,7 +47,8 @@ crate::wrap::wrapper_class! {
         tick_seconds: f64,
         /// Seconds of those spent in ``llama_decode``.
         decode_seconds: f64,
-        /// Seconds of those spent sampling generation requests.
+        /// Seconds of those spent sampling: generation requests' tokens, and the next tokens of
+        /// branches whose commit carried what ``produce`` drew (drawn ahead in the tick).
         sample_seconds: f64,
         /// ``Branch.create`` / ``fork`` calls waiting (first come, first served) for a lease.
         lease_waiting: usize,

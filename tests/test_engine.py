@@ -427,6 +427,29 @@ def test_a_fork_right_after_its_prefill_does_not_wait_for_the_next_tick(model: l
         assert (written, ticks) == (64 - n, (400 + n + 63) // 64)
 
 
+def test_the_window_after_a_prefill_ends_when_its_caller_is_back(model: lloyal.Model) -> None:
+    """The window the engine leaves a prefill's caller ends as soon as an operation on the
+    prefilled branch arrives (the caller is back): a commit right after a prefill does not wait
+    it out. With a 1 s window, a commit that waited it would take over 1 s; unheld it takes one
+    decode (tens of milliseconds here)."""
+    with lloyal.Context(model, n_ctx=512, n_batch=64, n_seq_max=2) as ctx:
+        ctx.engine_gather = 1.0
+        store = lloyal.BranchStore(ctx)
+        root = Branch.create(ctx, 0, GREEDY)
+        root.prefill(ctx.tokenize(PROMPT))
+        t0 = time.perf_counter()
+        store.commit([(root, root.sample())])
+        held = time.perf_counter() - t0
+        assert held < 0.5, f"the commit waited {held:.2f} s: the window did not end"
+        # A fork's first commit without its parent's still waits the window out (the caller
+        # may be forking more): the rule only ends it on the prefilled branch.
+        root.prefill(ctx.tokenize(" and then", add_special=False))
+        kid = root.fork()
+        t0 = time.perf_counter()
+        store.commit([(kid, kid.sample())])
+        assert time.perf_counter() - t0 >= 0.9
+
+
 def test_a_prompt_after_the_stepping_branches_are_pruned_fills_the_batch(model: lloyal.Model) -> None:
     """Right after a branch's commits, a prompt is paced as if that stream would come back
     (the next commit is usually milliseconds away); once the branch is pruned it cannot, and

@@ -248,6 +248,31 @@ def test_produce_all_matches_individual_produce(ctx):
     assert store.produce_all([]) == []
 
 
+def test_a_commit_of_produced_tokens_draws_the_next_ones_in_its_tick(ctx):
+    """Branches whose commit carries the token ``produce`` drew for them get their next tokens
+    drawn in the commit's tick (counted in ``sample_seconds``), the same tokens a fresh draw
+    gives; a commit of other tokens draws nothing."""
+    store = BranchStore(ctx)
+    sampling = SamplingParams(temperature=0.9, top_k=40, top_p=0.95)
+    root = prefilled(ctx, PROMPTS[0], sampling)
+    kids = [root, root.fork()]
+    for i, k in enumerate(kids):
+        k.reseed_sampler(11 + i)
+    twins = [k.fork() for k in kids]  # the same sampler and RNG state: the reference draws
+    for step in range(4):
+        drawn = [p.token for p in store.produce_all(kids)]  # drawn in the last tick after the first
+        for t in twins:
+            t.set_logit_bias({})  # forget any draw made ahead: the twins draw afresh
+        assert drawn == [t.produce().token for t in twins]
+        before = ctx.engine_stats().sample_seconds
+        store.commit(list(zip(kids + twins, drawn + drawn, strict=True)))
+        assert ctx.engine_stats().sample_seconds > before, step
+        assert [t.position for t in twins] == [k.position for k in kids]
+    before = ctx.engine_stats().sample_seconds
+    store.commit([(k, 1000 + i) for i, k in enumerate(kids + twins)])  # not what produce drew
+    assert ctx.engine_stats().sample_seconds == before
+
+
 def test_kv_pressure_and_context(ctx):
     store = BranchStore(ctx)
     assert store.context is ctx

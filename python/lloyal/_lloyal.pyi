@@ -1301,7 +1301,9 @@ class EngineStats:
         """Seconds of those spent in ``llama_decode``."""
     @property
     def sample_seconds(self) -> float:
-        """Seconds of those spent sampling generation requests."""
+        """Seconds of those spent sampling: generation requests' tokens, and the next tokens of
+        branches whose commit carried what ``produce`` drew (drawn ahead in the tick).
+        """
     @property
     def lease_waiting(self) -> int:
         """``Branch.create`` / ``fork`` calls waiting (first come, first served) for a lease."""

@@ -8,6 +8,7 @@
 //! after. Each caller gets its own result through a one-shot callback.
 
 pub mod apply;
+pub mod burst;
 pub mod gen;
 pub mod lease;
 pub mod op;
@@ -25,17 +26,12 @@ pub use op::{Done, Reply, Waiter, Work};
 
 use crate::context::state::{ContextState, InterruptCheck};
 use crate::error::{LloyalError, Result};
+use crate::tenancy::Handle;
 use op::Op;
 use tick::{Scheduler, TickOutcome};
 
 /// How often the engine looks for room while generation requests wait for it.
 const WAIT_POLL: Duration = Duration::from_millis(5);
-
-/// How long the first tick after the engine idled waits when it brings a prompt: the other
-/// requests of a burst (a server's concurrent clients) are a few milliseconds behind, and a
-/// tick that started without them holds the context lock for the whole prompt (their
-/// `Branch.create` waits, and their prompts miss the tick).
-const BURST_GATHER: Duration = Duration::from_millis(5);
 
 /// How long an engine idles before it hands its decode threads back ([`crate::omp::release_pool`]):
 /// an idle context's OpenMP pool would otherwise slow every other context's decodes (libgomp
@@ -88,7 +84,8 @@ pub struct EngineStats {
     pub tick_seconds: f64,
     /// Seconds of those spent in `llama_decode`.
     pub decode_seconds: f64,
-    /// Seconds of those spent sampling generation requests.
+    /// Seconds of those spent sampling generation requests and drawing ahead for committed
+    /// branches that sample.
     pub sample_seconds: f64,
     /// The prefill cap of the last tick (0: the batch; with the paced default, what the
     /// pacer allowed next to the running streams).
@@ -126,8 +123,9 @@ struct Queue {
     idle: bool,
     /// Commits the previous tick decoded (the gather window waits for as many).
     last_tick_ops: usize,
-    /// Prefills the previous tick answered (the gather window then runs its full length).
-    last_tick_prefills: u64,
+    /// The branches of the prefills the previous tick answered (the gather window then runs its
+    /// full length, unless an operation on one of them arrives: their caller is back).
+    last_prefilled: Vec<Handle>,
     /// Most prefill tokens per tick (0: fill the tick's batch; None: paced, [`pace`]).
     prefill_chunk: Option<usize>,
     /// Look whether the KV cache is worth compacting once nothing else is left to do: set
@@ -211,7 +209,7 @@ impl Default for Engine {
                     started: false,
                     idle: true,
                     last_tick_ops: 0,
-                    last_tick_prefills: 0,
+                    last_prefilled: Vec::new(),
                     prefill_chunk: None,
                     compact_check: false,
                     stats: EngineStats { gather: 0.002, ..EngineStats::default() },
@@ -532,14 +530,26 @@ fn take_ops(shared: &Shared, sched: &mut Scheduler, pool_held: bool) -> Option<T
 /// instead of splitting into a one-caller tick and the rest. A caller whose prefill just
 /// finished usually forks it next, with a direct call that needs the context lock: the whole
 /// window leaves it room to do so before this tick takes the lock (else it waited a whole
-/// tick, ~0.8 s for a 512-token chunk).
+/// tick, ~0.8 s for a 512-token chunk); an operation on the prefilled branch says the caller is
+/// back, and the window ends.
 fn gather<'a>(shared: &'a Shared, mut q: MutexGuard<'a, Queue>, sched: &Scheduler) -> MutexGuard<'a, Queue> {
     let burst = q.idle && sched.generating() == 0 && q.ops.iter().any(|op| op.work.has_prompt());
     let gather = Duration::from_secs_f64(q.stats.gather);
-    let gather = if burst && q.stats.gather > 0.0 { gather.max(BURST_GATHER) } else { gather };
+    let gather = if burst && q.stats.gather > 0.0 {
+        // The first tick after idling, with a prompt: the rest of a burst (a server's
+        // concurrent clients) is a few milliseconds behind, and a tick that started without
+        // them would make them wait for all of it ([`burst`]).
+        sched.burst_wait(q.ops.iter().map(|op| op.work.prompt_len()).sum())
+    } else {
+        gather
+    };
     let deadline = Instant::now() + gather;
-    let settle = q.last_tick_prefills > 0 || burst;
-    while (settle || q.ops.len() + sched.ready() < q.last_tick_ops) && !q.shutdown && !q.paused {
+    let settle = |q: &Queue| {
+        burst
+            || !q.last_prefilled.is_empty()
+                && !q.ops.iter().any(|op| op.work.handles().iter().any(|h| q.last_prefilled.contains(h)))
+    };
+    while (settle(&q) || q.ops.len() + sched.ready() < q.last_tick_ops) && !q.shutdown && !q.paused {
         let now = Instant::now();
         if now >= deadline {
             break;
@@ -608,7 +618,7 @@ fn record(shared: &Shared, sched: &Scheduler, outcome: &mut TickOutcome, started
     st.waiting = sched.waiting();
     st.lease_waiting = sched.lease_waiting();
     q.last_tick_ops = outcome.commits as usize;
-    q.last_tick_prefills = outcome.prefills_done;
+    q.last_prefilled = std::mem::take(&mut outcome.prefilled);
     for op in std::mem::take(&mut outcome.deferred).into_iter().rev() {
         q.ops.push_front(op);
     }

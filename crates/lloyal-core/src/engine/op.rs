@@ -39,6 +39,17 @@ impl Work {
         }
     }
 
+    /// Prompt tokens the work writes (0 without a prompt).
+    pub(crate) fn prompt_len(&self) -> usize {
+        match self {
+            Work::Prefill(items) => items.iter().map(|i| i.1.len()).sum(),
+            Work::Reseed(_, sinks, tail) => sinks.len() + tail.len(),
+            Work::Score(w) => w.tokens.len(),
+            Work::Generate(spec) => spec.prompt.len(),
+            Work::Commit(_) | Work::Lease(_) | Work::Verify(_) => 0,
+        }
+    }
+
     /// The branches this work touches.
     pub(crate) fn handles(&self) -> Vec<Handle> {
         match self {

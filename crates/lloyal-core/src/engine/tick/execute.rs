@@ -65,6 +65,7 @@ impl Scheduler {
         out.decodes += decodes;
         let e = match result {
             Ok(()) => {
+                self.burst.observe(decode_rows, prefill_rows, out.decode_secs, s.shape().n_batch as usize);
                 if max_prefill.is_none() {
                     self.pacer.observe(decode_rows, prefill_rows, out.decode_secs);
                     self.pacer.ticked(Instant::now(), decode_rows);

@@ -23,6 +23,7 @@ use std::collections::{HashSet, VecDeque};
 use std::sync::Arc;
 use std::time::Instant;
 
+use super::burst::BurstWait;
 use super::gen::{Event, Finish, GenSpec, GenStream, StopMatcher};
 use super::op::{Op, Reply};
 use super::pace::Pacer;
@@ -186,7 +187,8 @@ pub(crate) struct TickOutcome {
     pub decodes: u64,
     /// Seconds spent in `llama_decode`.
     pub decode_secs: f64,
-    /// Seconds spent sampling generation requests (produce, logprobs, stop checks).
+    /// Seconds spent sampling: generation requests (produce, logprobs, stop checks) and the
+    /// next tokens of committed branches that sample.
     pub sample_secs: f64,
     pub rows: u64,
     /// The prefill cap the tick planned with (0: the batch).
@@ -195,8 +197,9 @@ pub(crate) struct TickOutcome {
     pub ops: u64,
     /// Commits among them (their callers may come straight back with the next step).
     pub commits: u64,
-    /// Prefills answered (their callers often come straight back to fork the new prompt).
-    pub prefills_done: u64,
+    /// The branches of the prefills answered (their callers often come straight back to fork
+    /// the new prompt).
+    pub prefilled: Vec<Handle>,
     pub replies: Vec<(Reply, Result<()>)>,
     /// Operations that name a branch an earlier operation is still writing: next tick.
     pub deferred: Vec<Op>,
@@ -254,6 +257,8 @@ pub(crate) struct Scheduler {
     last_streams: Vec<(Handle, bool)>,
     /// Verifies walked last tick whose bonus commits next.
     bonuses: Vec<(Op, Bonus)>,
+    /// How long an idle engine waits for the rest of a burst ([`super::burst`]).
+    burst: BurstWait,
 }
 
 /// Prompt rows a burst prefills between two steps of the running generation requests.
@@ -292,6 +297,12 @@ impl Scheduler {
     /// `create` / `fork` calls waiting for a lease.
     pub fn lease_waiting(&self) -> usize {
         self.lease_waiting.len()
+    }
+
+    /// How long an idle engine given prompts of `prompt_rows` tokens waits for the rest of
+    /// their burst before its first tick.
+    pub fn burst_wait(&self, prompt_rows: usize) -> std::time::Duration {
+        self.burst.wait(prompt_rows)
     }
 
     /// Prefills in flight.

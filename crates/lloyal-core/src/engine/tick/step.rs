@@ -82,6 +82,9 @@ impl Scheduler {
         ended: &mut Vec<(usize, Result<Finish>)>,
         out: &mut TickOutcome,
     ) {
+        if rows.is_empty() {
+            return;
+        }
         let mut published = Vec::with_capacity(rows.len());
         for (gi, row) in rows {
             match super::update::finish_commit(s, std::slice::from_ref(&row.row)) {

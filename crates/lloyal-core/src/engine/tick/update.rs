@@ -50,9 +50,11 @@ impl Scheduler {
     ) {
         let mut flights_ended: Vec<(usize, Result<()>)> = Vec::new();
         let mut gens = Vec::new();
+        let mut sampled = Vec::new();
         for (part, result) in parts.into_iter().zip(outcomes) {
             match (part, result) {
                 (Part::Commit(op, rows), Ok(())) => {
+                    sampled.extend(rows.iter().filter(|r| committed_its_draw(s, r)).map(|r| r.handle));
                     let r = finish_commit(s, &rows);
                     out.reply(op, r);
                 }
@@ -87,6 +89,15 @@ impl Scheduler {
                     self.finish_bonus(s, op, *bonus, &rows, result, out)
                 }
             }
+        }
+        if !sampled.is_empty() {
+            // Their callers sample with the branch's own sampler (they committed what
+            // `produce` drew): draw the next tokens now, on the decode's threads while the
+            // rows are in cache, for the `produce` calls that follow (the same tokens).
+            let t0 = std::time::Instant::now();
+            sampled.retain(|&h| s.is_live(h));
+            s.produce_ahead(&sampled);
+            out.sample_secs += t0.elapsed().as_secs_f64();
         }
         self.publish_gens(s, gens, ended, out);
         self.end_flights(s, flights_ended, out);
@@ -126,12 +137,19 @@ impl Scheduler {
                     if let (Some(sc), true) = (f.scoring.take(), r.is_ok()) {
                         sc.work.result.set(sc.scored);
                     }
-                    out.prefills_done += u64::from(r.is_ok());
+                    if r.is_ok() {
+                        out.prefilled.extend(f.items.iter().map(|i| i.handle));
+                    }
                     out.reply(f.op, r)
                 }
             }
         }
     }
+}
+
+/// Whether a commit row's token is the one its branch's sampler drew (`produce`) for it.
+fn committed_its_draw(s: &ContextState, row: &CommitRow) -> bool {
+    s.branch(row.handle).is_ok_and(|b| matches!(b.pending, Some((t, _)) if t == row.token))
 }
 
 /// Publish a decoded commit: accept, advance, publish logits, count cells.
