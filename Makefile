@@ -6,7 +6,7 @@ export VIRTUAL_ENV := $(CURDIR)/.venv
 export PYO3_PYTHON := $(CURDIR)/.venv/bin/python
 PYDIRS := python tests benches examples .ci
 
-.PHONY: help sysdeps browser venv llama-settings build soak fuzz test test-rust test-py test-docs test-offloaded families lint format bench bench-deps bench-batched bench-server-paired bench-peer-same-ggml bench-server-requests demo serve \
+.PHONY: help sysdeps browser venv llama-settings build soak fuzz test test-rust test-py test-docs test-offloaded families lint format bench bench-deps bench-batched bench-server-paired bench-peer-same-ggml bench-host-bound bench-server-requests demo serve \
 	smoke-wheel wheel-portable bench-wheel clean distclean
 .DEFAULT_GOAL := help
 
@@ -149,6 +149,12 @@ PEER_LLAMA_CPP := $(PEERS)/llama_cpp_python-$(LLAMA_CPP_PYTHON)/vendor/llama.cpp
 bench-peer-same-ggml: bench-peers-cpp build  ## llama-batched-bench and llama-server built on lloyal's own llama.cpp, into target/peers/same-ggml{,-server}
 	bash benches/cpu_peer.sh $(LLAMA_SYS) $(PEER_LLAMA_CPP)/tools/batched-bench $(PEERS)/same-ggml
 	bash benches/cpu_peer_server.sh $(LLAMA_SYS) $(PEER_LLAMA_CPP) $(PEERS)/same-ggml-server
+
+HOST_BOUND_MODEL := $(HOME)/.cache/lloyal/host-bound-gemma3.gguf
+bench-host-bound: build  ## lloyal vs llama-batched-bench (same ggml; make bench-peer-same-ggml first) on a model whose decode is as short as a GPU's
+	[ -f $(HOST_BOUND_MODEL) ] || $(PY) benches/host_bound_model.py $(HOST_BOUND_MODEL)
+	$(PY) benches/batched_side_by_side.py --rounds 5 --pp 512 --tg 128 --batch 1,16 --modes lloyal \
+		--model $(HOST_BOUND_MODEL) --bin $(PEERS)/same-ggml/build/bin/llama-batched-bench
 
 bench-server-requests: build  ## concurrency 1 request by request (TTFT, ms/token): lloyal serve, llama-server, and llama-server on lloyal's llama.cpp when built
 	$(PY) benches/server_request_times.py --rounds 6 $(if $(wildcard $(PEERS)/same-ggml-server/build/bin/llama-server),--variant-server $(PEERS)/same-ggml-server/build/bin/llama-server)
