@@ -73,9 +73,15 @@ crate::wrap::wrapper_class! {
 pub fn wait(py: Python<'_>, ctx: &Arc<Context>, work: Work) -> PyResult<()> {
     let (waiter, done) = Waiter::new();
     let ticket = ctx.submit(work, done).map_err(to_py)?;
+    let spin = ctx.engine_spin();
     if !on_main_thread(py) {
-        return without_gil(py, || waiter.wait()).map_err(to_py);
+        return without_gil(py, || {
+            waiter.spin(spin);
+            waiter.wait()
+        })
+        .map_err(to_py);
     }
+    without_gil(py, || waiter.spin(spin));
     loop {
         if let Some(r) = without_gil(py, || waiter.wait_timeout(Duration::from_millis(50))) {
             return r.map_err(to_py);

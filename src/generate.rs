@@ -207,12 +207,14 @@ impl PyTokenIter {
         let Some(stream) = self.stream()? else { return Ok(None) };
         let main = on_main_thread(py);
         loop {
+            let seen = stream.delivered();
             match stream.poll(None) {
                 Next::Item(item) => return Ok(Some(self.taken(&stream, item))),
                 Next::End(end) => return self.end(end),
                 Next::Pending => {}
             }
             self.core.notify_engine();
+            py.detach(|| stream.spin(seen, self.core.engine_spin()));
             if !main {
                 py.detach(|| stream.wait_timeout(Duration::from_secs(3600)));
                 continue;

@@ -127,13 +127,16 @@ impl Context {
         };
         let cache = Arc::clone(&state.cache);
         let occupancy = Mutex::new((state.available(), state.kv_pressure()));
+        let engine = Engine::default();
+        let offloaded = model.options().n_gpu_layers != 0 && crate::backend::backend().supports_gpu_offload();
+        engine.set_spin(crate::engine::spin::configured(shape.n_threads, offloaded));
         Ok(Arc::new(Context {
             model,
             shape,
             options,
             state: Mutex::new(Some(state)),
             closed: AtomicBool::new(false),
-            engine: Engine::default(),
+            engine,
             occupancy,
             cache,
         }))
@@ -283,6 +286,12 @@ impl Context {
             }
         });
         self.submit(Work::Generate(Box::new(spec)), done)
+    }
+
+    /// How long a caller waiting for this context's engine spins before it sleeps
+    /// ([`crate::engine::spin`]; zero without a spare core).
+    pub fn engine_spin(&self) -> std::time::Duration {
+        self.engine.spin()
     }
 
     /// Wake the engine: a generation stream asked for its next token.

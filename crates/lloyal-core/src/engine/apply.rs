@@ -129,6 +129,7 @@ impl Engine {
         let id = q.next_id;
         q.next_id += 1;
         q.applies.push_back(Apply { id, job, reply, cancelled: Arc::clone(&cancelled) });
+        self.shared.kicks.fetch_add(1, std::sync::atomic::Ordering::Release);
         self.shared.cv.notify_all();
         Ok(Queued { id, cancelled, shared: Arc::downgrade(&self.shared) })
     }

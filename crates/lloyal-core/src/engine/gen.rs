@@ -103,6 +103,8 @@ impl StreamState {
 pub struct GenStream {
     state: Mutex<StreamState>,
     cv: Condvar,
+    /// Events delivered so far (a consumer spins on it before it sleeps).
+    delivered: std::sync::atomic::AtomicU64,
 }
 
 impl GenStream {
@@ -112,6 +114,7 @@ impl GenStream {
         GenStream {
             state: Mutex::new(StreamState { lookahead, ..StreamState::default() }),
             cv: Condvar::new(),
+            delivered: std::sync::atomic::AtomicU64::new(0),
         }
     }
 
@@ -144,6 +147,17 @@ impl GenStream {
             st.wake = wake;
         }
         Next::Pending
+    }
+
+    /// Events delivered so far: read before [`GenStream::poll`], then [`GenStream::spin`] on it.
+    pub fn delivered(&self) -> u64 {
+        self.delivered.load(std::sync::atomic::Ordering::Acquire)
+    }
+
+    /// Spin up to `budget` for an event after `seen` ([`GenStream::delivered`]) before a wait
+    /// sleeps ([`super::spin`]).
+    pub fn spin(&self, seen: u64, budget: std::time::Duration) {
+        super::spin::until(budget, || self.delivered() != seen);
     }
 
     /// Block until an item or the end is available (or `timeout` passes).
@@ -224,6 +238,7 @@ impl GenStream {
             }
             st.wake.take()
         };
+        self.delivered.fetch_add(1, std::sync::atomic::Ordering::Release);
         self.cv.notify_all();
         if let Some(wake) = wake {
             wake();

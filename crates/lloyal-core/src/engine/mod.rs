@@ -14,6 +14,7 @@ pub mod lease;
 pub mod op;
 pub mod pace;
 pub mod plan;
+pub mod spin;
 pub mod tick;
 
 use std::collections::VecDeque;
@@ -144,6 +145,11 @@ impl Queue {
 struct Shared {
     queue: Mutex<Queue>,
     cv: Condvar,
+    /// Bumped by every submission, queued call and stream's ask: a spinning engine watches it.
+    kicks: std::sync::atomic::AtomicU64,
+    /// How long the engine thread and its sync callers spin before they sleep ([`spin`]), in
+    /// microseconds.
+    spin_us: std::sync::atomic::AtomicU64,
 }
 
 impl Shared {
@@ -215,6 +221,8 @@ impl Default for Engine {
                     stats: EngineStats { gather: 0.002, ..EngineStats::default() },
                 }),
                 cv: Condvar::new(),
+                kicks: std::sync::atomic::AtomicU64::new(0),
+                spin_us: std::sync::atomic::AtomicU64::new(0),
             }),
         }
     }
@@ -253,6 +261,7 @@ impl Engine {
         let id = q.next_id;
         q.next_id += 1;
         q.ops.push_back(Op { id, work, reply: Reply::new(done), cancelled: Arc::clone(&cancelled) });
+        self.shared.kicks.fetch_add(1, Ordering::Release);
         q.stats.ops_submitted += 1;
         q.stats.queue_depth = q.ops.len();
         self.shared.cv.notify_all();
@@ -286,7 +295,20 @@ impl Engine {
     /// Wake the engine thread (a generation stream asked for a token).
     pub(crate) fn notify(&self) {
         let _q = self.shared.lock();
+        self.shared.kicks.fetch_add(1, Ordering::Release);
         self.shared.cv.notify_all();
+    }
+
+    /// Let the engine thread, after a tick, and its sync callers spin up to `budget` before
+    /// they sleep ([`spin`]).
+    pub fn set_spin(&self, budget: Duration) {
+        let us = u64::try_from(budget.as_micros()).unwrap_or(u64::MAX);
+        self.shared.spin_us.store(us, Ordering::Relaxed);
+    }
+
+    /// How long this engine's waiters spin before they sleep ([`spin`]).
+    pub fn spin(&self) -> Duration {
+        Duration::from_micros(self.shared.spin_us.load(Ordering::Relaxed))
     }
 
     /// Current counters.
@@ -471,6 +493,7 @@ enum Taken {
 /// without work while the engine holds decode threads (`pool_held`); `None` when the engine
 /// shut down (everything it held is answered).
 fn take_ops(shared: &Shared, sched: &mut Scheduler, pool_held: bool) -> Option<Taken> {
+    let mut spun = false;
     loop {
         let mut q = shared.lock();
         loop {
@@ -504,6 +527,17 @@ fn take_ops(shared: &Shared, sched: &mut Scheduler, pool_held: bool) -> Option<T
             if q.compact_check && !q.paused && !q.closing {
                 q.compact_check = false;
                 return Some(Taken::Compact);
+            }
+            let spin = Duration::from_micros(shared.spin_us.load(Ordering::Relaxed));
+            if pool_held && !spun && !spin.is_zero() {
+                // Right after a tick: the next call is usually on its way (a spare core spins
+                // for it rather than wake from a sleep, [`spin`]).
+                spun = true;
+                let k = shared.kicks.load(Ordering::Acquire);
+                drop(q);
+                spin::until(spin, || shared.kicks.load(Ordering::Acquire) != k);
+                q = shared.lock();
+                continue;
             }
             if pool_held {
                 let (guard, waited) = shared.cv.wait_timeout(q, POOL_IDLE).unwrap_or_else(|p| p.into_inner());

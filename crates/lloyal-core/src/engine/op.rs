@@ -135,18 +135,22 @@ impl<T> Answer<T> {
 
 /// A blocking result slot for synchronous callers.
 pub struct Waiter<T = ()> {
-    slot: Arc<(Mutex<Option<Result<T>>>, Condvar)>,
+    slot: Arc<Slot<T>>,
 }
+
+/// A waiter's result, its condition variable, and whether the result is in (for a spin).
+type Slot<T> = (Mutex<Option<Result<T>>>, Condvar, AtomicBool);
 
 impl<T: Send + 'static> Waiter<T> {
     /// A waiter and the callback that fills it.
     #[allow(clippy::type_complexity)]
     pub fn new() -> (Waiter<T>, Box<dyn FnOnce(Result<T>) + Send>) {
-        let w = Waiter { slot: Arc::new((Mutex::new(None), Condvar::new())) };
+        let w = Waiter { slot: Arc::new((Mutex::new(None), Condvar::new(), AtomicBool::new(false))) };
         let slot = Arc::clone(&w.slot);
         let done = Box::new(move |r| {
-            let (m, cv) = &*slot;
+            let (m, cv, ready) = &*slot;
             *m.lock().unwrap_or_else(|p| p.into_inner()) = Some(r);
+            ready.store(true, Ordering::Release);
             cv.notify_all();
         });
         (w, done)
@@ -154,11 +158,17 @@ impl<T: Send + 'static> Waiter<T> {
 
     /// The result once it arrived within `timeout`, else `None`.
     pub fn wait_timeout(&self, timeout: Duration) -> Option<Result<T>> {
-        let (m, cv) = &*self.slot;
+        let (m, cv, _) = &*self.slot;
         let guard = m.lock().unwrap_or_else(|p| p.into_inner());
         let (mut guard, _) =
             cv.wait_timeout_while(guard, timeout, |r| r.is_none()).unwrap_or_else(|p| p.into_inner());
         guard.take()
+    }
+
+    /// Spin up to `budget` for the result before a wait sleeps ([`super::spin`]).
+    pub fn spin(&self, budget: Duration) {
+        let ready = &self.slot.2;
+        super::spin::until(budget, || ready.load(Ordering::Acquire));
     }
 
     /// Block until the result arrives.
