@@ -10,7 +10,8 @@ What is measured (decode only, no sampling, as ``llama-batched-bench -pps`` does
 tokens/s). lloyal does the same with ``Branch.prefill``, ``fork`` and ``BranchStore.commit``,
 in its default mode (llama.cpp's fastest kernels, repacked weights), with
 ``batch_invariant=True`` (per-row kernels) and with ``LLOYAL_DEVICE_ROWS=1``
-(``lloyal-device-rows``: rows summarised by the decode, on the GPU, rather than on the host).
+(``lloyal-device-rows``: rows summarised by the decode, on the GPU, rather than on the host) and
+with ``LLOYAL_SPIN_US=0`` (``lloyal-no-spin``: no spinning between engine calls on a spare core).
 lloyal's sampled row adds what a user runs: the same ``B`` streams sampling their tokens
 (temperature 0.8, top-k 40, top-p 0.95) with ``produce`` / ``produce_all`` before each commit,
 against the peer's decode-only step.
@@ -42,10 +43,12 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 DEFAULT_BIN = ROOT / "target" / "peers" / "build" / "bin" / "llama-batched-bench"
-MODES = {"lloyal": None, "lloyal-invariant": True, "lloyal-device-rows": None}
+MODES = {"lloyal": None, "lloyal-invariant": True, "lloyal-device-rows": None, "lloyal-no-spin": None}
 # Modes whose worker runs with LLOYAL_DEVICE_ROWS set: rows summarised by the decode on the
-# device that holds the output layer (Context.device_rows) instead of on the host.
-MODE_ENV = {"lloyal-device-rows": {"LLOYAL_DEVICE_ROWS": "1"}}
+# device that holds the output layer (Context.device_rows) instead of on the host; and with
+# LLOYAL_SPIN_US=0: the engine thread and its callers sleep between calls even with a spare
+# core (the default spins there, engine/spin.rs).
+MODE_ENV = {"lloyal-device-rows": {"LLOYAL_DEVICE_ROWS": "1"}, "lloyal-no-spin": {"LLOYAL_SPIN_US": "0"}}
 
 
 def lloyal_worker(
@@ -253,7 +256,12 @@ def main() -> None:
         f"pp={a.pp} tg={a.tg} threads={a.threads} ngl={a.ngl} rounds={a.rounds}; "
         "median of per-round ratios (range)"
     )
-    names = {"lloyal": "lloyal", "lloyal-invariant": "invariant", "lloyal-device-rows": "device rows"}
+    names = {
+        "lloyal": "lloyal",
+        "lloyal-invariant": "invariant",
+        "lloyal-device-rows": "device rows",
+        "lloyal-no-spin": "no spin",
+    }
     head = ["measure", "llama.cpp t/s"]
     for k in modes:
         head += [f"{names[k]} t/s", f"{names[k]} ÷ llama.cpp"]

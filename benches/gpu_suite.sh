@@ -33,7 +33,7 @@ step gpu_check
 tail -n 4 "$out/gpu_check.txt"
 step side by side
 timeout 240 $py benches/batched_side_by_side.py --rounds 3 --pp 512 --tg 128 --batch 1,16 --threads 8 --ngl 99 \
-    --modes lloyal,lloyal-device-rows --bin "$LLAMA_BATCHED_BENCH" --json "$out/side_by_side.json" > "$out/side_by_side.md" 2>&1
+    --modes lloyal,lloyal-no-spin,lloyal-device-rows --bin "$LLAMA_BATCHED_BENCH" --json "$out/side_by_side.json" > "$out/side_by_side.md" 2>&1
 cat "$out/side_by_side.md"
 step prefill probe
 timeout 150 $py benches/prefill_probe.py --ngl 99 --threads 8 --rounds 7 --debug-dir "$out/sched" > "$out/prefill_probe.md" 2>&1
