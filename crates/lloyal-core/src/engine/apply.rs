@@ -55,7 +55,7 @@ impl Drop for Turn<'_> {
         let mut q = self.shared.lock();
         q.inline -= 1;
         if q.lingering {
-            self.shared.cv.notify_all();
+            self.shared.wake();
         }
     }
 }
@@ -129,8 +129,7 @@ impl Engine {
         let id = q.next_id;
         q.next_id += 1;
         q.applies.push_back(Apply { id, job, reply, cancelled: Arc::clone(&cancelled) });
-        self.shared.kicks.fetch_add(1, std::sync::atomic::Ordering::Release);
-        self.shared.cv.notify_all();
+        self.shared.wake();
         Ok(Queued { id, cancelled, shared: Arc::downgrade(&self.shared) })
     }
 
@@ -212,5 +211,5 @@ fn linger(shared: &Shared) {
     }
     q.lingering = false;
     // `close()` may be waiting for the queued calls to be answered.
-    shared.cv.notify_all();
+    shared.wake();
 }

@@ -145,7 +145,8 @@ impl Queue {
 struct Shared {
     queue: Mutex<Queue>,
     cv: Condvar,
-    /// Bumped by every submission, queued call and stream's ask: a spinning engine watches it.
+    /// Bumped by every change the engine waits for ([`Shared::wake`]): a spinning engine
+    /// watches it.
     kicks: std::sync::atomic::AtomicU64,
     /// How long the engine thread and its sync callers spin before they sleep ([`spin`]), in
     /// microseconds.
@@ -155,6 +156,18 @@ struct Shared {
 impl Shared {
     fn lock(&self) -> MutexGuard<'_, Queue> {
         self.queue.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// Tell whoever waits on the engine's state that it changed: the sleepers on `cv` and a
+    /// spinning engine thread (`kicks`).
+    fn wake(&self) {
+        self.kicks.fetch_add(1, Ordering::Release);
+        self.cv.notify_all();
+    }
+
+    /// How long the engine thread and its sync callers spin before they sleep ([`spin`]).
+    fn spin(&self) -> Duration {
+        Duration::from_micros(self.spin_us.load(Ordering::Relaxed))
     }
 }
 
@@ -181,7 +194,7 @@ impl Ticket {
                 q.stats.queue_depth = q.ops.len();
             }
             // A running generation request is dropped at the next tick: wake the engine.
-            shared.cv.notify_all();
+            shared.wake();
             op
         };
         // Answer outside the lock: the callback may wait for the GIL.
@@ -261,10 +274,9 @@ impl Engine {
         let id = q.next_id;
         q.next_id += 1;
         q.ops.push_back(Op { id, work, reply: Reply::new(done), cancelled: Arc::clone(&cancelled) });
-        self.shared.kicks.fetch_add(1, Ordering::Release);
         q.stats.ops_submitted += 1;
         q.stats.queue_depth = q.ops.len();
-        self.shared.cv.notify_all();
+        self.shared.wake();
         Ok(Ticket { id, cancelled, shared: Arc::downgrade(&self.shared) })
     }
 
@@ -288,15 +300,14 @@ impl Engine {
         let mut q = self.shared.lock();
         if q.started {
             q.compact_check = true;
-            self.shared.cv.notify_all();
+            self.shared.wake();
         }
     }
 
     /// Wake the engine thread (a generation stream asked for a token).
     pub(crate) fn notify(&self) {
         let _q = self.shared.lock();
-        self.shared.kicks.fetch_add(1, Ordering::Release);
-        self.shared.cv.notify_all();
+        self.shared.wake();
     }
 
     /// Let the engine thread, after a tick, and its sync callers spin up to `budget` before
@@ -308,7 +319,7 @@ impl Engine {
 
     /// How long this engine's waiters spin before they sleep ([`spin`]).
     pub fn spin(&self) -> Duration {
-        Duration::from_micros(self.shared.spin_us.load(Ordering::Relaxed))
+        self.shared.spin()
     }
 
     /// Current counters.
@@ -328,7 +339,7 @@ impl Engine {
         let mut q = self.shared.lock();
         q.paused = false;
         q.stats.paused = false;
-        self.shared.cv.notify_all();
+        self.shared.wake();
     }
 
     /// Set the gather window (seconds, `0 <= gather <= 1`).
@@ -366,14 +377,14 @@ impl Engine {
             q = self.shared.cv.wait(q).unwrap_or_else(|p| p.into_inner());
         }
         q.shutdown = true;
-        self.shared.cv.notify_all();
+        self.shared.wake();
     }
 
     /// Fail everything queued with `ContextClosed` and let the thread end.
     pub(crate) fn shutdown(&self) {
         let mut q = self.shared.lock();
         q.shutdown = true;
-        self.shared.cv.notify_all();
+        self.shared.wake();
     }
 }
 
@@ -402,7 +413,7 @@ fn set_idle(shared: &Shared) {
     q.idle = true;
     q.ticking = false;
     drop(q);
-    shared.cv.notify_all();
+    shared.wake();
 }
 
 fn engine_loop<H: Host>(ctx: Weak<H>, shared: Arc<Shared>) {
@@ -460,7 +471,7 @@ fn engine_loop<H: Host>(ctx: Weak<H>, shared: Arc<Shared>) {
         q.idle = !sched.has_work();
         if q.idle {
             // `close()` may be waiting for the engine to run dry.
-            shared.cv.notify_all();
+            shared.wake();
         }
     }
 }
@@ -528,7 +539,7 @@ fn take_ops(shared: &Shared, sched: &mut Scheduler, pool_held: bool) -> Option<T
                 q.compact_check = false;
                 return Some(Taken::Compact);
             }
-            let spin = Duration::from_micros(shared.spin_us.load(Ordering::Relaxed));
+            let spin = shared.spin();
             if pool_held && !spun && !spin.is_zero() {
                 // Right after a tick: the next call is usually on its way (a spare core spins
                 // for it rather than wake from a sleep, [`spin`]).
