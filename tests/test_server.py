@@ -282,21 +282,23 @@ def test_gbnf_grammar_field(client: openai.OpenAI, name: str) -> None:
         )
 
 
+WEATHER_TOOLS = [
+    {
+        "type": "function",
+        "function": {
+            "name": "get_weather",
+            "description": "Weather in a city",
+            "parameters": {"type": "object", "properties": {"city": {"type": "string"}}},
+        },
+    }
+]
+
+
 def test_tools_are_rendered_and_parsed(client: openai.OpenAI, name: str) -> None:
-    tools = [
-        {
-            "type": "function",
-            "function": {
-                "name": "get_weather",
-                "description": "Weather in a city",
-                "parameters": {"type": "object", "properties": {"city": {"type": "string"}}},
-            },
-        }
-    ]
     r = client.chat.completions.create(
         model=name,
         messages=[{"role": "user", "content": "Weather in Paris?"}],
-        tools=tools,
+        tools=WEATHER_TOOLS,
         max_tokens=24,
         temperature=0,
     )
@@ -306,6 +308,31 @@ def test_tools_are_rendered_and_parsed(client: openai.OpenAI, name: str) -> None
         assert isinstance(json.loads(msg.tool_calls[0].function.arguments), dict)
     else:
         assert isinstance(msg.content, str)
+
+
+def test_a_streamed_reply_with_tools_sends_its_plain_text_as_it_comes(
+    client: openai.OpenAI, name: str
+) -> None:
+    request: dict[str, Any] = dict(
+        model=name,
+        messages=[{"role": "user", "content": "Write one sentence about the sea."}],
+        tools=WEATHER_TOOLS,
+        max_tokens=24,
+        temperature=0,
+        logprobs=True,
+    )
+    whole = client.chat.completions.create(**request)
+    msg = whole.choices[0].message
+    assert msg.content and not msg.tool_calls, msg  # the model answers this one in text
+    chunks = list(client.chat.completions.create(stream=True, **request))
+    pieces = [c.choices[0].delta.content for c in chunks if c.choices and c.choices[0].delta.content]
+    assert "".join(pieces) == msg.content
+    assert len(pieces) > 5  # token by token, not whole in the last chunk
+    logprobs = [
+        lp for c in chunks if c.choices and c.choices[0].logprobs for lp in c.choices[0].logprobs.content
+    ]
+    assert len(logprobs) == whole.usage.completion_tokens
+    assert chunks[-1].choices[0].finish_reason == whole.choices[0].finish_reason
 
 
 # -- concurrency, cancellation, leases ---------------------------------------------------------

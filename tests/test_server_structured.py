@@ -164,17 +164,33 @@ def test_required_without_parallel_calls_makes_exactly_one(client: openai.OpenAI
         jsonschema.validate(json.loads(call.function.arguments), SCHEMAS[call.function.name])
 
 
-def test_a_streamed_required_call_arrives_whole_at_the_end(client: openai.OpenAI, name: str) -> None:
+def test_a_streamed_required_reply_sends_each_call_as_it_is_written(client: openai.OpenAI, name: str) -> None:
     request: dict[str, Any] = dict(
-        model=name, messages=MESSAGES, tools=TOOLS, tool_choice="required", max_tokens=96, temperature=0
+        model=name,
+        messages=MESSAGES,
+        tools=TOOLS,
+        tool_choice="required",
+        max_tokens=96,
+        temperature=0,
+        logprobs=True,
     )
-    whole = client.chat.completions.create(**request).choices[0].message.tool_calls
+    whole = client.chat.completions.create(**request)
+    calls = whole.choices[0].message.tool_calls
     chunks = list(client.chat.completions.create(stream=True, **request))
     deltas = [c.choices[0].delta for c in chunks if c.choices]
+    assert deltas[0].role == "assistant" and deltas[0].content is None
     streamed = [t for d in deltas for t in d.tool_calls or []]
-    assert [(t.index, t.function.name, t.function.arguments) for t in streamed] == [
-        (i, t.function.name, t.function.arguments) for i, t in enumerate(whole)
+    heads = [t for t in streamed if t.id is not None]
+    assert [(t.index, t.function.name) for t in heads] == [(i, t.function.name) for i, t in enumerate(calls)]
+    assert all(t.id.startswith("call_") and t.type == "function" for t in heads)
+    for i, call in enumerate(calls):
+        assert "".join(t.function.arguments for t in streamed if t.index == i) == call.function.arguments
+    assert len(streamed) > len(calls) + 3  # the arguments come in pieces, not whole at the end
+    assert not any(d.content for d in deltas)
+    logprobs = [
+        lp for c in chunks if c.choices and c.choices[0].logprobs for lp in c.choices[0].logprobs.content
     ]
+    assert len(logprobs) == whole.usage.completion_tokens
     assert chunks[-1].choices[0].finish_reason == "tool_calls"
 
 

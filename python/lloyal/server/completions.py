@@ -21,6 +21,7 @@ import lloyal
 
 from ..scheduling.scheduler import Done, TokenEvent
 from .constraints import constraint_fields, output_grammar
+from .content_stream import opens_reasoning
 from .generation import run_all
 from .protocol import ApiError, ChatRequest, CompletionRequest
 from .replies import chat_logprobs, completion_logprobs, prompt_logprobs, usage
@@ -154,7 +155,11 @@ async def answer_chat(st: ServerState, body: ChatRequest) -> Response | dict[str
     if body.stream:
         st.scheduler.check(spec)  # refused now with a status, not inside a 200 stream
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
-        return sse(chat_chunks(st, spec, cid, created, st.cfg.name, choice, include_usage))
+        return sse(
+            chat_chunks(
+                st, spec, cid, created, st.cfg.name, choice, include_usage, opens_reasoning(fc.prompt)
+            )
+        )
     dones, tokens = await run_all(st, [spec])
     reply = {
         "id": cid,

@@ -15,6 +15,8 @@ from fastapi.responses import StreamingResponse
 import lloyal
 
 from ..scheduling.scheduler import Done, GenSpec, PromptScores, QueueFull, ShuttingDown
+from .call_scanner import CallScanner
+from .content_stream import ContentStream
 from .errors import scheduler_error
 from .generation import merged
 from .protocol import ApiError, error_body
@@ -94,14 +96,20 @@ async def chat_chunks(
     model: str,
     tools: ToolChoice,
     include_usage: bool,
+    reasoning_open: bool = False,
 ) -> AsyncIterator[dict[str, Any]]:
-    """``chat.completion.chunk`` chunks: the assistant role, content deltas as they come (a named
-    forced call: its arguments' deltas; other tool requests: the whole parsed message at the end),
-    each choice's finish reason, and optionally the usage."""
+    """``chat.completion.chunk`` chunks: the assistant role, content deltas as they come (a forced
+    call: its name, then its arguments' deltas, for each call of a ``"required"`` reply too; tools
+    the model may call: content while it is plain text, :mod:`.content_stream`, then the rest of
+    the parsed message at the end), each choice's finish reason, and optionally the usage.
+    ``reasoning_open``: the prompt opened ``<think>`` (the reply begins with reasoning)."""
     ctx = st.ctx
     head = {"id": cid, "object": "chat.completion.chunk", "created": created, "model": model}
     named = tools.named
-    at_end = tools.tools is not None and named is None  # tool calls parsed from the whole text
+    required = tools.forced == "required"
+    at_end = tools.tools is not None and tools.forced is None  # tool calls parsed from the whole text
+    scanners: dict[int, CallScanner] = {}
+    contents: dict[int, ContentStream] = {}
 
     def chunk(index: int, delta: dict[str, Any], reason: str | None, logprobs: Any = None) -> dict[str, Any]:
         return head | {
@@ -109,35 +117,62 @@ async def chat_chunks(
         }
 
     for j in range(spec.n):
-        if named is None:
-            yield chunk(j, {"role": "assistant", "content": ""}, None)
-        else:
+        if named is not None:
             call = tool_call(named, "") | {"index": 0}
             yield chunk(j, {"role": "assistant", "content": None, "tool_calls": [call]}, None)
+        else:
+            yield chunk(j, {"role": "assistant", "content": None if required else ""}, None)
     done: Done | None = None
     async for _, ev in merged(st, [spec]):
         if isinstance(ev, Done):
             done = ev
             break
-        if at_end or isinstance(ev, PromptScores):
+        if isinstance(ev, PromptScores):
             continue
         lp = {"content": chat_logprobs(ctx, [ev])} if ev.logprob is not None else None
-        if ev.text or lp:
+        if at_end:
+            text = contents.setdefault(ev.index, ContentStream(reasoning_open)).feed(ev.text)
+            if text or lp:
+                yield chunk(ev.index, {"content": text} if text else {}, None, lp)
+        elif required:
+            calls = _calls_delta(scanners.setdefault(ev.index, CallScanner()), ev.text)
+            if calls or lp:
+                yield chunk(ev.index, calls, None, lp)
+        elif ev.text or lp:
             piece = {"content": ev.text} if named is None else _arguments_delta(ev.text)
             yield chunk(ev.index, piece, None, lp)
     assert done is not None
     for j, i in enumerate(done.choices):
+        reason = done.finish_reasons[i]
         if at_end:
-            msg, reason = tools.message(done.texts[i], done.finish_reasons[i])
+            msg, reason = tools.message(done.texts[i], reason)
             delta = {k: v for k, v in msg.items() if k != "role"}
+            rest = contents[j].rest(msg["content"] or "") if j in contents else msg["content"]
+            delta.pop("content")
+            if rest:
+                delta["content"] = rest
             if "tool_calls" in delta:
                 delta["tool_calls"] = [c | {"index": x} for x, c in enumerate(delta["tool_calls"])]
-            yield chunk(j, delta, None)
-        else:
-            reason = done.finish_reasons[i]
+            if delta:
+                yield chunk(j, delta, None)
+        elif required:
+            reason = tools.message(done.texts[i], reason)[1]
         yield chunk(j, {}, reason)
     if include_usage:
         yield head | {"choices": [], "usage": usage([done])}
+
+
+def _calls_delta(scanner: CallScanner, text: str) -> dict[str, Any]:
+    """What ``text`` adds to a ``"required"`` reply's calls as a chunk's delta (empty: nothing
+    yet): a call's id and name when its name is known, then pieces of its arguments."""
+    calls = []
+    for index, name, arguments in scanner.feed(text):
+        calls.append(
+            tool_call(name, arguments) | {"index": index}
+            if name is not None
+            else {"index": index, "function": {"arguments": arguments}}
+        )
+    return {"tool_calls": calls} if calls else {}
 
 
 def _arguments_delta(text: str) -> dict[str, Any]:

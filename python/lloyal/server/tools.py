@@ -17,6 +17,7 @@ from typing import Any
 
 import lloyal
 
+from .call_scanner import required_calls
 from .protocol import ApiError, ChatRequest
 from .replies import assistant_message, tool_call
 
@@ -59,18 +60,16 @@ class ToolChoice:
         """A choice's generated ``text`` as the assistant message, and its finish reason.
 
         A named call is ``stop`` as OpenAI answers a forced function (``length`` when cut, its
-        arguments then partial JSON); ``"required"`` is ``tool_calls`` (``length`` and the text as
-        content when cut before the calls parse)."""
+        arguments then partial JSON); ``"required"`` is ``tool_calls``, each call's arguments the
+        text the model wrote for its ``parameters`` (``length`` and the text as content when cut
+        before the calls parse)."""
         if self.named is not None:
             return {"role": "assistant", "content": None, "tool_calls": [tool_call(self.named, text)]}, reason
         if self.forced == "required":
-            try:
-                calls = json.loads(text)
-            except json.JSONDecodeError:
+            calls = required_calls(text)
+            if calls is None:
                 return {"role": "assistant", "content": text}, reason
-            tool_calls = [
-                tool_call(c["name"], json.dumps(c["parameters"], ensure_ascii=False)) for c in calls
-            ]
+            tool_calls = [tool_call(name, arguments) for name, arguments in calls]
             return {"role": "assistant", "content": None, "tool_calls": tool_calls}, "tool_calls"
         return assistant_message(text, reason, self.tools is not None)
 

@@ -1,0 +1,102 @@
+"""The server's streamed content of a reply that may call a tool
+(``lloyal.server.content_stream``): plain text is sent as it comes, nothing that
+``parse_chat_output`` could turn into a call or reasoning is, and what was sent plus the rest at
+the end is the parsed reply's content, whatever the pieces."""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+
+pytest.importorskip("fastapi", reason="the server extra: pip install 'lloyal[server]'")
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import lloyal
+from lloyal.server.content_stream import ContentStream, opens_reasoning
+
+FRAGMENTS = [
+    "Hello",
+    " ",
+    "\n",
+    "world.",
+    "{",
+    '"name": "f"',
+    "}",
+    "<",
+    "tool_call>",
+    "<tool_call>",
+    '{"name": "f", "arguments": {"x": 1}}',
+    "</tool_call>",
+    "<think>",
+    "</think>",
+    "<end_of_turn>",
+    "<eos>",
+    "<|python_tag|>",
+    "</s",
+    "a < b",
+]
+
+
+def streamed(text: str, cuts: list[int], reasoning_open: bool = False) -> tuple[list[str], str]:
+    """The content pieces sent for ``text`` fed in the pieces ``cuts`` make, and the rest at the end."""
+    s = ContentStream(reasoning_open)
+    bounds = [0, *sorted(cuts), len(text)]
+    sent = [s.feed(text[a:b]) for a, b in itertools.pairwise(bounds)]
+    return [p for p in sent if p], s.rest(lloyal.parse_chat_output(text).content)
+
+
+def test_plain_text_is_sent_as_it_comes_and_nothing_is_left_for_the_end() -> None:
+    text = "  The weather in Paris is mild.\nTake a coat. "
+    sent, rest = streamed(text, list(range(len(text))))
+    assert "".join(sent) == "The weather in Paris is mild.\nTake a coat." and rest == ""
+    assert len(sent) > 20  # character by character, not at the end
+
+
+def test_a_tool_call_stops_the_content_and_the_text_after_it_comes_at_the_end() -> None:
+    call = '<tool_call>{"name": "get_weather", "arguments": {"city": "Paris"}}</tool_call>'
+    text = f"Let me check. {call} Done."
+    sent, rest = streamed(text, list(range(len(text))))
+    assert "".join(sent) == "Let me check." and rest == "  Done."
+    out = lloyal.parse_chat_output(text)
+    assert out.content == "Let me check.  Done." and out.tool_calls[0].name == "get_weather"
+
+
+@pytest.mark.parametrize(
+    "text",
+    [
+        '{"name": "get_weather", "parameters": {"city": "Paris"}}',
+        '<|python_tag|>{"name": "f", "parameters": {}}',
+        "<think>hmm</think>Paris is mild.",
+        "<tool",
+    ],
+)
+def test_what_may_be_a_call_or_reasoning_is_held(text: str) -> None:
+    sent, rest = streamed(text, list(range(len(text))))
+    assert sent == [] and rest == lloyal.parse_chat_output(text).content
+
+
+def test_a_reply_that_begins_with_reasoning_is_held_until_the_end() -> None:
+    assert opens_reasoning("<|im_start|>assistant\n<think>\n")
+    assert not opens_reasoning("<|im_start|>assistant\n<think>\n\n</think>\n\n")
+    assert not opens_reasoning("<start_of_turn>model\n")
+    text = "the user wants the weather</think>It is mild."
+    sent, rest = streamed(text, [5, 10, 30], reasoning_open=True)
+    assert sent == [] and rest == "It is mild."
+
+
+@settings(max_examples=400, deadline=None)
+@given(
+    st.lists(st.sampled_from(FRAGMENTS), max_size=10),
+    st.lists(st.integers(min_value=0, max_value=200), max_size=8),
+)
+def test_what_was_sent_and_the_rest_are_the_parsed_content(fragments: list[str], cuts: list[int]) -> None:
+    text = "".join(fragments)
+    sent, rest = streamed(text, [c for c in cuts if c <= len(text)])
+    content = lloyal.parse_chat_output(text).content
+    close, open_ = text.find("</think>"), text.find("<think>")
+    if close >= 0 and (open_ < 0 or close < open_) and sent:
+        assert rest == content  # plain text sent before a lone </think> made it reasoning
+    else:
+        assert "".join(sent) + rest == content
