@@ -27,9 +27,16 @@ thread_local! {
     static ENGINE: Cell<bool> = const { Cell::new(false) };
 }
 
-/// Mark this thread as an engine thread: [`parallel_for`] may use its OpenMP pool.
+/// Mark this thread as an engine thread: [`parallel_for`] may use its OpenMP pool, and it may
+/// decode ([`on_engine_thread`]).
 pub fn mark_engine_thread() {
     ENGINE.with(|e| e.set(true));
+}
+
+/// Whether this thread is an engine thread: the only threads that call `llama_decode`
+/// (`ContextState::run_batch` refuses elsewhere).
+pub fn on_engine_thread() -> bool {
+    ENGINE.with(Cell::get)
 }
 
 /// Run `job(i)` for every `i` in `0..n`, on `threads` threads of this engine thread's OpenMP

@@ -184,7 +184,9 @@ impl Context {
     /// work (create, fork, prune, sampler changes, the flat path's sampling, reads) comes
     /// here; one that decodes goes through [`Context::apply_decoding`]. It runs at once on
     /// the caller's thread when no engine tick is running, else the engine thread runs it
-    /// before its next tick ([`crate::engine::apply`]).
+    /// before its next tick ([`crate::engine::apply`]). A decode inside `f` run on the
+    /// caller's thread fails (`LloyalError::Backend`, nothing written): only the engine's
+    /// thread decodes.
     ///
     /// `interrupt` (the Python glue's Ctrl-C check, on the main thread) is asked between the
     /// n_batch-sized decodes of a long call (a prefill of many tokens), or every 50 ms while

@@ -163,7 +163,16 @@ impl ContextState {
     /// free for it but some are parked, the parked cells are reclaimed and the decode retried.
     /// `replacing`: the sequences of branches whose snapshots the batch's logits replace
     /// when it succeeds (rows read in place elsewhere are copied out first).
+    ///
+    /// Only on an engine thread: a decode anywhere else (a closure given to `Context::apply`
+    /// rather than `Context::apply_decoding`) is refused before it touches the cache, so the
+    /// engine stays the one thread that runs the context's decodes.
     pub(crate) fn run_batch(&mut self, replacing: &[i32]) -> Result<()> {
+        if !crate::omp::on_engine_thread() {
+            return Err(LloyalError::Backend(
+                "a decode outside the context's engine thread: run it with Context::apply_decoding".into(),
+            ));
+        }
         if self.batches_in_call > 0 && self.interrupt.as_ref().is_some_and(|check| check()) {
             return Err(LloyalError::Interrupted);
         }
