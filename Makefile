@@ -7,7 +7,7 @@ export PYO3_PYTHON := $(CURDIR)/.venv/bin/python
 PYDIRS := python tests benches examples .ci
 
 .PHONY: help sysdeps browser venv llama-settings build soak fuzz test test-rust test-py test-docs test-offloaded families lint format bench bench-deps bench-batched bench-server-paired bench-peer-same-ggml bench-host-bound bench-server-requests demo serve \
-	smoke-wheel wheel-portable bench-wheel clean distclean
+	smoke-wheel wheel-portable bench-wheel test-avx2 clean distclean
 .DEFAULT_GOAL := help
 
 help:  ## list the targets with what they do (this text)
@@ -75,6 +75,15 @@ test-offloaded: build  ## tests/ as a GPU run configures them (LLOYAL_N_GPU_LAYE
 	LLOYAL_N_GPU_LAYERS=99 $(PY) -m pytest tests -q
 
 test: test-rust test-py  ## everything CI tests: cargo tests, docstring examples, benches smoke, tests/
+
+AVX2 := target/avx2
+test-avx2: sysdeps venv  ## tests/ on an AVX2-only build (-C target-cpu=haswell: no AVX-512/AMX code; own cache, ~15 min cold) run on this CPU: what an AVX2 host runs
+	rm -rf $(AVX2) && mkdir -p $(AVX2)
+	CARGO_TARGET_DIR=$(HOME)/.cache/lloyal/target-avx2 RUSTFLAGS="-C target-cpu=haswell" \
+		.venv/bin/maturin build --release -q --auditwheel skip --out $(AVX2)/dist
+	$(PY) -m zipfile -e "$$(ls $(AVX2)/dist/*.whl)" $(AVX2)/site
+	PYTHONPATH=$(CURDIR)/$(AVX2)/site $(PY) -c "import lloyal; print(lloyal.__file__, lloyal.system_info())"
+	PYTHONPATH=$(CURDIR)/$(AVX2)/site LLOYAL_ROW_KERNELS=avx2 $(PY) -m pytest tests -q -p no:cacheprovider
 
 lint: build  ## cargo fmt --check, clippy -D warnings, ruff, ruff format --check, mypy --strict, stubtest
 	cargo fmt --all --check
