@@ -422,20 +422,14 @@ impl StopMatcher {
     }
 }
 
-/// `log_softmax(logits)[token]` and, if `k > 0`, the `k` best `(token, logprob)` pairs, where
-/// `lse` is `log_sum_exp(logits)` (a snapshot's [`crate::metrics::RowStats`]).
-pub fn logprobs(logits: &[f32], lse: f64, token: i32, k: usize) -> (f64, Vec<(i32, f64)>) {
+/// `log_softmax(logits)[token]` and, if `k > 0`, the `k` best `(token, logprob)` pairs (ties:
+/// the lower id first; NaN never), where `lse` is `log_sum_exp(logits)` (a snapshot's
+/// [`crate::metrics::RowStats`]) and `maxima` the row's span maxima when known (a snapshot's:
+/// the best `k` are then found from the spans that reach them, not a pass over the row; empty:
+/// computed when the row is large, [`crate::sampler::top_candidates_in`]).
+pub fn logprobs(logits: &[f32], maxima: &[f32], lse: f64, token: i32, k: usize) -> (f64, Vec<(i32, f64)>) {
     let lp = |l: f32| f64::from(l) - lse;
-    let mut top: Vec<(i32, f32)> = Vec::with_capacity(k + 1);
-    if k > 0 {
-        for (i, &l) in logits.iter().enumerate() {
-            if top.len() < k || l > top[top.len() - 1].1 {
-                let at = top.partition_point(|&(_, x)| x >= l);
-                top.insert(at, (i as i32, l));
-                top.truncate(k);
-            }
-        }
-    }
+    let top = if k > 0 { crate::sampler::top_candidates_in(logits, maxima, &[], k) } else { Vec::new() };
     let own = logits.get(token as usize).copied().unwrap_or(f32::NEG_INFINITY);
     (lp(own), top.into_iter().map(|(t, l)| (t, lp(l))).collect())
 }
@@ -479,12 +473,12 @@ mod tests {
     #[test]
     fn logprobs_are_a_log_softmax_with_sorted_top_k() {
         let logits = [1.0f32, 3.0, 2.0, f32::NEG_INFINITY];
-        let (lp, top) = logprobs(&logits, log_sum_exp(&logits), 2, 3);
+        let (lp, top) = logprobs(&logits, &[], log_sum_exp(&logits), 2, 3);
         let z: f64 = logits.iter().map(|&l| f64::from(l).exp()).sum();
         assert!((lp - (2.0 - z.ln())).abs() < 1e-6, "f32 exponentials");
         assert_eq!(top.iter().map(|t| t.0).collect::<Vec<_>>(), vec![1, 2, 0]);
         assert!((top[0].1 - (3.0 - z.ln())).abs() < 1e-6);
-        assert_eq!(logprobs(&logits, log_sum_exp(&logits), 3, 0), (f64::NEG_INFINITY, vec![]));
+        assert_eq!(logprobs(&logits, &[], log_sum_exp(&logits), 3, 0), (f64::NEG_INFINITY, vec![]));
     }
 
     #[test]

@@ -204,15 +204,19 @@ fn decode(
 /// draft's into `copies`.
 fn fill_logits(s: &mut ContextState, chunk: &[Row], copies: &mut Copies) -> Result<()> {
     let mut rows: Vec<(i32, Handle)> = Vec::new();
+    let mut scored: Vec<(i32, i32, usize)> = Vec::new();
     for (i, r) in chunk.iter().enumerate() {
         match r.out {
             Out::No => {}
             Out::Next | Out::Commit => rows.push((i as i32, r.handle)),
             Out::Copy => copies.rows.push((r.handle, s.copy_logits_row(i as i32)?)),
-            Out::Score(top) => {
-                copies.scores.push((r.handle, s.score_row(i as i32, r.next, usize::from(top))?))
-            }
+            Out::Score(top) => scored.push((i as i32, r.next, usize::from(top))),
         }
+    }
+    if !scored.is_empty() {
+        let scores = s.score_rows(&scored)?;
+        let handles = scored.iter().map(|&(i, ..)| chunk[i as usize].handle);
+        copies.scores.extend(handles.zip(scores));
     }
     s.fill_next_logits_rows(&rows)
 }

@@ -192,7 +192,7 @@ fn token_logprobs(s: &ContextState, spec: &GenSpec, token: i32) -> Result<Logpro
         return Ok(None);
     }
     let b = s.branch(spec.handle)?;
-    Ok(Some(logprobs(b.logits()?, b.logits.stats().lse, token, spec.top_logprobs)))
+    Ok(Some(logprobs(b.logits()?, b.logits.maxima(), b.logits.stats().lse, token, spec.top_logprobs)))
 }
 
 /// As a request's prompt finishes (`commit_last` off): yield its first token now, a tick before
