@@ -93,3 +93,10 @@ pub fn parse_chat_output_native(
     let calls = out.tool_calls.into_iter().map(|c| (c.name, c.arguments.to_string())).collect();
     (out.content, out.reasoning_content, calls)
 }
+
+/// The markers `parse_chat_output` acts on: `(end-of-turn markers it removes, markers from which
+/// text may be reasoning or a tool call)`.
+#[pyfunction(name = "_chat_markers")]
+pub fn chat_markers() -> (Vec<&'static str>, Vec<&'static str>) {
+    (lloyal_core::chat::END_MARKERS.to_vec(), lloyal_core::chat::STRUCTURE_MARKERS.to_vec())
+}

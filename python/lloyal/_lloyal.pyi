@@ -40,6 +40,7 @@ __all__ = [
     "Token",
     "TokenIterator",
     "__version__",
+    "_chat_markers",
     "_parse_chat_output",
     "json_schema_to_grammar",
     "quiesce_callbacks",
@@ -62,6 +63,10 @@ def validate_sampling_params(params: object) -> None:
 
 def _parse_chat_output(text: str) -> tuple[str, str | None, list[tuple[str, str]]]:
     """Native part of `lloyal.parse_chat_output`: `(content, reasoning_content, [(name, arguments_json)])`."""
+
+def _chat_markers() -> tuple[list[str], list[str]]:
+    """The markers `parse_chat_output` acts on: `(end-of-turn markers it removes, markers from which
+    text may be reasoning or a tool call)`."""
 
 @final
 class Model:

@@ -23,21 +23,13 @@ chosen per server; a reply of a model whose chat template opened ``<think>`` in 
 
 from __future__ import annotations
 
+from lloyal._lloyal import _chat_markers
+
 __all__ = ["ContentStream", "opens_reasoning"]
 
 # What parse_chat_output removes from the text wherever it is (end-of-turn markers), and what makes
-# the text something other than plain content from there on.
-_REMOVED = (
-    "<end_of_turn>",
-    "<|im_end|>",
-    "<|eot_id|>",
-    "<|eom_id|>",
-    "<|end_of_text|>",
-    "<|endoftext|>",
-    "<eos>",
-    "</s>",
-)
-_NOT_PLAIN = ("<tool_call>", "<think>", "</think>", "<|python_tag|>")
+# the text something other than plain content from there on (its own lists, from the core).
+_REMOVED, _NOT_PLAIN = (tuple(m) for m in _chat_markers())
 _MARKERS = _REMOVED + _NOT_PLAIN
 
 

@@ -8,7 +8,7 @@ pub mod render;
 pub mod templates;
 
 pub use family::ChatFamily;
-pub use parse::{parse_chat_output, ChatOutput, ToolCall};
+pub use parse::{parse_chat_output, ChatOutput, ToolCall, END_MARKERS, STRUCTURE_MARKERS};
 pub use render::{ChatOptions, FormattedChat};
 
 #[cfg(test)]

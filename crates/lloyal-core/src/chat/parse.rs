@@ -22,7 +22,8 @@ pub struct ChatOutput {
     pub tool_calls: Vec<ToolCall>,
 }
 
-const END_MARKERS: &[&str] = &[
+/// End-of-turn markers [`parse_chat_output`] removes wherever they are in the text.
+pub const END_MARKERS: &[&str] = &[
     "<end_of_turn>",
     "<|im_end|>",
     "<|eot_id|>",
@@ -32,6 +33,11 @@ const END_MARKERS: &[&str] = &[
     "<eos>",
     "</s>",
 ];
+
+/// Markers from which [`parse_chat_output`] may read the text as something other than content:
+/// reasoning (`<think>`, `</think>`) or a tool call (`<tool_call>`, `<|python_tag|>`; a Llama 3
+/// call may also be a bare `{` at the start). A streaming server holds text from the first one on.
+pub const STRUCTURE_MARKERS: &[&str] = &["<tool_call>", "<think>", "</think>", "<|python_tag|>"];
 
 /// Split generated text into content, `<think>` reasoning and tool calls (Hermes/Qwen
 /// `<tool_call>{...}</tool_call>` blocks, or a Llama 3 JSON call with optional
