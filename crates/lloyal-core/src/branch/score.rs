@@ -106,8 +106,9 @@ impl ContextState {
 
     /// Rows of the last decode scored against the tokens after them, one `(row, next, top)`
     /// each, in order: the rows shared among the decode's threads (on an engine thread:
-    /// `omp::parallel_for`; each row three passes over the vocabulary, its log-sum-exp, its
-    /// best `top` and its rank), each row's score the same whichever thread took it.
+    /// `omp::parallel_for`; each row one pass for its log-sum-exp and span maxima, then the
+    /// spans that reach its best `top` and its rank), each row's score the same whichever thread
+    /// took it.
     pub(crate) fn score_rows(&mut self, rows: &[(i32, i32, usize)]) -> Result<Vec<Scored>> {
         let ids: Vec<i32> = rows.iter().map(|r| r.0).collect();
         let srcs = self.raw.output_rows(&ids).ok_or_else(|| {
