@@ -52,6 +52,8 @@ def test_each_token_is_scored_under_the_logits_before_it(ctx: lloyal.Context) ->
             assert np.array_equal(b.logits, plain.logits), "the last row is the branch's logits"
     assert len(scored) == len(tokens)
     assert scored[0] == (None, [], None), "nothing came before the first token"
+    assert all(isinstance(s, lloyal.ScoredToken) for s in scored)
+    assert (scored[1].logprob, scored[1].top, scored[1].rank) == tuple(scored[1])
     want = one_by_one(ctx, tokens[:1], tokens[1:], 3)
     assert any(w[2] > 3 for w in want) and any(w[2] == 1 for w in want), "ranks in and out of the top"
     for (lp, top, rank), (want_lp, want_top, want_rank) in zip(scored[1:], want, strict=True):

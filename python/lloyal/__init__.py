@@ -59,6 +59,7 @@ from lloyal.errors import (
 )
 from lloyal.grammar import json_schema_to_grammar
 from lloyal.sampling import Dry, Mirostat, SamplingParams, Xtc
+from lloyal.scored import ScoredToken
 
 _native.release_env()  # the extension read its backend folder when it was imported above
 
@@ -92,6 +93,7 @@ __all__ = [
     "PerplexityTracker",
     "Produced",
     "SamplingParams",
+    "ScoredToken",
     "SeqLeasedError",
     "StateError",
     "TextStream",

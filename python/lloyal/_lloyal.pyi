@@ -10,6 +10,7 @@ import numpy.typing as npt
 
 from lloyal.chat import FormattedChat
 from lloyal.sampling import SamplingParams
+from lloyal.scored import ScoredToken
 
 __version__: str
 PORTABLE: bool
@@ -995,22 +996,22 @@ class Branch:
     @property
     def last_token(self) -> int | None:
         """The most recently accepted token (``None`` before any)."""
-    def score(
-        self, tokens: list[int], top_logprobs: int = 0
-    ) -> list[tuple[float | None, list[tuple[int, float]], int | None]]:
-        """Write ``tokens`` as :meth:`prefill` does and score each one: ``(logprob, top, rank)``,
-        its ``log_softmax`` under the logits before it (for the first, the branch's logits;
-        ``None`` on a branch without any), the ``top_logprobs`` most likely ``(token, logprob)``
-        pairs there, best first (0 to 20), and its rank there (1 + the tokens with a higher
-        logit, as vLLM counts it; ``None`` with the logprob). A prompt's logprobs, as OpenAI's
-        ``echo`` and vLLM's ``prompt_logprobs`` report them.
+    def score(self, tokens: list[int], top_logprobs: int = 0) -> list[ScoredToken]:
+        """Write ``tokens`` as :meth:`prefill` does and score each one: a
+        :class:`~lloyal.ScoredToken` ``(logprob, top, rank)``, its ``log_softmax`` under the
+        logits before it (for the first, the branch's logits; ``None`` on a branch without any),
+        the ``top_logprobs`` most likely ``(token, logprob)`` pairs there, best first (0 to 20),
+        and its rank there (1 + the tokens with a higher logit, as vLLM counts it; ``None`` with
+        the logprob). A prompt's logprobs, as OpenAI's ``echo`` and vLLM's ``prompt_logprobs``
+        report them.
 
         Runs on the context's engine as a prefill whose rows all keep logits, 64 rows a tick
-        (each costs the output layer); a failure leaves the branch as it was.
+        (each costs the output layer; shared among the decode's threads); a failure leaves the
+        branch as it was.
 
         Example:
             >>> scored = branch.score(ctx.tokenize(" and the cat", add_special=False), top_logprobs=2)
-            >>> len(scored), len(scored[0][1]), scored[0][2] >= 1, branch.position
+            >>> len(scored), len(scored[0].top), scored[0].rank >= 1, branch.position
             (3, 2, True, 13)
         """
     def aprefill(self, tokens: list[int]) -> Coroutine[Any, Any, None]:

@@ -16,7 +16,6 @@ use crate::error::IntoPyResult;
 
 /// A scored token: its logprob (`None` without logits before it), the best alternatives and
 /// its rank.
-type Scored = (Option<f64>, Vec<(i32, f64)>, Option<u32>);
 
 #[pymethods]
 impl PyBranch {
@@ -78,28 +77,31 @@ impl PyBranch {
         engine::wait(py, self.core(), Work::Prefill(vec![(self.handle, tokens)]))
     }
 
-    /// Write ``tokens`` as :meth:`prefill` does and score each one: ``(logprob, top, rank)``,
-    /// its ``log_softmax`` under the logits before it (for the first, the branch's logits;
-    /// ``None`` on a branch without any), the ``top_logprobs`` most likely ``(token, logprob)``
-    /// pairs there, best first (0 to 20), and its rank there (1 + the tokens with a higher
-    /// logit, as vLLM counts it; ``None`` with the logprob). A prompt's logprobs, as OpenAI's
-    /// ``echo`` and vLLM's ``prompt_logprobs`` report them.
+    /// Write ``tokens`` as :meth:`prefill` does and score each one: a
+    /// :class:`~lloyal.ScoredToken` ``(logprob, top, rank)``, its ``log_softmax`` under the
+    /// logits before it (for the first, the branch's logits; ``None`` on a branch without any),
+    /// the ``top_logprobs`` most likely ``(token, logprob)`` pairs there, best first (0 to 20),
+    /// and its rank there (1 + the tokens with a higher logit, as vLLM counts it; ``None`` with
+    /// the logprob). A prompt's logprobs, as OpenAI's ``echo`` and vLLM's ``prompt_logprobs``
+    /// report them.
     ///
     /// Runs on the context's engine as a prefill whose rows all keep logits, 64 rows a tick
-    /// (each costs the output layer); a failure leaves the branch as it was.
+    /// (each costs the output layer; shared among the decode's threads); a failure leaves the
+    /// branch as it was.
     ///
     /// Example:
     ///     >>> scored = branch.score(ctx.tokenize(" and the cat", add_special=False), top_logprobs=2)
-    ///     >>> len(scored), len(scored[0][1]), scored[0][2] >= 1, branch.position
+    ///     >>> len(scored), len(scored[0].top), scored[0].rank >= 1, branch.position
     ///     (3, 2, True, 13)
     #[pyo3(signature = (tokens, top_logprobs = 0))]
-    fn score(&self, py: Python<'_>, tokens: Vec<i64>, top_logprobs: usize) -> PyResult<Vec<Scored>> {
+    fn score(&self, py: Python<'_>, tokens: Vec<i64>, top_logprobs: usize) -> PyResult<Vec<Py<PyAny>>> {
         let tokens = to_i32(self.core().model(), &tokens)?;
         let work = Arc::new(ScoreWork::new(self.handle, tokens, top_logprobs).py()?);
         engine::wait(py, self.core(), Work::Score(Arc::clone(&work)))?;
         let missing = || LloyalError::Backend("internal error: score answered without its result".into());
         let scored = work.result.take().ok_or_else(missing).py()?;
-        Ok(scored.into_iter().map(|s| (s.logprob, s.top, s.rank)).collect())
+        let cls = py.import("lloyal.scored")?.getattr("ScoredToken")?;
+        scored.into_iter().map(|s| Ok(cls.call1((s.logprob, s.top, s.rank))?.unbind())).collect()
     }
 
     /// Await ``prefill(tokens)``: queued on the context's engine, the event loop keeps running.
