@@ -73,7 +73,8 @@ crate::wrap::wrapper_class! {
 pub fn wait(py: Python<'_>, ctx: &Arc<Context>, work: Work) -> PyResult<()> {
     let (waiter, done) = Waiter::new();
     let ticket = ctx.submit(work, done).map_err(to_py)?;
-    let spin = ctx.engine_spin();
+    // One GIL release a wait: the spin (none without a spare core) then the sleep.
+    let mut spin = ctx.engine_spin();
     if !on_main_thread(py) {
         return without_gil(py, || {
             waiter.spin(spin);
@@ -81,9 +82,13 @@ pub fn wait(py: Python<'_>, ctx: &Arc<Context>, work: Work) -> PyResult<()> {
         })
         .map_err(to_py);
     }
-    without_gil(py, || waiter.spin(spin));
     loop {
-        if let Some(r) = without_gil(py, || waiter.wait_timeout(Duration::from_millis(50))) {
+        let budget = std::mem::take(&mut spin); // the first wait only
+        let answered = without_gil(py, || {
+            waiter.spin(budget);
+            waiter.wait_timeout(Duration::from_millis(50))
+        });
+        if let Some(r) = answered {
             return r.map_err(to_py);
         }
         if let Err(e) = py.check_signals() {

@@ -214,14 +214,19 @@ impl PyTokenIter {
                 Next::Pending => {}
             }
             self.core.notify_engine();
-            py.detach(|| stream.spin(seen, self.core.engine_spin()));
+            // One GIL release a wait: the spin (none without a spare core) then the sleep.
+            let spin = self.core.engine_spin();
+            let wait = |timeout| {
+                stream.spin(seen, spin);
+                stream.wait_timeout(timeout)
+            };
             if !main {
-                py.detach(|| stream.wait_timeout(Duration::from_secs(3600)));
+                py.detach(|| wait(Duration::from_secs(3600)));
                 continue;
             }
             // On the main thread, wake every 50 ms for signal handlers: Ctrl-C frees the
             // request (the branch stays at its last committed token) and raises.
-            py.detach(|| stream.wait_timeout(Duration::from_millis(50)));
+            py.detach(|| wait(Duration::from_millis(50)));
             if let Err(e) = py.check_signals() {
                 self.cancel();
                 self.core.notify_engine();
