@@ -37,7 +37,13 @@ pub const END_MARKERS: &[&str] = &[
 /// Markers from which [`parse_chat_output`] may read the text as something other than content:
 /// reasoning (`<think>`, `</think>`) or a tool call (`<tool_call>`, `<|python_tag|>`; a Llama 3
 /// call may also be a bare `{` at the start). A streaming server holds text from the first one on.
-pub const STRUCTURE_MARKERS: &[&str] = &["<tool_call>", "<think>", "</think>", "<|python_tag|>"];
+pub const STRUCTURE_MARKERS: &[&str] = &[CALL_OPEN, THINK_OPEN, THINK_CLOSE, PYTHON_TAG];
+
+const THINK_OPEN: &str = "<think>";
+const THINK_CLOSE: &str = "</think>";
+const CALL_OPEN: &str = "<tool_call>";
+const CALL_CLOSE: &str = "</tool_call>";
+const PYTHON_TAG: &str = "<|python_tag|>";
 
 /// Split generated text into content, `<think>` reasoning and tool calls (Hermes/Qwen
 /// `<tool_call>{...}</tool_call>` blocks, or a Llama 3 JSON call with optional
@@ -59,38 +65,34 @@ pub fn parse_chat_output(text: &str) -> ChatOutput {
 }
 
 fn split_reasoning(text: &str) -> (Option<String>, String) {
-    const OPEN: &str = "<think>";
-    const CLOSE: &str = "</think>";
-    match (text.find(OPEN), text.find(CLOSE)) {
+    match (text.find(THINK_OPEN), text.find(THINK_CLOSE)) {
         (Some(o), Some(c)) if o < c => {
-            let reasoning = text[o + OPEN.len()..c].trim().to_string();
-            (Some(reasoning), format!("{}{}", &text[..o], &text[c + CLOSE.len()..]))
+            let reasoning = text[o + THINK_OPEN.len()..c].trim().to_string();
+            (Some(reasoning), format!("{}{}", &text[..o], &text[c + THINK_CLOSE.len()..]))
         }
         // The template opened <think> in the prompt: everything before </think> is reasoning.
-        (None, Some(c)) => (Some(text[..c].trim().to_string()), text[c + CLOSE.len()..].to_string()),
+        (None, Some(c)) => (Some(text[..c].trim().to_string()), text[c + THINK_CLOSE.len()..].to_string()),
         // Unfinished reasoning (generation stopped inside it).
-        (Some(o), None) => (Some(text[o + OPEN.len()..].trim().to_string()), text[..o].to_string()),
+        (Some(o), None) => (Some(text[o + THINK_OPEN.len()..].trim().to_string()), text[..o].to_string()),
         _ => (None, text.to_string()),
     }
 }
 
 fn extract_hermes(text: &str) -> (String, Vec<ToolCall>) {
-    const OPEN: &str = "<tool_call>";
-    const CLOSE: &str = "</tool_call>";
     let mut content = String::new();
     let mut calls = Vec::new();
     let mut rest = text;
-    while let Some(o) = rest.find(OPEN) {
-        let after = &rest[o + OPEN.len()..];
-        let Some(c) = after.find(CLOSE) else { break };
+    while let Some(o) = rest.find(CALL_OPEN) {
+        let after = &rest[o + CALL_OPEN.len()..];
+        let Some(c) = after.find(CALL_CLOSE) else { break };
         match tool_call_from_json(after[..c].trim(), "arguments") {
             Some(call) => {
                 content.push_str(&rest[..o]);
                 calls.push(call);
             }
-            None => content.push_str(&rest[..o + OPEN.len() + c + CLOSE.len()]),
+            None => content.push_str(&rest[..o + CALL_OPEN.len() + c + CALL_CLOSE.len()]),
         }
-        rest = &after[c + CLOSE.len()..];
+        rest = &after[c + CALL_CLOSE.len()..];
     }
     content.push_str(rest);
     (content, calls)
@@ -98,7 +100,7 @@ fn extract_hermes(text: &str) -> (String, Vec<ToolCall>) {
 
 fn llama3_calls(content: &str) -> Option<Vec<ToolCall>> {
     let t = content.trim();
-    let t = t.strip_prefix("<|python_tag|>").unwrap_or(t).trim();
+    let t = t.strip_prefix(PYTHON_TAG).unwrap_or(t).trim();
     if !t.starts_with('{') {
         return None;
     }
