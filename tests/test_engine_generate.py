@@ -796,6 +796,15 @@ def test_stop_strings_are_looked_for_from_min_tokens_and_included_when_asked(
     assert "".join(t.text for t in it) == full[: full.index(stop)] and it.finish_reason == "stop"
     it = root.fork().generate(8, stop=[stop], min_tokens=k + 2)  # token k comes before min_tokens
     assert [t.token for t in it] == ref and it.finish_reason == "length"
+    # a stop string begun before min_tokens and ended by its last token counts (as vLLM's)
+    m = next(m for m in range(3, 9) if pieces[m - 2] and pieces[m - 1])
+    across = pieces[m - 2][-1] + pieces[m - 1][0]
+    before = len("".join(pieces[: m - 1]))
+    at = full.index(across, before + 1 - len(across))
+    it = root.fork().generate(8, stop=[across], min_tokens=m)
+    toks = list(it)
+    assert [t.token for t in toks] == ref[:m] and it.finish_reason == "stop"
+    assert "".join(t.text for t in toks) == full[:at]
     # include_stop_str: the text runs to the end of the stop string, then stops
     later = pieces[3][-2:] + pieces[4][:1]
     cut = full.index(later)

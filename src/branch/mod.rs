@@ -286,8 +286,8 @@ impl PyBranch {
     ///     min_tokens: Tokens to generate before the model's end-of-generation tokens and
     ///         ``stop_tokens`` may end it (they are banned until then, and the sampling
     ///         perplexity counts the ban) and before ``stop`` strings are looked for (vLLM's
-    ///         ``min_tokens``; the text before is yielded as it comes, so a stop string that
-    ///         begins there does not match).
+    ///         ``min_tokens``: a stop string that ends before then does not count, one that
+    ///         begins before and ends after does; text that may begin one is held back).
     ///     include_stop_str: Yield a matched ``stop`` string, the text's end (vLLM's
     ///         ``include_stop_str_in_output``).
     ///     logprobs: Give each Token its ``logprob``.

@@ -270,7 +270,8 @@ pub struct GenSpec {
     pub stop: Vec<String>,
     /// Tokens made before the model's end-of-generation tokens and `stop_tokens` may end the
     /// request, which are banned until then, and before stop strings are looked for (vLLM's
-    /// `min_tokens`; text from before it is released as it comes).
+    /// `min_tokens`: a stop string that ends before then does not count; one that begins
+    /// before and ends after does).
     pub min_tokens: usize,
     /// Release a matched stop string, ending the text (vLLM's `include_stop_str_in_output`).
     pub include_stop: bool,
@@ -376,23 +377,40 @@ impl StopMatcher {
     /// Add `text`; returns the text now safe to release and whether a stop string matched
     /// (then the returned text is everything before the match, and the match too when the
     /// matcher includes it: the earliest, the first of the stops given at one place; the rest
-    /// is dropped).
+    /// is dropped). A match reaches into `text`: one wholly inside text held before (by
+    /// [`StopMatcher::hold`]) does not count.
     pub fn push(&mut self, text: &str) -> (String, bool) {
+        let before = self.held.len();
         self.held.push_str(text);
-        if self.stops.is_empty() {
-            return (std::mem::take(&mut self.held), false);
-        }
+        let held = &self.held;
         let first = self
             .stops
             .iter()
-            .filter_map(|s| Some((self.held.find(s.as_str())?, s.len())))
+            .filter_map(|s| {
+                let from = char_floor(held, (before + 1).saturating_sub(s.len()));
+                Some((from + held[from..].find(s.as_str())?, s.len()))
+            })
             .min_by_key(|m| m.0);
         if let Some((at, len)) = first {
             let out = self.held[..at + if self.include { len } else { 0 }].to_string();
             self.held.clear();
             return (out, true);
         }
-        // Keep the longest suffix that is a proper prefix of some stop string.
+        (self.release_unmatchable(), false)
+    }
+
+    /// Add `text` without looking for stop strings in it (text before a request's
+    /// `min_tokens`): returns what cannot begin a stop string and holds the rest, so a stop
+    /// string that begins here and ends in a later [`StopMatcher::push`] still matches (as
+    /// vLLM's, which looks back over the stop string's length once `min_tokens` is reached).
+    pub fn hold(&mut self, text: &str) -> String {
+        self.held.push_str(text);
+        self.release_unmatchable()
+    }
+
+    /// Release the held text up to its longest suffix that is a proper prefix of some stop
+    /// string (all of it when there are none).
+    fn release_unmatchable(&mut self) -> String {
         let keep = self
             .held
             .char_indices()
@@ -401,13 +419,6 @@ impl StopMatcher {
             .unwrap_or(self.held.len());
         let out = self.held[..keep].to_string();
         self.held.drain(..keep);
-        (out, false)
-    }
-
-    /// Release `text` and whatever is held, unmatched (text before a request's `min_tokens`).
-    pub fn pass(&mut self, text: &str) -> String {
-        let mut out = std::mem::take(&mut self.held);
-        out.push_str(text);
         out
     }
 
@@ -420,6 +431,11 @@ impl StopMatcher {
     pub fn holds(&self) -> bool {
         !self.held.is_empty()
     }
+}
+
+/// The largest char boundary of `s` at or below `i`.
+fn char_floor(s: &str, i: usize) -> usize {
+    (0..=i.min(s.len())).rev().find(|&j| s.is_char_boundary(j)).unwrap_or(0)
 }
 
 /// `log_softmax(logits)[token]` and, if `k > 0`, the `k` best `(token, logprob)` pairs (ties:
@@ -464,10 +480,23 @@ mod tests {
         assert_eq!(m.push("ctail"), ("abc".into(), true), "the earliest match, to its end");
         let mut m = StopMatcher::new(vec!["END".into(), "E".into()], true);
         assert_eq!(m.push("xENDy"), ("xEND".into(), true), "at one place, the first stop given");
+    }
+
+    #[test]
+    fn text_held_before_min_tokens_matches_a_stop_string_that_ends_after_it() {
         let mut m = StopMatcher::new(vec!["END".into()], false);
-        assert_eq!(m.push("xE"), ("x".into(), false));
-        assert_eq!(m.pass("ND y"), "END y", "passed text is released unmatched");
+        assert_eq!(m.hold("aEND bE"), "aEND b", "not looked at; a possible beginning kept");
+        assert!(m.holds());
+        assert_eq!(m.push("ND z"), (String::new(), true), "begun before, ended after");
+        let mut m = StopMatcher::new(vec!["END".into()], true);
+        assert_eq!(m.hold("éE"), "é");
+        assert_eq!(m.push("NDx"), ("END".into(), true));
+        let mut m = StopMatcher::new(vec!["ab".into(), "xabc".into()], false);
+        assert_eq!(m.hold("xab"), "", "held: it may begin xabc");
+        assert_eq!(m.push("d"), ("xabd".into(), false), "ab ended in held text: not a match");
         assert!(!m.holds());
+        let mut m = StopMatcher::new(Vec::new(), false);
+        assert_eq!(m.hold("any"), "any");
     }
 
     #[test]

@@ -257,7 +257,7 @@ fn gen_item(
     let bytes = s.model().token_bytes(token, false).unwrap_or_default();
     let piece = p.utf8.push(&bytes);
     let (mut text, matched) =
-        if p.generated < spec.min_tokens { (p.stops.pass(&piece), false) } else { p.stops.push(&piece) };
+        if p.generated < spec.min_tokens { (p.stops.hold(&piece), false) } else { p.stops.push(&piece) };
     let mut end = if matched {
         Some(Finish::Stop)
     } else if spec.max_tokens.is_some_and(|m| p.generated >= m) {
