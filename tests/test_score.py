@@ -3,6 +3,7 @@ real model, against the same tokens committed one by one on a batch-invariant co
 
 from __future__ import annotations
 
+import asyncio
 import threading
 from collections.abc import Callable
 
@@ -129,3 +130,63 @@ def test_a_refused_score_leaves_the_branch_as_it_was(
         assert ctx.kv_seq_pos_max(b.seq_id) == pos - 1
         assert lloyal.BranchStore(ctx).kv_pressure.cells_used == cells
         assert b.score(ctx.tokenize(" you", add_special=False))[0][0] is not None, "still usable"
+
+
+def test_an_awaited_score_is_the_same_and_leaves_the_event_loop_running(ctx: lloyal.Context) -> None:
+    tokens = ctx.tokenize(" ".join([TEXT] * 3))
+    with lloyal.Branch.create(ctx, 0, GREEDY) as b:
+        want = b.score(tokens, top_logprobs=2)
+
+    async def main() -> tuple[list[lloyal.ScoredToken], int, int, list[object]]:
+        beats = 0
+
+        async def beat() -> None:
+            nonlocal beats
+            while True:
+                beats += 1
+                await asyncio.sleep(0)
+
+        ticker = asyncio.create_task(beat())
+        with lloyal.Branch.create(ctx, 0, GREEDY) as b:
+            got = await b.ascore(tokens, 2)
+            pos = b.position
+            errors: list[object] = []
+            for bad in ([tokens[:2], 21], [[1, ctx.n_vocab], 0], [[1] * (ctx.n_ctx + 1), 0]):
+                try:
+                    await b.ascore(*bad)  # type: ignore[arg-type]
+                except (lloyal.LloyalError, ValueError) as e:
+                    errors.append(type(e))
+            assert b.position == pos, "a refused score leaves the branch as it was"
+        ticker.cancel()
+        return got, pos, beats, errors
+
+    got, pos, beats, errors = asyncio.run(main())
+    assert got == want and all(isinstance(s, lloyal.ScoredToken) for s in got)
+    assert pos == len(tokens)
+    assert beats > 0, "the event loop ran while the engine scored"
+    assert errors == [ValueError, lloyal.InvalidTokenError, lloyal.KvCacheFullError]
+
+
+def test_cancelling_an_awaited_score_in_flight_rolls_it_back(ctx: lloyal.Context) -> None:
+    tokens = ctx.tokenize(" ".join([TEXT] * 24))[: ctx.n_ctx - 8]
+    assert len(tokens) > 5 * 64
+
+    async def main() -> tuple[int, int, int]:
+        with lloyal.Branch.create(ctx, 0, GREEDY) as b:
+            b.prefill(ctx.tokenize("Hello"))
+            pos = b.position
+            cells = lloyal.BranchStore(ctx).kv_pressure.cells_used
+            calls = ctx.engine_stats().decode_calls
+            task = asyncio.create_task(b.ascore(tokens))
+            while ctx.engine_stats().decode_calls < calls + 2:  # in flight: its rows are decoding
+                await asyncio.sleep(0.001)
+            task.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await task
+            done = ctx.engine_stats().decode_calls - calls
+            await b.aprefill(ctx.tokenize(" there", add_special=False))  # the engine has moved on
+            return b.position - pos, lloyal.BranchStore(ctx).kv_pressure.cells_used - cells, done
+
+    moved, cells, done = asyncio.run(main())
+    assert 2 <= done < -(-len(tokens) // 64), "cancelled part way"
+    assert (moved, cells) == (1, 1), "the scored rows were rolled back; only the later prefill stayed"

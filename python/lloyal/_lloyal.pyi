@@ -1014,6 +1014,9 @@ class Branch:
             >>> len(scored), len(scored[0].top), scored[0].rank >= 1, branch.position
             (3, 2, True, 13)
         """
+    def ascore(self, tokens: list[int], top_logprobs: int = 0) -> Coroutine[Any, Any, list[ScoredToken]]:
+        """Await ``score(tokens, top_logprobs)``: queued on the context's engine, the event loop
+        keeps running; cancelling the awaiting task withdraws it (one in flight is rolled back)."""
     def aprefill(self, tokens: list[int]) -> Coroutine[Any, Any, None]:
         """Await ``prefill(tokens)``: queued on the context's engine, the event loop keeps running."""
     def afork(
@@ -1155,8 +1158,8 @@ class Branch:
             min_tokens: Tokens to generate before the model's end-of-generation tokens and
                 ``stop_tokens`` may end it (they are banned until then, and the sampling
                 perplexity counts the ban) and before ``stop`` strings are looked for (vLLM's
-                ``min_tokens``; the text before is yielded as it comes, so a stop string that
-                begins there does not match).
+                ``min_tokens``: a stop string that ends before then does not count, one that
+                begins before and ends after does; text that may begin one is held back).
             include_stop_str: Yield a matched ``stop`` string, the text's end (vLLM's
                 ``include_stop_str_in_output``).
             logprobs: Give each Token its ``logprob``.

@@ -76,11 +76,12 @@ def engine_start(submit: Callable[..., Callable[[], None]], *args: Any) -> async
 
 
 async def lease_call(submit: Callable[..., tuple[Callable[[], None], Callable[[], Any]]], *args: Any) -> Any:
-    """Await a lease request of a context's engine (``Branch.afork(timeout=...)`` uses it).
+    """Await an engine call that makes a value: a lease request (``Branch.afork(timeout=...)``)
+    or a score (``Branch.ascore``).
 
-    ``submit(loop, future, *args)`` queues the request and returns ``(cancel, take)``; the
-    engine thread settles ``future`` once the branch is made. Cancelling the awaiting task
-    withdraws the request (a branch granted in the same instant is pruned).
+    ``submit(loop, future, *args)`` queues the call and returns ``(cancel, take)``; the engine
+    thread settles ``future`` once it is done, and ``take()`` is the value. Cancelling the
+    awaiting task withdraws the call (a branch granted in the same instant is pruned).
     """
     loop = asyncio.get_running_loop()
     future: asyncio.Future[None] = loop.create_future()

@@ -7,15 +7,13 @@ use lloyal_core::branch::score::ScoreWork;
 use lloyal_core::branch::verify::VerifyWork;
 use lloyal_core::{LloyalError, Work};
 use pyo3::prelude::*;
+use pyo3::types::PyCFunction;
 
 use super::{PyBranch, PyProduced};
 use crate::aio;
 use crate::context::to_i32;
 use crate::engine;
 use crate::error::IntoPyResult;
-
-/// A scored token: its logprob (`None` without logits before it), the best alternatives and
-/// its rank.
 
 #[pymethods]
 impl PyBranch {
@@ -95,13 +93,36 @@ impl PyBranch {
     ///     (3, 2, True, 13)
     #[pyo3(signature = (tokens, top_logprobs = 0))]
     fn score(&self, py: Python<'_>, tokens: Vec<i64>, top_logprobs: usize) -> PyResult<Vec<Py<PyAny>>> {
-        let tokens = to_i32(self.core().model(), &tokens)?;
-        let work = Arc::new(ScoreWork::new(self.handle, tokens, top_logprobs).py()?);
+        let work = self.score_work(tokens, top_logprobs)?;
         engine::wait(py, self.core(), Work::Score(Arc::clone(&work)))?;
-        let missing = || LloyalError::Backend("internal error: score answered without its result".into());
-        let scored = work.result.take().ok_or_else(missing).py()?;
-        let cls = py.import("lloyal.scored")?.getattr("ScoredToken")?;
-        scored.into_iter().map(|s| Ok(cls.call1((s.logprob, s.top, s.rank))?.unbind())).collect()
+        scored_tokens(py, &work)
+    }
+
+    /// Await ``score(tokens, top_logprobs)``: queued on the context's engine, the event loop
+    /// keeps running; cancelling the awaiting task withdraws it (one in flight is rolled back).
+    #[pyo3(signature = (tokens, top_logprobs = 0))]
+    fn ascore<'py>(
+        slf: &Bound<'py, Self>,
+        tokens: Bound<'py, PyAny>,
+        top_logprobs: usize,
+    ) -> PyResult<Bound<'py, PyAny>> {
+        let top = top_logprobs.into_pyobject(slf.py())?.into_any();
+        aio::Coroutine::LeaseCall.call(slf.py(), slf.getattr("_submit_score")?, vec![tokens, top])
+    }
+
+    fn _submit_score<'py>(
+        &self,
+        py: Python<'py>,
+        lp: Bound<'py, PyAny>,
+        fut: Bound<'py, PyAny>,
+        tokens: Vec<i64>,
+        top_logprobs: usize,
+    ) -> PyResult<(Bound<'py, PyAny>, Bound<'py, PyAny>)> {
+        let work = self.score_work(tokens, top_logprobs)?;
+        let cancel = engine::submit_async(py, self.core(), Work::Score(Arc::clone(&work)), lp, fut)?;
+        let take =
+            PyCFunction::new_closure(py, None, None, move |args, _kwargs| scored_tokens(args.py(), &work))?;
+        Ok((cancel, take.into_any()))
     }
 
     /// Await ``prefill(tokens)``: queued on the context's engine, the event loop keeps running.
@@ -155,4 +176,20 @@ impl PyBranch {
         engine::wait(py, self.core(), Work::Reseed(self.handle, sinks, tail))?;
         Ok(n)
     }
+}
+
+impl PyBranch {
+    /// A score of `tokens` on this branch, its arguments checked.
+    fn score_work(&self, tokens: Vec<i64>, top_logprobs: usize) -> PyResult<Arc<ScoreWork>> {
+        let tokens = to_i32(self.core().model(), &tokens)?;
+        Ok(Arc::new(ScoreWork::new(self.handle, tokens, top_logprobs).py()?))
+    }
+}
+
+/// A finished score's tokens as `lloyal.ScoredToken` tuples.
+fn scored_tokens(py: Python<'_>, work: &ScoreWork) -> PyResult<Vec<Py<PyAny>>> {
+    let missing = || LloyalError::Backend("internal error: score answered without its result".into());
+    let scored = work.result.take().ok_or_else(missing).py()?;
+    let cls = py.import("lloyal.scored")?.getattr("ScoredToken")?;
+    scored.into_iter().map(|s| Ok(cls.call1((s.logprob, s.top, s.rank))?.unbind())).collect()
 }

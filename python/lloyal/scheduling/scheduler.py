@@ -428,10 +428,9 @@ class Scheduler:
             raise first
 
     async def _score(self, req: _Request, b: lloyal.Branch) -> None:
-        """Write ``req``'s whole prompt on ``b``, each token scored (in a worker thread: the
-        engine's wait releases the GIL)."""
+        """Write ``req``'s whole prompt on ``b``, each token scored (awaited in the engine)."""
         k = req.spec.prompt_logprobs or 0
-        scored = await asyncio.to_thread(b.score, req.spec.prompt, k)
+        scored = await b.ascore(req.spec.prompt, k)
         text = self.ctx.token_to_text
         req.prompt_scored = [
             TokenEvent(0, t, text(t), lp, [TopLogprob(a, text(a), alp) for a, alp in top], rank)
