@@ -11,10 +11,12 @@ import asyncio
 import threading
 import time
 from collections.abc import Callable
+from pathlib import Path
 
 import numpy as np
 import pytest
 from helpers import (
+    MODELS_ON_CPU,
     context_fixture,
     exact_model_fixture,
     greedy_completion,
@@ -351,16 +353,21 @@ def test_token_iterators_in_threads_match_sequential_greedy(ctx8: lloyal.Context
     assert got == want
 
 
-@pytest.mark.parametrize("invariant", [False, True])
+@pytest.mark.parametrize(("invariant", "gpu_layers"), [(False, None), (True, 0), (False, 99)])
 def test_commit_rows_of_several_branches_decode_apart_from_prefill_rows(
-    model: lloyal.Model, invariant: bool
+    model: lloyal.Model, model_path: Path, invariant: bool, gpu_layers: int | None
 ) -> None:
     """On the fast kernels a tick that carries commit rows of several branches and prefill rows
     runs them in two ``llama_decode`` calls: ggml's flash attention takes 64 query rows at a
     time and skips a block of cells only when every row of the tile is masked from it, so a
     tile mixing rows of many sequences ran dense over the whole cache (docs/performance.md).
     Batch-invariant kernels attend row by row: one call. One commit row, or a tick under one
-    tile, stays one call either way."""
+    tile, stays one call either way. A model asked onto a GPU is split the same way when the
+    build has no GPU backend (it runs on the CPU), not when its layers are on a GPU."""
+    if gpu_layers is not None:
+        model = lloyal.Model(model_path, repack=False, n_gpu_layers=gpu_layers)
+    asked_gpu = not MODELS_ON_CPU if gpu_layers is None else gpu_layers > 0
+    on_gpu = asked_gpu and not lloyal.system_info().lstrip().startswith("CPU")
     with lloyal.Context(model, n_ctx=1024, n_batch=512, n_seq_max=8, batch_invariant=invariant) as ctx:
         ctx.engine_prefill_chunk = 0  # each tick takes the whole batch (not paced)
         root, runners = forks(ctx, 3)
@@ -385,7 +392,7 @@ def test_commit_rows_of_several_branches_decode_apart_from_prefill_rows(
         token = runners[0].produce().token
         assert one_tick(
             [lambda: store.commit([(r, token) for r in runners]), lambda: reader.prefill(long)]
-        ) == (1, 1 if invariant else 2, 203)
+        ) == (1, 1 if invariant or on_gpu else 2, 203)
         assert one_tick([lambda: runners[0].commit(token), lambda: other.prefill(long)]) == (1, 1, 201)
         assert one_tick(
             [lambda: store.commit([(r, token) for r in runners]), lambda: other.prefill([5, 6, 7])]

@@ -85,7 +85,10 @@ impl Context {
         if device_rows {
             raw.use_device_rows();
         }
-        if model.options().n_gpu_layers == 0 {
+        // Layers on a GPU: asked for and a GPU backend loaded (a CPU build runs n_gpu_layers > 0
+        // on the CPU, as llama.cpp does, and is treated as the CPU context it is).
+        let offloaded = model.options().n_gpu_layers != 0 && crate::backend::backend().supports_gpu_offload();
+        if !offloaded {
             raw.use_huge_logits(); // a GPU build's output buffer is pinned host memory: left alone
         }
         let (n_ctx, n_batch, n_seq_all) = raw.sizes();
@@ -114,9 +117,7 @@ impl Context {
             parked: 0,
             kv_cell_bytes: model.kv_bytes_per_cell(params.type_k, params.type_v),
             batch_invariant: options.is_batch_invariant(),
-            split_mixed_ticks: !options.is_batch_invariant()
-                && options.flash_attn
-                && model.options().n_gpu_layers == 0,
+            split_mixed_ticks: !options.is_batch_invariant() && options.flash_attn && !offloaded,
             encoded: HashMap::new(),
             interrupt: None,
             batches_in_call: 0,
@@ -128,7 +129,6 @@ impl Context {
         let cache = Arc::clone(&state.cache);
         let occupancy = Mutex::new((state.available(), state.kv_pressure()));
         let engine = Engine::default();
-        let offloaded = model.options().n_gpu_layers != 0 && crate::backend::backend().supports_gpu_offload();
         engine.set_spin(crate::engine::spin::configured(shape.n_threads, offloaded));
         Ok(Arc::new(Context {
             model,
