@@ -7,7 +7,7 @@ export PYO3_PYTHON := $(CURDIR)/.venv/bin/python
 PYDIRS := python tests benches examples .ci
 
 .PHONY: help sysdeps browser venv llama-settings build soak fuzz test test-rust test-py test-docs test-offloaded families lint format bench bench-deps bench-batched bench-server-paired bench-peer-same-ggml bench-host-bound bench-server-requests demo serve \
-	smoke-wheel wheel-portable bench-wheel test-avx2 clean distclean
+	smoke-wheel wheel-portable bench-wheel build-avx2 test-avx2 bench-peer-avx2 bench-avx2 clean distclean
 .DEFAULT_GOAL := help
 
 help:  ## list the targets with what they do (this text)
@@ -77,12 +77,14 @@ test-offloaded: build  ## tests/ as a GPU run configures them (LLOYAL_N_GPU_LAYE
 test: test-rust test-py  ## everything CI tests: cargo tests, docstring examples, benches smoke, tests/
 
 AVX2 := target/avx2
-test-avx2: sysdeps venv  ## tests/ on an AVX2-only build (-C target-cpu=haswell: no AVX-512/AMX code; own cache, ~15 min cold) run on this CPU: what an AVX2 host runs
+build-avx2: sysdeps venv  ## the extension for AVX2 hosts (-C target-cpu=haswell: no AVX-512/AMX code; own cache, ~15 min cold), unpacked into target/avx2/site
 	rm -rf $(AVX2) && mkdir -p $(AVX2)
 	CARGO_TARGET_DIR=$(HOME)/.cache/lloyal/target-avx2 RUSTFLAGS="-C target-cpu=haswell" \
 		.venv/bin/maturin build --release -q --auditwheel skip --out $(AVX2)/dist
 	$(PY) -m zipfile -e "$$(ls $(AVX2)/dist/*.whl)" $(AVX2)/site
 	PYTHONPATH=$(CURDIR)/$(AVX2)/site $(PY) -c "import lloyal; print(lloyal.__file__, lloyal.system_info())"
+
+test-avx2: build-avx2  ## tests/ on the AVX2 build, run on this CPU: what an AVX2 host runs
 	PYTHONPATH=$(CURDIR)/$(AVX2)/site LLOYAL_ROW_KERNELS=avx2 $(PY) -m pytest tests -q -p no:cacheprovider
 
 lint: build  ## cargo fmt --check, clippy -D warnings, ruff, ruff format --check, mypy --strict, stubtest
@@ -159,11 +161,22 @@ bench-peer-same-ggml: bench-peers-cpp build  ## llama-batched-bench and llama-se
 	bash benches/cpu_peer.sh $(LLAMA_SYS) $(PEER_LLAMA_CPP)/tools/batched-bench $(PEERS)/same-ggml
 	bash benches/cpu_peer_server.sh $(LLAMA_SYS) $(PEER_LLAMA_CPP) $(PEERS)/same-ggml-server
 
+bench-peer-avx2: bench-peers-cpp  ## llama-batched-bench on lloyal's llama.cpp built as the AVX2 build is (-march=haswell), into target/peers/same-ggml-avx2
+	PEER_MARCH=haswell bash benches/cpu_peer.sh $(LLAMA_SYS) $(PEER_LLAMA_CPP)/tools/batched-bench $(PEERS)/same-ggml-avx2
+
 HOST_BOUND_MODEL := $(HOME)/.cache/lloyal/host-bound-gemma3.gguf
 bench-host-bound: build  ## lloyal vs llama-batched-bench (same ggml; make bench-peer-same-ggml first) on a model whose decode is as short as a GPU's
 	[ -f $(HOST_BOUND_MODEL) ] || $(PY) benches/host_bound_model.py $(HOST_BOUND_MODEL)
 	$(PY) benches/batched_side_by_side.py --rounds 5 --pp 512 --tg 128 --batch 1,16 --modes lloyal \
 		--model $(HOST_BOUND_MODEL) --bin $(PEERS)/same-ggml/build/bin/llama-batched-bench
+
+bench-avx2: build-avx2  ## the AVX2 build vs llama-batched-bench built the same way (make bench-peer-avx2 first), the suite's model and the host-bound one
+	[ -f $(HOST_BOUND_MODEL) ] || $(PY) benches/host_bound_model.py $(HOST_BOUND_MODEL)
+	for model in "" $(HOST_BOUND_MODEL); do \
+		PYTHONPATH=$(CURDIR)/$(AVX2)/site LLOYAL_ROW_KERNELS=avx2 $(PY) benches/batched_side_by_side.py --rounds 5 \
+			--pp 512 --tg 128 --batch 1,16 --modes lloyal $${model:+--model $$model} \
+			--bin $(PEERS)/same-ggml-avx2/build/bin/llama-batched-bench || exit 1; \
+	done
 
 bench-server-requests: build  ## concurrency 1 request by request (TTFT, ms/token): lloyal serve, llama-server, and llama-server on lloyal's llama.cpp when built
 	$(PY) benches/server_request_times.py --rounds 6 $(if $(wildcard $(PEERS)/same-ggml-server/build/bin/llama-server),--variant-server $(PEERS)/same-ggml-server/build/bin/llama-server)

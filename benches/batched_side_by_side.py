@@ -179,6 +179,7 @@ def peer_worker(
 
 def clean_env() -> dict[str, str]:
     keep = ("PATH", "HOME", "LANG", "PYTHONPATH", "VIRTUAL_ENV", "LD_LIBRARY_PATH", "CUDA_VISIBLE_DEVICES")
+    keep += ("LLOYAL_ROW_KERNELS",)  # make bench-avx2: lloyal's row kernels held to the build's
     return {k: v for k, v in os.environ.items() if k in keep}
 
 

@@ -15,7 +15,13 @@ bench=${2:?BATCHED_BENCH}
 out=${3:?OUT}
 source "$(dirname "$0")/peer_source.sh"
 peer_source "$src" "$bench" "$out"
-cmake -S "$out/llama.cpp" -B "$out/build" -DCMAKE_BUILD_TYPE=Release -DGGML_NATIVE=ON \
+cpu=(-DGGML_NATIVE=ON)
+if [ -n "${PEER_MARCH:-}" ]; then
+    [ "$PEER_MARCH" = haswell ] || { echo "PEER_MARCH: only haswell is known" >&2; exit 2; }
+    cpu=(-DGGML_NATIVE=OFF -DGGML_SSE42=ON -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON
+        -DGGML_BMI2=ON -DCMAKE_C_FLAGS=-march=haswell -DCMAKE_CXX_FLAGS=-march=haswell)
+fi
+cmake -S "$out/llama.cpp" -B "$out/build" -DCMAKE_BUILD_TYPE=Release "${cpu[@]}" \
     -DCMAKE_PROJECT_INCLUDE="$PEER_PROJECT_INCLUDE" \
     -DLLAMA_CURL=OFF -DLLAMA_OPENSSL=OFF -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF \
     -DLLAMA_BUILD_SERVER=OFF -DLLAMA_BUILD_APP=OFF
