@@ -14,6 +14,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import lloyal
+from lloyal._lloyal import _chat_markers
 from lloyal.server.content_stream import ContentStream, opens_reasoning
 
 FRAGMENTS = [
@@ -102,3 +103,66 @@ def test_what_was_sent_and_the_rest_are_the_parsed_content(fragments: list[str],
         close, open_ = text.find("</think>"), text.find("<think>")
         assert close >= 0 and (open_ < 0 or close < open_)
         assert rest == content
+
+
+END_MARKERS, STRUCTURE_MARKERS = _chat_markers()
+
+
+def whole_text_feed(text: str, sent: str) -> tuple[str, bool]:
+    """What the stream sends after ``text`` (the reply so far) when ``sent`` went out before,
+    worked out over the whole text, and whether the text is still plain: the rule
+    ``ContentStream`` keeps while it works on each piece alone."""
+    if any(m in text for m in STRUCTURE_MARKERS):
+        return "", False
+    for m in END_MARKERS:
+        text = text.replace(m, "")
+    text = text.lstrip()
+    if text.startswith("{"):
+        return "", False
+    held = max(
+        [
+            0,
+            *(
+                k
+                for m in END_MARKERS + STRUCTURE_MARKERS
+                for k in range(1, min(len(m), len(text) + 1))
+                if m.startswith(text[-k:])
+            ),
+        ]
+    )
+    ready = text[: len(text) - held].rstrip()
+    return (ready[len(sent) :] if ready.startswith(sent) else ""), True
+
+
+TRICKY = [
+    "<e",
+    "os>",
+    "<eos>",
+    "<end_",
+    "of_turn>",
+    "<end_of_turn>",
+    "<|im",
+    "_end|>",
+    "</",
+    "s>",
+    "<thi",
+    "nk>",
+]
+
+
+@settings(max_examples=600, deadline=None)
+@given(st.lists(st.sampled_from([*TRICKY, "a", "b", " ", "\n", "{", "_", "|", "<", ">", "é"]), max_size=14))
+def test_each_piece_sends_what_the_whole_text_would(pieces: list[str]) -> None:
+    """Markers split across pieces, and markers that appear only once others are removed
+    (``<e<end_of_turn>os>``): the stream, which works on each piece, sends what the rule over
+    the whole text sends."""
+    assert all(m.startswith("<") for m in END_MARKERS + STRUCTURE_MARKERS), "what the stream looks for"
+    s = ContentStream(reasoning_open=False)
+    text, sent, plain = "", "", True
+    for p in pieces:
+        text += p
+        want = ""
+        if plain:
+            want, plain = whole_text_feed(text, sent)
+            sent += want
+        assert s.feed(p) == want

@@ -31,6 +31,10 @@ __all__ = ["ContentStream", "opens_reasoning"]
 # the text something other than plain content from there on (its own lists, from the core).
 _REMOVED, _NOT_PLAIN = (tuple(m) for m in _chat_markers())
 _MARKERS = _REMOVED + _NOT_PLAIN
+# A character in no marker can be inside no marker, nor inside one that removing others forms: the
+# removal of the text before it is final whatever follows.
+_IN_MARKERS = frozenset("".join(_MARKERS))
+_LONGEST = max(len(m) for m in _MARKERS)
 
 
 def opens_reasoning(prompt: str) -> bool:
@@ -43,22 +47,34 @@ class ContentStream:
     """The content of one streamed reply, sent while it is plain (see the module)."""
 
     def __init__(self, reasoning_open: bool) -> None:
-        self.text = ""
         self.sent = ""
         self.plain = not reasoning_open
+        # The reply so far is ``raw_tail`` after text whose markers removed are ``clean_head``
+        # (up to a character in no marker); ``recent``: its last characters, where a marker that
+        # ends in the next piece begins. A piece's markers are looked for once, not the whole
+        # reply's on every piece (which took ~0.3 ms a piece at 18,000 characters).
+        self.clean_head = ""
+        self.raw_tail = ""
+        self.recent = ""
 
     def feed(self, piece: str) -> str:
         """Take the reply's next ``piece``; the content to send now (empty: nothing yet)."""
-        self.text += piece
         if not self.plain:
             return ""
-        if any(m in self.text for m in _NOT_PLAIN):
+        window = self.recent + piece
+        if any(m in window for m in _NOT_PLAIN):
             self.plain = False
             return ""
-        text = self.text
-        for m in _REMOVED:
-            text = text.replace(m, "")
-        text = text.lstrip()
+        self.recent = window[-(_LONGEST - 1) :]
+        # The tail held no such character: the last one, if any, is in this piece.
+        tail = self.raw_tail + piece
+        at = next((i for i in range(len(piece) - 1, -1, -1) if piece[i] not in _IN_MARKERS), -1)
+        if at >= 0:
+            cut = len(self.raw_tail) + at + 1
+            self.clean_head += _remove_end_markers(tail[:cut])
+            tail = tail[cut:]
+        self.raw_tail = tail
+        text = (self.clean_head + _remove_end_markers(tail)).lstrip()
         if text.startswith("{"):  # maybe a Llama 3 JSON call
             self.plain = False
             return ""
@@ -75,12 +91,20 @@ class ContentStream:
         return content[len(self.sent) :] if content.startswith(self.sent) else content
 
 
+def _remove_end_markers(text: str) -> str:
+    """``text`` with the end-of-turn markers removed, as ``parse_chat_output`` removes them."""
+    for m in _REMOVED:
+        text = text.replace(m, "")
+    return text
+
+
 def _marker_start(text: str) -> int:
-    """The length of the longest ending of ``text`` that begins a marker (0: none)."""
-    longest = 0
-    for m in _MARKERS:
-        for k in range(min(len(m) - 1, len(text)), longest, -1):
-            if m.startswith(text[-k:]):
-                longest = k
-                break
-    return longest
+    """The length of the longest ending of ``text`` that begins a marker (0: none). Every marker
+    begins with ``<``: only the endings from a ``<`` among the last characters are looked at."""
+    at = text.find("<", max(0, len(text) - (_LONGEST - 1)))
+    while at >= 0:
+        end = text[at:]
+        if any(len(end) < len(m) and m.startswith(end) for m in _MARKERS):
+            return len(end)
+        at = text.find("<", at + 1)
+    return 0
