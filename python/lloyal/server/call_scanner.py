@@ -24,7 +24,7 @@ arguments stay the model's own text rather than a re-serialisation that changes 
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 __all__ = ["CallScanner", "required_calls"]
 
@@ -34,9 +34,14 @@ _WHITESPACE = " \t\n\r"
 @dataclass
 class _Call:
     name: str | None = None
-    arguments: str = ""
+    chars: list[str] = field(default_factory=list)  # its ``parameters`` text, one item a character
     sent_name: bool = False
     sent: int = 0  # characters of ``arguments`` already reported
+
+    @property
+    def arguments(self) -> str:
+        """The text of its ``parameters`` value read so far."""
+        return "".join(self.chars)
 
 
 class CallScanner:
@@ -49,7 +54,7 @@ class CallScanner:
         self._escaped = False
         self._after_colon = False  # in a call object: reading a value rather than a key
         self._key: str | None = None  # the call object's key whose value is being read
-        self._literal = ""  # a key's or the name's string literal, as read so far
+        self._literal: list[str] = []  # a string literal in a call object, as read so far
         self._capturing = False  # inside the ``parameters`` value
         self._capture_depth = 0  # the depth the ``parameters`` value opened (0: a scalar)
 
@@ -62,24 +67,24 @@ class CallScanner:
             self._read(ch)
         out: list[tuple[int, str | None, str]] = []
         for i, call in enumerate(self.calls):
-            if call.name is None or (call.sent_name and call.sent == len(call.arguments)):
+            if call.name is None or (call.sent_name and call.sent == len(call.chars)):
                 continue
             name = None if call.sent_name else call.name
-            out.append((i, name, call.arguments[call.sent :]))
-            call.sent_name, call.sent = True, len(call.arguments)
+            out.append((i, name, "".join(call.chars[call.sent :])))
+            call.sent_name, call.sent = True, len(call.chars)
         return out
 
     def _read(self, ch: str) -> None:
         call = self.calls[-1] if self.calls else None
         if self._capturing and call is not None:
-            call.arguments += ch
+            call.chars.append(ch)
         if self._in_string:
             self._read_in_string(ch, call)
             return
         if ch == '"':
             self._in_string = True
             if self._depth == 2:
-                self._literal = ch
+                self._literal = [ch]
                 if self._after_colon and self._key == "parameters" and not self._capturing:
                     self._start_capture(ch, call, depth=0)
         elif ch in "{[":
@@ -91,7 +96,7 @@ class CallScanner:
                 self._start_capture(ch, call, depth=3)
         elif ch in "}]":
             if self._capturing and self._capture_depth == 0 and self._depth == 2 and call is not None:
-                call.arguments = call.arguments[:-1]  # a scalar ends at the call's closing brace
+                call.chars.pop()  # a scalar ends at the call's closing brace
                 self._capturing = False
             if self._capturing and self._depth == self._capture_depth:
                 self._capturing = False
@@ -101,24 +106,24 @@ class CallScanner:
                 self._after_colon = True
             elif ch == ",":
                 if self._capturing and call is not None:
-                    call.arguments = call.arguments[:-1]
+                    call.chars.pop()
                     self._capturing = False
                 self._after_colon, self._key = False, None
             elif ch not in _WHITESPACE and self._after_colon and self._key == "parameters":
                 if not self._capturing:
                     self._start_capture(ch, call, depth=0)
             elif ch in _WHITESPACE and self._capturing and self._capture_depth == 0 and call is not None:
-                call.arguments = call.arguments[:-1]
+                call.chars.pop()
                 self._capturing = False
 
     def _start_capture(self, ch: str, call: _Call | None, depth: int) -> None:
-        if call is not None and not call.arguments:
-            call.arguments = ch
+        if call is not None and not call.chars:
+            call.chars.append(ch)
             self._capturing, self._capture_depth = True, depth
 
     def _read_in_string(self, ch: str, call: _Call | None) -> None:
         if self._depth == 2:
-            self._literal += ch
+            self._literal.append(ch)
         if self._escaped:
             self._escaped = False
             return
@@ -132,7 +137,7 @@ class CallScanner:
             return
         if self._capturing and self._capture_depth == 0:
             self._capturing = False  # a string ``parameters`` value ends with its quote
-        value = json.loads(self._literal)
+        value = json.loads("".join(self._literal))
         if not self._after_colon:
             self._key = value
         elif self._key == "name" and call is not None and call.name is None:
