@@ -307,7 +307,8 @@ impl ContextOptions {
         });
         let blocker = if model.n_gpu_layers > 0 {
             Some(
-                "the model is offloaded to a GPU (n_gpu_layers > 0), whose kernels are not batch-invariant"
+                "the model was loaded with n_gpu_layers > 0, for a GPU, whose kernels are not \
+                 batch-invariant (n_gpu_layers=0 keeps it on the CPU)"
                     .into(),
             )
         } else if model.repack {
