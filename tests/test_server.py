@@ -558,7 +558,8 @@ def test_fast_kernels_by_default_and_prefill_chunk_options(
     assert not seen[1].batch_invariant and seen[1].prefill_chunk is None and seen[1].n_gpu_layers == 99
     assert cli.main(["--model", str(model_path), "serve", "--mmap"]) == 0 and seen[2].use_mmap
     # Batch invariance and GPU layers together: the state refuses with the context's reason.
-    with pytest.raises(ValueError, match="batch_invariant=True is not possible here: the model was loaded with n_gpu"):
+    refused = "batch_invariant=True is not possible here: the model was loaded with n_gpu"
+    with pytest.raises(ValueError, match=refused):
         ServerState(ServerConfig(model=model_path, n_ctx=256, batch_invariant=True, n_gpu_layers=99))
     with pytest.raises(SystemExit):
         cli.main(["--model", str(model_path), "serve", "--prefill-chunk", "-3"])
