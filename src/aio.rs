@@ -18,9 +18,10 @@ pub enum Coroutine {
     /// `engine_call(submit, *args)`: an engine operation; `submit(loop, future, *args)`
     /// queues it.
     EngineCall,
-    /// `lease_call(submit, *args)`: a lease request; `submit(loop, future, *args)` queues it
-    /// and returns `(cancel, take)`; the coroutine returns `take()`.
-    LeaseCall,
+    /// `engine_value(submit, *args)`: an engine call that makes a value (a lease request, a
+    /// score); `submit(loop, future, *args)` queues it and returns `(cancel, take)`; the
+    /// coroutine returns `take()`.
+    EngineValue,
 }
 
 impl Coroutine {
@@ -28,7 +29,7 @@ impl Coroutine {
         match self {
             Coroutine::StreamNext => "stream_next",
             Coroutine::EngineCall => "engine_call",
-            Coroutine::LeaseCall => "lease_call",
+            Coroutine::EngineValue => "engine_value",
         }
     }
 

@@ -139,7 +139,7 @@ pub fn submit_async<'py>(
 /// The value an awaited context call made, for the coroutine to take once `fut` settled.
 pub type Made<T> = Arc<Mutex<Option<T>>>;
 
-/// A context call for `lloyal.aio.engine_call` / `lease_call` ([`Context::apply_then`]): run
+/// A context call for `lloyal.aio.engine_call` / `engine_value` ([`Context::apply_then`]): run
 /// at once when no engine tick runs (the event loop waits microseconds), else queued for the
 /// engine thread, which runs it before its next tick; `fut` is settled either way, the value
 /// kept in the returned slot. Also returns the canceller (withdraws the call if it waits).

@@ -54,7 +54,7 @@ pub fn wait(
     }
 }
 
-/// For `lloyal.aio.lease_call`: queue `make`, settle `fut` when granted; returns
+/// For `lloyal.aio.engine_value`: queue `make`, settle `fut` when granted; returns
 /// `(cancel, take)` callables (cancel withdraws and prunes a branch granted meanwhile; take
 /// returns the granted branch as `wrap` makes it).
 fn submit_async<'py>(
@@ -73,7 +73,7 @@ fn submit_async<'py>(
     cancel_and_take(py, ctx, cancel_op, move || withdraw.withdraw(), move || slot.take(), wrap)
 }
 
-/// The `lloyal.aio.lease_call` coroutine of a branch made by `make`: without waiting for a
+/// The `lloyal.aio.engine_value` coroutine of a branch made by `make`: without waiting for a
 /// lease (`timeout=0`: at once when no engine tick runs, else by the engine before its next
 /// tick), or after waiting for one in the engine.
 pub fn awaitable_branch<'py>(
@@ -99,7 +99,7 @@ pub fn awaitable_branch<'py>(
         };
         Ok(pair.unbind())
     })?;
-    aio::Coroutine::LeaseCall.call(py, submit.into_any(), vec![])
+    aio::Coroutine::EngineValue.call(py, submit.into_any(), vec![])
 }
 
 /// [`submit_async`] for a branch made without waiting for a lease (`timeout=0`): at once when

@@ -1,7 +1,7 @@
 """asyncio helpers: await native (GIL-releasing) work without blocking the event loop.
 
 The ``a*`` methods of :class:`Branch` and :class:`BranchStore` and ``async for tok in branch``
-are built on :func:`engine_call`, :func:`lease_call` and :func:`stream_next`: the context's
+are built on :func:`engine_call`, :func:`engine_value` and :func:`stream_next`: the context's
 engine settles their futures, with no worker thread; the event loop keeps running while
 llama.cpp decodes. :func:`run_in_thread` and :func:`next_in_thread` run any other blocking
 call in the loop's executor.
@@ -75,7 +75,9 @@ def engine_start(submit: Callable[..., Callable[[], None]], *args: Any) -> async
     return future
 
 
-async def lease_call(submit: Callable[..., tuple[Callable[[], None], Callable[[], Any]]], *args: Any) -> Any:
+async def engine_value(
+    submit: Callable[..., tuple[Callable[[], None], Callable[[], Any]]], *args: Any
+) -> Any:
     """Await an engine call that makes a value: a lease request (``Branch.afork(timeout=...)``)
     or a score (``Branch.ascore``).
 

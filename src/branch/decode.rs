@@ -107,7 +107,7 @@ impl PyBranch {
         top_logprobs: usize,
     ) -> PyResult<Bound<'py, PyAny>> {
         let top = top_logprobs.into_pyobject(slf.py())?.into_any();
-        aio::Coroutine::LeaseCall.call(slf.py(), slf.getattr("_submit_score")?, vec![tokens, top])
+        aio::Coroutine::EngineValue.call(slf.py(), slf.getattr("_submit_score")?, vec![tokens, top])
     }
 
     fn _submit_score<'py>(

@@ -11,7 +11,7 @@ pub mod verify;
 pub(crate) use logits::Logits;
 pub use ops::BranchInfo;
 
-use std::sync::Arc;
+use std::sync::{Arc, Weak};
 
 use crate::engine::gen::GenStream;
 use crate::error::{LloyalError, Result};
@@ -91,10 +91,12 @@ pub(crate) enum Drawn {
 /// The tokens a generation request bans on its branch until it has made its `min_tokens` (the
 /// model's end-of-generation tokens and the request's stop tokens, as vLLM's `min_tokens`
 /// does): in force while its stream runs, so a request that ends any way leaves none behind.
+/// The stream is held weakly: a request that ended before its `min_tokens` leaves an inactive
+/// ban, which keeps nothing of the request alive.
 #[derive(Clone)]
 pub(crate) struct GenBan {
     pub(crate) tokens: Arc<Vec<i32>>,
-    pub(crate) stream: Arc<GenStream>,
+    pub(crate) stream: Weak<GenStream>,
 }
 
 /// How [`draw`] starts over from the sampler's state before the draw (a grammar resample).
@@ -328,7 +330,7 @@ impl BranchState {
 
     /// Whether a generation request's ban holds: set, and its request still running.
     pub(crate) fn ban_active(&self) -> bool {
-        self.gen_ban.as_ref().is_some_and(|b| !b.stream.ended())
+        self.gen_ban.as_ref().is_some_and(|b| b.stream.upgrade().is_some_and(|s| !s.ended()))
     }
 
     /// Sample without side effects on the branch's committed state (idempotent until the

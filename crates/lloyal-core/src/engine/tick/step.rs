@@ -233,7 +233,7 @@ pub(super) fn ban_until_min_tokens(s: &mut ContextState, spec: &GenSpec) -> Resu
     }
     let mut tokens = (*s.model().eog_tokens()).clone();
     tokens.extend(spec.stop_tokens.iter().filter(|t| !tokens.contains(t)).copied().collect::<Vec<_>>());
-    let ban = GenBan { tokens: Arc::new(tokens), stream: Arc::clone(&spec.stream) };
+    let ban = GenBan { tokens: Arc::new(tokens), stream: Arc::downgrade(&spec.stream) };
     s.branch_mut(spec.handle)?.gen_ban = Some(ban);
     Ok(())
 }
