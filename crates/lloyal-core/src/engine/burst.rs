@@ -5,9 +5,12 @@
 //! for the whole tick, so an idle engine given a prompt waits a moment for company first. That
 //! moment is pure latency for a caller who has none (a library user's prefill, a server at
 //! concurrency 1), so it is a share ([`SHARE`]) of the tick it may spare the others, and at
-//! most [`MAX_WAIT`]: the estimate is the `llama_decode` time of the last tick that wrote only
-//! prompt rows, scaled by the rows the waiting prompts will write in their first tick (at most
-//! `n_batch`). Before any such tick the wait is [`MAX_WAIT`].
+//! most [`MAX_WAIT`]: the estimate is the `llama_decode` time a prompt row took in the fastest
+//! of the last [`REMEMBERED`] ticks that wrote only prompt rows, times the rows the waiting
+//! prompts will write in their first tick (at most `n_batch`). Before any such tick the wait
+//! is [`MAX_WAIT`]. The fastest, not the last: a context's first decode is slow (buffers
+//! allocated, pages first touched, a GPU's graph built; 40 ms against 4 for a 512-token prompt
+//! of a small model on a CPU), and the prompt after it would otherwise wait 10 times too long.
 //!
 //! On a CPU a prompt tick takes tens of milliseconds to a second: the wait is [`MAX_WAIT`]. On
 //! a GPU a 512-token prompt takes ~9 ms: the wait is ~0.5 ms, not 5.
@@ -20,11 +23,16 @@ pub const MAX_WAIT: Duration = Duration::from_millis(5);
 /// The wait as a share of the tick it would spare the rest of a burst.
 pub const SHARE: f64 = 0.05;
 
-/// What the burst wait knows: the last prompt-only tick.
-#[derive(Debug, Clone, Copy, Default, PartialEq)]
+/// Prompt-only ticks the estimate is taken from (the fastest of them): one slow tick is
+/// forgotten as soon as a faster one is seen, a lasting slow-down after this many.
+pub const REMEMBERED: usize = 8;
+
+/// What the burst wait knows: the recent prompt-only ticks.
+#[derive(Debug, Clone, Default, PartialEq)]
 pub struct BurstWait {
-    /// Rows and `llama_decode` seconds of the last tick that wrote prompt rows only.
-    last: Option<(usize, f64)>,
+    /// `llama_decode` seconds per prompt row of the last [`REMEMBERED`] ticks that wrote prompt
+    /// rows only, oldest first.
+    recent: std::collections::VecDeque<f64>,
     /// The most rows a tick decodes (`n_batch`), as last seen.
     n_batch: usize,
 }
@@ -32,11 +40,11 @@ pub struct BurstWait {
 impl BurstWait {
     /// The wait before the first tick of prompts writing `prompt_rows` tokens in all.
     pub fn wait(&self, prompt_rows: usize) -> Duration {
-        let Some((rows, secs)) = self.last else {
+        let Some(per_row) = self.recent.iter().copied().reduce(f64::min) else {
             return MAX_WAIT;
         };
         let rows_now = if self.n_batch > 0 { prompt_rows.min(self.n_batch) } else { prompt_rows };
-        let tick = secs * rows_now as f64 / rows.max(1) as f64;
+        let tick = per_row * rows_now as f64;
         Duration::from_secs_f64((tick * SHARE).clamp(0.0, MAX_WAIT.as_secs_f64()))
     }
 
@@ -44,8 +52,11 @@ impl BurstWait {
     /// in `seconds` of `llama_decode`, on a context of `n_batch`.
     pub fn observe(&mut self, decode_rows: usize, prefill_rows: usize, seconds: f64, n_batch: usize) {
         self.n_batch = n_batch;
-        if decode_rows == 0 && prefill_rows > 0 && seconds.is_finite() {
-            self.last = Some((prefill_rows, seconds));
+        if decode_rows == 0 && prefill_rows > 0 && seconds.is_finite() && seconds >= 0.0 {
+            if self.recent.len() == REMEMBERED {
+                self.recent.pop_front();
+            }
+            self.recent.push_back(seconds / prefill_rows as f64);
         }
     }
 }
@@ -61,11 +72,35 @@ mod tests {
 
     #[test]
     fn a_short_prompt_tick_makes_a_short_wait_and_a_long_one_the_longest() {
+        let mut gpu = BurstWait::default();
+        gpu.observe(0, 512, 0.009, 512); // a GPU's 512-token prompt
+        assert!((gpu.wait(512).as_secs_f64() - 0.009 * SHARE).abs() < 1e-9);
+        let mut cpu = BurstWait::default();
+        cpu.observe(0, 512, 0.5, 512); // a CPU's
+        assert_eq!(cpu.wait(512), MAX_WAIT);
+    }
+
+    #[test]
+    fn a_slow_first_tick_is_forgotten_once_a_faster_one_is_seen() {
         let mut w = BurstWait::default();
-        w.observe(0, 512, 0.009, 512); // a GPU's 512-token prompt
-        assert_eq!(w.wait(512), Duration::from_secs_f64(0.009 * SHARE));
-        w.observe(0, 512, 0.5, 512); // a CPU's
-        assert_eq!(w.wait(512), MAX_WAIT);
+        w.observe(0, 512, 0.040, 512); // a context's first decode: buffers, pages, graphs
+        assert!((w.wait(512).as_secs_f64() - 0.040 * SHARE).abs() < 1e-9);
+        w.observe(0, 512, 0.004, 512);
+        assert!((w.wait(512).as_secs_f64() - 0.004 * SHARE).abs() < 1e-9);
+        w.observe(0, 256, 0.003, 512); // slower a row than the 512-token tick: not the estimate
+        assert!((w.wait(512).as_secs_f64() - 0.004 * SHARE).abs() < 1e-9);
+    }
+
+    #[test]
+    fn a_lasting_slow_down_is_learned_after_the_remembered_ticks() {
+        let mut w = BurstWait::default();
+        w.observe(0, 512, 0.004, 512);
+        for _ in 0..REMEMBERED - 1 {
+            w.observe(0, 512, 0.020, 512);
+        }
+        assert!((w.wait(512).as_secs_f64() - 0.004 * SHARE).abs() < 1e-9);
+        w.observe(0, 512, 0.020, 512);
+        assert!((w.wait(512).as_secs_f64() - 0.020 * SHARE).abs() < 1e-9);
     }
 
     #[test]
