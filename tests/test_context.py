@@ -205,30 +205,33 @@ def anon_huge():
     return 0
 
 model = lloyal.Model(sys.argv[1], repack=False, n_gpu_layers=0)
+before = anon_huge()
 with lloyal.Context(model, n_ctx=256, n_seq_max=8) as c:
-    first = c.huge_page_bytes
-    before = anon_huge()
+    made, made_huge = c.huge_page_bytes, anon_huge()
     c.decode(c.tokenize("Hello"), 0)
-    after, collapsed = anon_huge(), c.huge_page_bytes
-    c.decode(c.tokenize(" world"), 2)
-    print(json.dumps([first, before, after, collapsed, c.huge_page_bytes, c.n_vocab]))
+    decoded = c.huge_page_bytes
+    b = lloyal.Branch.create(c, 0, lloyal.SamplingParams())
+    b.score(c.tokenize("One two three four five six seven eight nine ten eleven twelve"))
+    print(json.dumps([before, made, made_huge, decoded, c.huge_page_bytes, c.n_vocab]))
 """
 
 
 def test_logits_buffer_is_put_on_huge_pages(model_path: Path) -> None:
-    """After the first decode with logits, llama.cpp's logits buffer (every sequence's row, one
-    MiB each for Gemma 3) is on 2 MiB pages where the kernel can collapse them: all but the
-    partial huge pages at its two ends, as /proc/self/smaps_rollup shows (in a fresh process,
-    where no freed memory already on huge pages can back the buffer)."""
+    """As the context is made, llama.cpp's logits buffer (every sequence's row, one MiB each
+    for Gemma 3) is put on 2 MiB pages where the kernel can collapse them: all but the partial
+    huge pages at its two ends, as /proc/self/smaps_rollup shows (in a fresh process, where no
+    freed memory already on huge pages can back the buffer). Not in the first decode, whose
+    time would then be the collapse's. A decode with more output rows than sequences (a scored
+    prompt) moves the buffer: again only its first ``n_seq_max`` rows are collapsed."""
     argv = [sys.executable, "-c", _HUGE_LOGITS, str(model_path)]
     run = subprocess.run(argv, capture_output=True, text=True, timeout=120)
     assert run.returncode == 0, run.stderr
-    first, before, after, collapsed, again, n_vocab = json.loads(run.stdout.splitlines()[-1])
-    assert first == 0  # llama.cpp clears the buffer it makes; it is collapsed at a decode
+    before, made, made_huge, decoded, scored, n_vocab = json.loads(run.stdout.splitlines()[-1])
     if not THP_COLLAPSE:
-        assert collapsed == again == 0
+        assert made == decoded == scored == 0
         return
-    buffer = 8 * n_vocab * 4
-    assert buffer - 4 * 2**20 <= collapsed <= buffer
-    assert after - before >= collapsed
-    assert again == collapsed  # the same buffer at the next decode
+    rows = 8 * n_vocab * 4
+    assert rows - 4 * 2**20 <= made <= rows  # with the context, before any decode
+    assert made_huge - before >= made
+    assert decoded == made  # the same buffer at the first decode: nothing more to do
+    assert rows - 4 * 2**20 <= scored <= rows  # the moved buffer: its first 8 rows only

@@ -224,9 +224,10 @@ class Context:
     @property
     def huge_page_bytes(self) -> int:
         """Bytes of llama.cpp's logits buffer (its rows for every sequence, read in place by each
-        decode's summary) on 2 MiB pages (Linux, a model on the CPU): put there after the first
-        decode that makes logits, and after each that moves the buffer. 0 before, where THP is
-        ``never``, on kernels before 6.1, or with the model's output layer on a GPU."""
+        decode's summary) on 2 MiB pages (Linux, a model on the CPU): put there as the context is
+        made, and again after a decode that moves the buffer (more output rows than sequences: its
+        first ``n_seq_max`` rows). 0 where THP is ``never``, on kernels before 6.1, or with the
+        model's output layer on a GPU."""
     @property
     def device_rows(self) -> bool:
         """Whether decodes summarise each logits row (maximum, log-sum-exps, span maxima) on the

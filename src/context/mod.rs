@@ -174,9 +174,10 @@ impl PyContext {
     }
 
     /// Bytes of llama.cpp's logits buffer (its rows for every sequence, read in place by each
-    /// decode's summary) on 2 MiB pages (Linux, a model on the CPU): put there after the first
-    /// decode that makes logits, and after each that moves the buffer. 0 before, where THP is
-    /// ``never``, on kernels before 6.1, or with the model's output layer on a GPU.
+    /// decode's summary) on 2 MiB pages (Linux, a model on the CPU): put there as the context is
+    /// made, and again after a decode that moves the buffer (more output rows than sequences: its
+    /// first ``n_seq_max`` rows). 0 where THP is ``never``, on kernels before 6.1, or with the
+    /// model's output layer on a GPU.
     #[getter]
     fn huge_page_bytes(&self, py: Python<'_>) -> PyResult<usize> {
         run(py, self.ctx(), |s| Ok(s.huge_logit_bytes()))

@@ -106,8 +106,8 @@ pub struct RawContext {
     device_on: bool,
     /// Whether llama.cpp's logits buffer is put on huge pages (its rows are on the host).
     huge_logits: bool,
-    /// The logits buffer's base and rows as last put on huge pages (`(0, 0)`: not yet).
-    collapsed: (usize, usize),
+    /// The logits buffer's base as last put on huge pages (0: not yet).
+    collapsed: usize,
     /// Bytes of it on huge pages.
     huge_logit_bytes: usize,
 }
@@ -139,7 +139,7 @@ impl RawContext {
             device: DeviceRows::new(n_vocab),
             device_on: false,
             huge_logits: false,
-            collapsed: (0, 0),
+            collapsed: 0,
             huge_logit_bytes: 0,
         })
     }
@@ -247,10 +247,12 @@ impl RawContext {
         code
     }
 
-    /// Put llama.cpp's logits buffer on huge pages after each decode that made (or moved) it
-    /// ([`crate::hugepages::collapse_buffer`]): for a context whose logits are on the host.
+    /// Put llama.cpp's logits buffer on huge pages now (llama.cpp made it with the context)
+    /// and after each decode that moved it ([`crate::hugepages::collapse_buffer`]): for a
+    /// context whose logits are on the host.
     pub fn use_huge_logits(&mut self) {
         self.huge_logits = true;
+        self.collapse_logits();
     }
 
     /// Bytes of llama.cpp's logits buffer on huge pages.
@@ -258,19 +260,24 @@ impl RawContext {
         self.huge_logit_bytes
     }
 
-    /// The logits buffer on huge pages, once for each place and size it takes: llama.cpp
-    /// allocates it with the context (and again, larger, for a decode with more output rows
-    /// than it holds) and clears it, so its 4 KiB pages exist and are collapsed here.
+    /// The first `n_seq_max` rows of the logits buffer on huge pages, once for each place it
+    /// takes: llama.cpp allocates it with the context (`n_seq_max` rows) and again, larger and
+    /// elsewhere, for a decode with more output rows than it holds, and clears it, so its 4 KiB
+    /// pages exist and are collapsed here. Those rows are the ones a decode of commits and
+    /// prompt tails writes, every tick; the rows beyond them (a scored prompt's, read once) are
+    /// left on 4 KiB pages: collapsing costs ~0.3-3 ms a MiB on a VM (64 rows took 169 ms).
+    /// Done with the context, not in its first decode, so that decode's time (and the burst
+    /// wait learned from it, [`crate::engine::burst`]) is the model's.
     fn collapse_logits(&mut self) {
         // SAFETY: valid context; returns llama.cpp's logits buffer (null when it has none).
         let base = unsafe { sys::llama_get_logits(self.ptr.as_ptr()) } as usize;
-        let rows = self.out_rows.max(self.n_seq.max(0) as usize);
-        if base == 0 || (base, rows) == self.collapsed {
+        if base == 0 || base == self.collapsed {
             return;
         }
-        self.collapsed = (base, rows);
-        // The buffer holds at least `rows` rows: llama.cpp sizes it for max(n_seq_max, the
-        // most outputs a decode asked for).
+        self.collapsed = base;
+        // The buffer holds at least `n_seq_max` rows: llama.cpp sizes it for max(n_seq_max,
+        // the most outputs a decode asked for).
+        let rows = self.n_seq.max(1) as usize;
         self.huge_logit_bytes = crate::hugepages::collapse_buffer(base, rows * self.n_vocab * 4);
     }
 
