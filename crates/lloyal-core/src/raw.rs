@@ -106,8 +106,9 @@ pub struct RawContext {
     device_on: bool,
     /// Whether llama.cpp's logits buffer is put on huge pages (its rows are on the host).
     huge_logits: bool,
-    /// The logits buffer's base as last put on huge pages (0: not yet).
-    collapsed: usize,
+    /// The logits buffer's base and rows (its capacity) as last put on huge pages (`(0, 0)`:
+    /// not yet).
+    collapsed: (usize, usize),
     /// Bytes of it on huge pages.
     huge_logit_bytes: usize,
 }
@@ -139,7 +140,7 @@ impl RawContext {
             device: DeviceRows::new(n_vocab),
             device_on: false,
             huge_logits: false,
-            collapsed: 0,
+            collapsed: (0, 0),
             huge_logit_bytes: 0,
         })
     }
@@ -260,10 +261,10 @@ impl RawContext {
         self.huge_logit_bytes
     }
 
-    /// The first `n_seq_max` rows of the logits buffer on huge pages, once for each place it
-    /// takes: llama.cpp allocates it with the context (`n_seq_max` rows) and again, larger and
-    /// elsewhere, for a decode with more output rows than it holds, and clears it, so its 4 KiB
-    /// pages exist and are collapsed here. Those rows are the ones a decode of commits and
+    /// The first `n_seq_max` rows of the logits buffer on huge pages, once for each place and
+    /// size it takes: llama.cpp allocates it with the context (`n_seq_max` rows) and again,
+    /// larger (perhaps at the same address), for a decode with more output rows than it holds,
+    /// and clears it, so its 4 KiB pages exist and are collapsed here. Those rows are the ones a decode of commits and
     /// prompt tails writes, every tick; the rows beyond them (a scored prompt's, read once) are
     /// left on 4 KiB pages: collapsing costs ~0.3-3 ms a MiB on a VM (64 rows took 169 ms).
     /// Done with the context, not in its first decode, so that decode's time (and the burst
@@ -271,13 +272,13 @@ impl RawContext {
     fn collapse_logits(&mut self) {
         // SAFETY: valid context; returns llama.cpp's logits buffer (null when it has none).
         let base = unsafe { sys::llama_get_logits(self.ptr.as_ptr()) } as usize;
-        if base == 0 || base == self.collapsed {
+        // llama.cpp sizes it for max(n_seq_max, the most outputs a decode asked for).
+        let rows = self.n_seq.max(1) as usize;
+        let capacity = self.out_rows.max(rows);
+        if base == 0 || (base, capacity) == self.collapsed {
             return;
         }
-        self.collapsed = base;
-        // The buffer holds at least `n_seq_max` rows: llama.cpp sizes it for max(n_seq_max,
-        // the most outputs a decode asked for).
-        let rows = self.n_seq.max(1) as usize;
+        self.collapsed = (base, capacity);
         self.huge_logit_bytes = crate::hugepages::collapse_buffer(base, rows * self.n_vocab * 4);
     }
 
