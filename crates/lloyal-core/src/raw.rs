@@ -264,11 +264,11 @@ impl RawContext {
     /// The first `n_seq_max` rows of the logits buffer on huge pages, once for each place and
     /// size it takes: llama.cpp allocates it with the context (`n_seq_max` rows) and again,
     /// larger (perhaps at the same address), for a decode with more output rows than it holds,
-    /// and clears it, so its 4 KiB pages exist and are collapsed here. Those rows are the ones a decode of commits and
-    /// prompt tails writes, every tick; the rows beyond them (a scored prompt's, read once) are
-    /// left on 4 KiB pages: collapsing costs ~0.3-3 ms a MiB on a VM (64 rows took 169 ms).
-    /// Done with the context, not in its first decode, so that decode's time (and the burst
-    /// wait learned from it, [`crate::engine::burst`]) is the model's.
+    /// and clears it, so its 4 KiB pages exist and are collapsed here. Those rows are the ones
+    /// a decode of commits and prompt tails writes, every tick; the rows beyond them (a scored
+    /// prompt's, read once) are left on 4 KiB pages: collapsing costs ~0.3-3 ms a MiB on a VM
+    /// (64 rows took 169 ms). Done with the context, not in its first decode, so that decode's
+    /// time (and the burst wait learned from it, [`crate::engine::burst`]) is the model's.
     fn collapse_logits(&mut self) {
         // SAFETY: valid context; returns llama.cpp's logits buffer (null when it has none).
         let base = unsafe { sys::llama_get_logits(self.ptr.as_ptr()) } as usize;

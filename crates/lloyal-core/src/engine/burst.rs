@@ -8,9 +8,11 @@
 //! most [`MAX_WAIT`]: the estimate is the `llama_decode` time a prompt row took in the fastest
 //! of the last [`REMEMBERED`] ticks that wrote only prompt rows, times the rows the waiting
 //! prompts will write in their first tick (at most `n_batch`). Before any such tick the wait
-//! is [`MAX_WAIT`]. The fastest, not the last: a context's first decode is slow (buffers
-//! allocated, pages first touched, a GPU's graph built; 40 ms against 4 for a 512-token prompt
-//! of a small model on a CPU), and the prompt after it would otherwise wait 10 times too long.
+//! is [`MAX_WAIT`]. The fastest, not the last: one slow tick (another process on the cores, a
+//! GPU's graph rebuilt) would otherwise stretch the next wait. A context's first decode is slow
+//! too (OpenMP's team started, the weights first read: 8-28 ms for 2 tokens of a small model on
+//! a CPU whose 512-token tick takes 4), and, nothing faster known yet, still sets the second
+//! prompt's wait.
 //!
 //! On a CPU a prompt tick takes tens of milliseconds to a second: the wait is [`MAX_WAIT`]. On
 //! a GPU a 512-token prompt takes ~9 ms: the wait is ~0.5 ms, not 5.
