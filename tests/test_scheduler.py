@@ -360,6 +360,41 @@ def test_a_burst_whose_questions_begin_alike_forks_the_first_prompt_written(
         asyncio.run(sched.stop())
 
 
+def test_a_request_short_of_room_while_another_is_admitted_goes_on_once_it_is(model: lloyal.Model) -> None:
+    """Admission reserves a request's leases until its branches exist, so a request planned
+    meanwhile may find no room; the reservation's end wakes it (not the end of a request):
+    three best_of requests sharing a new prefix all fork the first prompt written, which is
+    prefilled once."""
+    # One decode thread: the timing under which the second request's fork is made before the
+    # third plans (it failed so, every time, without the wake-up).
+    with lloyal.Context(model, n_ctx=2048, n_seq_max=16, n_threads=1) as ctx:
+        sched = Scheduler(ctx, max_running=12, cache_cells=0, reserve=True)
+        system = ctx.tokenize("A long shared instruction about colours, shapes and numbers. " * 20)
+        asks = (" Name a colour.", " Name a shape.", " Name a number.")
+        prompts = [system + ctx.tokenize(q, add_special=False) for q in asks]
+        common = next(i for i, (x, y) in enumerate(zip(*prompts[:2], strict=False)) if x != y)
+        rows0 = ctx.engine_stats().rows
+
+        async def one(p: list[int]) -> Done:
+            spec = GenSpec(prompt=p, params=GREEDY, max_tokens=12, best_of=3, stop_tokens=[])
+            async for ev in sched.generate(spec):
+                if isinstance(ev, Done):
+                    return ev
+            raise AssertionError("no Done")
+
+        async def main() -> list[Done]:
+            try:
+                return list(await asyncio.gather(*(one(p) for p in prompts)))
+            finally:
+                await sched.stop()
+
+        dones = asyncio.run(main())
+        assert [d.cached_tokens for d in dones] == [0, common, common]
+        generated = sum(sum(d.lengths) for d in dones)
+        tails = sum(len(p) - common for p in prompts[1:])
+        assert ctx.engine_stats().rows - rows0 == len(prompts[0]) + tails + generated
+
+
 def test_a_request_cancelled_while_it_awaits_room_leaves_no_pin(model: lloyal.Model) -> None:
     """Admission awaits room with the cached entry it will fork pinned: a client that goes away
     meanwhile takes the pin with it, so the entry can be evicted again."""

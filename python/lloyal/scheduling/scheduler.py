@@ -371,6 +371,8 @@ class Scheduler:
             if self._closed:
                 raise ShuttingDown(self._cancelled_message())
             self.book.admitted(plan)
+            if self.waiting:  # its reservation is gone: a request that found no room may fit now
+                asyncio.get_running_loop().create_task(self._notify_room())
         except BaseException:  # a bad grammar or bias, a full cache, a cancelled client: undo it all
             for c in req.choices:
                 self._started(c)
