@@ -59,6 +59,12 @@ crate::wrap::wrapper_class! {
         paused: bool,
         /// Seconds a tick waits for as many commits as the previous tick decoded.
         gather: f64,
+        /// Times an idle engine given a prompt waited for the rest of a burst (concurrent
+        /// requests a few milliseconds behind); after a wait no other prompt joined, the next
+        /// prompt starts at once (docs/engine.md).
+        burst_waits: u64,
+        /// Seconds spent in those waits.
+        burst_wait_seconds: f64,
         /// Times the engine, run dry, moved the KV cache's cells back to its front (cells left
         /// high by a busy stretch slow every later decode).
         kv_compactions: u64,

@@ -457,6 +457,35 @@ def test_the_window_after_a_prefill_ends_when_its_caller_is_back(model: lloyal.M
         assert time.perf_counter() - t0 >= 0.9
 
 
+def test_an_idle_engine_waits_for_a_burst_only_while_prompts_come_with_company(
+    model: lloyal.Model,
+) -> None:
+    """An idle engine given a prompt waits a moment for the rest of a burst; after a wait that
+    ended with one caller's prompt alone, the next prompt starts at once, until two callers'
+    prompts come together again."""
+    with lloyal.Context(model, n_ctx=1024, n_batch=64, n_seq_max=4) as ctx:
+        tokens = ctx.tokenize(PROMPT)
+
+        def lone_prefills(n: int) -> None:
+            for _ in range(n):
+                branch = Branch.create(ctx, 0, GREEDY)
+                branch.prefill(tokens)
+                branch.prune()
+
+        lone_prefills(3)
+        first = ctx.engine_stats()
+        assert first.burst_waits == 1, "only the first prompt waited: nobody came"
+        assert first.burst_wait_seconds > 0
+        a, b = Branch.create(ctx, 0, GREEDY), Branch.create(ctx, 0, GREEDY)
+        before, after, errors = run_queued(ctx, [lambda: a.prefill(tokens), lambda: b.prefill(tokens)], 2)
+        assert not errors
+        assert (after.burst_waits, after.decode_calls - before.decode_calls) == (2, 1), "company: a wait"
+        lone_prefills(3)
+        last = ctx.engine_stats()
+        assert last.burst_waits == 3, "the wait after company, then none"
+        assert (a.position, b.position) == (len(tokens), len(tokens))
+
+
 def test_a_prompt_after_the_stepping_branches_are_pruned_fills_the_batch(model: lloyal.Model) -> None:
     """Right after a branch's commits, a prompt is paced as if that stream would come back
     (the next commit is usually milliseconds away); once the branch is pruned it cannot, and

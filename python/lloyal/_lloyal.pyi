@@ -1329,6 +1329,15 @@ class EngineStats:
     def gather(self) -> float:
         """Seconds a tick waits for as many commits as the previous tick decoded."""
     @property
+    def burst_waits(self) -> int:
+        """Times an idle engine given a prompt waited for the rest of a burst (concurrent
+        requests a few milliseconds behind); after a wait no other prompt joined, the next
+        prompt starts at once (docs/engine.md).
+        """
+    @property
+    def burst_wait_seconds(self) -> float:
+        """Seconds spent in those waits."""
+    @property
     def kv_compactions(self) -> int:
         """Times the engine, run dry, moved the KV cache's cells back to its front (cells left
         high by a busy stretch slow every later decode).

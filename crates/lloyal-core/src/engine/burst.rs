@@ -11,13 +11,21 @@
 //! is [`MAX_WAIT`]. The fastest, not the last: one slow tick (another process on the cores, a
 //! GPU's graph rebuilt) would otherwise stretch the next wait. A context's first decode is slow
 //! too (OpenMP's team started, the weights first read: 8-28 ms for 2 tokens of a small model on
-//! a CPU whose 512-token tick takes 4), and, nothing faster known yet, still sets the second
-//! prompt's wait.
+//! a CPU whose 512-token tick takes 4), and, nothing faster known yet, still sets the wait of
+//! the second prompt that has company.
 //!
 //! On a CPU a prompt tick takes tens of milliseconds to a second: the wait is [`MAX_WAIT`]. On
 //! a GPU a 512-token prompt takes ~9 ms: the wait is ~0.5 ms, not 5.
+//!
+//! Only a caller with company gains from the wait: after a wait that ended with one caller's
+//! prompt alone (a library's prefills one after another, a server at concurrency 1) the next
+//! prompt starts at once, as in llama-server and vLLM, and the engine watches for the company
+//! that prompt may have missed: a prompt that arrives within the wait it skipped, or two
+//! callers' prompts queued together, bring the wait back for the next burst. So after a lone
+//! stretch a burst splits once (its first prompt alone), and a lone caller waits once, not at
+//! every prompt.
 
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 /// The longest wait (a CPU's, where a prompt's tick is long).
 pub const MAX_WAIT: Duration = Duration::from_millis(5);
@@ -37,11 +45,54 @@ pub struct BurstWait {
     recent: std::collections::VecDeque<f64>,
     /// The most rows a tick decodes (`n_batch`), as last seen.
     n_batch: usize,
+    /// The last wait ended with one caller's prompt, and no other came since within the wait a
+    /// prompt skipped: the next prompt starts at once.
+    alone: bool,
+    /// The last prompt that started at once: when, and the wait it skipped (the window in which
+    /// another prompt's arrival says it had company).
+    skipped: Option<(Instant, Duration)>,
 }
 
 impl BurstWait {
-    /// The wait before the first tick of prompts writing `prompt_rows` tokens in all.
-    pub fn wait(&self, prompt_rows: usize) -> Duration {
+    /// The wait before the first tick of an idle engine given `prompts` callers' prompts
+    /// writing `prompt_rows` tokens in all, starting `now`: [`BurstWait::estimate`], or none
+    /// for a caller alone since the last wait (the wait it skips is then watched:
+    /// [`BurstWait::arrived`]). Two callers' prompts queued together are company.
+    pub fn begin(&mut self, now: Instant, prompts: usize, prompt_rows: usize) -> Duration {
+        let wait = self.estimate(prompt_rows);
+        self.alone &= prompts <= 1;
+        if self.alone {
+            self.skipped = Some((now, wait));
+            return Duration::ZERO;
+        }
+        wait
+    }
+
+    /// A wait taken has ended with `prompts` callers' prompts queued: one alone starts the
+    /// next burst at once.
+    pub fn ended(&mut self, prompts: usize) {
+        self.alone = prompts <= 1;
+    }
+
+    /// The prompts now queued arrived at `arrivals`: one that came after the last prompt that
+    /// started at once, within the wait it skipped, would have shared its tick: the next burst
+    /// waits again.
+    pub fn arrived(&mut self, now: Instant, arrivals: impl IntoIterator<Item = Instant>) {
+        let Some((start, wait)) = self.skipped else {
+            return;
+        };
+        let end = start + wait;
+        if arrivals.into_iter().any(|at| at > start && at <= end) {
+            self.alone = false;
+            self.skipped = None;
+        } else if now > end {
+            self.skipped = None; // nothing arriving later was in the window
+        }
+    }
+
+    /// The wait before the first tick of prompts writing `prompt_rows` tokens in all, for a
+    /// caller with company.
+    pub fn estimate(&self, prompt_rows: usize) -> Duration {
         let Some(per_row) = self.recent.iter().copied().reduce(f64::min) else {
             return MAX_WAIT;
         };
@@ -69,28 +120,28 @@ mod tests {
 
     #[test]
     fn before_any_prompt_tick_the_wait_is_the_longest() {
-        assert_eq!(BurstWait::default().wait(512), MAX_WAIT);
+        assert_eq!(BurstWait::default().estimate(512), MAX_WAIT);
     }
 
     #[test]
     fn a_short_prompt_tick_makes_a_short_wait_and_a_long_one_the_longest() {
         let mut gpu = BurstWait::default();
         gpu.observe(0, 512, 0.009, 512); // a GPU's 512-token prompt
-        assert!((gpu.wait(512).as_secs_f64() - 0.009 * SHARE).abs() < 1e-9);
+        assert!((gpu.estimate(512).as_secs_f64() - 0.009 * SHARE).abs() < 1e-9);
         let mut cpu = BurstWait::default();
         cpu.observe(0, 512, 0.5, 512); // a CPU's
-        assert_eq!(cpu.wait(512), MAX_WAIT);
+        assert_eq!(cpu.estimate(512), MAX_WAIT);
     }
 
     #[test]
     fn a_slow_first_tick_is_forgotten_once_a_faster_one_is_seen() {
         let mut w = BurstWait::default();
         w.observe(0, 512, 0.040, 512); // a context's first decode: buffers, pages, graphs
-        assert!((w.wait(512).as_secs_f64() - 0.040 * SHARE).abs() < 1e-9);
+        assert!((w.estimate(512).as_secs_f64() - 0.040 * SHARE).abs() < 1e-9);
         w.observe(0, 512, 0.004, 512);
-        assert!((w.wait(512).as_secs_f64() - 0.004 * SHARE).abs() < 1e-9);
+        assert!((w.estimate(512).as_secs_f64() - 0.004 * SHARE).abs() < 1e-9);
         w.observe(0, 256, 0.003, 512); // slower a row than the 512-token tick: not the estimate
-        assert!((w.wait(512).as_secs_f64() - 0.004 * SHARE).abs() < 1e-9);
+        assert!((w.estimate(512).as_secs_f64() - 0.004 * SHARE).abs() < 1e-9);
     }
 
     #[test]
@@ -100,16 +151,16 @@ mod tests {
         for _ in 0..REMEMBERED - 1 {
             w.observe(0, 512, 0.020, 512);
         }
-        assert!((w.wait(512).as_secs_f64() - 0.004 * SHARE).abs() < 1e-9);
+        assert!((w.estimate(512).as_secs_f64() - 0.004 * SHARE).abs() < 1e-9);
         w.observe(0, 512, 0.020, 512);
-        assert!((w.wait(512).as_secs_f64() - 0.020 * SHARE).abs() < 1e-9);
+        assert!((w.estimate(512).as_secs_f64() - 0.020 * SHARE).abs() < 1e-9);
     }
 
     #[test]
     fn the_estimate_scales_with_rows_up_to_a_batch() {
         let mut w = BurstWait::default();
         w.observe(0, 64, 0.004, 512);
-        let at = |rows| w.wait(rows).as_secs_f64();
+        let at = |rows| w.estimate(rows).as_secs_f64();
         assert!((at(16) - 0.001 * SHARE).abs() < 1e-9);
         assert!((at(256) - 0.016 * SHARE).abs() < 1e-9);
         assert!((at(4096) - 0.032 * SHARE).abs() < 1e-9, "one tick decodes n_batch rows at most");
@@ -120,6 +171,71 @@ mod tests {
         let mut w = BurstWait::default();
         w.observe(8, 64, 0.001, 512);
         w.observe(16, 0, 0.001, 512);
-        assert_eq!(w.wait(64), MAX_WAIT);
+        assert_eq!(w.estimate(64), MAX_WAIT);
+    }
+
+    #[test]
+    fn a_wait_nobody_joined_lets_the_next_prompt_start_at_once() {
+        let t0 = Instant::now();
+        let mut w = BurstWait::default();
+        assert_eq!(w.begin(t0, 1, 512), MAX_WAIT, "a first prompt waits: a server's burst may follow");
+        w.ended(1);
+        assert_eq!(w.begin(t0, 1, 512), Duration::ZERO);
+        w.arrived(t0 + MAX_WAIT * 2, []); // the window passed with nothing in it
+        assert_eq!(w.begin(t0 + MAX_WAIT * 3, 1, 512), Duration::ZERO, "a lone caller stays unheld");
+    }
+
+    #[test]
+    fn a_wait_another_prompt_joined_is_kept() {
+        let t0 = Instant::now();
+        let mut w = BurstWait::default();
+        w.begin(t0, 1, 512);
+        w.ended(2);
+        assert_eq!(w.begin(t0, 1, 512), MAX_WAIT);
+    }
+
+    #[test]
+    fn prompts_queued_together_are_company() {
+        let t0 = Instant::now();
+        let mut w = BurstWait::default();
+        w.begin(t0, 1, 512);
+        w.ended(1);
+        assert_eq!(w.begin(t0, 2, 512), MAX_WAIT, "a burst that came whole: more may follow");
+        w.ended(2);
+        assert_eq!(w.begin(t0, 1, 512), MAX_WAIT);
+    }
+
+    #[test]
+    fn a_prompt_within_the_skipped_wait_brings_the_wait_back() {
+        let t0 = Instant::now();
+        let ms = Duration::from_millis;
+        let mut w = BurstWait::default();
+        w.begin(t0, 1, 512);
+        w.ended(1);
+        assert_eq!(w.begin(t0 + ms(100), 1, 512), Duration::ZERO); // skipped 5 ms from 100 ms
+        w.arrived(t0 + ms(300), [t0 + ms(90)]); // queued before that prompt started: its own burst
+        assert_eq!(w.begin(t0 + ms(300), 1, 512), Duration::ZERO, "an earlier prompt is no company");
+        w.arrived(t0 + ms(600), [t0 + ms(300) + MAX_WAIT + ms(1)]); // after the window
+        assert_eq!(w.begin(t0 + ms(600), 1, 512), Duration::ZERO, "a later prompt is no company");
+        w.arrived(t0 + ms(700), [t0 + ms(603)]); // 3 ms into the 5 ms it skipped
+        assert_eq!(w.begin(t0 + ms(700), 1, 512), MAX_WAIT, "company missed: the next burst waits");
+    }
+
+    #[test]
+    fn the_window_is_the_wait_skipped_and_stays_open_until_it_ends() {
+        let t0 = Instant::now();
+        let us = Duration::from_micros;
+        let mut w = BurstWait::default();
+        w.observe(0, 512, 0.004, 512); // a GPU-like tick: 200 us waits
+        w.begin(t0, 1, 512);
+        w.ended(1);
+        assert_eq!(w.begin(t0, 1, 512), Duration::ZERO);
+        w.arrived(t0 + us(100), []); // a tick faster than the window: it is still open
+        w.arrived(t0 + us(250), [t0 + us(150)]);
+        assert!((w.begin(t0 + us(300), 1, 512).as_secs_f64() - 0.004 * SHARE).abs() < 1e-9);
+        w.ended(1);
+        w.begin(t0 + us(400), 1, 512);
+        w.arrived(t0 + us(700), [t0 + us(650)]); // 250 us after: outside the 200 us
+        assert_eq!(w.begin(t0 + us(800), 1, 512), Duration::ZERO);
     }
 }

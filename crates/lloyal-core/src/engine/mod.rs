@@ -95,6 +95,10 @@ pub struct EngineStats {
     pub paused: bool,
     /// Seconds a tick waits for as many commits as the previous tick decoded.
     pub gather: f64,
+    /// Times an idle engine given a prompt waited for the rest of a burst ([`burst`]).
+    pub burst_waits: u64,
+    /// Seconds spent in those waits.
+    pub burst_wait_seconds: f64,
     /// Times the engine, run dry, moved the KV cache's cells back to its front
     /// ([`crate::state::compact`]).
     pub kv_compactions: u64,
@@ -273,7 +277,8 @@ impl Engine {
         start_thread(&mut q, ctx, &self.shared)?;
         let id = q.next_id;
         q.next_id += 1;
-        q.ops.push_back(Op { id, work, reply: Reply::new(done), cancelled: Arc::clone(&cancelled) });
+        let queued = Instant::now();
+        q.ops.push_back(Op { id, work, reply: Reply::new(done), cancelled: Arc::clone(&cancelled), queued });
         q.stats.ops_submitted += 1;
         q.stats.queue_depth = q.ops.len();
         self.shared.wake();
@@ -577,18 +582,26 @@ fn take_ops(shared: &Shared, sched: &mut Scheduler, pool_held: bool) -> Option<T
 /// window leaves it room to do so before this tick takes the lock (else it waited a whole
 /// tick, ~0.8 s for a 512-token chunk); an operation on the prefilled branch says the caller is
 /// back, and the window ends.
-fn gather<'a>(shared: &'a Shared, mut q: MutexGuard<'a, Queue>, sched: &Scheduler) -> MutexGuard<'a, Queue> {
-    let burst = q.idle && sched.generating() == 0 && q.ops.iter().any(|op| op.work.has_prompt());
-    let gather = Duration::from_secs_f64(q.stats.gather);
-    let gather = if burst && q.stats.gather > 0.0 {
+fn gather<'a>(
+    shared: &'a Shared,
+    mut q: MutexGuard<'a, Queue>,
+    sched: &mut Scheduler,
+) -> MutexGuard<'a, Queue> {
+    let prompts = |q: &Queue| q.ops.iter().filter(|op| op.work.has_prompt()).count();
+    let start = Instant::now();
+    sched.burst.arrived(start, q.ops.iter().filter(|op| op.work.has_prompt()).map(|op| op.queued));
+    let burst = q.idle && sched.generating() == 0 && prompts(&q) > 0;
+    let burst_wait = burst && q.stats.gather > 0.0;
+    let gather = if burst_wait {
         // The first tick after idling, with a prompt: the rest of a burst (a server's
         // concurrent clients) is a few milliseconds behind, and a tick that started without
-        // them would make them wait for all of it ([`burst`]).
-        sched.burst_wait(q.ops.iter().map(|op| op.work.prompt_len()).sum())
+        // them would make them wait for all of it; none after a wait nobody joined ([`burst`]).
+        sched.burst.begin(start, prompts(&q), q.ops.iter().map(|op| op.work.prompt_len()).sum())
     } else {
-        gather
+        Duration::from_secs_f64(q.stats.gather)
     };
-    let deadline = Instant::now() + gather;
+    let burst_wait = burst_wait && !gather.is_zero();
+    let deadline = start + gather;
     let settle = |q: &Queue| {
         burst
             || !q.last_prefilled.is_empty()
@@ -600,6 +613,14 @@ fn gather<'a>(shared: &'a Shared, mut q: MutexGuard<'a, Queue>, sched: &Schedule
             break;
         }
         q = shared.cv.wait_timeout(q, deadline - now).unwrap_or_else(|p| p.into_inner()).0;
+    }
+    if burst_wait {
+        q.stats.burst_wait_seconds += start.elapsed().as_secs_f64();
+        if !q.shutdown && !q.paused && q.applies.is_empty() {
+            // (A wait that context calls cut short is taken again after them, and judged then.)
+            sched.burst.ended(prompts(&q));
+            q.stats.burst_waits += 1;
+        }
     }
     q
 }

@@ -2,7 +2,7 @@
 
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Condvar, Mutex};
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use crate::error::{LloyalError, Result};
 use crate::tenancy::Handle;
@@ -103,6 +103,8 @@ pub struct Op {
     pub(crate) work: Work,
     pub(crate) reply: Reply,
     pub(crate) cancelled: Arc<AtomicBool>,
+    /// When it was submitted (the burst wait watches for prompts arriving together).
+    pub(crate) queued: Instant,
 }
 
 impl Op {

@@ -258,7 +258,7 @@ pub(crate) struct Scheduler {
     /// Verifies walked last tick whose bonus commits next.
     bonuses: Vec<(Op, Bonus)>,
     /// How long an idle engine waits for the rest of a burst ([`super::burst`]).
-    burst: BurstWait,
+    pub(in crate::engine) burst: BurstWait,
 }
 
 /// Prompt rows a burst prefills between two steps of the running generation requests.
@@ -297,12 +297,6 @@ impl Scheduler {
     /// `create` / `fork` calls waiting for a lease.
     pub fn lease_waiting(&self) -> usize {
         self.lease_waiting.len()
-    }
-
-    /// How long an idle engine given prompts of `prompt_rows` tokens waits for the rest of
-    /// their burst before its first tick.
-    pub fn burst_wait(&self, prompt_rows: usize) -> std::time::Duration {
-        self.burst.wait(prompt_rows)
     }
 
     /// Prefills in flight.
