@@ -595,7 +595,8 @@ fn gather<'a>(
     let gather = if burst_wait {
         // The first tick after idling, with a prompt: the rest of a burst (a server's
         // concurrent clients) is a few milliseconds behind, and a tick that started without
-        // them would make them wait for all of it; none after a wait nobody joined ([`burst`]).
+        // them would make them wait for all of it; none for a caller alone at its last wait
+        // ([`burst`]).
         sched.burst.begin(start, prompts(&q), q.ops.iter().map(|op| op.work.prompt_len()).sum())
     } else {
         Duration::from_secs_f64(q.stats.gather)
