@@ -355,3 +355,4 @@ def test_row_generator_runs_rows_on_the_scheduler_sharing_a_prefix_and_ranking(m
     tails = sum(len(t) - c for t, c in zip(toks[1:], common, strict=True))
     assert gen.ctx.engine_stats().rows - rows0 == len(toks[0]) + tails + generated
     assert lloyal.BranchStore(gen.ctx).kv_pressure.cells_used == 0  # nothing kept after the batch
+    gen.ctx.close()  # its engine thread ends now, not when the garbage collector gets to it
