@@ -20,10 +20,10 @@
 //! Only a caller with company gains from the wait: after a wait that ended with one caller's
 //! prompt alone (a library's prefills one after another, a server at concurrency 1) the next
 //! prompt starts at once, as in llama-server and vLLM, and the engine watches for the company
-//! that prompt may have missed: a prompt that arrives within the wait it skipped, or two
-//! callers' prompts queued together, bring the wait back for the next burst. So after a lone
-//! stretch a burst splits once (its first prompt alone), and a lone caller waits once, not at
-//! every prompt.
+//! that prompt may have missed: a prompt that arrives within the wait it skipped while its tick
+//! runs (the caller's own next prompt comes after the tick), or two callers' prompts queued
+//! together, bring the wait back for the next burst. So after a lone stretch a burst splits
+//! once (its first prompt alone), and a lone caller waits once, not at every prompt.
 
 use std::time::{Duration, Instant};
 
@@ -48,9 +48,9 @@ pub struct BurstWait {
     /// The last wait ended with one caller's prompt, and no other came since within the wait a
     /// prompt skipped: the next prompt starts at once.
     alone: bool,
-    /// The last prompt that started at once: when, and the wait it skipped (the window in which
-    /// another prompt's arrival says it had company).
-    skipped: Option<(Instant, Duration)>,
+    /// The last prompt that started at once: when, and the end of the window in which another
+    /// prompt's arrival says it had company (the wait it skipped, cut at the end of its tick).
+    skipped: Option<(Instant, Instant)>,
 }
 
 impl BurstWait {
@@ -62,7 +62,7 @@ impl BurstWait {
         let wait = self.estimate(prompt_rows);
         self.alone &= prompts <= 1;
         if self.alone {
-            self.skipped = Some((now, wait));
+            self.skipped = Some((now, now + wait));
             return Duration::ZERO;
         }
         wait
@@ -74,14 +74,22 @@ impl BurstWait {
         self.alone = prompts <= 1;
     }
 
+    /// The tick that started the last prompt at once ended `at`: a prompt arriving later, even
+    /// within the wait it skipped, is no company (a lone caller's next prompt, sent once the
+    /// tick answered it, when the tick was shorter than the wait estimated).
+    pub fn tick_ended(&mut self, at: Instant) {
+        if let Some((_, end)) = &mut self.skipped {
+            *end = (*end).min(at);
+        }
+    }
+
     /// The prompts now queued arrived at `arrivals`: one that came after the last prompt that
-    /// started at once, within the wait it skipped, would have shared its tick: the next burst
-    /// waits again.
+    /// started at once, within the wait it skipped and during its tick, would have shared that
+    /// tick: the next burst waits again.
     pub fn arrived(&mut self, now: Instant, arrivals: impl IntoIterator<Item = Instant>) {
-        let Some((start, wait)) = self.skipped else {
+        let Some((start, end)) = self.skipped else {
             return;
         };
-        let end = start + wait;
         if arrivals.into_iter().any(|at| at > start && at <= end) {
             self.alone = false;
             self.skipped = None;
@@ -237,5 +245,22 @@ mod tests {
         w.begin(t0 + us(400), 1, 512);
         w.arrived(t0 + us(700), [t0 + us(650)]); // 250 us after: outside the 200 us
         assert_eq!(w.begin(t0 + us(800), 1, 512), Duration::ZERO);
+    }
+
+    #[test]
+    fn a_prompt_after_the_skipping_tick_ended_is_no_company() {
+        // A context's cold first decode made the estimate long; the next lone prompt's tick is
+        // shorter than the wait it skipped, and its caller sends the next prompt once answered.
+        let t0 = Instant::now();
+        let ms = Duration::from_millis;
+        let mut w = BurstWait::default();
+        w.begin(t0, 1, 512);
+        w.ended(1);
+        assert_eq!(w.begin(t0 + ms(10), 1, 512), Duration::ZERO); // the window: 10-15 ms
+        w.tick_ended(t0 + ms(11));
+        w.arrived(t0 + ms(12), [t0 + ms(12)]); // within the 5 ms, after the tick
+        assert_eq!(w.begin(t0 + ms(12), 1, 512), Duration::ZERO, "the caller itself, answered");
+        w.arrived(t0 + ms(13), [t0 + ms(12) + Duration::from_micros(500)]); // during this tick
+        assert_eq!(w.begin(t0 + ms(13), 1, 512), MAX_WAIT, "another caller, during the tick");
     }
 }

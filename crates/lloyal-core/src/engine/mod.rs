@@ -459,6 +459,7 @@ fn engine_loop<H: Host>(ctx: Weak<H>, shared: Arc<Shared>) {
             set_idle(&shared);
             continue;
         };
+        sched.burst.tick_ended(Instant::now()); // before its callers are answered
         drop(context);
         record(&shared, &sched, &mut outcome, started);
         let decoded = outcome.ops > 0;
