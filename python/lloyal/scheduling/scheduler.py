@@ -371,8 +371,7 @@ class Scheduler:
             if self._closed:
                 raise ShuttingDown(self._cancelled_message())
             self.book.admitted(plan)
-            if self.waiting:  # its reservation is gone: a request that found no room may fit now
-                asyncio.get_running_loop().create_task(self._notify_room())
+            self._wake_waiting()  # its reservation is gone: a request that found no room may fit now
         except BaseException:  # a bad grammar or bias, a full cache, a cancelled client: undo it all
             for c in req.choices:
                 self._started(c)
@@ -452,8 +451,8 @@ class Scheduler:
 
     def _written(self, req: _Request) -> None:
         """``req``'s prompt is in its branch's KV: requests waiting to fork it may go on."""
-        if req.plan is not None and self.book.written(req.plan) and self.waiting:
-            asyncio.get_running_loop().create_task(self._notify_room())
+        if req.plan is not None and self.book.written(req.plan):
+            self._wake_waiting()
 
     def _end(self, req: _Request, *, keep_best: bool) -> tuple[list[int], list[float]]:
         """``req`` ended (or failed): the core ranks its choices (``best_of``), keeps the best
@@ -467,8 +466,7 @@ class Scheduler:
         # a branch whose engine request did not say how many tokens it holds is not cached
         keep_best = keep_best and all(c.committed is not None for c in req.choices)
         kept, ppls = self.book.finish(req.plan, choices, root, n=spec.n, rank=spec.rank, keep_best=keep_best)
-        if self.waiting:
-            asyncio.get_running_loop().create_task(self._notify_room())
+        self._wake_waiting()
         return kept, ppls
 
     @staticmethod
@@ -581,6 +579,12 @@ class Scheduler:
         )
         req.events.put_nowait(done)
         asyncio.get_running_loop().create_task(self._notify_room())
+
+    def _wake_waiting(self) -> None:
+        """Requests waiting for room plan again (room was freed, or a prompt they fork is
+        written), in a task of their own."""
+        if self.waiting:
+            asyncio.get_running_loop().create_task(self._notify_room())
 
     async def _notify_room(self) -> None:
         async with self._room:

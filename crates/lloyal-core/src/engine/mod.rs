@@ -588,9 +588,9 @@ fn gather<'a>(
     mut q: MutexGuard<'a, Queue>,
     sched: &mut Scheduler,
 ) -> MutexGuard<'a, Queue> {
-    let prompts = |q: &Queue| q.ops.iter().filter(|op| op.work.has_prompt()).count();
+    let prompts = |q: &Queue| prompt_ops(q).count();
     let start = Instant::now();
-    sched.burst.arrived(start, q.ops.iter().filter(|op| op.work.has_prompt()).map(|op| op.queued));
+    sched.burst.arrived(start, prompt_ops(&q).map(|op| op.queued));
     let burst = q.idle && sched.generating() == 0 && prompts(&q) > 0;
     let burst_wait = burst && q.stats.gather > 0.0;
     let gather = if burst_wait {
@@ -625,6 +625,11 @@ fn gather<'a>(
         }
     }
     q
+}
+
+/// The queued operations that write a prompt.
+fn prompt_ops(q: &Queue) -> impl Iterator<Item = &Op> {
+    q.ops.iter().filter(|op| op.work.has_prompt())
 }
 
 /// Run one tick on the locked context; `None` when it failed as a whole (the context was
