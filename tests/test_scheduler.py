@@ -12,6 +12,7 @@ import lloyal
 
 pytest.importorskip("fastapi", reason="the server extra: pip install 'lloyal[server]'")
 
+from lloyal import _lloyal
 from lloyal.scheduling.prefix_cache import GHOSTS, PrefixCache
 from lloyal.scheduling.scheduler import Done, GenSpec, Scheduler, TokenEvent
 
@@ -395,6 +396,68 @@ def test_a_request_short_of_room_while_another_is_admitted_goes_on_once_it_is(mo
         assert ctx.engine_stats().rows - rows0 == len(prompts[0]) + tails + generated
 
 
+def test_requests_queued_behind_busy_slots_start_in_order_at_a_few_attempts_each(
+    model: lloyal.Model,
+) -> None:
+    """Forty requests sharing a prompt prefix queue behind four slots: they start in arrival
+    order, at a few admission attempts each rather than one per waiting request at every
+    wake-up (each attempt plans, and may await the engine to learn the cache cannot make room:
+    with 250 requests queued that took as long as the decodes); every request gets its greedy
+    tokens and nothing stays held."""
+    with lloyal.Context(model, n_ctx=1024, n_batch=128, n_seq_max=4) as ctx:
+        sched = Scheduler(ctx)
+        system = ctx.tokenize("Answer in one word, the shortest you know, and nothing else:")
+        words = (  # noqa: SIM905 (40 words read better as text)
+            "apple river stone cloud tiger violin garden candle mirror rocket pencil forest "
+            "button castle dragon window summer anchor basket circle dinner engine falcon "
+            "ginger harbor island jacket kettle ladder magnet needle orange parrot puzzle "
+            "rabbit saddle tunnel wallet yellow zipper"
+        ).split()
+        prompts = [[*system, *ctx.tokenize(f" {w} means", add_special=False)] for w in words]
+        # no two share a token past the instruction: none waits for another's prompt
+        assert len({p[len(system)] for p in prompts}) == len(prompts) == 40
+        want = {i: greedy_completion(ctx, prompts[i], 2) for i in (0, 17, 39)}
+        admitted: list[int] = []
+        attempt = sched._attempt
+
+        async def recorded(spec: GenSpec) -> object:
+            found = await attempt(spec)
+            if isinstance(found, _lloyal.AdmissionPlan):
+                admitted.append(prompts.index(spec.prompt))
+            return found
+
+        sched._room._attempt = recorded  # type: ignore[assignment]
+
+        async def one(i: int) -> Done:
+            spec = GenSpec(prompt=prompts[i], params=GREEDY, max_tokens=2, stop_tokens=[])
+            tokens: list[int] = []
+            async for ev in sched.generate(spec):
+                if isinstance(ev, Done):
+                    assert i not in want or tokens == want[i], i
+                    return ev
+                tokens.append(ev.token)
+            raise AssertionError("no Done")
+
+        async def main() -> list[Done]:
+            tasks = []
+            for i in range(len(prompts)):
+                tasks.append(asyncio.create_task(one(i)))
+                await asyncio.sleep(0)  # they arrive in this order
+            try:
+                return list(await asyncio.gather(*tasks))
+            finally:
+                await sched.stop()
+
+        tries0 = sched._room.tries
+        dones = asyncio.run(main())
+        assert [d.completion_tokens for d in dones] == [2] * 40
+        # ~5 a request here (its arrival, then about one a wake-up: a prompt written, an
+        # admission's end, a request's end); waking every waiting request made ~45
+        assert sched._room.tries - tries0 <= 8 * 40, sched._room.tries - tries0
+        assert admitted == list(range(40))
+        assert sched.book.running == 0 and sched.book.reserved == (0, 0, 0) and len(sched._room) == 0
+
+
 def test_a_request_cancelled_while_it_awaits_room_leaves_no_pin(model: lloyal.Model) -> None:
     """Admission awaits room with the cached entry it will fork pinned: a client that goes away
     meanwhile takes the pin with it, so the entry can be evicted again."""
@@ -424,10 +487,12 @@ def test_a_request_cancelled_while_it_awaits_room_leaves_no_pin(model: lloyal.Mo
             task.cancel()
             with pytest.raises(asyncio.CancelledError):
                 await task
+            for _ in range(5):  # the admission attempt under way is cancelled with it
+                await asyncio.sleep(0)
+            sched.cache.trim(0)  # unpinned: the budget evicts it
+            assert entry.branch.disposed and sched.cache.stats()["evictions"] == 1
 
         asyncio.run(main())
-        sched.cache.trim(0)  # unpinned: the budget evicts it
-        assert entry.branch.disposed and sched.cache.stats()["evictions"] == 1
 
 
 def test_best_of_ranks_choices_by_the_perplexity_of_what_each_generated(model: lloyal.Model) -> None:

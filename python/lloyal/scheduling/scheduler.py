@@ -19,6 +19,9 @@ reservation, unless the scheduler is made with ``reserve=True``: then each waits
 for its ``max_tokens``); the engine evicts cached prefixes when a token or a prompt needs cells
 that are not free, and a choice that still finds the cache full ends with ``"length"``.
 
+Requests waiting for room queue in arrival order (:class:`~lloyal.scheduling.room_queue.RoomQueue`:
+a wake-up tries them in order and stops where no later one can start).
+
 Requests talk to the scheduler through :meth:`Scheduler.generate`, an async iterator of events.
 Admission refuses a request when ``max_queue`` requests already wait (:class:`QueueFull`) and
 after :meth:`Scheduler.drain` began (:class:`ShuttingDown`).
@@ -39,6 +42,7 @@ import lloyal
 from lloyal import _lloyal
 
 from .prefix_cache import PrefixCache
+from .room_queue import SHORT, RoomQueue, Short
 
 __all__ = [
     "LOOKAHEAD",
@@ -205,7 +209,12 @@ class Scheduler:
         # choices all finish); False: a choice that finds the cache full ends with "length"
         self.reserve = reserve
         self._requests: list[_Request] = []
-        self._room = asyncio.Condition()
+        self._room: RoomQueue[GenSpec, _lloyal.AdmissionPlan] = RoomQueue(
+            self._attempt,
+            slots=lambda: self.book.max_running - self.book.running - self.book.reserved[0],
+            busy=lambda: self.book.running > 0 or self.book.reserved[0] > 0,
+            release=self.book.release,
+        )
         self._ticks0 = ctx.engine_stats().ticks
         self.waiting = 0  # requests waiting for leases or cells
         self.tokens_generated = 0
@@ -247,7 +256,7 @@ class Scheduler:
             self._closed = True
             for req in self._requests:
                 req.events.put_nowait(ShuttingDown(self._cancelled_message()))
-            await self._notify_room()  # queued requests wake up and see _closed
+            self._room.close(lambda: ShuttingDown(self._cancelled_message()))  # the queued requests fail
             end = loop.time() + 5.0
             while (self._requests or self.waiting) and loop.time() < end:
                 await asyncio.sleep(0.01)  # their generators raise, and mark them cancelled
@@ -341,24 +350,7 @@ class Scheduler:
         spec = req.spec
         self.waiting += 1
         try:
-            async with self._room:
-                while True:
-                    if self._closed:
-                        raise ShuttingDown(self._cancelled_message())
-                    # what it forks is pinned from here: a request finishing while this one
-                    # awaits room must not prune it
-                    plan = self.book.plan(spec.prompt, spec.best_of, spec.prompt_logprobs is None)
-                    if plan is not None:
-                        fits = False
-                        try:
-                            fits = await self.cache.make_room(leases=plan.leases, cells=plan.cells)
-                        finally:
-                            if not fits:  # no room (or cancelled while awaiting it): the pins go
-                                self.book.release(plan)
-                        if fits:
-                            self.book.reserve(plan)
-                            break
-                    await self._room.wait()  # for room, or for the prompt it forks to be written
+            plan = await self._room.admit(spec, spec.best_of)
         finally:
             self.waiting -= 1
         req.plan, req.cached_tokens = plan, plan.reused
@@ -578,14 +570,29 @@ class Scheduler:
             prompt=req.prompt_scored,
         )
         req.events.put_nowait(done)
-        asyncio.get_running_loop().create_task(self._notify_room())
+        self._wake_waiting()
 
     def _wake_waiting(self) -> None:
-        """Requests waiting for room plan again (room was freed, or a prompt they fork is
-        written), in a task of their own."""
-        if self.waiting:
-            asyncio.get_running_loop().create_task(self._notify_room())
+        """Requests waiting for room try again, in arrival order (room was freed, or a prompt
+        they fork is written): :class:`RoomQueue`."""
+        self._room.wake()
 
-    async def _notify_room(self) -> None:
-        async with self._room:
-            self._room.notify_all()
+    async def _attempt(self, spec: GenSpec) -> _lloyal.AdmissionPlan | Short | None:
+        """Start a request for ``spec`` now: its plan, reserved; ``None`` when the core says it
+        must wait (no free slot, or the prompt it forks is not written yet); :data:`SHORT` when
+        the prefix cache could not free the leases and cells it needs."""
+        # what it forks is pinned from here: a request finishing while this one awaits room
+        # must not prune it
+        plan = self.book.plan(spec.prompt, spec.best_of, spec.prompt_logprobs is None)
+        if plan is None:
+            return None
+        fits = False
+        try:
+            fits = await self.cache.make_room(leases=plan.leases, cells=plan.cells)
+        finally:
+            if not fits:  # no room (or cancelled while awaiting it): the pins go
+                self.book.release(plan)
+        if not fits:
+            return SHORT
+        self.book.reserve(plan)
+        return plan
