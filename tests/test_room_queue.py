@@ -84,28 +84,23 @@ def test_a_request_that_finds_room_starts_at_once_without_queueing() -> None:
     asyncio.run(main())
 
 
-def test_waiting_requests_start_in_arrival_order_first_fit() -> None:
+def test_waiting_requests_start_in_arrival_order_and_a_big_one_keeps_the_slots_freed() -> None:
     async def main() -> None:
-        room = Room()
+        room = Room(running=8)
         q = room.queue()
-        tasks = await queued(q, ("big", 3), ("a", 1), ("b", 1), ("c", 1))
-        room.tried.clear()
-        room.slots = 2
-        q.wake()
-        await settle()
-        # "big" needs 3 of the 2 free slots: skipped without an attempt; "a" and "b" start in
-        # order; then no slot is free and "c" is not tried
-        assert room.tried == ["a", "b"]
-        assert [t.done() for t in tasks] == [False, True, True, False]
-        assert len(q) == 2
-        room.slots, room.tried = 3, []
-        q.wake()
-        await settle()
-        assert room.tried == ["big"] and tasks[0].result() == "big"
-        room.slots = 1
-        q.wake()
-        await settle()
-        assert tasks[3].result() == "c" and len(q) == 0
+        names = ["big", *(f"s{i}" for i in range(6))]
+        tasks = dict(zip(names, await queued(q, ("big", 4), *[(n, 1) for n in names[1:]]), strict=True))
+        started: list[str] = []
+        for _ in range(8):  # running requests end one by one
+            room.slots, room.running = room.slots + 1, room.running - 1
+            q.wake()
+            await settle()
+            started += [n for n, t in tasks.items() if t.done() and n not in started]
+        # the small ones did not take the slots as they freed: "big" started with the fourth
+        assert started == ["big", "s0", "s1", "s2", "s3"]
+        assert room.tried == started, "nobody was tried before it could start"
+        q.close(lambda: RuntimeError("closed"))
+        await asyncio.gather(*tasks.values(), return_exceptions=True)
 
     asyncio.run(main())
 

@@ -18,6 +18,29 @@ from lloyal.scheduling.scheduler import Done, GenSpec, Scheduler, TokenEvent
 
 GREEDY = lloyal.SamplingParams(temperature=0.0)
 
+# 40 words, no two of which begin with the same token
+WORDS = (  # noqa: SIM905 (40 words read better as text)
+    "apple river stone cloud tiger violin garden candle mirror rocket pencil forest "
+    "button castle dragon window summer anchor basket circle dinner engine falcon "
+    "ginger harbor island jacket kettle ladder magnet needle orange parrot puzzle "
+    "rabbit saddle tunnel wallet yellow zipper"
+).split()
+
+
+def record_admissions(sched: Scheduler, prompts: list[list[int]]) -> list[int]:
+    """The indices in ``prompts`` of the requests ``sched`` admits, in the order it admits them."""
+    admitted: list[int] = []
+    attempt = sched._attempt
+
+    async def recorded(spec: GenSpec) -> object:
+        found = await attempt(spec)
+        if isinstance(found, _lloyal.AdmissionPlan):
+            admitted.append(prompts.index(spec.prompt))
+        return found
+
+    sched._room._attempt = recorded  # type: ignore[assignment]
+    return admitted
+
 
 def run(sched: Scheduler, spec: GenSpec) -> tuple[list[TokenEvent], Done]:
     async def main() -> tuple[list[TokenEvent], Done]:
@@ -407,26 +430,11 @@ def test_requests_queued_behind_busy_slots_start_in_order_at_a_few_attempts_each
     with lloyal.Context(model, n_ctx=1024, n_batch=128, n_seq_max=4) as ctx:
         sched = Scheduler(ctx)
         system = ctx.tokenize("Answer in one word, the shortest you know, and nothing else:")
-        words = (  # noqa: SIM905 (40 words read better as text)
-            "apple river stone cloud tiger violin garden candle mirror rocket pencil forest "
-            "button castle dragon window summer anchor basket circle dinner engine falcon "
-            "ginger harbor island jacket kettle ladder magnet needle orange parrot puzzle "
-            "rabbit saddle tunnel wallet yellow zipper"
-        ).split()
-        prompts = [[*system, *ctx.tokenize(f" {w} means", add_special=False)] for w in words]
+        prompts = [[*system, *ctx.tokenize(f" {w} means", add_special=False)] for w in WORDS]
         # no two share a token past the instruction: none waits for another's prompt
         assert len({p[len(system)] for p in prompts}) == len(prompts) == 40
         want = {i: greedy_completion(ctx, prompts[i], 2) for i in (0, 17, 39)}
-        admitted: list[int] = []
-        attempt = sched._attempt
-
-        async def recorded(spec: GenSpec) -> object:
-            found = await attempt(spec)
-            if isinstance(found, _lloyal.AdmissionPlan):
-                admitted.append(prompts.index(spec.prompt))
-            return found
-
-        sched._room._attempt = recorded  # type: ignore[assignment]
+        admitted = record_admissions(sched, prompts)
 
         async def one(i: int) -> Done:
             spec = GenSpec(prompt=prompts[i], params=GREEDY, max_tokens=2, stop_tokens=[])
@@ -456,6 +464,46 @@ def test_requests_queued_behind_busy_slots_start_in_order_at_a_few_attempts_each
         assert sched._room.tries - tries0 <= 8 * 40, sched._room.tries - tries0
         assert admitted == list(range(40))
         assert sched.book.running == 0 and sched.book.reserved == (0, 0, 0) and len(sched._room) == 0
+
+
+def test_a_best_of_request_waiting_for_slots_is_not_overtaken_by_smaller_ones(model: lloyal.Model) -> None:
+    """Four requests fill four slots and end one after another; a best_of=2 request waits, and
+    six single-choice ones behind it. The slots that free up are kept for it: it starts before
+    any of them (before, each freed slot went to the next small request that fit)."""
+    with lloyal.Context(model, n_ctx=1024, n_seq_max=14) as ctx:
+        sched = Scheduler(ctx, max_running=4)
+        prompts = [ctx.tokenize(f"The word {w} means") for w in WORDS[:11]]
+        admitted = record_admissions(sched, prompts)
+        # 0-3 run, ending after 3, 6, 9 and 12 tokens; 4 is the best_of request; 5-10 are small
+        specs = [
+            GenSpec(prompt=prompts[i], params=GREEDY, max_tokens=3 * (i + 1), stop_tokens=[])
+            for i in range(4)
+        ]
+        specs.append(GenSpec(prompt=prompts[4], params=GREEDY, max_tokens=2, best_of=2, stop_tokens=[]))
+        specs += [
+            GenSpec(prompt=prompts[i], params=GREEDY, max_tokens=2, stop_tokens=[]) for i in range(5, 11)
+        ]
+
+        async def one(spec: GenSpec) -> Done:
+            async for ev in sched.generate(spec):
+                if isinstance(ev, Done):
+                    return ev
+            raise AssertionError("no Done")
+
+        async def main() -> list[Done]:
+            tasks = []
+            for spec in specs:
+                tasks.append(asyncio.create_task(one(spec)))
+                await asyncio.sleep(0)  # they arrive in this order
+            try:
+                return list(await asyncio.gather(*tasks))
+            finally:
+                await sched.stop()
+
+        dones = asyncio.run(main())
+        assert admitted == list(range(11))
+        assert [len(d.lengths) for d in dones] == [1] * 4 + [2] + [1] * 6
+        assert sched.book.running == 0 and sched.book.reserved == (0, 0, 0)
 
 
 def test_a_request_cancelled_while_it_awaits_room_leaves_no_pin(model: lloyal.Model) -> None:

@@ -3,14 +3,14 @@ changed, without waking each of them.
 
 A request joins the queue and is tried by a pass, at once when none waits before it; one that
 finds no room (no free slot, a prompt it forks not written yet, or leases and cells the prefix
-cache cannot free) waits there. When room may have changed (a request ended, a
-prompt was written, an admission ended) one pass tries the waiting requests in order, first
-fit: one that needs more slots than are free is skipped without being tried, a pass stops when
-no slot is free, and it stops at the first request short of leases or cells while requests run
-or are being admitted (what it lacks is theirs, and their end starts the next pass). So a
-request's end costs a few tries, not one per waiting request: with 250 requests queued behind 8
-slots, waking every one of them (each planning, and awaiting the engine to learn that the
-cache could not make room) took as long as the decodes.
+cache cannot free) waits there. When room may have changed (a request ended, a prompt was
+written, an admission ended) one pass tries the waiting requests in order. It stops at the
+first that needs more slots than are free (untried: the slots that free up are kept for it),
+and at the first short of leases or cells while requests run or are being admitted (what it
+lacks is theirs, and their end starts the next pass); one waiting for a prompt to be written
+lets the next ones go first. So a request's end costs a few tries, not one per waiting
+request: with 250 requests queued behind 8 slots, waking every one of them (each planning, and
+awaiting the engine to learn that the cache could not make room) took as long as the decodes.
 
 Example:
     >>> import asyncio
@@ -154,7 +154,9 @@ class RoomQueue(Generic[S, P]):
             if free <= 0:
                 break
             if w.slots > free:
-                continue
+                # the slots freed are kept for it: a later request taking each one as it
+                # frees would keep a best_of request waiting as long as small ones come
+                break
             # its own task: a caller that leaves meanwhile cancels it (what it pinned goes)
             attempt = w.attempt = asyncio.ensure_future(self._try(w.spec))
             try:
