@@ -5,6 +5,7 @@ The room is a counter here; the scheduler's use of it runs on the model in test_
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import pytest
@@ -74,6 +75,21 @@ async def settle() -> None:
         await asyncio.sleep(0)
 
 
+async def until(done: Callable[[], bool]) -> bool:
+    """Step the loop until ``done()`` (at most 20 steps); whether it is."""
+    for _ in range(20):
+        if done():
+            return True
+        await asyncio.sleep(0)
+    return done()
+
+
+async def woken(q: RoomQueue[tuple[str, int], str]) -> None:
+    """Room may have changed: ``q``'s pass runs, and what it started runs on."""
+    q.wake()
+    await settle()
+
+
 def test_a_request_that_finds_room_starts_at_once_without_queueing() -> None:
     async def main() -> None:
         room = Room(slots=1)
@@ -93,8 +109,7 @@ def test_waiting_requests_start_in_arrival_order_and_a_big_one_keeps_the_slots_f
         started: list[str] = []
         for _ in range(8):  # running requests end one by one
             room.slots, room.running = room.slots + 1, room.running - 1
-            q.wake()
-            await settle()
+            await woken(q)
             started += [n for n, t in tasks.items() if t.done() and n not in started]
         # the small ones did not take the slots as they freed: "big" started with the fourth
         assert started == ["big", "s0", "s1", "s2", "s3"]
@@ -113,8 +128,7 @@ def test_a_pass_stops_when_no_slot_is_left_so_a_freed_slot_costs_one_attempt() -
         for i in range(3):
             room.tried.clear()
             room.slots = 1  # a request ended
-            q.wake()
-            await settle()
+            await woken(q)
             assert room.tried == [f"r{i}"], "one attempt, not one per waiting request"
         assert sum(t.done() for t in tasks) == 3 and len(q) == 97
         q.close(lambda: RuntimeError("closed"))
@@ -130,16 +144,13 @@ def test_a_request_short_of_room_stops_the_pass_only_while_others_hold_what_it_l
         tasks = await queued(q, ("a", 1), ("b", 1))
         room.tried.clear()
         room.slots = 2
-        q.wake()
-        await settle()
+        await woken(q)
         assert room.tried == ["a"], "what 'a' lacks is held by the running request: its end wakes the queue"
         room.running, room.tried = 0, []  # nothing runs: no later wake is certain, so go on
-        q.wake()
-        await settle()
+        await woken(q)
         assert room.tried == ["a", "b"] and tasks[1].result() == "b" and not tasks[0].done()
         room.short.clear()
-        q.wake()
-        await settle()
+        await woken(q)
         assert tasks[0].result() == "a"
 
     asyncio.run(main())
@@ -151,12 +162,10 @@ def test_a_request_waiting_for_a_prompt_does_not_stop_the_pass() -> None:
         q = room.queue()
         tasks = await queued(q, ("a", 1), ("b", 1))
         room.slots = 2
-        q.wake()
-        await settle()
+        await woken(q)
         assert tasks[1].result() == "b" and not tasks[0].done()
         room.unwritten.clear()
-        q.wake()
-        await settle()
+        await woken(q)
         assert tasks[0].result() == "a"
 
     asyncio.run(main())
@@ -206,50 +215,31 @@ def test_room_freed_during_a_pass_is_looked_at_in_another() -> None:
         tasks = await queued(q, ("a", 1))
         room.slots = 1
         q.wake()
-        for _ in range(10):  # until the pass is trying "a", whose prompt is not written yet ...
-            if room.tried:
-                break
-            await asyncio.sleep(0)
+        assert await until(lambda: bool(room.tried))  # the pass is trying "a", not written yet ...
         assert room.tried == ["a"] and not room.answered
         room.unwritten.clear()  # ... it is now, and the writer wakes the queue
-        q.wake()
-        await settle()
+        await woken(q)
         assert tasks[0].result() == "a"
 
     asyncio.run(main())
 
 
-def test_a_request_cancelled_after_its_room_was_granted_releases_it() -> None:
+@pytest.mark.parametrize("moment", ["answered", "granted"])
+def test_a_request_cancelled_once_its_attempt_found_room_releases_it(moment: str) -> None:
+    """``answered``: the attempt has returned, the pass has not heard it yet; ``granted``: the
+    pass handed the room over, the caller has not run since."""
+
     async def main() -> None:
         room = Room()
         q = room.queue()
         tasks = await queued(q, ("a", 1))
         room.slots = 1
         q.wake()
-        for _ in range(20):  # until the pass has granted "a" (it left the queue) ...
-            if not len(q):
-                break
-            await asyncio.sleep(0)
-        assert room.running == 1 and not len(q) and not tasks[0].done()
-        tasks[0].cancel()  # ... and its caller leaves before taking it
-        await settle()
-        assert tasks[0].cancelled() and room.released == ["a"] and room.slots == 1
-
-    asyncio.run(main())
-
-
-def test_a_request_cancelled_as_its_attempt_answers_releases_what_it_found() -> None:
-    async def main() -> None:
-        room = Room()
-        q = room.queue()
-        tasks = await queued(q, ("a", 1))
-        room.slots = 1
-        q.wake()
-        for _ in range(20):  # until the attempt has answered, before the pass hears it
-            if room.answered:
-                break
-            await asyncio.sleep(0)
-        assert room.answered == ["a"] and len(q) == 1
+        if moment == "answered":
+            assert await until(lambda: bool(room.answered)) and len(q) == 1
+        else:
+            assert await until(lambda: not len(q)) and room.running == 1
+        assert not tasks[0].done()
         tasks[0].cancel()
         await settle()
         assert tasks[0].cancelled() and room.released == ["a"] and room.slots == 1
@@ -268,8 +258,7 @@ def test_a_new_request_waits_behind_those_that_came_before_it() -> None:
         assert room.tried == ["a"] and not b.done() and len(q) == 2
         room.short.clear()
         room.slots = 2
-        q.wake()
-        await settle()
+        await woken(q)
         assert (await a, await b) == ("a", "b")
 
     asyncio.run(main())

@@ -42,6 +42,32 @@ def record_admissions(sched: Scheduler, prompts: list[list[int]]) -> list[int]:
     return admitted
 
 
+def run_arriving_in_order(sched: Scheduler, specs: list[GenSpec]) -> list[tuple[list[int], Done]]:
+    """Send ``specs`` to ``sched`` one after another, each queued before the next is sent; each
+    request's tokens and ``Done``. The scheduler is stopped at the end."""
+
+    async def one(spec: GenSpec) -> tuple[list[int], Done]:
+        tokens: list[int] = []
+        async for ev in sched.generate(spec):
+            if isinstance(ev, Done):
+                return tokens, ev
+            assert isinstance(ev, TokenEvent)
+            tokens.append(ev.token)
+        raise AssertionError("no Done")
+
+    async def main() -> list[tuple[list[int], Done]]:
+        tasks = []
+        for spec in specs:
+            tasks.append(asyncio.create_task(one(spec)))
+            await asyncio.sleep(0)
+        try:
+            return list(await asyncio.gather(*tasks))
+        finally:
+            await sched.stop()
+
+    return asyncio.run(main())
+
+
 def run(sched: Scheduler, spec: GenSpec) -> tuple[list[TokenEvent], Done]:
     async def main() -> tuple[list[TokenEvent], Done]:
         evs: list[TokenEvent] = []
@@ -435,32 +461,13 @@ def test_requests_queued_behind_busy_slots_start_in_order_at_a_few_attempts_each
         assert len({p[len(system)] for p in prompts}) == len(prompts) == 40
         want = {i: greedy_completion(ctx, prompts[i], 2) for i in (0, 17, 39)}
         admitted = record_admissions(sched, prompts)
-
-        async def one(i: int) -> Done:
-            spec = GenSpec(prompt=prompts[i], params=GREEDY, max_tokens=2, stop_tokens=[])
-            tokens: list[int] = []
-            async for ev in sched.generate(spec):
-                if isinstance(ev, Done):
-                    assert i not in want or tokens == want[i], i
-                    return ev
-                tokens.append(ev.token)
-            raise AssertionError("no Done")
-
-        async def main() -> list[Done]:
-            tasks = []
-            for i in range(len(prompts)):
-                tasks.append(asyncio.create_task(one(i)))
-                await asyncio.sleep(0)  # they arrive in this order
-            try:
-                return list(await asyncio.gather(*tasks))
-            finally:
-                await sched.stop()
-
         tries0 = sched._room.tries
-        dones = asyncio.run(main())
-        assert [d.completion_tokens for d in dones] == [2] * 40
+        specs = [GenSpec(prompt=p, params=GREEDY, max_tokens=2, stop_tokens=[]) for p in prompts]
+        ran = run_arriving_in_order(sched, specs)
+        assert [d.completion_tokens for _, d in ran] == [2] * 40
+        assert all(ran[i][0] == w for i, w in want.items())
         # ~5 a request here (its arrival, then about one a wake-up: a prompt written, an
-        # admission's end, a request's end); waking every waiting request made ~45
+        # admission's end, a request's end); waking every waiting request made 45-56
         assert sched._room.tries - tries0 <= 8 * 40, sched._room.tries - tries0
         assert admitted == list(range(40))
         assert sched.book.running == 0 and sched.book.reserved == (0, 0, 0) and len(sched._room) == 0
@@ -484,25 +491,9 @@ def test_a_best_of_request_waiting_for_slots_is_not_overtaken_by_smaller_ones(mo
             GenSpec(prompt=prompts[i], params=GREEDY, max_tokens=2, stop_tokens=[]) for i in range(5, 11)
         ]
 
-        async def one(spec: GenSpec) -> Done:
-            async for ev in sched.generate(spec):
-                if isinstance(ev, Done):
-                    return ev
-            raise AssertionError("no Done")
-
-        async def main() -> list[Done]:
-            tasks = []
-            for spec in specs:
-                tasks.append(asyncio.create_task(one(spec)))
-                await asyncio.sleep(0)  # they arrive in this order
-            try:
-                return list(await asyncio.gather(*tasks))
-            finally:
-                await sched.stop()
-
-        dones = asyncio.run(main())
+        ran = run_arriving_in_order(sched, specs)
         assert admitted == list(range(11))
-        assert [len(d.lengths) for d in dones] == [1] * 4 + [2] + [1] * 6
+        assert [len(d.lengths) for _, d in ran] == [1] * 4 + [2] + [1] * 6
         assert sched.book.running == 0 and sched.book.reserved == (0, 0, 0)
 
 
