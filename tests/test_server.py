@@ -557,12 +557,31 @@ def test_fast_kernels_by_default_and_prefill_chunk_options(
     assert cli.main(["--model", str(model_path), "serve", "--prefill-chunk", "paced", "-ngl", "99"]) == 0
     assert not seen[1].batch_invariant and seen[1].prefill_chunk is None and seen[1].n_gpu_layers == 99
     assert cli.main(["--model", str(model_path), "serve", "--mmap"]) == 0 and seen[2].use_mmap
+    assert seen[0].warmup and cli.main(["--model", str(model_path), "serve", "--no-warmup"]) == 0
+    assert not seen[3].warmup
     # Batch invariance and GPU layers together: the state refuses with the context's reason.
     refused = "batch_invariant=True is not possible here: the model was loaded with n_gpu"
     with pytest.raises(ValueError, match=refused):
         ServerState(ServerConfig(model=model_path, n_ctx=256, batch_invariant=True, n_gpu_layers=99))
     with pytest.raises(SystemExit):
         cli.main(["--model", str(model_path), "serve", "--prefill-chunk", "-3"])
+
+
+@pytest.mark.parametrize("warmup", [True, False])
+def test_the_server_decodes_a_short_prompt_at_startup_and_keeps_nothing_of_it(
+    model_path: Path, warmup: bool
+) -> None:
+    """As llama-server warms up (``--no-warmup`` to skip): the backend's first-use costs are
+    paid before the first request, and the warm-up leaves no lease, cell or cached prefix."""
+    state = ServerState(ServerConfig(model=model_path, n_ctx=256, parallel=2, n_threads=2, warmup=warmup))
+    try:
+        stats, store = state.ctx.engine_stats(), state.scheduler.store
+        prompt = len(state.ctx.tokenize("Hello")) if warmup else 0
+        assert stats.decode_calls == (1 if warmup else 0) and stats.rows == prompt
+        assert store.available == state.ctx.n_seq_max and store.kv_pressure.cells_used == 0
+        assert len(state.scheduler.cache) == 0 and state.scheduler.steps == 0
+    finally:
+        state.close()
 
 
 def test_request_timeout_is_408_and_frees_the_branches(

@@ -389,7 +389,7 @@ def serve(args: argparse.Namespace) -> int:
     # Options whose ServerConfig field has the flag's name.
     same_name = (
         "n_ctx", "parallel", "api_key", "embeddings", "max_queue", "shutdown_grace",
-        "batch_invariant", "n_gpu_layers", "prefill_chunk", "cache_cells",
+        "batch_invariant", "n_gpu_layers", "prefill_chunk", "cache_cells", "warmup",
     )  # fmt: skip
     cfg = ServerConfig(
         model=_model_path(args.model),
@@ -473,6 +473,12 @@ def _parser() -> argparse.ArgumentParser:
     )
     sv.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1/*")
     sv.add_argument("--embeddings", action="store_true", help="also serve /v1/embeddings")
+    sv.add_argument(
+        "--no-warmup",
+        dest="warmup",
+        action="store_false",
+        help="skip the short decode at startup (the first request then pays the backend's first-use costs)",
+    )
     sv.add_argument("--served-model-name", default=None, help="the model id clients use (default: file stem)")
     sv.add_argument("--ray", action="store_true", help="serve on Ray Serve (docs/scale-out.md)")
     sv.add_argument("--replicas", type=int, default=2, help="with --ray: engines (default 2)")

@@ -43,20 +43,31 @@ class ServerState:
             self.model, n_ctx=cfg.n_ctx, n_seq_max=n_seq_max, n_threads=cfg.n_threads, **options
         )
         self.ctx.engine_prefill_chunk = cfg.prefill_chunk
-        # the model's end-of-generation tokens (banned by a request's ignore_eos)
-        self.eog_tokens = self.ctx.eog_tokens
-        self.scheduler = Scheduler(
-            self.ctx, max_running=cfg.parallel, max_queue=cfg.max_queue, cache_cells=cfg.cache_cells
-        )
         self.embed_ctx = (
             lloyal.Context(self.model, n_ctx=min(cfg.n_ctx, 2048), embeddings=True, n_seq_max=4)
             if cfg.embeddings
             else None
         )
+        if cfg.warmup:
+            self._warm_up()
+        # the model's end-of-generation tokens (banned by a request's ignore_eos)
+        self.eog_tokens = self.ctx.eog_tokens
+        self.scheduler = Scheduler(
+            self.ctx, max_running=cfg.parallel, max_queue=cfg.max_queue, cache_cells=cfg.cache_cells
+        )
         self.embed_lock = asyncio.Lock()
         self.metrics = metrics.Metrics(self)
         self.created = int(time.time())
         self.loop: asyncio.AbstractEventLoop | None = None  # the app's event loop, set at startup
+
+    def _warm_up(self) -> None:
+        """Decode a short prompt and drop it (and embed one), as llama-server warms up: what a
+        backend does on first use (a GPU's libraries and kernels loaded, the decode threads
+        started, buffers touched) is done before the first request, not during it."""
+        with lloyal.Branch.create(self.ctx, 0, lloyal.SamplingParams(temperature=0.0)) as b:
+            b.prefill(self.ctx.tokenize("Hello"))
+        if self.embed_ctx is not None:
+            self.embed_ctx.embed("Hello")
 
     def close(self) -> None:
         """Free the contexts (the scheduler is stopped first)."""
