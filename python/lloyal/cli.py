@@ -477,7 +477,7 @@ def _parser() -> argparse.ArgumentParser:
         "--no-warmup",
         dest="warmup",
         action="store_false",
-        help="skip the short decode at startup (the first request then pays the backend's first-use costs)",
+        help="skip decoding a token at startup (the first request then pays the backend's first-use costs)",
     )
     sv.add_argument("--served-model-name", default=None, help="the model id clients use (default: file stem)")
     sv.add_argument("--ray", action="store_true", help="serve on Ray Serve (docs/scale-out.md)")

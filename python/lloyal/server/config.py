@@ -29,7 +29,7 @@ class ServerConfig:
     prefill_chunk: int | None = None  # Context.engine_prefill_chunk: None paced, 0 the batch, N a cap
     cache_cells: int | None = None  # most KV cells the prefix cache keeps (None: see Scheduler)
     use_mmap: bool = False  # map the weights file (True) or read it into huge-page memory
-    warmup: bool = True  # decode a short prompt at startup: the first request pays no first-use costs
+    warmup: bool = True  # decode a token at startup: the first request pays no first-use costs
     context_options: dict[str, Any] = field(default_factory=dict)
 
     @property

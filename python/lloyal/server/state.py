@@ -61,11 +61,13 @@ class ServerState:
         self.loop: asyncio.AbstractEventLoop | None = None  # the app's event loop, set at startup
 
     def _warm_up(self) -> None:
-        """Decode a short prompt and drop it (and embed one), as llama-server warms up: what a
+        """Decode a token and drop it (and embed a word), as llama-server warms up: what a
         backend does on first use (a GPU's libraries and kernels loaded, the decode threads
-        started, buffers touched) is done before the first request, not during it."""
+        started, buffers touched) is done before the first request, not during it. A commit,
+        not a prompt: the engine's wait for a burst of prompts is not taught that this one came
+        alone."""
         with lloyal.Branch.create(self.ctx, 0, lloyal.SamplingParams(temperature=0.0)) as b:
-            b.prefill(self.ctx.tokenize("Hello"))
+            b.commit(self.ctx.tokenize("Hello")[0])
         if self.embed_ctx is not None:
             self.embed_ctx.embed("Hello")
 
