@@ -446,14 +446,15 @@ def test_a_request_short_of_room_while_another_is_admitted_goes_on_once_it_is(mo
 
 
 def test_requests_queued_behind_busy_slots_start_in_order_at_a_few_attempts_each(
-    model: lloyal.Model,
+    exact_model: lloyal.Model,
 ) -> None:
     """Forty requests sharing a prompt prefix queue behind four slots: they start in arrival
     order, at a few admission attempts each rather than one per waiting request at every
     wake-up (each attempt plans, and may await the engine to learn the cache cannot make room:
     with 250 requests queued that took as long as the decodes); every request gets its greedy
     tokens and nothing stays held."""
-    with lloyal.Context(model, n_ctx=1024, n_batch=128, n_seq_max=4) as ctx:
+    # batch-invariant on any run: the greedy tokens are compared with ones decoded alone
+    with lloyal.Context(exact_model, n_ctx=1024, n_batch=128, n_seq_max=4) as ctx:
         sched = Scheduler(ctx)
         system = ctx.tokenize("Answer in one word, the shortest you know, and nothing else:")
         prompts = [[*system, *ctx.tokenize(f" {w} means", add_special=False)] for w in WORDS]
