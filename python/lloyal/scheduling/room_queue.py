@@ -66,10 +66,10 @@ class RoomQueue(Generic[S, P]):
     """Requests waiting for room, tried in arrival order by :meth:`wake`.
 
     ``attempt(spec)`` tries to start a request now: its reservation, ``None`` (no slot, or what
-    it forks is not written yet) or :data:`SHORT`; one pass runs at a time, so attempts do too. ``slots()`` is
-    how many slots are free, ``busy()`` whether requests run or are being admitted (so a later
-    :meth:`wake` is certain), and ``release(p)`` gives back a reservation whose request left
-    before taking it.
+    it forks is not written yet) or :data:`SHORT`; one pass runs at a time, so attempts do too.
+    ``slots()`` is how many slots are free, ``busy()`` whether requests run or are being
+    admitted (so a later :meth:`wake` is certain), and ``release(p)`` gives back a reservation
+    whose request left before taking it.
     """
 
     def __init__(
@@ -118,10 +118,18 @@ class RoomQueue(Generic[S, P]):
     def close(self, error: Callable[[], BaseException]) -> None:
         """Fail every waiting request, and every later attempt, with ``error()``."""
         self._closed = error
+        self._fail_all(error)
+
+    def _fail_all(self, error: Callable[[], BaseException] | None) -> None:
+        """Every waiting request leaves the queue failing with ``error()`` (cancelled: None)."""
         while self._waiters:
-            w = self._waiters.popleft()
-            if not w.future.done():
-                w.future.set_exception(error())
+            f = self._waiters.popleft().future
+            if f.done():
+                continue
+            if error is None:
+                f.cancel()
+            else:
+                f.set_exception(error())
 
     async def _try(self, spec: S) -> P | Short | None:
         if self._closed is not None:
@@ -136,26 +144,18 @@ class RoomQueue(Generic[S, P]):
                 self._again = False
                 await self._pass()
         except BaseException as e:  # a bug (or the loop closing): no waiter is left hanging
-            for w in list(self._waiters):
-                self._remove(w)
-                if w.future.done():
-                    continue
-                if isinstance(e, asyncio.CancelledError):
-                    w.future.cancel()
-                else:
-                    w.future.set_exception(e)
+            failure = e
+            self._fail_all(None if isinstance(e, asyncio.CancelledError) else lambda: failure)
             raise
 
     async def _pass(self) -> None:
         for w in list(self._waiters):
             if w.future.done():  # withdrawn
                 continue
-            free = self._slots()
-            if free <= 0:
-                break
-            if w.slots > free:
-                # the slots freed are kept for it: a later request taking each one as it
-                # frees would keep a best_of request waiting as long as small ones come
+            if w.slots > self._slots():
+                # none free (a request takes one at least), or fewer than it needs: those freed
+                # are kept for it (a later request taking each one as it frees would keep a
+                # best_of request waiting as long as small ones come)
                 break
             # its own task: a caller that leaves meanwhile cancels it (what it pinned goes)
             attempt = w.attempt = asyncio.ensure_future(self._try(w.spec))
