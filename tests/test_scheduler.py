@@ -535,6 +535,46 @@ def test_a_request_cancelled_while_it_awaits_room_leaves_no_pin(model: lloyal.Mo
         asyncio.run(main())
 
 
+def test_a_drain_waits_for_a_request_still_making_its_branches(model: lloyal.Model) -> None:
+    """A request granted room and making its branches (neither queued nor running yet) is one
+    a drain waits for: it finishes within the grace, and the drain cancels nothing."""
+    with lloyal.Context(model, n_ctx=512, n_seq_max=4) as ctx:
+        sched = Scheduler(ctx)
+        making, go = asyncio.Event(), asyncio.Event()
+        admit_one = sched._admit_one
+
+        async def held(req: object, plan: _lloyal.AdmissionPlan) -> None:
+            making.set()
+            await go.wait()
+            await admit_one(req, plan)  # type: ignore[arg-type]
+
+        sched._admit_one = held  # type: ignore[method-assign]
+        spec = GenSpec(prompt=ctx.tokenize("The word apple means"), params=GREEDY, max_tokens=3)
+
+        async def one() -> Done:
+            async for ev in sched.generate(spec):
+                if isinstance(ev, Done):
+                    return ev
+            raise AssertionError("no Done")
+
+        async def main() -> tuple[Done, int]:
+            request = asyncio.create_task(one())
+            await making.wait()
+            assert sched.waiting == 0 and not sched._requests  # granted, not listed
+            drain = asyncio.create_task(sched.drain(30.0))
+            await asyncio.sleep(0.2)  # the drain looks every 50 ms
+            assert not drain.done()
+            go.set()
+            try:
+                return await request, await drain
+            finally:
+                await sched.stop()
+
+        done, cancelled = asyncio.run(main())
+        assert done.completion_tokens == 3 and done.finish_reasons == ["length"]
+        assert cancelled == 0 and sched.book.running == 0 and sched.book.reserved == (0, 0, 0)
+
+
 def test_best_of_ranks_choices_by_the_perplexity_of_what_each_generated(model: lloyal.Model) -> None:
     """``best_of`` keeps the ``n`` choices of lowest perplexity (read from each generation
     request's end, no context call): each equals the perplexity of its tokens scored alone."""

@@ -217,6 +217,7 @@ class Scheduler:
         )
         self._ticks0 = ctx.engine_stats().ticks
         self.waiting = 0  # requests waiting for leases or cells
+        self._entering = 0  # requests between their check and their listing (waiting included)
         self.tokens_generated = 0
         self.prompt_tokens = 0
         self.closing = False  # drain() began: new requests are refused
@@ -249,16 +250,16 @@ class Scheduler:
         self.closing, self._grace = True, grace
         loop = asyncio.get_running_loop()
         end = loop.time() + grace
-        while (self._requests or self.waiting) and loop.time() < end:
+        while (self._requests or self._entering) and loop.time() < end:
             await asyncio.sleep(0.05)
-        left = len(self._requests) + self.waiting
+        left = len(self._requests) + self._entering
         if left:
             self._closed = True
             for req in self._requests:
                 req.events.put_nowait(ShuttingDown(self._cancelled_message()))
             self._room.close(lambda: ShuttingDown(self._cancelled_message()))  # the queued requests fail
             end = loop.time() + 5.0
-            while (self._requests or self.waiting) and loop.time() < end:
+            while (self._requests or self._entering) and loop.time() < end:
                 await asyncio.sleep(0.01)  # their generators raise, and mark them cancelled
         return left
 
@@ -310,8 +311,12 @@ class Scheduler:
         self.check(spec)
         req = _Request(spec)
         loop = asyncio.get_running_loop()
-        await self._admit_by(req, deadline)
-        self._requests.append(req)
+        self._entering += 1  # a drain waits for it from here, granted or not
+        try:
+            await self._admit_by(req, deadline)
+            self._requests.append(req)
+        finally:
+            self._entering -= 1
         for c in req.choices:
             c.task = loop.create_task(self._run_choice(c))
         timer = None
