@@ -14,8 +14,11 @@ on the same context:
 
 Reported: wall seconds, the share of the wall outside the engine's ticks, admission attempts
 per request, and wake-all's wall over pass's per round. ``pytest benches`` runs it once at a
-small size; ``python benches/bench_admission_queue.py [N] [MODEL]`` prints the table (default
-256 requests, the default model; ``make bench-host-bound``'s model is a GPU-like decode).
+small size; ``python benches/bench_admission_queue.py [N] [MODEL] [--staggered]`` prints the
+table (default 256 requests, the default model; ``make bench-host-bound``'s model is a GPU-like
+decode). The requests all ask for 8 tokens, so they start and end in waves of 8 and the engine
+idles while each wave's successors are admitted; ``--staggered`` asks for 8 to 12 (a server's
+mixed lengths), which leaves it idle far less.
 """
 
 from __future__ import annotations
@@ -40,8 +43,9 @@ SLOTS = 8
 POLICIES = ("pass", "wake-all")
 
 
-def queue_round(ctx: lloyal.Context, n: int, policy: str) -> dict[str, float]:
-    """``n`` requests at once through a new scheduler admitting by ``policy``."""
+def queue_round(ctx: lloyal.Context, n: int, policy: str, staggered: bool = False) -> dict[str, float]:
+    """``n`` requests at once through a new scheduler admitting by ``policy`` (8 tokens each, or
+    8 to 12 when ``staggered``)."""
     sched = Scheduler(ctx, max_running=SLOTS)
     if policy == "wake-all":
         everyone = RoomQueue(sched._attempt, slots=lambda: n, busy=lambda: False, release=sched.book.release)
@@ -53,7 +57,7 @@ def queue_round(ctx: lloyal.Context, n: int, policy: str) -> dict[str, float]:
         spec = GenSpec(
             prompt=[*system, *ctx.tokenize(f" what is {i} times {i + 3}?", add_special=False)],
             params=params,
-            max_tokens=8,
+            max_tokens=8 + (i % 5 if staggered else 0),
         )
         async for ev in sched.generate(spec):
             if isinstance(ev, Done):
@@ -94,16 +98,21 @@ def test_admission_queue(benchmark: Any, model_path: Path, full: bool) -> None:
 
 
 def main() -> None:
-    n = int(sys.argv[1]) if len(sys.argv) > 1 else 256
-    path = sys.argv[2] if len(sys.argv) > 2 else lloyal.default_model_path()
+    staggered = "--staggered" in sys.argv
+    args = [a for a in sys.argv[1:] if a != "--staggered"]
+    n = int(args[0]) if args else 256
+    path = args[1] if len(args) > 1 else lloyal.default_model_path()
     rounds = 3
-    print(f"{n} requests, {SLOTS} slots, {rounds} interleaved rounds (median), {Path(path).name}")
+    lengths = "8 to 12 tokens" if staggered else "8 tokens"
+    print(
+        f"{n} requests of {lengths}, {SLOTS} slots, {rounds} interleaved rounds (median), {Path(path).name}"
+    )
     with context(path) as ctx:
         queue_round(ctx, SLOTS, "pass")  # warm-up
         runs: dict[str, list[dict[str, float]]] = {p: [] for p in POLICIES}
         for _ in range(rounds):
             for p in POLICIES:
-                runs[p].append(queue_round(ctx, n, p))
+                runs[p].append(queue_round(ctx, n, p, staggered))
     print("| policy | wall s | outside ticks | attempts a request |")
     print("|---|---|---|---|")
     for p in POLICIES:
