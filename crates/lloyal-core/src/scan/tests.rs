@@ -151,7 +151,6 @@ fn rows_scanned_part_by_part_on_threads_match_scan_row_bit_for_bit() {
 #[cfg(target_arch = "x86_64")]
 #[test]
 fn each_widths_exp2_is_good_to_2e_7_over_the_range_it_sums() {
-    use std::arch::x86_64::*;
     // u from -130 to 0 in steps of 1/64 and 1/7 (whole numbers, halves and their neighbours:
     // where AVX2's rounding splits u), then -inf and NaN, which count as -126 on AVX2.
     let mut us: Vec<f32> = (0..=130 * 64).map(|i| -(i as f32) / 64.0).collect();
@@ -165,22 +164,12 @@ fn each_widths_exp2_is_good_to_2e_7_over_the_range_it_sums() {
         }
         assert_eq!(got[0], 1.0, "{name}: 2^0 is exact");
     };
-    if is_x86_feature_detected!("avx2") && is_x86_feature_detected!("fma") {
-        let mut got = vec![0f32; us.len()];
-        for (u, e) in us.chunks_exact(8).zip(got.chunks_exact_mut(8)) {
-            // SAFETY: the CPU has AVX2 and FMA (checked above); both slices hold 8 floats.
-            unsafe { _mm256_storeu_ps(e.as_mut_ptr(), x86::exp2_256(_mm256_loadu_ps(u.as_ptr()))) };
-        }
+    if let Some(got) = x86::exp2_each(false, &us) {
         check("avx2", &us, &got);
     }
-    if is_x86_feature_detected!("avx512f") && is_x86_feature_detected!("avx512dq") {
-        // the AVX-512 kernel holds `y` at -87.3 (NaN too) before its exp2: normal floats only
-        let normal: Vec<f32> = us.iter().map(|&u| if u.is_nan() { 0.0 } else { u.max(-126.0) }).collect();
-        let mut got = vec![0f32; us.len()];
-        for (u, e) in normal.chunks_exact(16).zip(got.chunks_exact_mut(16)) {
-            // SAFETY: the CPU has AVX-512F and DQ (checked above); both slices hold 16 floats.
-            unsafe { _mm512_storeu_ps(e.as_mut_ptr(), x86::exp2_512(_mm512_loadu_ps(u.as_ptr()))) };
-        }
+    // the AVX-512 kernel holds `y` at -87.3 (NaN too) before its exp2: normal floats only
+    let normal: Vec<f32> = us.iter().map(|&u| if u.is_nan() { 0.0 } else { u.max(-126.0) }).collect();
+    if let Some(got) = x86::exp2_each(true, &normal) {
         check("avx512", &normal, &got);
     }
 }

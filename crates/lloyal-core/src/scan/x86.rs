@@ -51,8 +51,8 @@ const FLOOR: f32 = -87.3;
 /// `2^f` on `[0, 1)` (AVX-512), highest degree first: a minimax fit of the relative error with
 /// the constant held at 1 (so `2^0` is exact: a row of one finite value has that value as its lse).
 const POLY: [f32; 6] = [1.867_126_3e-3, 9.017_038e-3, 5.579_991e-2, 2.401_644_6e-1, 6.931_513e-1, 1.0];
-/// `2^f` on `[-0.5, 0.5]` (AVX2), fitted the same way (relative error < 2e-7 in f32; with `ln 2`
-/// itself as the linear term, the fit's 0.693147 is near, 3.1e-7).
+/// `2^f` on `[-0.5, 0.5]` (AVX2), fitted the same way (relative error < 2e-7 in f32). Its linear
+/// term is near `ln 2` but not it: with `ln 2` the error is 3.1e-7.
 #[allow(clippy::approx_constant)]
 const POLY_HALF: [f32; 6] = [1.326_469_8e-3, 9.671_51e-3, 5.550_734e-2, 2.402_224_2e-1, 6.931_47e-1, 1.0];
 /// The lowest `u` AVX2 sums (`2^-126`, the smallest normal float): `2^n` is built in the exponent bits.
@@ -205,6 +205,35 @@ mod avx2 {
     store: _mm256_storeu_ps, splat: _mm256_set1_ps, zero: _mm256_setzero_ps, max: _mm256_max_ps,
     add: _mm256_add_ps, sub: _mm256_sub_ps, mul: _mm256_mul_ps,
     hmax: super::hmax_256, exp2: super::exp2_256, floored: false }
+}
+
+/// `2^u` of each of `us` by the AVX2 (`avx512 == false`) or AVX-512 exponential, in place of
+/// the kernels' own calls; `None` when the CPU lacks that instruction set (the tests check
+/// both widths' accuracy).
+#[cfg(test)]
+pub(super) fn exp2_each(avx512: bool, us: &[f32]) -> Option<Vec<f32>> {
+    let lanes = if avx512 { 16 } else { 8 };
+    let has = if avx512 {
+        is_x86_feature_detected!("avx512f") && is_x86_feature_detected!("avx512dq")
+    } else {
+        is_x86_feature_detected!("avx2") && is_x86_feature_detected!("fma")
+    };
+    if !has || !us.len().is_multiple_of(lanes) {
+        return None;
+    }
+    let mut out = vec![0f32; us.len()];
+    for (u, e) in us.chunks_exact(lanes).zip(out.chunks_exact_mut(lanes)) {
+        // SAFETY: the CPU has the width's instruction set (checked above); both slices hold
+        // `lanes` floats, what one vector loads and stores.
+        unsafe {
+            if avx512 {
+                _mm512_storeu_ps(e.as_mut_ptr(), exp2_512(_mm512_loadu_ps(u.as_ptr())));
+            } else {
+                _mm256_storeu_ps(e.as_mut_ptr(), exp2_256(_mm256_loadu_ps(u.as_ptr())));
+            }
+        }
+    }
+    Some(out)
 }
 
 /// `max` over the lanes of `v`.
