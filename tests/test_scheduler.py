@@ -27,6 +27,17 @@ WORDS = (  # noqa: SIM905 (40 words read better as text)
 ).split()
 
 
+async def until_done(sched: Scheduler, spec: GenSpec) -> tuple[list[TokenEvent], Done]:
+    """``spec`` run on ``sched``: its token events and its ``Done``."""
+    evs: list[TokenEvent] = []
+    async for ev in sched.generate(spec):
+        if isinstance(ev, Done):
+            return evs, ev
+        assert isinstance(ev, TokenEvent)
+        evs.append(ev)
+    raise AssertionError("no Done")
+
+
 def record_admissions(sched: Scheduler, prompts: list[list[int]]) -> list[int]:
     """The indices in ``prompts`` of the requests ``sched`` admits, in the order it admits them."""
     admitted: list[int] = []
@@ -47,13 +58,8 @@ def run_arriving_in_order(sched: Scheduler, specs: list[GenSpec]) -> list[tuple[
     request's tokens and ``Done``. The scheduler is stopped at the end."""
 
     async def one(spec: GenSpec) -> tuple[list[int], Done]:
-        tokens: list[int] = []
-        async for ev in sched.generate(spec):
-            if isinstance(ev, Done):
-                return tokens, ev
-            assert isinstance(ev, TokenEvent)
-            tokens.append(ev.token)
-        raise AssertionError("no Done")
+        evs, done = await until_done(sched, spec)
+        return [e.token for e in evs], done
 
     async def main() -> list[tuple[list[int], Done]]:
         tasks = []
@@ -69,15 +75,7 @@ def run_arriving_in_order(sched: Scheduler, specs: list[GenSpec]) -> list[tuple[
 
 
 def run(sched: Scheduler, spec: GenSpec) -> tuple[list[TokenEvent], Done]:
-    async def main() -> tuple[list[TokenEvent], Done]:
-        evs: list[TokenEvent] = []
-        async for ev in sched.generate(spec):
-            if isinstance(ev, Done):
-                return evs, ev
-            evs.append(ev)
-        raise AssertionError("no Done")
-
-    return asyncio.run(main())
+    return asyncio.run(until_done(sched, spec))
 
 
 @pytest.mark.parametrize("held", [False, True], ids=["no-stop", "text-held-for-a-stop"])
@@ -269,12 +267,8 @@ async def together(sched: Scheduler, prompts: list[list[int]], n: int) -> list[t
     """Greedy requests for ``prompts``, all sent at once: each one's tokens and Done."""
 
     async def one(p: list[int]) -> tuple[list[int], Done]:
-        toks: list[int] = []
-        async for ev in sched.generate(GenSpec(prompt=p, params=GREEDY, max_tokens=n)):
-            if isinstance(ev, Done):
-                return toks, ev
-            toks.append(ev.token)
-        raise AssertionError("no Done")
+        evs, done = await until_done(sched, GenSpec(prompt=p, params=GREEDY, max_tokens=n))
+        return [e.token for e in evs], done
 
     return await asyncio.gather(*(one(p) for p in prompts))
 
@@ -427,10 +421,7 @@ def test_a_request_short_of_room_while_another_is_admitted_goes_on_once_it_is(mo
 
         async def one(p: list[int]) -> Done:
             spec = GenSpec(prompt=p, params=GREEDY, max_tokens=12, best_of=3, stop_tokens=[])
-            async for ev in sched.generate(spec):
-                if isinstance(ev, Done):
-                    return ev
-            raise AssertionError("no Done")
+            return (await until_done(sched, spec))[1]
 
         async def main() -> list[Done]:
             try:
@@ -551,14 +542,8 @@ def test_a_drain_waits_for_a_request_still_making_its_branches(model: lloyal.Mod
         sched._admit_one = held  # type: ignore[method-assign]
         spec = GenSpec(prompt=ctx.tokenize("The word apple means"), params=GREEDY, max_tokens=3)
 
-        async def one() -> Done:
-            async for ev in sched.generate(spec):
-                if isinstance(ev, Done):
-                    return ev
-            raise AssertionError("no Done")
-
         async def main() -> tuple[Done, int]:
-            request = asyncio.create_task(one())
+            request = asyncio.create_task(until_done(sched, spec))
             await making.wait()
             assert sched.waiting == 0 and not sched._requests  # granted, not listed
             drain = asyncio.create_task(sched.drain(30.0))
@@ -566,7 +551,7 @@ def test_a_drain_waits_for_a_request_still_making_its_branches(model: lloyal.Mod
             assert not drain.done()
             go.set()
             try:
-                return await request, await drain
+                return (await request)[1], await drain
             finally:
                 await sched.stop()
 
