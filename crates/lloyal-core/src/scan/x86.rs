@@ -20,26 +20,33 @@ use std::arch::x86_64::*;
 
 use super::{Kernels, SPAN};
 
+/// Whether this CPU runs the AVX-512 kernels (AVX-512F and DQ).
+fn has_avx512() -> bool {
+    is_x86_feature_detected!("avx512f") && is_x86_feature_detected!("avx512dq")
+}
+
+/// Whether this CPU runs the AVX2 kernels (AVX2 and FMA).
+fn has_avx2() -> bool {
+    is_x86_feature_detected!("avx2") && is_x86_feature_detected!("fma")
+}
+
 /// The kernels of the best instruction set this CPU has (None: neither); AVX2 at most when
 /// `avx2_at_most`.
 pub(super) fn kernels(avx2_at_most: bool) -> Option<Kernels> {
-    if !avx2_at_most && is_x86_feature_detected!("avx512f") && is_x86_feature_detected!("avx512dq") {
+    if !avx2_at_most && has_avx512() {
         return Some(avx512::KERNELS);
     }
-    if is_x86_feature_detected!("avx2") && is_x86_feature_detected!("fma") {
-        return Some(avx2::KERNELS);
-    }
-    None
+    has_avx2().then_some(avx2::KERNELS)
 }
 
 /// Every kernel set this CPU runs, best first (the tests compare them).
 #[cfg(test)]
 pub(super) fn every() -> Vec<(&'static str, Kernels)> {
     let mut out = Vec::new();
-    if is_x86_feature_detected!("avx512f") && is_x86_feature_detected!("avx512dq") {
+    if has_avx512() {
         out.push(("avx512", avx512::KERNELS));
     }
-    if is_x86_feature_detected!("avx2") && is_x86_feature_detected!("fma") {
+    if has_avx2() {
         out.push(("avx2", avx2::KERNELS));
     }
     out
@@ -213,11 +220,7 @@ mod avx2 {
 #[cfg(test)]
 pub(super) fn exp2_each(avx512: bool, us: &[f32]) -> Option<Vec<f32>> {
     let lanes = if avx512 { 16 } else { 8 };
-    let has = if avx512 {
-        is_x86_feature_detected!("avx512f") && is_x86_feature_detected!("avx512dq")
-    } else {
-        is_x86_feature_detected!("avx2") && is_x86_feature_detected!("fma")
-    };
+    let has = if avx512 { has_avx512() } else { has_avx2() };
     if !has || !us.len().is_multiple_of(lanes) {
         return None;
     }
