@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 
 import pytest
 
-from lloyal.scheduling.room_queue import SHORT, RoomQueue, Short
+from lloyal.scheduling.room_queue import RETRY_FIRST, RETRY_MAX, SHORT, RoomQueue, Short
 
 
 @dataclass
@@ -152,6 +152,27 @@ def test_a_request_short_of_room_stops_the_pass_only_while_others_hold_what_it_l
         room.short.clear()
         await woken(q)
         assert tasks[0].result() == "a"
+
+    asyncio.run(main())
+
+
+def test_a_request_short_while_nothing_runs_is_tried_again_by_the_queue_itself() -> None:
+    """What it lacks is held outside the queue's requests (a cancelled request the engine lets
+    go of at its next tick): no request's end will wake the queue, so it tries again after a
+    delay that doubles from RETRY_FIRST, and the request starts once the room is there."""
+
+    async def main() -> None:
+        room = Room(short={"a"})
+        q = room.queue()
+        [task] = await queued(q, ("a", 1))
+        room.slots = 1
+        await woken(q)
+        assert room.tried == ["a"] and not task.done()
+        await asyncio.sleep(RETRY_FIRST * 30)
+        # retries at 1, 3, 7, 15 x RETRY_FIRST (doubling), not every RETRY_FIRST
+        assert 3 <= room.tried.count("a") - 1 <= 5 and not task.done()
+        room.short.clear()  # freed, and nobody wakes the queue
+        assert await asyncio.wait_for(task, RETRY_MAX * 3) == "a"
 
     asyncio.run(main())
 

@@ -12,6 +12,11 @@ lets the next ones go first. So a request's end costs a few tries, not one per w
 request: with 250 requests queued behind 8 slots, waking every one of them (each planning, and
 awaiting the engine to learn that the cache could not make room) took as long as the decodes.
 
+A request short while nothing runs lacks what no request's end will give back (the branch of
+a cancelled request, which the engine lets go of at its next tick; branches held outside the
+queue): the queue tries again by itself after a delay, from :data:`RETRY_FIRST` doubling up to
+:data:`RETRY_MAX`, until a pass starts a request.
+
 Example:
     >>> import asyncio
     >>> async def demo() -> list[str]:
@@ -40,7 +45,13 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Generic, TypeVar
 
-__all__ = ["SHORT", "RoomQueue", "Short"]
+__all__ = ["RETRY_FIRST", "RETRY_MAX", "SHORT", "RoomQueue", "Short"]
+
+RETRY_FIRST = 0.01
+"""Seconds before the first retry of a queue whose request was short while nothing ran."""
+
+RETRY_MAX = 1.0
+"""The longest delay between such retries (each one doubles the last)."""
 
 S = TypeVar("S")  # what a request asks for
 P = TypeVar("P")  # what an attempt that found room returns (its reservation)
@@ -85,6 +96,9 @@ class RoomQueue(Generic[S, P]):
         self._passing: asyncio.Task[None] | None = None
         self._again = False
         self._closed: Callable[[], BaseException] | None = None
+        self._stranded = False  # the last pass left a request short while nothing ran
+        self._retry: asyncio.TimerHandle | None = None
+        self._delay = RETRY_FIRST
         self.tries = 0  # attempts made, at once or in passes (for tests and benches)
 
     def __len__(self) -> int:
@@ -118,6 +132,9 @@ class RoomQueue(Generic[S, P]):
     def close(self, error: Callable[[], BaseException]) -> None:
         """Fail every waiting request, and every later attempt, with ``error()``."""
         self._closed = error
+        if self._retry is not None:
+            self._retry.cancel()
+            self._retry = None
         self._fail_all(error)
 
     def _fail_all(self, error: Callable[[], BaseException] | None) -> None:
@@ -141,8 +158,10 @@ class RoomQueue(Generic[S, P]):
         try:
             self._again = True
             while self._again:
-                self._again = False
+                self._again, self._stranded = False, False
                 await self._pass()
+            if self._stranded and self._waiters and self._closed is None:
+                self._retry_later()
         except BaseException as e:  # a bug (or the loop closing): no waiter is left hanging
             failure = e
             self._fail_all(None if isinstance(e, asyncio.CancelledError) else lambda: failure)
@@ -173,8 +192,10 @@ class RoomQueue(Generic[S, P]):
                 continue
             found = attempt.result()
             if isinstance(found, Short) or found is None:
-                if isinstance(found, Short) and self._busy():
-                    break  # what it lacks is held by requests whose end wakes the queue
+                if isinstance(found, Short):
+                    if self._busy():
+                        break  # what it lacks is held by requests whose end wakes the queue
+                    self._stranded = True
                 continue
             self._remove(w)
             if w.future.done():  # withdrawn as its attempt ended
@@ -182,6 +203,18 @@ class RoomQueue(Generic[S, P]):
                 self._again = True
             else:
                 w.future.set_result(found)
+                self._delay = RETRY_FIRST
+
+    def _retry_later(self) -> None:
+        """Wake the queue after the retry delay (doubled for the next one), unless a retry is
+        already due."""
+        if self._retry is None:
+            self._retry = asyncio.get_running_loop().call_later(self._delay, self._retry_now)
+            self._delay = min(RETRY_MAX, self._delay * 2)
+
+    def _retry_now(self) -> None:
+        self._retry = None
+        self.wake()
 
     def _remove(self, w: _Waiter[S, P]) -> None:
         with contextlib.suppress(ValueError):  # withdrawn, or already taken by a pass

@@ -30,6 +30,7 @@ after :meth:`Scheduler.drain` began (:class:`ShuttingDown`).
 from __future__ import annotations
 
 import asyncio
+import functools
 import math
 import sys
 import time
@@ -231,6 +232,8 @@ class Scheduler:
 
     async def stop(self) -> None:
         """Cancel running choices, fail waiting requests and prune every branch."""
+        self.closing = self._closed = True  # a request being admitted fails as it is listed
+        self._room.close(lambda: ShuttingDown("the server stopped before this request started"))
         for req in self._requests:
             req.events.put_nowait(ShuttingDown("the server stopped before this request finished"))
         choices = [c for req in self._requests for c in req.choices]
@@ -319,6 +322,7 @@ class Scheduler:
             self._entering -= 1
         for c in req.choices:
             c.task = loop.create_task(self._run_choice(c))
+            c.task.add_done_callback(functools.partial(self._task_done, c))
         timer = None
         if deadline is not None:
             timer = loop.call_at(deadline, req.events.put_nowait, asyncio.TimeoutError())
@@ -417,10 +421,20 @@ class Scheduler:
 
         # All forks queued together (made together when the engine's tick in progress ends),
         # then all setups: one tick's wait, however busy the event loop is meanwhile.
-        forks = await asyncio.gather(*(root.afork() for _ in range(spec.best_of)), return_exceptions=True)
-        req.choices.extend(_Choice(req, i, b) for i, b in enumerate(forks) if isinstance(b, lloyal.Branch))
+        forks = [asyncio.ensure_future(root.afork()) for _ in range(spec.best_of)]
+        try:
+            await asyncio.wait(forks)
+        finally:
+            # Every fork made is a choice, also when this request was cancelled as the forks
+            # were made (its end releases them); one still being made withdraws itself.
+            for f in forks:
+                f.cancel()
+            made_forks = [
+                f.result() for f in forks if f.done() and not f.cancelled() and f.exception() is None
+            ]
+            req.choices.extend(_Choice(req, i, b) for i, b in enumerate(made_forks))
         setups = [self._setup(c.branch, spec, c.index, reseed=True) for c in req.choices]
-        errors = [*forks, *await asyncio.gather(*setups, return_exceptions=True)]
+        errors = [f.exception() for f in forks] + await asyncio.gather(*setups, return_exceptions=True)
         first = next((e for e in errors if isinstance(e, BaseException)), None)
         if first is not None:
             raise first
@@ -483,24 +497,25 @@ class Scheduler:
         """Stream one choice's tokens from its engine generation request into its request's events."""
         spec = c.req.spec
         k = spec.logprobs
-        it = c.branch.generate(
-            spec.max_tokens,
-            prompt=c.prompt or None,
-            stop=list(spec.stop) or None,
-            stop_tokens=list(spec.stop_tokens) or None,
-            min_tokens=spec.min_tokens,
-            include_stop_str=spec.include_stop_str,
-            logprobs=k is not None,
-            top_logprobs=k or 0,
-            lookahead=LOOKAHEAD,
-            reserve=self.reserve,
-            # a request that waited (for a slot, or for a prefix to fork) is older than the
-            # streams that started meanwhile: its prompt is not paced behind them
-            waited=time.monotonic() - c.req.arrived,
-            commit_last=spec.commits_last,
-        )
+        it: lloyal.TokenIterator | None = None
         reason = "cancelled"
         try:
+            it = c.branch.generate(
+                spec.max_tokens,
+                prompt=c.prompt or None,
+                stop=list(spec.stop) or None,
+                stop_tokens=list(spec.stop_tokens) or None,
+                min_tokens=spec.min_tokens,
+                include_stop_str=spec.include_stop_str,
+                logprobs=k is not None,
+                top_logprobs=k or 0,
+                lookahead=LOOKAHEAD,
+                reserve=self.reserve,
+                # a request that waited (for a slot, or for a prefix to fork) is older than the
+                # streams that started meanwhile: its prompt is not paced behind them
+                waited=time.monotonic() - c.req.arrived,
+                commit_last=spec.commits_last,
+            )
             async for tok in it:
                 if c.prompt:
                     self._started(c)
@@ -519,17 +534,29 @@ class Scheduler:
             self._out_of_room(c)
             reason = "length"
         except asyncio.CancelledError:
-            it.close()
+            if it is not None:
+                it.close()
         except Exception as exc:  # the request fails with it; the other choices are cancelled
             c.req.events.put_nowait(exc)
         finally:
-            ppl = it.perplexity
-            c.ppl = ppl if ppl is not None and math.isfinite(ppl) else math.inf
-            c.committed = it.committed
-            self._started(c)
-            c.done, c.reason = True, reason
-            if all(x.done for x in c.req.choices) and c.req in self._requests:
-                self._finish(c.req)
+            self._choice_ended(c, reason, it)
+
+    def _choice_ended(self, c: _Choice, reason: str, it: lloyal.TokenIterator | None) -> None:
+        """Choice ``c`` ended with ``reason`` (``it``: its generation, None when it never
+        started); the request finishes with its last choice."""
+        ppl = None if it is None else it.perplexity
+        c.ppl = ppl if ppl is not None and math.isfinite(ppl) else math.inf
+        c.committed = None if it is None else it.committed
+        self._started(c)
+        c.done, c.reason = True, reason
+        if all(x.done for x in c.req.choices) and c.req in self._requests:
+            self._finish(c.req)
+
+    def _task_done(self, c: _Choice, _task: asyncio.Task[None]) -> None:
+        """A choice's task is done: a task cancelled before it first ran never reached
+        :meth:`_run_choice`'s end, so the choice ends here (its slot and branch go)."""
+        if not c.done:
+            self._choice_ended(c, "cancelled", None)
 
     def _started(self, c: _Choice) -> None:
         """The choice's prompt is written (or never will be)."""
