@@ -36,8 +36,10 @@ def test_a_plan_pins_what_it_forks_until_admitted_and_is_gone_once_released(mode
         with pytest.raises(ValueError, match="released already"):
             book.reserve(plan)
         book.check(3)  # a root and 3 choices on 4 sequences
-        with pytest.raises(ValueError, match="needs 5 sequences"):
+        with pytest.raises(ValueError, match="at most 3 decode at once"):
             book.check(4)
+        with pytest.raises(ValueError, match="needs 5 sequences"):  # 4 may run, but 4 + 1 do not fit
+            _lloyal.Admission(ctx, 4).check(4)
 
 
 def test_a_prompt_in_flight_is_waited_for_then_forked_where_it_ends(model: lloyal.Model) -> None:

@@ -75,13 +75,34 @@ PROMPT = "The capital of France is"
 # -- basics ----------------------------------------------------------------------------------
 
 
+def test_a_browser_on_another_origin_may_call_the_server(server: str) -> None:
+    """CORS, allowed for any origin by default (llama-server's and vLLM's): the preflight is
+    answered without the API key (browsers send none with it), the call itself still needs it."""
+    origin = {"origin": "http://localhost:3000"}
+    pre = httpx.options(
+        server + "/v1/chat/completions",
+        headers={
+            **origin,
+            "access-control-request-method": "POST",
+            "access-control-request-headers": "authorization",
+        },
+    )
+    assert pre.status_code == 200 and pre.headers["access-control-allow-origin"] == "*"
+    assert "authorization" in pre.headers["access-control-allow-headers"].lower()
+    assert httpx.get(server + "/v1/models", headers=origin).status_code == 401
+    ok = httpx.get(server + "/v1/models", headers={**origin, **AUTH})
+    assert ok.status_code == 200 and ok.headers["access-control-allow-origin"] == "*"
+
+
 def test_models_health_tokenize(server: str, client: openai.OpenAI, name: str, ref: lloyal.Context) -> None:
     assert [m.id for m in client.models.list().data] == [name]
     assert httpx.get(server + "/health").json() == {"status": "ok"}
     assert httpx.post(server + "/tokenize", json={"content": PROMPT}).status_code == 401  # all but /health
     toks = httpx.post(server + "/tokenize", json={"content": PROMPT}, headers=AUTH).json()["tokens"]
-    assert toks == ref.tokenize(PROMPT)
-    back = httpx.post(server + "/detokenize", json={"tokens": toks[1:]}, headers=AUTH).json()["content"]
+    assert toks == ref.tokenize(PROMPT, add_special=False)  # llama-server's default: no BOS
+    bos = httpx.post(server + "/tokenize", json={"content": PROMPT, "add_special": True}, headers=AUTH)
+    assert bos.json()["tokens"] == ref.tokenize(PROMPT) == [ref.bos_token, *toks]
+    back = httpx.post(server + "/detokenize", json={"tokens": toks}, headers=AUTH).json()["content"]
     assert back == PROMPT
 
 
@@ -131,6 +152,14 @@ def test_logprobs(client: openai.OpenAI, name: str) -> None:
         assert len(top) == 3 and val <= 0
         assert math.isclose(val, max(top.values()), abs_tol=1e-4)  # greedy: the top token
         assert tok in top
+    assert lp.text_offset == [sum(map(len, lp.tokens[:i])) for i in range(5)]
+    streamed = client.completions.create(
+        model=name, prompt=PROMPT, max_tokens=5, temperature=0, logprobs=3, stream=True
+    )
+    offsets = [
+        o for c in streamed if c.choices and c.choices[0].logprobs for o in c.choices[0].logprobs.text_offset
+    ]
+    assert offsets == lp.text_offset  # from the start of the text, not of each chunk
     c = client.chat.completions.create(
         model=name,
         messages=[{"role": "user", "content": "Say hi"}],
@@ -431,7 +460,7 @@ def test_errors_are_openai_shaped(server: str, client: openai.OpenAI, name: str)
     with pytest.raises(openai.BadRequestError, match="maximum context length") as e:
         client.completions.create(model=name, prompt="x", max_tokens=N_CTX + 1)
     assert e.value.code == "context_length_exceeded"
-    with pytest.raises(openai.UnprocessableEntityError, match="temperature") as v:
+    with pytest.raises(openai.BadRequestError, match="temperature") as v:
         client.completions.create(model=name, prompt="x", max_tokens=1, temperature=5)
     assert v.value.code == "invalid_schema" and v.value.param == "temperature"
     with pytest.raises(openai.BadRequestError, match="outside the vocabulary"):
@@ -440,8 +469,12 @@ def test_errors_are_openai_shaped(server: str, client: openai.OpenAI, name: str)
         client.completions.create(model=name, prompt="x", max_tokens=1, n=3, best_of=2)
     with pytest.raises(openai.BadRequestError, match="streamed"):
         client.completions.create(model=name, prompt="x", max_tokens=1, best_of=2, stream=True)
-    with pytest.raises(openai.BadRequestError, match="needs"):
+    with pytest.raises(openai.BadRequestError, match="--parallel") as many:
         client.completions.create(model=name, prompt="x", max_tokens=1, n=40)
+    assert many.value.param == "n"
+    with pytest.raises(openai.BadRequestError, match="top_k") as k:  # beyond the core's 32 bits
+        client.completions.create(model=name, prompt="x", max_tokens=1, extra_body={"top_k": 2**31})
+    assert k.value.code == "invalid_schema"
     with pytest.raises(openai.BadRequestError, match="response_format"):
         client.chat.completions.create(
             model=name,
@@ -453,8 +486,8 @@ def test_errors_are_openai_shaped(server: str, client: openai.OpenAI, name: str)
         bad.models.list()
     raw = httpx.post(
         server + "/v1/completions", json={"model": name}, headers={"authorization": f"Bearer {KEY}"}
-    )  # schema-invalid (no prompt): 422 in OpenAI's shape, not FastAPI's {"detail": [...]}
-    assert raw.status_code == 422
+    )  # schema-invalid (no prompt): 400 in OpenAI's shape (as OpenAI and vLLM), not FastAPI's 422
+    assert raw.status_code == 400
     assert raw.json() == {
         "error": {
             "message": "prompt: Field required",
@@ -469,6 +502,15 @@ def test_errors_are_openai_shaped(server: str, client: openai.OpenAI, name: str)
         headers={"authorization": f"Bearer {KEY}", "content-type": "application/json"},
     )  # malformed JSON: 400
     assert raw.status_code == 400 and raw.json()["error"]["code"] == "json_invalid"
+    # the router's refusals and a detokenized id outside the vocabulary, in OpenAI's shape too
+    auth = {"authorization": f"Bearer {KEY}"}
+    for method, path, status, code in [
+        ("GET", "/v1/nope", 404, "not_found"),
+        ("GET", "/v1/completions", 405, "method_not_allowed"),
+        ("POST", "/detokenize", 400, None),
+    ]:
+        raw = httpx.request(method, server + path, json={"tokens": [2**70]}, headers=auth)
+        assert raw.status_code == status and raw.json()["error"]["code"] == code, raw.text
     # the server still answers, and nothing leaked
     assert client.completions.create(model=name, prompt=PROMPT, max_tokens=2, temperature=0).choices
     assert metric(server, "lloyal_running_sequences") == 0

@@ -100,6 +100,11 @@ def test_a_streamed_echo_carries_the_prompts_logprobs_first(client: openai.OpenA
     assert first.logprobs.tokens == whole.choices[0].logprobs.tokens[:n]
     text = "".join(c.choices[0].text for c in chunks if c.choices)
     assert text == whole.choices[0].text
+    # every token's text offset counts from the start of the whole text, as the unstreamed one
+    offsets = [
+        o for c in chunks if c.choices and c.choices[0].logprobs for o in c.choices[0].logprobs.text_offset
+    ]
+    assert offsets == whole.choices[0].logprobs.text_offset and len(offsets) == n + 4
 
 
 def test_max_tokens_0_with_echo_scores_the_prompt_alone(
@@ -201,7 +206,7 @@ def test_vllms_prompt_logprobs_field_scores_a_chat_prompt_at_the_top_level(
 def test_a_prompt_logprobs_outside_0_to_20_is_refused_naming_it(
     client: openai.OpenAI, name: str, value: object, stream: bool
 ) -> None:
-    with pytest.raises(openai.UnprocessableEntityError, match="prompt_logprobs") as bad:
+    with pytest.raises(openai.BadRequestError, match="prompt_logprobs") as bad:
         client.completions.create(
             model=name, prompt=CONTEXT, max_tokens=2, stream=stream, extra_body={"prompt_logprobs": value}
         )

@@ -348,6 +348,18 @@ def test_a_guided_choice_is_the_librarys_greedy_choice(
     assert c.choices[0].text == ref.detokenize(greedy_completion(ref, ref.tokenize(prompt), 16, (), grammar))
 
 
+@pytest.mark.parametrize("choices", [["a > b", "a < b"], ["<b>bold</b>", "-> x & y ~ z"]])
+def test_a_guided_choice_may_hold_any_punctuation(
+    client: openai.OpenAI, name: str, choices: list[str]
+) -> None:
+    """``<`` and ``>`` are taken as themselves (escaped, Rust's regex reads them as word
+    boundaries), as are the characters its syntax does give a meaning."""
+    c = client.completions.create(
+        model=name, prompt="Pick one:", max_tokens=16, temperature=0, extra_body={"guided_choice": choices}
+    )
+    assert c.choices[0].text in choices
+
+
 @pytest.mark.parametrize(
     ("fields", "param", "message"),
     [

@@ -397,6 +397,7 @@ def serve(args: argparse.Namespace) -> int:
         model_name=args.served_model_name,
         request_timeout=args.request_timeout or None,
         use_mmap=args.mmap,
+        allowed_origins=tuple(o.strip() for o in args.allowed_origins.split(",") if o.strip()),
         **{name: getattr(args, name) for name in same_name},
     )
     if args.ray:
@@ -473,6 +474,12 @@ def _parser() -> argparse.ArgumentParser:
     )
     sv.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1/*")
     sv.add_argument("--embeddings", action="store_true", help="also serve /v1/embeddings")
+    sv.add_argument(
+        "--allowed-origins",
+        default="*",
+        metavar="ORIGINS",
+        help="CORS: comma-separated origins whose web pages may call the server (default '*': any; '': none)",
+    )
     sv.add_argument(
         "--no-warmup",
         dest="warmup",

@@ -19,6 +19,7 @@ from collections.abc import AsyncIterator, Callable
 from contextlib import AbstractAsyncContextManager, asynccontextmanager
 
 from fastapi import FastAPI
+from fastapi.middleware.cors import CORSMiddleware
 
 from . import completions, embeddings, service
 from .config import ServerConfig
@@ -49,6 +50,13 @@ def create_app(cfg: ServerConfig) -> FastAPI:
         closing=lambda: "s" in holder and holder["s"].scheduler.closing,
         count=count_request,
     )
+    if cfg.allowed_origins:  # outside the gate: a browser's preflight carries no API key
+        app.add_middleware(
+            CORSMiddleware,
+            allow_origins=list(cfg.allowed_origins),
+            allow_methods=["*"],
+            allow_headers=["*"],
+        )
     add_error_handlers(app)
     for routes in (service, embeddings, completions):
         routes.add_routes(app, state)

@@ -50,6 +50,7 @@ async def answer_completion(st: ServerState, body: CompletionRequest) -> Respons
     ctx = st.ctx
     check_model(body.model, st.cfg)
     best_of = _completion_best_of(body)
+    _choices_fit(st, best_of, "best_of" if body.best_of else "n")
     prompts = token_lists(ctx, body.prompt, add_special=True, param="prompt")
     max_tokens = 16 if body.max_tokens is None else body.max_tokens
     grammar = await asyncio.to_thread(output_grammar, ctx, body)
@@ -99,6 +100,14 @@ def _completion_best_of(body: CompletionRequest) -> int:
     return best_of
 
 
+def _choices_fit(st: ServerState, best_of: int, param: str) -> None:
+    """A 400 naming ``param`` for more choices than decode at once here (``--parallel``)."""
+    try:
+        st.scheduler.book.check(best_of)
+    except ValueError as exc:
+        raise ApiError(str(exc), param=param) from None
+
+
 def _unstreamed_prompt_logprobs(body: CompletionRequest | ChatRequest) -> None:
     """A 400 for vLLM's ``prompt_logprobs`` in a stream, which vLLM refuses too."""
     if body.stream and body.prompt_logprobs is not None:
@@ -141,6 +150,7 @@ async def answer_chat(st: ServerState, body: ChatRequest) -> Response | dict[str
     if body.top_logprobs is not None and not body.logprobs:
         raise ApiError("top_logprobs needs logprobs=true", param="top_logprobs")
     _unstreamed_prompt_logprobs(body)
+    _choices_fit(st, body.n, "n")
     choice = tool_choice(body)
     messages = [message_dict(m.model_dump(exclude_none=True)) for m in body.messages]
     fc = chat_prompt(ctx, body, messages, choice.tools)

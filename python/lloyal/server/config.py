@@ -30,6 +30,9 @@ class ServerConfig:
     cache_cells: int | None = None  # most KV cells the prefix cache keeps (None: see Scheduler)
     use_mmap: bool = False  # map the weights file (True) or read it into huge-page memory
     warmup: bool = True  # decode a token at startup: the first request pays no first-use costs
+    # CORS: the origins whose web pages may call the server ("*": any, as llama-server and
+    # vLLM allow by default; empty: no CORS headers, browsers on other origins are refused)
+    allowed_origins: tuple[str, ...] = ("*",)
     context_options: dict[str, Any] = field(default_factory=dict)
 
     @property

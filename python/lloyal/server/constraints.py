@@ -47,12 +47,18 @@ def output_grammar(ctx: lloyal.Context, body: CompletionRequest | ChatRequest) -
         raise ApiError(f"{name}: {exc}", param=name) from None
 
 
+# The characters Rust's ``regex`` syntax gives a meaning (``regex_syntax::is_meta_character``):
+# these are escaped, and only these (``\<`` and ``\>`` there are word boundaries).
+_REGEX_META = frozenset("\\.+*?()|[]{}^$#&-~")
+
+
 def choice_regex(choices: list[str]) -> str:
-    """A regular expression (Rust ``regex`` syntax) matching exactly one of ``choices``."""
-    return "|".join(
-        "".join("\\" + c if c.isascii() and not c.isalnum() and not c.isspace() else c for c in s)
-        for s in choices
-    )
+    """A regular expression (Rust ``regex`` syntax) matching exactly one of ``choices``.
+
+    >>> choice_regex(["a>b", "1.5"])
+    'a>b|1\\\\.5'
+    """
+    return "|".join("".join("\\" + c if c in _REGEX_META else c for c in s) for s in choices)
 
 
 def _schema(ctx: lloyal.Context, value: Any, name: str) -> lloyal.Grammar:

@@ -6,6 +6,7 @@ from __future__ import annotations
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException
 
 import lloyal
 
@@ -41,7 +42,8 @@ async def shutting_down(r: Request, exc: ShuttingDown) -> JSONResponse:
 
 
 async def validation_error(_r: Request, exc: RequestValidationError) -> JSONResponse:
-    """Malformed JSON is a 400; a body that parses but breaks the schema is a 422."""
+    """Malformed JSON, and a body that parses but breaks the schema: 400 (as OpenAI and vLLM
+    answer), ``code`` ``json_invalid`` or ``invalid_schema``."""
     errs = exc.errors()
     first = errs[0] if errs else {}
     loc = ".".join(str(x) for x in first.get("loc", ()) if x != "body")
@@ -50,8 +52,24 @@ async def validation_error(_r: Request, exc: RequestValidationError) -> JSONResp
         body = error_body(f"the body is not valid JSON ({msg})", "invalid_request_error", code="json_invalid")
         return JSONResponse(body, status_code=400)
     return JSONResponse(
-        error_body(msg, "invalid_request_error", loc or None, code="invalid_schema"), status_code=422
+        error_body(msg, "invalid_request_error", loc or None, code="invalid_schema"), status_code=400
     )
+
+
+async def http_error(r: Request, exc: HTTPException) -> JSONResponse:
+    """The router's own refusals (a path that does not exist: 404; a method it does not take:
+    405) in OpenAI's shape."""
+    code = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code)
+    msg = f"{r.method} {r.url.path}: {exc.detail}"
+    return JSONResponse(
+        error_body(msg, "invalid_request_error", code=code), status_code=exc.status_code, headers=exc.headers
+    )
+
+
+async def internal_error(_r: Request, exc: Exception) -> JSONResponse:
+    """Anything else (a bug): 500 in OpenAI's shape (the traceback goes to the server's log)."""
+    msg = f"internal server error ({type(exc).__name__}): please report it; the request was not completed"
+    return JSONResponse(error_body(msg, "server_error", code="internal_error"), status_code=500)
 
 
 async def lloyal_error(_r: Request, exc: lloyal.LloyalError) -> JSONResponse:
@@ -74,3 +92,5 @@ def add_error_handlers(app: FastAPI) -> None:
     app.exception_handler(RequestValidationError)(validation_error)
     app.exception_handler(lloyal.LloyalError)(lloyal_error)
     app.exception_handler(ValueError)(value_error)
+    app.exception_handler(HTTPException)(http_error)
+    app.exception_handler(Exception)(internal_error)

@@ -48,6 +48,9 @@ def error_body(message: str, type: str, param: str | None = None, code: str | No
     return {"error": {"message": message, "type": type, "param": param, "code": code}}
 
 
+_I32_MAX = 2**31 - 1  # the largest value the core's 32-bit fields take
+
+
 class _Body(BaseModel):
     model_config = ConfigDict(extra="ignore")
 
@@ -61,7 +64,7 @@ class _Sampling(_Body):
     max_tokens: int | None = Field(default=None, ge=1)
     temperature: float = Field(default=1.0, ge=0.0, le=2.0)
     top_p: float = Field(default=1.0, gt=0.0, le=1.0)
-    top_k: int = Field(default=0, ge=-1)  # vLLM/llama-server extension; 0 or -1 disables
+    top_k: int = Field(default=0, ge=-1, le=_I32_MAX)  # vLLM/llama-server extension; 0 or -1 disables
     min_p: float = Field(default=0.0, ge=0.0, le=1.0)
     repetition_penalty: float = Field(default=1.0, gt=0.0)
     presence_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
@@ -133,8 +136,11 @@ class EmbeddingRequest(_Body):
 
 
 class TokenizeRequest(_Body):
+    """llama-server's: the BOS token and other special tokens only when ``add_special`` asks."""
+
     content: str
-    add_special: bool = True
+    add_special: bool = False
+    parse_special: bool = True  # special tokens written in ``content`` are read as such
     with_pieces: bool = False
 
 

@@ -51,11 +51,12 @@ def usage(dones: Sequence[Done]) -> dict[str, Any]:
     }
 
 
-def completion_logprobs(ctx: lloyal.Context, evs: Sequence[TokenEvent]) -> dict[str, Any]:
+def completion_logprobs(ctx: lloyal.Context, evs: Sequence[TokenEvent], start: int = 0) -> dict[str, Any]:
     """``/v1/completions`` logprobs: tokens, their logprobs, the top alternatives (None where the
-    logprob is: a prompt's first token), text offsets."""
+    logprob is: a prompt's first token), text offsets (the first at ``start``: in a stream, the
+    length of the choice's tokens sent before)."""
     pieces = [ctx.token_to_text(e.token) for e in evs]
-    offsets, at = [], 0
+    offsets, at = [], start
     for p in pieces:
         offsets.append(at)
         at += len(p)

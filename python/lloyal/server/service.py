@@ -8,7 +8,7 @@ from typing import Any
 from fastapi import FastAPI
 from fastapi.responses import PlainTextResponse, Response
 
-from .protocol import DetokenizeRequest, TokenizeRequest
+from .protocol import ApiError, DetokenizeRequest, TokenizeRequest
 from .state import StateGetter
 
 __all__ = ["add_routes"]
@@ -37,11 +37,17 @@ def add_routes(app: FastAPI, state: StateGetter) -> None:
     @app.post("/tokenize")
     async def tokenize(body: TokenizeRequest) -> dict[str, Any]:
         ctx = state().ctx
-        toks = ctx.tokenize(body.content, add_special=body.add_special, parse_special=True)
+        toks = ctx.tokenize(body.content, add_special=body.add_special, parse_special=body.parse_special)
         if body.with_pieces:
             return {"tokens": [{"id": t, "piece": ctx.token_to_text(t, special=True)} for t in toks]}
         return {"tokens": toks}
 
     @app.post("/detokenize")
     async def detokenize(body: DetokenizeRequest) -> dict[str, Any]:
-        return {"content": state().ctx.detokenize(body.tokens, special=True)}
+        ctx = state().ctx
+        bad = next((t for t in body.tokens if not 0 <= t < ctx.n_vocab), None)
+        if bad is not None:
+            raise ApiError(
+                f"tokens holds token id {bad}, outside the vocabulary [0, {ctx.n_vocab})", param="tokens"
+            )
+        return {"content": ctx.detokenize(body.tokens, special=True)}

@@ -71,16 +71,22 @@ async def completion_chunks(
             for j in range(n):
                 yield chunk(p * n + j, e, None, None)
     dones: list[Done] = []
+    offset: dict[int, int] = {}  # per choice, the text offset of its next token (its logprobs)
     async for k, ev in merged(st, specs):
         if isinstance(ev, PromptScores):
+            lp = completion_logprobs(ctx, ev.tokens)
             for j in range(n):
-                yield chunk(k * n + j, echoes[k], completion_logprobs(ctx, ev.tokens), None)
+                offset[k * n + j] = sum(map(len, lp["tokens"]))
+                yield chunk(k * n + j, echoes[k], lp, None)
         elif isinstance(ev, Done):
             dones.append(ev)
             for j, i in enumerate(ev.choices):
                 yield chunk(k * n + j, "", None, ev.finish_reasons[i])
         elif ev.text or ev.token >= 0:
-            lp = completion_logprobs(ctx, [ev]) if ev.logprob is not None else None
+            lp = None
+            if ev.logprob is not None:
+                lp = completion_logprobs(ctx, [ev], offset.get(k * n + ev.index, 0))
+                offset[k * n + ev.index] = lp["text_offset"][0] + len(lp["tokens"][0])
             yield chunk(k * n + ev.index, ev.text, lp, None)
     if include_usage:
         yield {"id": cid, "object": "text_completion", "created": created, "model": model, "choices": []} | {

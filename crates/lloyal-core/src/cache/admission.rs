@@ -157,11 +157,17 @@ impl Admission {
         if best_of == 0 {
             return Err(LloyalError::invalid("best_of/n must be at least 1"));
         }
-        if best_of > self.max_running || best_of + 1 > n_seq_max {
-            let most = self.max_running.min(n_seq_max.saturating_sub(1));
+        if best_of > self.max_running {
             return Err(LloyalError::invalid(format!(
-                "best_of/n = {best_of} needs {} sequences but this runs {most} at most: lower \
-                 n/best_of, or give the context more sequences (the server's --parallel)",
+                "best_of/n = {best_of} choices, but at most {} decode at once here: lower n/best_of, \
+                 or run more at once (the server's --parallel)",
+                self.max_running
+            )));
+        }
+        if best_of + 1 > n_seq_max {
+            return Err(LloyalError::invalid(format!(
+                "best_of/n = {best_of} needs {} sequences (a root and its choices) but the context \
+                 has {n_seq_max}: lower n/best_of, or make the context with more (n_seq_max)",
                 best_of + 1
             )));
         }
