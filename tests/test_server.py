@@ -172,6 +172,36 @@ def test_logprobs(client: openai.OpenAI, name: str) -> None:
     assert len(content) == c.usage.completion_tokens and all(len(t.top_logprobs) == 2 for t in content)
 
 
+def test_llama_servers_sampling_fields_are_honoured(client: openai.OpenAI, name: str) -> None:
+    """llama-server's names and samplers, which its OpenAI endpoints take too: ``repeat_penalty``
+    is ``repetition_penalty``, ``n_predict`` is ``max_tokens`` (-1: no limit), and DRY, mirostat,
+    XTC, typical-p and the penalty window each change what is sampled."""
+
+    def text(max_tokens: int | None = 12, **fields: Any) -> str:
+        extra = {"temperature": 0, "seed": 3, **fields}
+        r = client.completions.create(
+            model=name, prompt="a a a a a a a a", max_tokens=max_tokens, extra_body=extra
+        )
+        return str(r.choices[0].text)
+
+    plain = text()
+    assert text(repeat_penalty=1.8) == text(repetition_penalty=1.8) != plain
+    assert text(dry_multiplier=2.0, dry_allowed_length=1) != plain
+    assert text(repetition_penalty=1.8, repeat_last_n=0) == plain  # a window of no tokens
+    for fields in ({"mirostat": 2}, {"xtc_probability": 1.0, "xtc_threshold": 0.01}, {"typical_p": 0.2}):
+        sampled = {"temperature": 1.0, **fields}
+        assert text(**sampled) == text(**sampled) != text(temperature=1.0), fields
+    r = client.completions.create(model=name, prompt=PROMPT, max_tokens=None, extra_body={"n_predict": 3})
+    assert r.usage.completion_tokens == 3
+    with pytest.raises(openai.BadRequestError, match="one of them"):
+        client.completions.create(model=name, prompt=PROMPT, max_tokens=3, extra_body={"n_predict": 3})
+    with pytest.raises(openai.BadRequestError, match="use_beam_search") as beam:
+        client.completions.create(
+            model=name, prompt=PROMPT, max_tokens=3, extra_body={"use_beam_search": True}
+        )
+    assert beam.value.param == "use_beam_search"
+
+
 def test_logit_bias_bans_the_greedy_token(client: openai.OpenAI, name: str, ref: lloyal.Context) -> None:
     first = greedy_completion(ref, ref.tokenize(PROMPT), 1)[0]
     r = client.completions.create(

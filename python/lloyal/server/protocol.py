@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 __all__ = [
     "ApiError",
@@ -93,6 +93,42 @@ class _Sampling(_Body):
     skip_special_tokens: bool = True  # refused unless true
     # vLLM: each prompt token's logprob and rank, with the best k (not streamed)
     prompt_logprobs: int | None = Field(default=None, ge=0, le=20)
+    # llama-server's samplers (its /completion fields, which its OpenAI endpoints take too);
+    # ``repeat_penalty`` and ``n_predict`` are read as ``repetition_penalty`` and ``max_tokens``
+    typical_p: float = Field(default=1.0, gt=0.0, le=1.0)
+    repeat_last_n: int = Field(default=64, ge=-1, le=_I32_MAX)  # -1: every token
+    mirostat: int = Field(default=0, ge=0, le=2)  # 0: off; 1 or 2: its version
+    mirostat_tau: float = 5.0
+    mirostat_eta: float = 0.1
+    dry_multiplier: float = Field(default=0.0, ge=0.0)  # 0: off
+    dry_base: float = 1.75
+    dry_allowed_length: int = Field(default=2, ge=0, le=_I32_MAX)
+    dry_penalty_last_n: int = Field(default=-1, ge=-1, le=_I32_MAX)
+    dry_sequence_breakers: list[str] = Field(default_factory=lambda: ["\n", ":", '"', "*"])
+    xtc_probability: float = Field(default=0.0, ge=0.0, le=1.0)  # 0: off
+    xtc_threshold: float = Field(default=0.1, ge=0.0, le=1.0)
+    # vLLM's, refused by name when they ask for something (:mod:`.translate`)
+    use_beam_search: bool = False
+    truncate_prompt_tokens: int | None = None
+
+    @model_validator(mode="before")
+    @classmethod
+    def _llama_server_names(cls, data: Any) -> Any:
+        """llama-server's ``repeat_penalty`` and ``n_predict`` as OpenAI's names (``n_predict`` -1:
+        as if ``max_tokens`` were not given)."""
+        if not isinstance(data, dict):
+            return data
+        data = dict(data)
+        for theirs, ours in (("repeat_penalty", "repetition_penalty"), ("n_predict", "max_tokens")):
+            if theirs not in data:
+                continue
+            value = data.pop(theirs)
+            if data.get(ours) is not None:
+                raise ValueError(f"{theirs} and {ours} are one setting: give one of them")
+            if theirs == "n_predict" and value == -1:  # llama-server's "until the end"
+                continue
+            data[ours] = value
+        return data
 
 
 class CompletionRequest(_Sampling):
@@ -123,6 +159,7 @@ class ChatRequest(_Sampling):
     parallel_tool_calls: bool | None = None
     # vLLM's (and llama-server's chat_template_kwargs) control of the chat template
     chat_template_kwargs: dict[str, Any] | None = None
+    chat_template: str | None = None  # vLLM's own template: refused by name (:mod:`.translate`)
     add_generation_prompt: bool = True
     continue_final_message: bool = False
 

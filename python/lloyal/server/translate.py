@@ -123,6 +123,9 @@ def _refuse_unimplemented(body: CompletionRequest | ChatRequest) -> None:
     """A 400 for a vLLM extension this server does not implement, when it asks for something."""
     asked = {
         "skip_special_tokens": not body.skip_special_tokens,
+        "use_beam_search": body.use_beam_search,
+        "truncate_prompt_tokens": body.truncate_prompt_tokens is not None,
+        "chat_template": isinstance(body, ChatRequest) and body.chat_template is not None,
     }
     for name, given in asked.items():
         if given:
@@ -130,16 +133,35 @@ def _refuse_unimplemented(body: CompletionRequest | ChatRequest) -> None:
 
 
 def _sampling_params(body: CompletionRequest | ChatRequest) -> lloyal.SamplingParams:
-    """The body's sampling fields (``top_k`` -1 is 0: off; the seed is taken mod 2**32)."""
+    """The body's sampling fields (``top_k`` -1 is 0: off; the seed is taken mod 2**32), with
+    llama-server's typical-p, penalty window, mirostat, DRY and XTC."""
+    mirostat = dry = xtc = None
+    if body.mirostat:
+        mirostat = lloyal.Mirostat(version=body.mirostat, tau=body.mirostat_tau, eta=body.mirostat_eta)
+    if body.dry_multiplier > 0:
+        dry = lloyal.Dry(
+            multiplier=body.dry_multiplier,
+            base=body.dry_base,
+            allowed_length=body.dry_allowed_length,
+            penalty_last_n=body.dry_penalty_last_n,
+            sequence_breakers=tuple(body.dry_sequence_breakers),
+        )
+    if body.xtc_probability > 0:
+        xtc = lloyal.Xtc(probability=body.xtc_probability, threshold=body.xtc_threshold)
     return lloyal.SamplingParams(
         temperature=body.temperature,
         top_k=max(0, body.top_k),
         top_p=body.top_p,
         min_p=body.min_p,
+        typical_p=body.typical_p,
         repeat_penalty=body.repetition_penalty,
         presence_penalty=body.presence_penalty,
         frequency_penalty=body.frequency_penalty,
+        penalty_last_n=body.repeat_last_n,
         seed=None if body.seed is None else body.seed & 0xFFFFFFFF,
+        mirostat=mirostat,
+        dry=dry,
+        xtc=xtc,
     )
 
 
