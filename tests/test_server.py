@@ -195,6 +195,11 @@ def test_llama_servers_sampling_fields_are_honoured(client: openai.OpenAI, name:
     assert r.usage.completion_tokens == 3
     with pytest.raises(openai.BadRequestError, match="one of them"):
         client.completions.create(model=name, prompt=PROMPT, max_tokens=3, extra_body={"n_predict": 3})
+    with pytest.raises(openai.BadRequestError, match="stream=true") as opts:
+        client.completions.create(
+            model=name, prompt=PROMPT, max_tokens=3, stream_options={"include_usage": True}
+        )
+    assert opts.value.param == "stream_options"
     with pytest.raises(openai.BadRequestError, match="use_beam_search") as beam:
         client.completions.create(
             model=name, prompt=PROMPT, max_tokens=3, extra_body={"use_beam_search": True}

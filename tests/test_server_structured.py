@@ -211,6 +211,34 @@ def test_a_forced_call_cut_by_max_tokens_ends_with_length(client: openai.OpenAI,
     assert required.choices[0].message.content  # the cut JSON, as text
 
 
+def test_a_required_reply_cut_in_its_arguments_answers_the_calls_its_stream_sent(
+    client: openai.OpenAI, name: str
+) -> None:
+    """Cut by ``max_tokens`` after a call's name: the unstreamed reply holds the calls named so
+    far, the last one's arguments partial, as the streamed one sent them (``length`` both)."""
+    request: dict[str, Any] = dict(
+        model=name, messages=MESSAGES, tools=TOOLS, tool_choice="required", temperature=0
+    )
+    whole = client.chat.completions.create(max_tokens=96, **request)
+    full = whole.choices[0].message.tool_calls
+    cut = client.chat.completions.create(max_tokens=whole.usage.completion_tokens - 3, **request)
+    assert cut.choices[0].finish_reason == "length" and cut.choices[0].message.content is None
+    calls = cut.choices[0].message.tool_calls
+    assert [c.function.name for c in calls] == [c.function.name for c in full][: len(calls)] and calls
+    last = calls[-1].function.arguments
+    assert (
+        full[len(calls) - 1].function.arguments.startswith(last)
+        and last != full[len(calls) - 1].function.arguments
+    )
+    chunks = list(
+        client.chat.completions.create(stream=True, max_tokens=whole.usage.completion_tokens - 3, **request)
+    )
+    streamed = [t for c in chunks if c.choices for t in c.choices[0].delta.tool_calls or []]
+    for i, call in enumerate(calls):
+        assert "".join(t.function.arguments for t in streamed if t.index == i) == call.function.arguments
+    assert chunks[-1].choices[0].finish_reason == "length"
+
+
 @pytest.mark.parametrize(
     ("fields", "param", "message"),
     [
@@ -223,6 +251,8 @@ def test_a_forced_call_cut_by_max_tokens_ends_with_length(client: openai.OpenAI,
         ({"tools": TOOLS, "tool_choice": {"type": "function"}}, "tool_choice", "function"),
         ({"tools": TOOLS, "tool_choice": "sometimes"}, "tool_choice", "'sometimes'"),
         ({"tools": [{"type": "function", "function": {}}], "tool_choice": "required"}, "tools", "tools[0]"),
+        ({"tools": [{"type": "function"}]}, "tools", "tools[0]"),  # malformed whatever the choice
+        ({"tools": [*TOOLS, {"name": "f"}], "tool_choice": "none"}, "tools", f"tools[{len(TOOLS)}]"),
         (
             {
                 "tools": [{"type": "function", "function": {"name": "f", "parameters": 3}}],

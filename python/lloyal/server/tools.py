@@ -17,7 +17,7 @@ from typing import Any
 
 import lloyal
 
-from .call_scanner import required_calls
+from .call_scanner import CallScanner, required_calls
 from .protocol import ApiError, ChatRequest
 from .replies import assistant_message, tool_call
 
@@ -61,16 +61,23 @@ class ToolChoice:
 
         A named call is ``stop`` as OpenAI answers a forced function (``length`` when cut, its
         arguments then partial JSON); ``"required"`` is ``tool_calls``, each call's arguments the
-        text the model wrote for its ``parameters`` (``length`` and the text as content when cut
-        before the calls parse)."""
+        text the model wrote for its ``parameters``. Cut by ``max_tokens``, a ``"required"`` reply
+        is ``length`` with the calls named so far, the last one's arguments partial (what its
+        stream sent), or the text as content when it was cut before the first name."""
         if self.named is not None:
             return {"role": "assistant", "content": None, "tool_calls": [tool_call(self.named, text)]}, reason
         if self.forced == "required":
             calls = required_calls(text)
-            if calls is None:
+            finish = "tool_calls"
+            if calls is None:  # cut: the calls as its stream sent them
+                scanner = CallScanner()
+                scanner.feed(text)
+                calls = [(c.name, c.arguments) for c in scanner.calls if c.name is not None]
+                finish = reason
+            if not calls:
                 return {"role": "assistant", "content": text}, reason
             tool_calls = [tool_call(name, arguments) for name, arguments in calls]
-            return {"role": "assistant", "content": None, "tool_calls": tool_calls}, "tool_calls"
+            return {"role": "assistant", "content": None, "tool_calls": tool_calls}, finish
         return assistant_message(text, reason, self.tools is not None)
 
 
@@ -78,6 +85,8 @@ def tool_choice(body: ChatRequest) -> ToolChoice:
     """``body``'s ``tools``, ``tool_choice`` and ``parallel_tool_calls`` checked: every refusal is
     a 400 naming the field."""
     choice = body.tool_choice
+    if body.tools:
+        _functions(body.tools)  # malformed tools are refused whatever the choice
     if choice in (None, "auto"):
         return ToolChoice(tools=body.tools)
     if choice == "none":

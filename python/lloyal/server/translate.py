@@ -64,6 +64,8 @@ def gen_spec(
     """One prompt of ``body`` as what the scheduler runs, refused if it does not fit the context.
     ``eog``: the model's end-of-generation tokens, banned when ``body.ignore_eos``."""
     _refuse_unimplemented(body)
+    if body.stream_options is not None and not body.stream:
+        raise ApiError("stream_options is only allowed with stream=true", param="stream_options")
     if not prompt:
         raise ApiError("the prompt is empty", param="prompt")
     if len(prompt) + max_tokens > ctx.n_ctx:
