@@ -75,6 +75,18 @@ PROMPT = "The capital of France is"
 # -- basics ----------------------------------------------------------------------------------
 
 
+def test_the_openapi_document_lists_the_errors_the_routes_answer(server: str) -> None:
+    """What a client generated from ``/openapi.json`` (or a schema-driven fuzzer) expects: a bad
+    body is a 400 with OpenAI's error JSON, not FastAPI's 422; ``/metrics`` is text."""
+    doc = httpx.get(server + "/openapi.json", headers=AUTH).json()
+    for path in ("/v1/completions", "/v1/chat/completions", "/tokenize"):
+        responses = doc["paths"][path]["post"]["responses"]
+        assert "422" not in responses and {"400", "401", "429", "503"} <= set(responses), path
+        schema = responses["400"]["content"]["application/json"]["schema"]
+        assert schema["properties"]["error"]["required"] == ["message", "type"]
+    assert "text/plain" in doc["paths"]["/metrics"]["get"]["responses"]["200"]["content"]
+
+
 def test_a_browser_on_another_origin_may_call_the_server(server: str) -> None:
     """CORS, allowed for any origin by default (llama-server's and vLLM's): the preflight is
     answered without the API key (browsers send none with it), the call itself still needs it."""

@@ -23,7 +23,7 @@ from fastapi.middleware.cors import CORSMiddleware
 
 from . import completions, embeddings, service
 from .config import ServerConfig
-from .errors import add_error_handlers
+from .errors import add_error_handlers, document_errors
 from .gate import Gate
 from .state import ServerState, StateHolder
 
@@ -58,6 +58,7 @@ def create_app(cfg: ServerConfig) -> FastAPI:
             allow_headers=["*"],
         )
     add_error_handlers(app)
+    document_errors(app)
     for routes in (service, embeddings, completions):
         routes.add_routes(app, state)
     return app

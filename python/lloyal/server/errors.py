@@ -3,6 +3,8 @@ refusals (:class:`~.scheduler.QueueFull`, :class:`~.scheduler.ShuttingDown`) as 
 
 from __future__ import annotations
 
+from typing import Any
+
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
@@ -13,7 +15,7 @@ import lloyal
 from ..scheduling.scheduler import QueueFull, ShuttingDown
 from .protocol import ApiError, error_body
 
-__all__ = ["RETRY_AFTER", "add_error_handlers", "scheduler_error"]
+__all__ = ["RETRY_AFTER", "add_error_handlers", "document_errors", "scheduler_error"]
 
 RETRY_AFTER = {"Retry-After": "1"}
 
@@ -94,3 +96,58 @@ def add_error_handlers(app: FastAPI) -> None:
     app.exception_handler(ValueError)(value_error)
     app.exception_handler(HTTPException)(http_error)
     app.exception_handler(Exception)(internal_error)
+
+
+# The statuses a route may answer with OpenAI's error JSON, as its OpenAPI document lists them.
+_ERRORS = {
+    "400": "a value the request may not have (the body not JSON, or breaking the schema, included)",
+    "401": "--api-key is set and the bearer token differs",
+    "404": "the model is not the one served",
+    "408": "the request ran past --request-timeout",
+    "413": "the body is over the server's limit",
+    "429": "--max-queue requests already wait (with Retry-After)",
+    "500": "a fault in the server",
+    "503": "the server is shutting down",
+}
+_ERROR_SCHEMA = {
+    "type": "object",
+    "required": ["error"],
+    "properties": {
+        "error": {
+            "type": "object",
+            "required": ["message", "type"],
+            "properties": {
+                "message": {"type": "string"},
+                "type": {"type": "string"},
+                "param": {"type": ["string", "null"]},
+                "code": {"type": ["string", "null"]},
+            },
+        }
+    },
+}
+
+
+def document_errors(app: FastAPI) -> None:
+    """Make ``app``'s OpenAPI document say what its routes answer: each route that takes a body
+    lists the error statuses above with OpenAI's error JSON, in place of FastAPI's 422 (a body
+    that breaks the schema is a 400 here: :func:`validation_error`)."""
+    plain = app.openapi
+
+    def openapi() -> dict[str, Any]:
+        if app.openapi_schema is not None:
+            return app.openapi_schema
+        doc = plain()
+        for item in doc.get("paths", {}).values():
+            for op in item.values():
+                responses = op.get("responses", {})
+                if responses.pop("422", None) is None:
+                    continue
+                body = {"application/json": {"schema": _ERROR_SCHEMA}}
+                for status, when in _ERRORS.items():
+                    responses.setdefault(status, {"description": when, "content": body})
+        doc.get("components", {}).get("schemas", {}).pop("HTTPValidationError", None)
+        doc.get("components", {}).get("schemas", {}).pop("ValidationError", None)
+        app.openapi_schema = doc
+        return doc
+
+    app.openapi = openapi  # type: ignore[method-assign]

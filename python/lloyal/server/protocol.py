@@ -142,7 +142,7 @@ class CompletionRequest(_Sampling):
 
 class ChatMessage(_Body):
     model_config = ConfigDict(extra="allow")
-    role: str
+    role: str = Field(min_length=1)
     content: str | list[dict[str, Any]] | None = None
     name: str | None = None
     tool_calls: list[dict[str, Any]] | None = None

@@ -22,7 +22,7 @@ def add_routes(app: FastAPI, state: StateGetter) -> None:
     async def health() -> dict[str, str]:
         return {"status": "ok"}
 
-    @app.get("/metrics")
+    @app.get("/metrics", response_class=PlainTextResponse)
     async def prometheus() -> Response:
         text, ctype = state().metrics.render()
         return PlainTextResponse(text, media_type=ctype)
