@@ -208,3 +208,39 @@ def test_stop_fails_the_queued_requests_too(model: lloyal.Model) -> None:
         ends, after = asyncio.run(main())
         assert ends == ["shut down", "shut down"]
         assert after == {**IDLE, "free leases": 4}
+
+
+def test_python_3_10s_timeout_gives_up_at_the_deadline_and_passes_a_cancellation_on() -> None:
+    """``_within`` (``_admit_by``'s form on Python 3.10, where ``asyncio.timeout_at`` is missing),
+    run here on any version: work past the deadline raises ``TimeoutError``; work done in time
+    returns; a caller cancelled meanwhile is cancelled (not timed out), the work with it, in the
+    caller's own task (``asyncio.wait_for`` ran the work in a task of its own, which on 3.10 could
+    return its result to a caller already cancelled)."""
+    from lloyal.scheduling.scheduler import _within
+
+    async def main() -> list[str]:
+        loop = asyncio.get_running_loop()
+        seen = []
+        try:
+            await _within(asyncio.sleep(10), loop.time() + 0.05)
+        except asyncio.TimeoutError:
+            seen.append("timed out")
+        await _within(asyncio.sleep(0.01), loop.time() + 5)
+        seen.append("in time")
+        tasks: list[asyncio.Task[object] | None] = []
+
+        async def work() -> None:
+            tasks.append(asyncio.current_task())
+            await asyncio.sleep(10)
+
+        caller = asyncio.create_task(_within(work(), loop.time() + 5))
+        await asyncio.sleep(0.01)
+        caller.cancel()
+        try:
+            await caller
+        except asyncio.CancelledError:
+            seen.append("cancelled")
+        seen.append("in the caller's task" if tasks == [caller] else "in another task")
+        return seen
+
+    assert asyncio.run(main()) == ["timed out", "in time", "cancelled", "in the caller's task"]

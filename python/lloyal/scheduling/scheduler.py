@@ -34,7 +34,7 @@ import functools
 import math
 import sys
 import time
-from collections.abc import AsyncGenerator, Sequence
+from collections.abc import AsyncGenerator, Awaitable, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -60,6 +60,32 @@ __all__ = [
 LOOKAHEAD = 8
 """Tokens a choice's generation may run ahead of the event loop: the engine keeps decoding
 while the loop turns tokens into events or waits for the context lock (a fork, a prune)."""
+
+
+async def _within(work: Awaitable[None], deadline: float) -> None:
+    """``await work`` in this task, cancelled at loop time ``deadline``, then raising
+    ``asyncio.TimeoutError``: Python 3.10's form of ``asyncio.timeout_at``. Not
+    ``asyncio.wait_for``, which runs ``work`` in a task of its own: on 3.10 it can return the
+    result of work that ends as the caller is cancelled (a client gone), swallowing the
+    cancellation."""
+    task = asyncio.current_task()
+    assert task is not None, "_within() runs in a task"
+    expired = False
+
+    def expire() -> None:
+        nonlocal expired
+        expired = True
+        task.cancel()
+
+    timer = asyncio.get_running_loop().call_at(deadline, expire)
+    try:
+        await work
+    except asyncio.CancelledError:
+        if expired:
+            raise asyncio.TimeoutError from None
+        raise
+    finally:
+        timer.cancel()
 
 
 class QueueFull(Exception):
@@ -352,8 +378,7 @@ class Scheduler:
             async with asyncio.timeout_at(deadline):
                 await self._admit(req)
         else:
-            left = max(0.0, deadline - asyncio.get_running_loop().time())
-            await asyncio.wait_for(self._admit(req), left)
+            await _within(self._admit(req), deadline)
 
     async def _admit(self, req: _Request) -> None:
         spec = req.spec
