@@ -116,6 +116,10 @@ def test_models_health_tokenize(server: str, client: openai.OpenAI, name: str, r
     assert bos.json()["tokens"] == ref.tokenize(PROMPT) == [ref.bos_token, *toks]
     back = httpx.post(server + "/detokenize", json={"tokens": toks}, headers=AUTH).json()["content"]
     assert back == PROMPT
+    # with pieces, as llama-server: a piece that is not UTF-8 alone (a byte-fallback token) as bytes
+    pieces = httpx.post(server + "/tokenize", json={"content": "a 🦙", "with_pieces": True}, headers=AUTH)
+    llama = list("🦙".encode())
+    assert [p["piece"] for p in pieces.json()["tokens"]] == ["a", " ", *([b] for b in llama)]
 
 
 def test_completion_greedy_equals_library(client: openai.OpenAI, name: str, ref: lloyal.Context) -> None:

@@ -69,6 +69,19 @@ def test_token_to_text(ctx: lloyal.Context) -> None:
     assert "".join(ctx.token_to_text(t) for t in tokens) == "The quick brown fox"
 
 
+def test_token_to_bytes_keeps_what_token_to_text_cannot_show(ctx: lloyal.Context) -> None:
+    """A byte-fallback token's byte, which ``token_to_text`` shows as U+FFFD: the bytes of a
+    text's tokens joined are the text's UTF-8."""
+    tokens = ctx.tokenize("héllo 🦙 ☃", add_special=False)
+    assert b"".join(ctx.token_to_bytes(t) for t in tokens) == "héllo 🦙 ☃".encode()
+    llama = ctx.tokenize("🦙", add_special=False)
+    assert [ctx.token_to_bytes(t) for t in llama] == [bytes([b]) for b in "🦙".encode()]
+    assert ctx.token_to_bytes(ctx.eog_token) == b""
+    assert ctx.token_to_bytes(ctx.eog_token, special=True) == b"<end_of_turn>"
+    with pytest.raises(lloyal.InvalidTokenError):
+        ctx.token_to_bytes(ctx.n_vocab)
+
+
 def test_text_stream_yields_a_split_emoji_whole(ctx: lloyal.Context) -> None:
     """🦙 (4 UTF-8 bytes) is four byte-fallback tokens: the stream yields nothing for the
     first three and the whole character on the last."""

@@ -392,6 +392,9 @@ class Context:
         """Token ids to text; ``special`` renders control tokens."""
     def token_to_text(self, token: int, special: bool = False) -> str:
         """One token's text (a partial UTF-8 character becomes U+FFFD; use ``text_stream()``)."""
+    def token_to_bytes(self, token: int, special: bool = False) -> bytes:
+        """One token's bytes as the model's vocabulary holds them (a byte-fallback token's one byte
+        of a UTF-8 character, which :meth:`token_to_text` shows as U+FFFD)."""
     def text_stream(self) -> TextStream:
         """A UTF-8-safe streaming detokenizer."""
     def is_stop_token(self, token: int) -> bool:

@@ -4,7 +4,7 @@ use crate::detach::detached;
 use crate::error::IntoPyResult;
 use crate::text::PyTextStream;
 use pyo3::prelude::*;
-use pyo3::types::PyDict;
+use pyo3::types::{PyBytes, PyDict};
 
 use super::{to_i32, PyContext};
 
@@ -43,6 +43,21 @@ impl PyContext {
         let model = self.inner.model();
         let t = model.check_token(token).py()?;
         Ok(String::from_utf8_lossy(&model.token_bytes(t, special).py()?).into_owned())
+    }
+
+    /// One token's bytes as the model's vocabulary holds them (a byte-fallback token's one byte
+    /// of a UTF-8 character, which :meth:`token_to_text` shows as U+FFFD).
+    #[pyo3(signature = (token, special=false))]
+    fn token_to_bytes<'py>(
+        &self,
+        py: Python<'py>,
+        token: i64,
+        special: bool,
+    ) -> PyResult<Bound<'py, PyBytes>> {
+        self.check_open()?;
+        let model = self.inner.model();
+        let t = model.check_token(token).py()?;
+        Ok(PyBytes::new(py, &model.token_bytes(t, special).py()?))
     }
 
     /// A UTF-8-safe streaming detokenizer.

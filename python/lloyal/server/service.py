@@ -39,7 +39,7 @@ def add_routes(app: FastAPI, state: StateGetter) -> None:
         ctx = state().ctx
         toks = ctx.tokenize(body.content, add_special=body.add_special, parse_special=body.parse_special)
         if body.with_pieces:
-            return {"tokens": [{"id": t, "piece": ctx.token_to_text(t, special=True)} for t in toks]}
+            return {"tokens": [{"id": t, "piece": _piece(ctx.token_to_bytes(t, special=True))} for t in toks]}
         return {"tokens": toks}
 
     @app.post("/detokenize")
@@ -51,3 +51,12 @@ def add_routes(app: FastAPI, state: StateGetter) -> None:
                 f"tokens holds token id {bad}, outside the vocabulary [0, {ctx.n_vocab})", param="tokens"
             )
         return {"content": ctx.detokenize(body.tokens, special=True)}
+
+
+def _piece(raw: bytes) -> str | list[int]:
+    """A token's piece as llama-server gives it: its text, or its bytes where they are not
+    UTF-8 on their own (a byte-fallback token's part of a character)."""
+    try:
+        return raw.decode("utf-8")
+    except UnicodeDecodeError:
+        return list(raw)
