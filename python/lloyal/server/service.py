@@ -8,8 +8,9 @@ from typing import Any
 from fastapi import FastAPI
 from fastapi.responses import PlainTextResponse, Response
 
-from .protocol import ApiError, DetokenizeRequest, TokenizeRequest
+from .protocol import DetokenizeRequest, TokenizeRequest
 from .state import StateGetter
+from .translate import check_ids
 
 __all__ = ["add_routes"]
 
@@ -45,11 +46,7 @@ def add_routes(app: FastAPI, state: StateGetter) -> None:
     @app.post("/detokenize")
     async def detokenize(body: DetokenizeRequest) -> dict[str, Any]:
         ctx = state().ctx
-        bad = next((t for t in body.tokens if not 0 <= t < ctx.n_vocab), None)
-        if bad is not None:
-            raise ApiError(
-                f"tokens holds token id {bad}, outside the vocabulary [0, {ctx.n_vocab})", param="tokens"
-            )
+        check_ids(ctx, body.tokens, "tokens")
         return {"content": ctx.detokenize(body.tokens, special=True)}
 
 

@@ -75,8 +75,9 @@ async def completion_chunks(
     async for k, ev in merged(st, specs):
         if isinstance(ev, PromptScores):
             lp = completion_logprobs(ctx, ev.tokens)
+            prompt_end = sum(map(len, lp["tokens"]))
             for j in range(n):
-                offset[k * n + j] = sum(map(len, lp["tokens"]))
+                offset[k * n + j] = prompt_end
                 yield chunk(k * n + j, echoes[k], lp, None)
         elif isinstance(ev, Done):
             dones.append(ev)

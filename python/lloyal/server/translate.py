@@ -15,7 +15,7 @@ from ..scheduling.scheduler import GenSpec
 from .config import ServerConfig
 from .protocol import ApiError, ChatRequest, CompletionRequest
 
-__all__ = ["chat_prompt", "check_model", "gen_spec", "message_dict", "token_lists"]
+__all__ = ["chat_prompt", "check_ids", "check_model", "gen_spec", "message_dict", "token_lists"]
 
 
 def check_model(name: str | None, cfg: ServerConfig) -> None:
@@ -42,12 +42,17 @@ def token_lists(ctx: lloyal.Context, value: Any, *, add_special: bool, param: st
     else:
         raise ApiError(f"{param} must be a string, a list of strings, or token ids", param=param)
     for toks in out:
-        bad = [t for t in toks if not 0 <= t < ctx.n_vocab]
-        if bad:
-            raise ApiError(
-                f"{param} holds token id {bad[0]}, outside the vocabulary [0, {ctx.n_vocab})", param=param
-            )
+        check_ids(ctx, toks, param)
     return out
+
+
+def check_ids(ctx: lloyal.Context, tokens: Sequence[int], param: str) -> None:
+    """A 400 naming ``param`` for the first of ``tokens`` outside the vocabulary."""
+    bad = next((t for t in tokens if not 0 <= t < ctx.n_vocab), None)
+    if bad is not None:
+        raise ApiError(
+            f"{param} holds token id {bad}, outside the vocabulary [0, {ctx.n_vocab})", param=param
+        )
 
 
 def gen_spec(
@@ -98,12 +103,7 @@ def gen_spec(
             param="min_tokens",
         )
     stop_ids = body.stop_token_ids or []
-    bad = [t for t in stop_ids if not 0 <= t < ctx.n_vocab]
-    if bad:
-        raise ApiError(
-            f"stop_token_ids holds {bad[0]}, outside the vocabulary [0, {ctx.n_vocab})",
-            param="stop_token_ids",
-        )
+    check_ids(ctx, stop_ids, "stop_token_ids")
     return GenSpec(
         prompt=prompt,
         params=params,
