@@ -144,6 +144,13 @@ def test_echo_and_stop(client: openai.OpenAI, name: str, ref: lloyal.Context) ->
     r = client.completions.create(model=name, prompt=PROMPT, max_tokens=16, temperature=0, stop=[stop])
     assert r.choices[0].text == full[: full.index(stop)]
     assert r.choices[0].finish_reason == "stop"
+    # more than OpenAI's 4 (vLLM and llama-server take any number): the one that matches is the 6th
+    many = [f"never-{i}-zz" for i in range(5)] + [stop]
+    m = client.completions.create(model=name, prompt=PROMPT, max_tokens=16, temperature=0, stop=many)
+    assert (m.choices[0].text, m.choices[0].finish_reason) == (r.choices[0].text, "stop")
+    for bad in (["x"] * 65, [stop, ""]):
+        with pytest.raises(openai.BadRequestError, match="stop takes at most 64 non-empty strings"):
+            client.completions.create(model=name, prompt=PROMPT, max_tokens=4, stop=bad)
     e = client.completions.create(model=name, prompt=PROMPT, max_tokens=3, temperature=0, echo=True)
     assert e.choices[0].text.startswith(PROMPT) and len(e.choices[0].text) > len(PROMPT)
 

@@ -15,6 +15,10 @@ from ..scheduling.scheduler import GenSpec
 from .config import ServerConfig
 from .protocol import ApiError, ChatRequest, CompletionRequest
 
+#: Most stop strings a request gives: OpenAI takes 4, vLLM and llama-server any number; each is
+#: looked for at every token, so the list is bounded.
+MAX_STOP = 64
+
 __all__ = ["chat_prompt", "check_ids", "check_model", "gen_spec", "message_dict", "token_lists"]
 
 
@@ -91,8 +95,8 @@ def gen_spec(
             )
         bias |= dict.fromkeys(eog, float("-inf"))
     stop = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
-    if len(stop) > 4 or any(not s for s in stop):
-        raise ApiError("stop takes at most 4 non-empty strings", param="stop")
+    if len(stop) > MAX_STOP or any(not s for s in stop):
+        raise ApiError(f"stop takes at most {MAX_STOP} non-empty strings", param="stop")
     if body.min_tokens > max_tokens:
         raise ApiError(
             f"min_tokens ({body.min_tokens}) must be at most max_tokens ({max_tokens})", param="min_tokens"
