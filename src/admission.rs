@@ -6,12 +6,13 @@ use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
 
 use lloyal_core::cache::admission::{self, Start};
 use lloyal_core::cache::{self, PrefixIndex};
-use lloyal_core::Context;
+use lloyal_core::{Context, ContextState};
 use pyo3::prelude::*;
 
 use crate::branch::PyBranch;
 use crate::context::PyContext;
 use crate::error::to_py;
+use crate::lease;
 
 /// When and from what generation requests start: at most ``max_running`` choices run; a
 /// request forks the longest cached prefix of its prompt or, when a running request is still
@@ -33,7 +34,8 @@ pub struct PyAdmission {
     max_running: usize,
     ctx: Py<PyContext>,
     core: Arc<Context>,
-    book: Mutex<admission::Admission>,
+    /// Shared with the engine, which records a copy written back ([`PyAdmission::arestore`]).
+    book: Arc<Mutex<admission::Admission>>,
 }
 
 /// The terms a request is admitted on (:meth:`Admission.plan`).
@@ -50,9 +52,15 @@ pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<PyPlan>()
 }
 
+/// Lock an admission book (a poisoned lock is taken over: the book stays consistent between
+/// its calls).
+fn lock_book(book: &Mutex<admission::Admission>) -> MutexGuard<'_, admission::Admission> {
+    book.lock().unwrap_or_else(PoisonError::into_inner)
+}
+
 impl PyAdmission {
     fn book(&self) -> MutexGuard<'_, admission::Admission> {
-        self.book.lock().unwrap_or_else(PoisonError::into_inner)
+        lock_book(&self.book)
     }
 
     /// Run `f` on the book and the context's prefix index, locked in that order.
@@ -73,7 +81,7 @@ impl PyAdmission {
     fn new(ctx: Py<PyContext>, max_running: usize) -> Self {
         let core = Arc::clone(&ctx.get().inner);
         let book = admission::Admission::new(max_running);
-        PyAdmission { max_running: book.max_running(), ctx, core, book: Mutex::new(book) }
+        PyAdmission { max_running: book.max_running(), ctx, core, book: Arc::new(Mutex::new(book)) }
     }
 
     /// Choices running now (admitted, not yet released).
@@ -118,12 +126,29 @@ impl PyAdmission {
             return Ok(None);
         };
         let base = match plan.start {
-            Start::New => None,
+            Start::New | Start::Restore { .. } => None,
             Start::Fork { handle, .. } => {
                 Some(Py::new(py, PyBranch { ctx: self.ctx.clone_ref(py), handle })?)
             }
         };
         Ok(Some(PyPlan { plan, base }))
+    }
+
+    /// Await the prefix cache's host-memory copy that a plan with :attr:`AdmissionPlan.restores`
+    /// reuses, written back into the context after its room was found and reserved: the branch
+    /// holding it (a cache entry again, pinned until the plan is admitted or released), to fork
+    /// as another plan forks :attr:`AdmissionPlan.base`. Once per plan.
+    fn arestore<'py>(&self, py: Python<'py>, plan: &PyPlan) -> PyResult<Bound<'py, PyAny>> {
+        let id = plan.plan.id;
+        let (tokens, copy) = self.book().take_restore(id).map_err(to_py)?;
+        let book = Arc::clone(&self.book);
+        let make = Box::new(move |s: &mut ContextState| {
+            let handle = s.cache_restore(&tokens, copy)?;
+            let index = Arc::clone(s.prefix_index());
+            lock_book(&book).restored(&mut cache::lock(&index), id, handle);
+            Ok(handle)
+        });
+        lease::awaitable_branch(py, &self.ctx, None, Some(0.0), make)
     }
 
     /// The room was found: hold the plan's need from later requests, and make its prompt one
@@ -202,9 +227,16 @@ impl PyPlan {
     #[getter]
     fn at(&self) -> Option<usize> {
         match self.plan.start {
-            Start::Fork { at, .. } => at,
+            Start::Fork { at, .. } | Start::Restore { at } => at,
             Start::New => None,
         }
+    }
+
+    /// The request starts from a prefix cache entry evicted to host memory, written back by
+    /// :meth:`Admission.arestore` (:attr:`base` is ``None`` until then).
+    #[getter]
+    fn restores(&self) -> bool {
+        matches!(self.plan.start, Start::Restore { .. })
     }
 
     /// Prompt tokens reused (from the cache, or from a prompt in flight).

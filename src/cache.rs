@@ -138,6 +138,21 @@ impl PyPrefixCache {
         self.tidy(py);
     }
 
+    /// Most bytes of host memory the copies of evicted entries hold (0, the default: none are
+    /// kept). An entry evicted for room is copied first (its cells, sampler and logits), and a
+    /// request that would reuse more of a copy than of any live entry writes it back instead of
+    /// prefilling those tokens again (as llama-server's ``--cache-ram``); least recently used
+    /// copies go to keep within it.
+    #[getter]
+    fn host_budget(&self) -> usize {
+        self.index().host.budget()
+    }
+
+    #[setter]
+    fn set_host_budget(&self, bytes: usize) {
+        self.index().host.set_budget(bytes);
+    }
+
     /// Await room for ``leases`` more branches and ``cells`` more KV cells, evicting entries
     /// if need be; raises ``LeaseExhaustedError`` or ``KvCacheFullError`` when even an empty
     /// cache would not make it.
@@ -170,9 +185,15 @@ impl PyPrefixCache {
     /// forks or pins them), ``hit_tokens`` (prompt tokens served from the cache),
     /// ``lookup_tokens`` (prompt tokens looked up), ``evictions``, and ``reuse`` (moving average
     /// of the share of recent prompts the cache served, or an entry it evicted would have; about
-    /// the last 10 prompts count).
+    /// the last 10 prompts count); and of the host tier (:attr:`host_budget`): ``host_entries``
+    /// and ``host_bytes`` (copies kept now), ``host_kept`` (entries copied as they were
+    /// evicted), ``host_restored`` (copies written back), ``host_restored_tokens`` (prompt
+    /// tokens they served) and ``host_dropped`` (copies dropped for the budget).
     fn stats<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
-        let s = self.index().stats();
+        let (s, h) = {
+            let ix = self.index();
+            (ix.stats(), ix.host.stats())
+        };
         let out = PyDict::new(py);
         out.set_item("entries", s.entries)?;
         out.set_item("released", s.released)?;
@@ -180,6 +201,12 @@ impl PyPrefixCache {
         out.set_item("lookup_tokens", s.lookup_tokens)?;
         out.set_item("evictions", s.evictions)?;
         out.set_item("reuse", s.reuse)?;
+        out.set_item("host_entries", h.entries)?;
+        out.set_item("host_bytes", h.bytes)?;
+        out.set_item("host_kept", h.kept)?;
+        out.set_item("host_restored", h.restored)?;
+        out.set_item("host_restored_tokens", h.restored_tokens)?;
+        out.set_item("host_dropped", h.dropped)?;
         Ok(out)
     }
 }

@@ -534,10 +534,10 @@ def test_a_drain_waits_for_a_request_still_making_its_branches(model: lloyal.Mod
         making, go = asyncio.Event(), asyncio.Event()
         admit_one = sched._admit_one
 
-        async def held(req: object, plan: _lloyal.AdmissionPlan) -> None:
+        async def held(req: object, plan: _lloyal.AdmissionPlan, base: lloyal.Branch | None) -> None:
             making.set()
             await go.wait()
-            await admit_one(req, plan)  # type: ignore[arg-type]
+            await admit_one(req, plan, base)  # type: ignore[arg-type]
 
         sched._admit_one = held  # type: ignore[method-assign]
         spec = GenSpec(prompt=ctx.tokenize("The word apple means"), params=GREEDY, max_tokens=3)

@@ -580,6 +580,22 @@ class PrefixCache:
         hits reached back (1 + the entries used since the newest holding what a hit
         reused), since every kept cell slows every decode a little.
         """
+    @property
+    def host_budget(self) -> int:
+        """Most bytes of host memory the copies of evicted entries hold (0, the default: none are
+        kept). An entry evicted for room is copied first (its cells, sampler and logits), and a
+        request that would reuse more of a copy than of any live entry writes it back instead of
+        prefilling those tokens again (as llama-server's ``--cache-ram``); least recently used
+        copies go to keep within it.
+        """
+    @host_budget.setter
+    def host_budget(self, bytes: int) -> None:
+        """Most bytes of host memory the copies of evicted entries hold (0, the default: none are
+        kept). An entry evicted for room is copied first (its cells, sampler and logits), and a
+        request that would reuse more of a copy than of any live entry writes it back instead of
+        prefilling those tokens again (as llama-server's ``--cache-ram``); least recently used
+        copies go to keep within it.
+        """
     def amake_room(self, *, leases: int = 0, cells: int = 0) -> Coroutine[Any, Any, None]:
         """Await room for ``leases`` more branches and ``cells`` more KV cells, evicting entries
         if need be; raises ``LeaseExhaustedError`` or ``KvCacheFullError`` when even an empty
@@ -595,7 +611,10 @@ class PrefixCache:
         forks or pins them), ``hit_tokens`` (prompt tokens served from the cache),
         ``lookup_tokens`` (prompt tokens looked up), ``evictions``, and ``reuse`` (moving average
         of the share of recent prompts the cache served, or an entry it evicted would have; about
-        the last 10 prompts count).
+        the last 10 prompts count); and of the host tier (:attr:`host_budget`): ``host_entries``
+        and ``host_bytes`` (copies kept now), ``host_kept`` (entries copied as they were
+        evicted), ``host_restored`` (copies written back), ``host_restored_tokens`` (prompt
+        tokens they served) and ``host_dropped`` (copies dropped for the budget).
         """
 
 @final
@@ -637,6 +656,12 @@ class Admission:
         flight it would fork is not written yet). Await room for the plan's ``leases`` and
         ``cells``, then :meth:`reserve` it; :meth:`release` it in every case. ``share=False``:
         the request forks nothing and writes its whole prompt (one scored token by token).
+        """
+    def arestore(self, plan: AdmissionPlan) -> Coroutine[Any, Any, Branch]:
+        """Await the prefix cache's host-memory copy that a plan with :attr:`AdmissionPlan.restores`
+        reuses, written back into the context after its room was found and reserved: the branch
+        holding it (a cache entry again, pinned until the plan is admitted or released), to fork
+        as another plan forks :attr:`AdmissionPlan.base`. Once per plan.
         """
     def reserve(self, plan: AdmissionPlan) -> None:
         """The room was found: hold the plan's need from later requests, and make its prompt one
@@ -682,6 +707,11 @@ class AdmissionPlan:
     def at(self) -> int | None:
         """Fork :attr:`base` at this position (``None``: whole, with its logits)."""
     @property
+    def restores(self) -> bool:
+        """The request starts from a prefix cache entry evicted to host memory, written back by
+        :meth:`Admission.arestore` (:attr:`base` is ``None`` until then).
+        """
+    @property
     def reused(self) -> int:
         """Prompt tokens reused (from the cache, or from a prompt in flight)."""
     @property
@@ -718,12 +748,15 @@ class Grammar:
 
     @staticmethod
     def from_json_schema(ctx_or_model: Context | Model, schema: str | Mapping[str, Any]) -> Grammar:
-        """A grammar accepting exactly the JSON documents that match ``schema`` (a dict or JSON
-        text), compiled by llguidance for the model of ``ctx_or_model``: ``$ref``/``$defs``,
-        ``anyOf``/``oneOf``, ``pattern``, ``format``, numeric bounds, ``minItems``/``maxItems``,
-        ``additionalProperties``. Output is compact (no whitespace outside strings) unless the
-        schema's ``x-guidance`` entry says otherwise. An invalid or unsupported schema, or one
-        beyond llguidance's size limits, raises ``GrammarError`` with llguidance's reason.
+        """A grammar for the JSON documents ``schema`` (a dict or JSON text) describes, compiled by
+        llguidance for the model of ``ctx_or_model``: ``$ref``/``$defs``, ``anyOf``/``oneOf``,
+        ``pattern``, ``format``, numeric bounds, ``minItems``/``maxItems``,
+        ``additionalProperties``. Read as llama.cpp's converter reads a schema: an object that
+        lists ``properties`` and says nothing of other keys takes no others, ``oneOf`` is
+        ``anyOf``, keywords and formats llguidance does not implement are ignored; output is
+        compact (no whitespace outside strings). The schema's ``x-guidance`` entry overrides
+        these options. An invalid schema, or one beyond llguidance's size limits, raises
+        ``GrammarError`` with llguidance's reason.
         """
     @staticmethod
     def from_lark(ctx_or_model: Context | Model, lark: str) -> Grammar:
@@ -755,7 +788,9 @@ class Grammar:
     def apply(self, logits: npt.NDArray[np.float32]) -> None:
         """Set every forbidden token to ``-inf`` in ``logits`` (float32, length n_vocab), in place."""
     def accept(self, token: int) -> None:
-        """Advance past ``token``; a forbidden token raises ``GrammarError`` (state unchanged)."""
+        """Advance past ``token``; a forbidden token raises ``GrammarError``, one outside the
+        vocabulary ``InvalidTokenError`` (state unchanged either way).
+        """
     def allows(self, token: int) -> bool:
         """Whether ``token`` may come next."""
     def reset(self) -> None:

@@ -381,6 +381,8 @@ def serve(args: argparse.Namespace) -> int:
         raise ValueError("--request-timeout, --max-queue and --shutdown-grace must be >= 0")
     if args.cache_cells is not None and args.cache_cells < 0:
         raise ValueError("--cache-cells must be >= 0 (0: keep no finished request's KV)")
+    if args.cache_ram < -1:
+        raise ValueError("--cache-ram must be >= -1 (MiB; 0: keep no copies, -1: no limit)")
     try:
         from lloyal.server import ServerConfig
         from lloyal.server import serve as run_server
@@ -389,7 +391,7 @@ def serve(args: argparse.Namespace) -> int:
     # Options whose ServerConfig field has the flag's name.
     same_name = (
         "n_ctx", "parallel", "api_key", "embeddings", "max_queue", "shutdown_grace",
-        "batch_invariant", "n_gpu_layers", "prefill_chunk", "cache_cells", "warmup",
+        "batch_invariant", "n_gpu_layers", "prefill_chunk", "cache_cells", "cache_ram", "warmup",
     )  # fmt: skip
     cfg = ServerConfig(
         model=_model_path(args.model),
@@ -519,6 +521,15 @@ def _parser() -> argparse.ArgumentParser:
         help="most KV cells the prefix cache keeps of finished requests (default: --n-ctx times the share "
         "of recent prompts it served or would have, and at most the prompts its recent hits "
         "reached back); every cell kept slows every decode a little (docs/server.md)",
+    )
+    sv.add_argument(
+        "--cache-ram",
+        type=int,
+        default=8192,
+        metavar="MiB",
+        help="host memory for copies of prefix cache entries evicted for room: a prompt that reuses one "
+        "has it written back instead of prefilling it again, as llama-server's --cache-ram "
+        "(default 8192; 0: none kept; -1: no limit)",
     )
     sv.add_argument(
         "--mmap",

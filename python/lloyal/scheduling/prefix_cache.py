@@ -87,6 +87,18 @@ class PrefixCache:
         ``Admission`` admitted on a miss, which will add one each."""
         self._native.follow_reuse()
 
+    def keep_evicted(self, host_bytes: int) -> None:
+        """Copy entries into host memory as they are evicted, keeping at most ``host_bytes`` of
+        copies (0: none; least recently used go first): a request that reuses more of a copy
+        than of any live entry has it written back instead of prefilling its tokens again (as
+        llama-server's ``--cache-ram``). A copy holds the entry's KV cells and logits."""
+        self._native.host_budget = max(0, host_bytes)
+
+    @property
+    def host_budget(self) -> int:
+        """Most bytes the copies of evicted entries hold (0: none kept)."""
+        return self._native.host_budget
+
     @property
     def budget(self) -> int | None:
         """The budget in force (``None``: no limit)."""

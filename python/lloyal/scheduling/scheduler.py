@@ -221,6 +221,7 @@ class Scheduler:
         max_queue: int | None = None,
         cache_cells: int | None = None,
         reserve: bool = False,
+        host_cache_bytes: int = 0,
     ) -> None:
         self.ctx = ctx
         self.max_queue = max_queue  # None: unbounded
@@ -232,6 +233,8 @@ class Scheduler:
             self.cache.follow_reuse()
         else:
             self.cache.trim(cache_cells)
+        # entries evicted for room kept in host memory, written back for a prompt that reuses them
+        self.cache.keep_evicted(host_cache_bytes)
         # True: each choice waits in the engine for room for its max_tokens (a batch job's
         # choices all finish); False: a choice that finds the cache full ends with "length"
         self.reserve = reserve
@@ -390,10 +393,12 @@ class Scheduler:
         req.plan, req.cached_tokens = plan, plan.reused
         made: list[lloyal.Branch] = []  # the new root, once made
         try:
+            # a cached prefix evicted to host memory is written back first (an entry again)
+            base = await self.book.arestore(plan) if plan.restores else plan.base
             if spec.best_of == 1:
-                await self._admit_one(req, plan)
+                await self._admit_one(req, plan, base)
             else:
-                await self._admit_forks(req, plan, made)
+                await self._admit_forks(req, plan, base, made)
             if self._closed:
                 raise ShuttingDown(self._cancelled_message())
             self.book.admitted(plan)
@@ -408,12 +413,14 @@ class Scheduler:
         self.cache.record(req.cached_tokens, spec.prompt)
         self.prompt_tokens += len(spec.prompt)
 
-    async def _admit_one(self, req: _Request, plan: _lloyal.AdmissionPlan) -> None:
-        """One choice: its branch is a fork of the cached (or in-flight) prefix, or a new
-        branch, and its generation request prefills the rest of the prompt in the engine and
+    async def _admit_one(
+        self, req: _Request, plan: _lloyal.AdmissionPlan, base: lloyal.Branch | None
+    ) -> None:
+        """One choice: its branch is a fork of the cached (or in-flight) prefix ``base``, or a
+        new branch, and its generation request prefills the rest of the prompt in the engine and
         goes straight on to its tokens."""
         spec = req.spec
-        b = await self._prefix_branch(plan, spec.params)
+        b = await self._prefix_branch(plan, base, spec.params)
         req.choices.append(_Choice(req, 0, b))
         await self._setup(b, spec, 0, reseed=plan.exact)
         self.book.holds(plan, b)
@@ -424,15 +431,19 @@ class Scheduler:
             req.choices[0].prompt = [] if plan.exact else spec.prompt[plan.reused :]
 
     async def _admit_forks(
-        self, req: _Request, plan: _lloyal.AdmissionPlan, made: list[lloyal.Branch]
+        self,
+        req: _Request,
+        plan: _lloyal.AdmissionPlan,
+        base: lloyal.Branch | None,
+        made: list[lloyal.Branch],
     ) -> None:
         """``best_of`` choices: the prompt is prefilled once on a root (or is ``exact``ly a
-        cached entry), and each choice forks it."""
+        cached entry, ``base``), and each choice forks it."""
         spec = req.spec
-        if plan.exact and plan.base is not None:
-            req.root, req.root_is_entry = plan.base, True
+        if plan.exact and base is not None:
+            req.root, req.root_is_entry = base, True
         else:
-            made.append(await self._prefix_branch(plan, spec.params))
+            made.append(await self._prefix_branch(plan, base, spec.params))
             self.book.holds(plan, made[0])
             if spec.prompt_logprobs is not None:
                 await self._score(req, made[0])
@@ -475,15 +486,15 @@ class Scheduler:
         ]
 
     async def _prefix_branch(
-        self, plan: _lloyal.AdmissionPlan, params: lloyal.SamplingParams
+        self, plan: _lloyal.AdmissionPlan, base: lloyal.Branch | None, params: lloyal.SamplingParams
     ) -> lloyal.Branch:
-        """A fork of the plan's base (whole, with its logits, when ``at`` is None; else its
+        """A fork of the plan's ``base`` (whole, with its logits, when ``at`` is None; else its
         first ``at`` positions), or a new branch when nothing is shared. Awaited in the engine:
         made at once between its ticks, else when the tick in progress ends (the event loop
         keeps serving meanwhile)."""
-        if plan.base is None:
+        if base is None:
             return await lloyal.Branch.acreate(self.ctx, 0, params)
-        return await plan.base.afork(at=plan.at)
+        return await base.afork(at=plan.at)
 
     def _written(self, req: _Request) -> None:
         """``req``'s prompt is in its branch's KV: requests waiting to fork it may go on."""

@@ -28,6 +28,9 @@ class ServerConfig:
     n_gpu_layers: int | None = None  # layers on the GPU (None: $LLOYAL_N_GPU_LAYERS; invariant: CPU)
     prefill_chunk: int | None = None  # Context.engine_prefill_chunk: None paced, 0 the batch, N a cap
     cache_cells: int | None = None  # most KV cells the prefix cache keeps (None: see Scheduler)
+    # MiB of host memory for copies of evicted prefix cache entries, written back for a prompt
+    # that reuses them (0: none; -1: no limit), as llama-server's --cache-ram (same default)
+    cache_ram: int = 8192
     use_mmap: bool = False  # map the weights file (True) or read it into huge-page memory
     warmup: bool = True  # decode a token at startup: the first request pays no first-use costs
     # CORS: the origins whose web pages may call the server ("*": any, as llama-server and

@@ -108,6 +108,16 @@ class Metrics(Collector):
         yield CounterMetricFamily(
             "lloyal_prefix_cache_evictions", "Cached branches evicted", value=cache["evictions"]
         )
+        yield GaugeMetricFamily(
+            "lloyal_prefix_cache_host_bytes",
+            "Bytes of host memory held by copies of evicted entries (--cache-ram)",
+            value=cache["host_bytes"],
+        )
+        yield CounterMetricFamily(
+            "lloyal_prefix_cache_host_restored_tokens",
+            "Prompt tokens served by copies written back from host memory",
+            value=cache["host_restored_tokens"],
+        )
         eng = st.ctx.engine_stats()
         for name, doc, value in (
             ("ticks", "Engine ticks that decoded something", eng.ticks),

@@ -53,7 +53,11 @@ class ServerState:
         # the model's end-of-generation tokens (banned by a request's ignore_eos)
         self.eog_tokens = self.ctx.eog_tokens
         self.scheduler = Scheduler(
-            self.ctx, max_running=cfg.parallel, max_queue=cfg.max_queue, cache_cells=cfg.cache_cells
+            self.ctx,
+            max_running=cfg.parallel,
+            max_queue=cfg.max_queue,
+            cache_cells=cfg.cache_cells,
+            host_cache_bytes=(1 << 62) if cfg.cache_ram < 0 else cfg.cache_ram << 20,
         )
         self.embed_lock = asyncio.Lock()
         self.metrics = metrics.Metrics(self)

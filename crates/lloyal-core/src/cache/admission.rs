@@ -13,6 +13,7 @@
 use std::collections::HashMap;
 
 use super::radix::RadixTree;
+use super::stow::Stowed;
 use super::{reusable, PrefixIndex, MIN_SHARED};
 use crate::error::{LloyalError, Result};
 use crate::tenancy::Handle;
@@ -51,6 +52,9 @@ pub enum Start {
     /// A fork of `handle`: whole, with its logits, when `at` is `None`; else its first `at`
     /// positions (the rest of the prompt is prefilled).
     Fork { handle: Handle, at: Option<usize> },
+    /// A fork, as `Fork`, of an evicted entry the host tier kept, once written back into the
+    /// context ([`Admission::take_restore`]).
+    Restore { at: Option<usize> },
 }
 
 /// The terms a request is admitted on ([`Admission::plan`]).
@@ -101,6 +105,9 @@ struct Held {
     running: bool,
     /// It forks nothing: counted by [`PrefixIndex::expect_tip`] until released.
     new_tip: bool,
+    /// The host tier's copy it writes back (`Start::Restore`) until taken: its tokens and
+    /// size in bytes.
+    restore: Option<(Vec<i32>, Stowed, usize)>,
 }
 
 fn held(plans: &mut HashMap<u64, Held>, plan: u64) -> Result<&mut Held> {
@@ -205,8 +212,14 @@ impl Admission {
         let entry = if share { index.lookup(prompt) } else { None };
         let hit = entry.map_or(0, |f| f.used);
         let shared = if share { self.in_flight(prompt, hit) } else { None };
-        let (start, reused, exact, source) = match shared {
-            Some((key, shared)) => {
+        // an evicted entry's copy that serves more than the live entries (and no prompt in flight
+        // shares more), taken out of the host tier for this request to write back
+        let copy = if share && shared.is_none() { index.host.lookup(prompt, hit) } else { None };
+        let restore = copy.and_then(|c| {
+            index.host.take(c.key).map(|(tokens, value, bytes)| (c.used, tokens, value, bytes))
+        });
+        let (start, reused, exact, source) = match (shared, &restore) {
+            (Some((key, shared)), _) => {
                 if let Some(f) = entry {
                     index.unpin(f.handle);
                 }
@@ -215,7 +228,15 @@ impl Admission {
                 index.pin(handle);
                 (Start::Fork { handle, at: Some(shared) }, shared, false, Some(key))
             }
-            None => match entry {
+            (None, Some((used, tokens, _, _))) => {
+                if let Some(f) = entry {
+                    index.unpin(f.handle);
+                }
+                let whole = *used == tokens.len();
+                let at = if whole { None } else { Some(*used) };
+                (Start::Restore { at }, *used, whole && tokens.len() == prompt.len(), None)
+            }
+            (None, None) => match entry {
                 Some(f) => {
                     let whole = f.used == f.len;
                     let at = if whole { None } else { Some(f.used) };
@@ -225,10 +246,15 @@ impl Admission {
             },
         };
         let leases = if best_of == 1 { 1 } else { best_of + usize::from(!exact) };
-        let need = Need { choices: best_of, leases, cells: prompt.len() - reused + 1 };
+        let mut need = Need { choices: best_of, leases, cells: prompt.len() - reused + 1 };
+        if let Some((_, _, copy, _)) = &restore {
+            // the copy written back is an entry of its own: a lease and its cells more
+            need.leases += 1;
+            need.cells += copy.cells();
+        }
         let pin = match start {
             Start::Fork { handle, .. } => Some(handle),
-            Start::New => None,
+            Start::New | Start::Restore { .. } => None,
         };
         self.next += 1;
         let id = self.next;
@@ -243,6 +269,7 @@ impl Admission {
             writes: false,
             running: false,
             new_tip: start == Start::New,
+            restore: restore.map(|(_, tokens, value, bytes)| (tokens, value, bytes)),
         };
         if held.new_tip {
             index.expect_tip();
@@ -307,6 +334,26 @@ impl Admission {
         Ok(())
     }
 
+    /// The host tier's copy a `Start::Restore` plan writes back, with the tokens it holds, taken
+    /// once (the caller writes it back: [`crate::ContextState::cache_restore`], then
+    /// [`Admission::restored`]).
+    pub fn take_restore(&mut self, plan: u64) -> Result<(Vec<i32>, Stowed)> {
+        let held = held(&mut self.plans, plan)?;
+        let (tokens, copy, _) = held.restore.take().ok_or_else(|| {
+            LloyalError::invalid(format!("admission plan {plan} writes back no cached copy, or did already"))
+        })?;
+        Ok((tokens, copy))
+    }
+
+    /// The plan's copy was written back as entry `handle`: pinned until the plan is admitted or
+    /// released (an entry of the cache like any other if the plan was released meanwhile).
+    pub fn restored(&mut self, index: &mut PrefixIndex, plan: u64, handle: Handle) {
+        let Some(held) = self.plans.get_mut(&plan) else { return };
+        index.pin(handle);
+        index.host.restored(held.reused);
+        held.pin = Some(handle);
+    }
+
     /// The plan's prompt is in its branch's KV: requests waiting to fork it may go on. Whether
     /// it was news (wake the waiters).
     pub fn written(&mut self, plan: u64) -> bool {
@@ -345,6 +392,9 @@ impl Admission {
         let Some(held) = self.plans.remove(&plan) else { return false };
         if let Some(h) = held.pin {
             index.unpin(h);
+        }
+        if let Some((tokens, copy, bytes)) = held.restore {
+            index.host.put_back(&tokens, copy, bytes); // never written back
         }
         if held.reserved {
             self.reserved = self.reserved.minus(held.need);

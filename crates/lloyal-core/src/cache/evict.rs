@@ -68,9 +68,10 @@ impl ContextState {
             // chosen and taken out under one lock: a lookup cannot pin it in between
             let mut ix = lock(&cache);
             let victim = ix.victim(|h| !keep.contains(&h) && self.is_leaf(h));
-            victim.inspect(|&h| ix.evicted(h))
+            victim.and_then(|h| Some((h, ix.evicted(h)?)))
         };
-        let Some(h) = victim else { return false };
+        let Some((h, tokens)) = victim else { return false };
+        self.stow(h, &tokens);
         let _ = self.branch_prune(h);
         true
     }

@@ -11,14 +11,18 @@
 
 pub mod admission;
 pub(crate) mod evict;
+pub mod host;
 pub mod radix;
+pub mod stow;
 
 pub use evict::{lock, SharedIndex};
 
 use std::collections::{HashMap, VecDeque};
 
 use crate::tenancy::Handle;
+use host::HostTier;
 use radix::RadixTree;
+use stow::Stowed;
 
 /// Fewest tokens a request reuses from an entry it does not match whole: sharing less (the
 /// BOS token, a chat template's opening) saves next to no prefill, yet ties the new branch to
@@ -90,6 +94,8 @@ pub struct PrefixIndex {
     /// Requests admitted on a miss (they fork nothing) and not yet ended: each will add an
     /// entry nothing forks, so the entry limit makes room for them at once ([`Self::expect_tip`]).
     incoming: usize,
+    /// Copies of evicted entries in host memory (none until a budget is set).
+    pub host: HostTier<Stowed>,
 }
 
 impl Default for PrefixIndex {
@@ -108,6 +114,7 @@ impl Default for PrefixIndex {
             follow_reuse: false,
             reach: VecDeque::new(),
             incoming: 0,
+            host: HostTier::default(),
         }
     }
 }
@@ -346,22 +353,25 @@ impl PrefixIndex {
         ready
     }
 
-    /// `handle` is evicted: forgotten, counted, and its key remembered as a ghost.
-    fn evicted(&mut self, handle: Handle) {
-        let Some(tokens) = self.forget(handle) else { return };
+    /// `handle` is evicted: forgotten, counted, and its key remembered as a ghost; the tokens
+    /// it held (`None`: not an entry).
+    fn evicted(&mut self, handle: Handle) -> Option<Vec<i32>> {
+        let tokens = self.forget(handle)?;
         self.stats.evictions += 1;
         if self.ghosts.get(&tokens).is_none() {
             self.ghosts.insert(&tokens, ());
-            self.ghost_order.push_back(tokens);
+            self.ghost_order.push_back(tokens.clone());
             while self.ghost_order.len() > GHOSTS {
                 if let Some(old) = self.ghost_order.pop_front() {
                     self.ghosts.remove(&old);
                 }
             }
         }
+        Some(tokens)
     }
 
-    /// Forget every entry and released branch (their branches are pruned by the caller).
+    /// Forget every entry and released branch (their branches are pruned by the caller), and
+    /// drop the host tier's copies.
     pub(crate) fn take_all(&mut self) -> Vec<Handle> {
         let mut all: Vec<(usize, Handle)> = self.entries.iter().map(|(&h, e)| (e.tokens.len(), h)).collect();
         all.sort_unstable_by(|a, b| b.cmp(a)); // longest first: forks before what they forked
@@ -371,6 +381,7 @@ impl PrefixIndex {
         self.entries.clear();
         self.tree = RadixTree::default();
         self.pins.clear();
+        self.host.clear();
         out
     }
 }

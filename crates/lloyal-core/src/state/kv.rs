@@ -25,7 +25,7 @@ impl ContextState {
     }
 
     /// llama.cpp's serialised state of `seq_id` (its KV cells, both caches), unwrapped.
-    fn seq_state_bytes(&mut self, seq_id: i32) -> Result<Vec<u8>> {
+    pub(crate) fn seq_state_bytes(&mut self, seq_id: i32) -> Result<Vec<u8>> {
         self.raw_mut().state_seq_get(seq_id).map_err(|(written, size)| {
             LloyalError::Backend(format!("llama.cpp wrote {written} of {size} bytes of seq {seq_id}'s state"))
         })

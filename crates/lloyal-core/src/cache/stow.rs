@@ -1,0 +1,87 @@
+//! Entries copied into the host tier ([`super::host`]) as they are evicted, and written back
+//! as entries again for a request that reuses them (on the locked context).
+
+use std::fmt;
+
+use super::evict::lock;
+use crate::branch::BranchState;
+use crate::context::state::ContextState;
+use crate::error::{LloyalError, Result};
+use crate::tenancy::Handle;
+
+/// An evicted entry's copy: its branch (sampler, metrics, logits) and llama.cpp's serialised
+/// cells of its sequence (shared ones included: the copy stands alone).
+pub struct Stowed {
+    state: BranchState,
+    kv: Vec<u8>,
+    /// Cells the copy fills when written back.
+    cells: usize,
+    pos_max: i32,
+}
+
+impl fmt::Debug for Stowed {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("Stowed").field("cells", &self.cells).field("kv_bytes", &self.kv.len()).finish()
+    }
+}
+
+impl Stowed {
+    /// The cells the copy fills when written back.
+    pub fn cells(&self) -> usize {
+        self.cells
+    }
+}
+
+impl ContextState {
+    /// Copy entry `h` into the host tier when one is kept, before it is evicted.
+    pub(super) fn stow(&mut self, h: Handle, tokens: &[i32]) {
+        if lock(&self.cache).host.budget() == 0 {
+            return;
+        }
+        let Some((stowed, bytes)) = self.copy_entry(h) else { return };
+        lock(&self.cache).host.keep(tokens, stowed, bytes);
+    }
+
+    /// Entry `h`'s copy and its size in bytes (`None` when llama.cpp could not serialise it).
+    fn copy_entry(&mut self, h: Handle) -> Option<(Stowed, usize)> {
+        let b = self.branch(h).ok()?;
+        let seq = b.seq_id;
+        let state = b.fork(-1, true).ok()?; // the logits copied out of llama.cpp's buffer
+        let kv = self.seq_state_bytes(seq).ok()?;
+        let pos_max = self.raw_mut().seq_pos_max(seq);
+        let pos_min = self.raw_mut().seq_pos_min(seq);
+        if pos_max < 0 || pos_max + 1 != state.position {
+            return None;
+        }
+        let cells = (pos_max - pos_min + 1) as usize;
+        let bytes = kv.len() + state.logits.len() * std::mem::size_of::<f32>();
+        Some((Stowed { state, kv, cells, pos_max }, bytes))
+    }
+
+    /// Write `stowed` back as a new root branch holding `tokens`, an entry of the prefix cache
+    /// again (takes a lease and its cells). On failure nothing is taken and the copy is lost.
+    pub fn cache_restore(&mut self, tokens: &[i32], stowed: Stowed) -> Result<Handle> {
+        let Stowed { mut state, kv, cells, pos_max } = stowed;
+        self.cache_make_room(1, cells, 0, &[]);
+        self.check_room(cells)?;
+        let seq = self.ledger.take_lease(&mut self.raw)?;
+        self.remove_cells(seq, -1, -1);
+        self.reclaim_parked();
+        let written =
+            self.raw_mut().state_seq_set(seq, &kv) > 0 && self.raw_mut().seq_pos_max(seq) == pos_max;
+        if !written {
+            self.remove_cells(seq, -1, -1);
+            self.ledger.return_lease(seq);
+            return Err(LloyalError::Backend(format!(
+                "llama.cpp could not write a cached prompt of {cells} cells back from host memory"
+            )));
+        }
+        state.seq_id = seq;
+        state.fork_head = pos_max + 1 - cells as i32;
+        let handle = self.branches.insert(state);
+        self.topology.add(handle, None);
+        self.ledger.grow_cells(cells);
+        lock(&self.cache).add(handle, tokens);
+        Ok(handle)
+    }
+}
