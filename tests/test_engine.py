@@ -276,6 +276,48 @@ def test_cancelling_a_prefill_in_flight_rolls_it_back(model: lloyal.Model) -> No
         assert b.position == pos + 1
 
 
+def test_a_call_right_after_a_cancelled_prefill_sees_it_rolled_back(model: lloyal.Model) -> None:
+    """The cancelled prefill's chunks are written ahead of the branch's position until the
+    engine rolls them back: a call made at once (before another tick) waits for that, so a
+    fork, a saved state and ``retain_only`` see the branch as it was, not its stale cells."""
+    with lloyal.Context(model, n_ctx=2048, n_batch=8, n_seq_max=4) as ctx:
+        b = Branch.create(ctx, 0, GREEDY)
+        b.prefill(ctx.tokenize(PROMPT))
+        pos = b.position
+        want = b.produce().token
+        long = [1000 + (i * 7) % 3000 for i in range(1200)]
+
+        async def cancelled() -> None:
+            task = asyncio.create_task(b.aprefill(long))
+            while ctx.engine_stats().in_flight == 0 or ctx.kv_seq_pos_max(b.seq_id) < pos + 16:
+                await asyncio.sleep(0.001)
+            ctx.pause_engine()  # no tick runs from here on
+            task.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await task
+
+        asyncio.run(cancelled())
+        try:
+            child = b.fork()
+            assert (child.position, ctx.kv_seq_pos_max(child.seq_id)) == (pos, pos - 1)
+            assert ctx.engine_stats().in_flight == 0, "rolled back before the fork, the engine paused"
+            loaded = Branch.load_state(ctx, b.save_state())
+            assert (loaded.position, ctx.kv_seq_pos_max(loaded.seq_id)) == (pos, pos - 1)
+            assert child.produce().token == loaded.produce().token == want
+        finally:
+            ctx.resume_engine()
+        for x in (child, loaded):
+            x.prune()
+        asyncio.run(cancelled())
+        try:
+            BranchStore(ctx).retain_only(b)
+        finally:
+            ctx.resume_engine()
+        assert BranchStore(ctx).kv_pressure.cells_used == pos == ctx.kv_seq_pos_max(b.seq_id) + 1
+        b.prune()
+        assert BranchStore(ctx).kv_pressure.cells_used == 0
+
+
 def test_decode_rows_run_every_tick_while_a_long_prefill_is_chunked(model: lloyal.Model) -> None:
     with lloyal.Context(model, n_ctx=512, n_batch=8, n_seq_max=4) as ctx:
         root, (runner, reader) = forks(ctx, 2)

@@ -90,7 +90,7 @@ impl Engine {
     pub(crate) fn turn(&self) -> Option<Turn<'_>> {
         let mut q = self.shared.lock();
         let engine = q.on_engine_thread();
-        if (q.ticking || !q.applies.is_empty()) && !engine {
+        if (q.ticking || q.stale || !q.applies.is_empty()) && !engine {
             return None;
         }
         q.inline += 1;

@@ -110,6 +110,10 @@ struct Queue {
     applies: VecDeque<apply::Apply>,
     /// A tick (or the queued calls) runs: a context call queues rather than take its turn.
     ticking: bool,
+    /// An operation was cancelled after it started (an in-flight prefill, a generation): the
+    /// engine settles it ([`Taken::Settle`]) before any context call takes its turn, so no call
+    /// sees a prefill's cells written ahead of its branch's position.
+    stale: bool,
     /// Context calls taking their turn on their own threads now.
     inline: usize,
     /// Context calls that took their turn on their own threads so far.
@@ -196,6 +200,8 @@ impl Ticket {
             if op.is_some() {
                 q.stats.ops_failed += 1;
                 q.stats.queue_depth = q.ops.len();
+            } else {
+                q.stale = true; // started (or done): the engine settles it before any call
             }
             // A running generation request is dropped at the next tick: wake the engine.
             shared.wake();
@@ -221,6 +227,7 @@ impl Default for Engine {
                     ops: VecDeque::new(),
                     applies: VecDeque::new(),
                     ticking: false,
+                    stale: false,
                     inline: 0,
                     inline_runs: 0,
                     lingering: false,
@@ -445,6 +452,10 @@ fn engine_loop<H: Host>(ctx: Weak<H>, shared: Arc<Shared>) {
                 apply::run(&*context, &shared, applies);
                 continue;
             }
+            Taken::Settle => {
+                settle(&*context, &shared, &mut sched);
+                continue;
+            }
             Taken::Compact => {
                 compact_if_sparse(&*context, &shared);
                 continue;
@@ -482,6 +493,28 @@ fn engine_loop<H: Host>(ctx: Weak<H>, shared: Arc<Shared>) {
     }
 }
 
+/// Roll back the in-flight prefills and end the generation requests cancelled since the last
+/// tick (what a tick does first) now, before the context calls waiting behind them: a
+/// cancelled `aprefill` has written cells ahead of its branch's position, which a fork, a
+/// saved state or `retain_only` would otherwise take for the branch's.
+fn settle<H: Host>(context: &H, shared: &Shared, sched: &mut Scheduler) {
+    let ran = catch_unwind(AssertUnwindSafe(|| context.locked(None, |s| Ok(sched.settle(s)))));
+    {
+        let mut q = shared.lock();
+        q.ticking = false;
+        q.idle = !sched.has_work(); // `close()` may be waiting for the engine to run dry
+        q.stats.in_flight = sched.in_flight();
+        q.stats.generating = sched.generating();
+    }
+    shared.wake();
+    if let Ok(Ok(outcome)) = ran {
+        for (stream, event) in outcome.events {
+            stream.deliver(event);
+        }
+        answer(shared, outcome.replies);
+    }
+}
+
 /// The engine has nothing else to do: move the KV cache's cells back to its front when cells
 /// left high by a busy stretch would slow what comes next ([`crate::state::compact`]).
 fn compact_if_sparse<H: Host>(context: &H, shared: &Shared) {
@@ -495,6 +528,8 @@ fn compact_if_sparse<H: Host>(context: &H, shared: &Shared) {
 
 /// What the engine runs next.
 enum Taken {
+    /// Operations cancelled after they started, rolled back or ended before anything else.
+    Settle,
     /// Context calls queued while a tick ran ([`apply`]).
     Calls(Vec<apply::Apply>),
     /// A tick's operations and its prefill cap.
@@ -524,6 +559,11 @@ fn take_ops(shared: &Shared, sched: &mut Scheduler, pool_held: bool) -> Option<T
                 answer(shared, replies);
                 apply::fail(applies, &LloyalError::ContextClosed);
                 return None;
+            }
+            if q.stale {
+                q.stale = false;
+                q.ticking = true;
+                return Some(Taken::Settle);
             }
             if !q.applies.is_empty() {
                 q.ticking = true;

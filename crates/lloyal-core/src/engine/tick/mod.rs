@@ -328,13 +328,28 @@ impl Scheduler {
             self.update(s, sched.parts, (outcomes, copies), &mut sched.ended, &mut out);
         }
         self.end_gens(s, sched.ended, &mut out);
-        // Tell the ledger which branches have prefill cells written ahead of their position.
-        let written = self.flights.iter().flat_map(|f| f.items.iter().map(|i| (i.handle, i.done)));
-        s.ledger.note_in_flight(written.collect());
-        self.note_in_engine(s);
+        self.note_flights(s);
         // Released branches swept, the prefix cache kept within its budget.
         s.cache_tidy();
         out
+    }
+
+    /// Roll back the prefills in flight and end the generation requests that were cancelled
+    /// (or whose branch went) since the last tick, as the next tick would first.
+    pub fn settle(&mut self, s: &mut ContextState) -> TickOutcome {
+        let mut out = TickOutcome::default();
+        self.drop_stale_flights(s, &mut out);
+        self.drop_stale_gens(s, &mut out);
+        self.note_flights(s);
+        out
+    }
+
+    /// Tell the ledger which branches have prefill cells written ahead of their position, and
+    /// the prefix cache which branches the engine's requests use.
+    fn note_flights(&self, s: &mut ContextState) {
+        let written = self.flights.iter().flat_map(|f| f.items.iter().map(|i| (i.handle, i.done)));
+        s.ledger.note_in_flight(written.collect());
+        self.note_in_engine(s);
     }
 
     /// Tell the prefix cache which branches the engine's requests use (generating, prefilling,
