@@ -85,12 +85,15 @@ fn model_of(target: &Bound<'_, PyAny>) -> PyResult<Arc<Model>> {
 
 #[pymethods]
 impl PyGrammar {
-    /// A grammar accepting exactly the JSON documents that match ``schema`` (a dict or JSON
-    /// text), compiled by llguidance for the model of ``ctx_or_model``: ``$ref``/``$defs``,
-    /// ``anyOf``/``oneOf``, ``pattern``, ``format``, numeric bounds, ``minItems``/``maxItems``,
-    /// ``additionalProperties``. Output is compact (no whitespace outside strings) unless the
-    /// schema's ``x-guidance`` entry says otherwise. An invalid or unsupported schema, or one
-    /// beyond llguidance's size limits, raises ``GrammarError`` with llguidance's reason.
+    /// A grammar for the JSON documents ``schema`` (a dict or JSON text) describes, compiled by
+    /// llguidance for the model of ``ctx_or_model``: ``$ref``/``$defs``, ``anyOf``/``oneOf``,
+    /// ``pattern``, ``format``, numeric bounds, ``minItems``/``maxItems``,
+    /// ``additionalProperties``. Read as llama.cpp's converter reads a schema: an object that
+    /// lists ``properties`` and says nothing of other keys takes no others, ``oneOf`` is
+    /// ``anyOf``, keywords and formats llguidance does not implement are ignored; output is
+    /// compact (no whitespace outside strings). The schema's ``x-guidance`` entry overrides
+    /// these options. An invalid schema, or one beyond llguidance's size limits, raises
+    /// ``GrammarError`` with llguidance's reason.
     #[staticmethod]
     fn from_json_schema(
         py: Python<'_>,
@@ -159,10 +162,12 @@ impl PyGrammar {
         detached(py, || self.lock().mask(slice))
     }
 
-    /// Advance past ``token``; a forbidden token raises ``GrammarError`` (state unchanged).
+    /// Advance past ``token``; a forbidden token raises ``GrammarError``, one outside the
+    /// vocabulary ``InvalidTokenError`` (state unchanged either way).
     fn accept(&self, token: i64) -> PyResult<()> {
-        let t = i32::try_from(token).unwrap_or(-1);
-        self.lock().accept(t).py()
+        let mut g = self.lock();
+        let t = g.model().check_token(token).py()?;
+        g.accept(t).py()
     }
 
     /// Whether ``token`` may come next.

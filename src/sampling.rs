@@ -172,6 +172,27 @@ fn set_field(p: &mut SamplingParams, key: &str, value: &Bound<'_, PyAny>) -> PyR
     Ok(())
 }
 
+/// Refuse sampling parameters that are neither a `lloyal.SamplingParams` (or a subclass's
+/// instance) nor a dict of its fields: any other object (a number, a string, the class itself,
+/// a namespace with a misspelt field) would be read as the defaults.
+fn check_params_type(obj: &Bound<'_, PyAny>) -> PyResult<()> {
+    if obj.cast::<PyDict>().is_ok() {
+        return Ok(());
+    }
+    let class = obj.py().import("lloyal.sampling")?.getattr("SamplingParams")?;
+    if obj.is_instance(&class)? {
+        return Ok(());
+    }
+    let kind = if obj.is_instance_of::<pyo3::types::PyType>() {
+        format!("the class {} (call it: SamplingParams(...))", obj.str()?)
+    } else {
+        obj.get_type().name()?.to_string()
+    };
+    Err(PyTypeError::new_err(format!(
+        "sampling parameters must be a lloyal.SamplingParams or a dict of its fields, got {kind}"
+    )))
+}
+
 /// Build validated core parameters from an optional params object plus keyword overrides.
 pub fn extract_params(
     params: Option<&Bound<'_, PyAny>>,
@@ -188,6 +209,7 @@ pub fn extract_params_onto(
 ) -> PyResult<SamplingParams> {
     let mut p = base;
     if let Some(obj) = params.filter(|o| !o.is_none()) {
+        check_params_type(obj)?;
         check_keys(obj, "sampling parameter", FIELDS)?;
         for name in FIELDS {
             if let Some(v) = field(obj, name)? {

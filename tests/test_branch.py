@@ -170,6 +170,18 @@ def test_reseed_sampler_changes_stream_deterministically(ctx):
 # --------------------------------------------------------------------------- fork
 
 
+def test_a_start_position_beyond_reach_is_refused(ctx: lloyal.Context) -> None:
+    """Positions grow a cell a token: a start near i32's end would wrap round (a 2**40 start
+    was clamped to 2**31 - 1, and one token later was negative, its cell stranded)."""
+    for position in (2**40, 2**31 - 1, (1 << 30) + 1, -1):
+        with pytest.raises(ValueError, match=r"position must be in \[0, 1073741824\]"):
+            Branch.create(ctx, position)
+    assert BranchStore(ctx).available == 4
+    with Branch.create(ctx, 1 << 30, SamplingParams(temperature=0)) as far:
+        far.prefill(ctx.tokenize("Hi"))
+        assert far.position == (1 << 30) + len(ctx.tokenize("Hi"))
+
+
 def test_fork_costs_no_cells_and_starts_at_parent_position(ctx, root):
     store = BranchStore(ctx)
     before = store.kv_pressure

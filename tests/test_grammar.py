@@ -58,6 +58,39 @@ def test_invalid_gbnf_is_a_grammar_error(ctx: lloyal.Context, gbnf: str) -> None
         ctx.create_grammar(gbnf)
 
 
+def test_invalid_gbnf_says_what_is_wrong(ctx: lloyal.Context) -> None:
+    """llama.cpp prints its parse error rather than logging it: the error says it anyway."""
+    with pytest.raises(lloyal.GrammarError, match="Undefined rule identifier 'missing'"):
+        ctx.create_grammar('root ::= "a" missing')
+    with pytest.raises(lloyal.GrammarError, match="Undefined rule identifier 'missing'"):
+        lloyal.Grammar.from_gbnf(ctx, 'root ::= "a" missing', engine="llama.cpp")
+
+
+def test_a_json_schema_is_read_as_llama_cpp_reads_it(ctx: lloyal.Context) -> None:
+    """An object that lists its properties takes no others (as json_schema_to_grammar's GBNF);
+    unimplemented keywords and formats are ignored and an overlapping oneOf is an anyOf; the
+    schema's x-guidance entry says otherwise."""
+
+    def accepts(schema: dict[str, object], text: str) -> bool:
+        g = lloyal.Grammar.from_json_schema(ctx, schema)
+        try:
+            for t in ctx.tokenize(text, add_special=False):
+                g.accept(t)
+        except lloyal.GrammarError:
+            return False
+        return g.allows(ctx.eog_token)
+
+    loose = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}
+    assert accepts(loose, '{"a":1}') and not accepts(loose, '{"a":1,"b":2}')
+    assert accepts({**loose, "x-guidance": {"whitespace_flexible": False}}, '{"a":1}')
+    assert accepts({**loose, "additionalProperties": True}, '{"a":1,"b":2}')
+    odd = {"type": "string", "format": "password", "uniqueItems": True}
+    assert accepts(odd, '"x"')
+    assert accepts({"oneOf": [{"type": "integer"}, {"type": "number"}]}, "12")
+    with pytest.raises(lloyal.GrammarError, match="Unimplemented keys"):
+        lloyal.Grammar.from_json_schema(ctx, {**odd, "x-guidance": {"lenient": False}})
+
+
 # --------------------------------------------------------------------------- handles
 
 
@@ -86,6 +119,10 @@ def test_forbidden_accept_raises_and_keeps_state(ctx: lloyal.Context) -> None:
         g.accept(ctx.eog_token)  # grammar not complete yet: EOG is forbidden, no abort
     g.accept(yes)
     assert g.allows(ctx.eog_token) and not g.allows(yes)
+    for outside in (-1, ctx.n_vocab, 2**40):
+        with pytest.raises(lloyal.InvalidTokenError):
+            g.accept(outside)
+        assert g.allows(ctx.eog_token), "state unchanged"
 
 
 def test_clone_keeps_the_old_state_and_reset_restarts(ctx: lloyal.Context) -> None:

@@ -249,6 +249,25 @@ def test_frozen_and_keyword_only() -> None:
     assert hash(p) == hash(SamplingParams()) and p == SamplingParams()
 
 
+def test_sampling_parameters_of_another_type_are_refused(primed: lloyal.Context) -> None:
+    """Anything but a SamplingParams or a dict would be read as the defaults (random sampling
+    where greedy was meant): a number, a string, a list, the class itself, a namespace."""
+    from types import SimpleNamespace
+
+    for bad, named in (
+        (0.0, "float"),
+        ("greedy", "str"),
+        ([("temperature", 0)], "list"),
+        (SamplingParams, "the class"),
+        (SimpleNamespace(temperature=0.0), "SimpleNamespace"),
+    ):
+        with pytest.raises(TypeError, match=rf"must be a lloyal\.SamplingParams or a dict.*{named}"):
+            primed.sample(bad)  # type: ignore[arg-type]
+        with pytest.raises(TypeError, match=r"must be a lloyal\.SamplingParams"):
+            lloyal.Branch.create(primed, 0, bad)  # type: ignore[arg-type]
+    assert lloyal.BranchStore(primed).available == 1  # the refused creates took no lease
+
+
 def test_unknown_or_bad_override(primed: lloyal.Context) -> None:
     with pytest.raises(TypeError, match="top_kk"):
         primed.sample(top_kk=3)

@@ -305,6 +305,20 @@ PERSON = {
 }
 CHOICES = ["red", "green (light)", "blue"]
 YES_NO = 'root ::= ("yes" | "no") " " [0-9]'
+# PERSON as a schema would often be written: nothing said of other keys, a oneOf whose branches
+# overlap, a format and a keyword llguidance does not implement (llama.cpp's converter reads it
+# as PERSON: closed, oneOf as anyOf, the rest ignored)
+LOOSE_PERSON = {
+    "type": "object",
+    "properties": {
+        "name": {"type": "string", "maxLength": 10, "format": "password"},
+        "age": {
+            "oneOf": [{"type": "integer", "maximum": 120}, {"type": "integer", "minimum": 0, "maximum": 99}]
+        },
+    },
+    "required": ["name", "age"],
+    "uniqueItems": True,
+}
 
 
 def _check_json(text: str) -> None:
@@ -330,6 +344,10 @@ CONSTRAINTS = [
     ({"structured_outputs": {"choice": CHOICES}}, _check_choice),
     ({"structured_outputs": {"regex": "(yes|no) [0-9]"}}, _check_yes_no),
     ({"structured_outputs": {"grammar": YES_NO}}, _check_yes_no),
+    ({"json_schema": LOOSE_PERSON}, _check_json),
+    ({"response_format": {"type": "json_object", "schema": PERSON}}, _check_json),  # llama-server's
+    ({"response_format": {"type": "json_schema", "schema": PERSON}}, _check_json),  # forms
+    ({"guided_grammar": 'start: ("yes" | "no") " " /[0-9]/'}, _check_yes_no),  # Lark, as vLLM's guidance
 ]
 
 
@@ -401,6 +419,8 @@ def test_a_guided_choice_may_hold_any_punctuation(
         ({"guided_choice": ["a", ""]}, "guided_choice", "non-empty strings"),
         ({"guided_regex": "("}, "guided_regex", "guided_regex"),
         ({"guided_grammar": "root ::= ("}, "guided_grammar", "guided_grammar"),
+        ({"grammar": "root ::= missing"}, "grammar", "missing"),  # the reason, not just "failed"
+        ({"response_format": {"json_schema": {"schema": PERSON}}}, "response_format", "type is missing"),
         ({"json_schema": {"type": "nope"}}, "json_schema", "json_schema"),
         ({"structured_outputs": {"json": PERSON, "regex": "x"}}, "structured_outputs", "one of"),
         ({"structured_outputs": {}}, "structured_outputs", "one of"),

@@ -21,7 +21,9 @@ __all__ = ["Grammar", "json_schema_to_grammar"]
 
 
 def json_schema_to_grammar(schema: str | Mapping[str, Any]) -> str:
-    """GBNF with a ``root`` rule that accepts exactly the JSON documents matching ``schema``.
+    """GBNF with a ``root`` rule for the JSON documents ``schema`` describes, by llama.cpp's
+    converter (an object that lists ``properties`` takes no other keys unless the schema says
+    so, as :meth:`Grammar.from_json_schema` reads it too).
 
     ``schema`` is a JSON Schema as a dict or as JSON text. An invalid schema raises
     :class:`~lloyal.GrammarError`.

@@ -28,7 +28,7 @@ def constraint_fields(body: CompletionRequest | ChatRequest) -> list[str]:
     """The output-constraint fields ``body`` sets (a ``response_format`` of type ``text`` is none)."""
     names = [name for name in _BUILDERS if getattr(body, name) is not None]
     fmt = body.response_format
-    if fmt is not None and fmt.get("type") in (None, "text"):
+    if fmt is not None and fmt.get("type") == "text":
         names.remove("response_format")
     return names
 
@@ -77,6 +77,14 @@ def _gbnf(ctx: lloyal.Context, value: Any, name: str) -> lloyal.Grammar:
     return lloyal.Grammar.from_gbnf(ctx, value)
 
 
+def _cfg(ctx: lloyal.Context, value: Any, name: str) -> lloyal.Grammar:
+    """vLLM's ``guided_grammar``: GBNF, or Lark (which its guidance backend takes too) when the
+    text has no GBNF rule (``::=``)."""
+    if isinstance(value, str) and "::=" not in value:
+        return lloyal.Grammar.from_lark(ctx, value)
+    return _gbnf(ctx, value, name)
+
+
 def _regex(ctx: lloyal.Context, value: Any, name: str) -> lloyal.Grammar:
     return lloyal.Grammar.from_regex(ctx, value)
 
@@ -88,11 +96,19 @@ def _choice(ctx: lloyal.Context, value: Any, name: str) -> lloyal.Grammar:
 
 
 def _response_format(ctx: lloyal.Context, fmt: dict[str, Any], name: str) -> lloyal.Grammar:
+    """OpenAI's ``response_format``, and llama-server's forms of it: ``json_object`` with a
+    ``schema``, and ``json_schema`` with its ``schema`` beside ``type``."""
     kind = fmt.get("type")
+    if kind is None:
+        raise ApiError(f"{name}.type is missing: give text, json_object or json_schema", param=name)
     if kind == "json_object":
-        return lloyal.Grammar.from_json_schema(ctx, {"type": "object"})
+        schema = fmt.get("schema")
+        if schema is not None and not isinstance(schema, dict):
+            raise ApiError(f"{name}.schema must be a JSON schema object", param=name)
+        return lloyal.Grammar.from_json_schema(ctx, schema or {"type": "object"})
     if kind == "json_schema":
-        schema = (fmt.get("json_schema") or {}).get("schema")
+        inner = fmt.get("json_schema")
+        schema = inner.get("schema") if isinstance(inner, dict) else fmt.get("schema")
         if not isinstance(schema, dict):
             raise ApiError(f"{name}.json_schema.schema must be a JSON schema object", param=name)
         return lloyal.Grammar.from_json_schema(ctx, schema)
@@ -102,7 +118,7 @@ def _response_format(ctx: lloyal.Context, fmt: dict[str, Any], name: str) -> llo
 def _structured_outputs(ctx: lloyal.Context, value: dict[str, Any], name: str) -> lloyal.Grammar:
     """vLLM's ``structured_outputs``: one of ``json``, ``regex``, ``choice``, ``grammar`` or
     ``json_object`` (its other keys tune vLLM's own backends and are ignored)."""
-    kinds: dict[str, Build] = {"json": _schema, "regex": _regex, "choice": _choice, "grammar": _gbnf}
+    kinds: dict[str, Build] = {"json": _schema, "regex": _regex, "choice": _choice, "grammar": _cfg}
     given = [k for k in (*kinds, "json_object", "structural_tag") if value.get(k) not in (None, False)]
     if len(given) != 1:
         raise ApiError(
@@ -124,6 +140,6 @@ _BUILDERS: dict[str, Build] = {
     "guided_json": _schema,
     "guided_regex": _regex,
     "guided_choice": _choice,
-    "guided_grammar": _gbnf,
+    "guided_grammar": _cfg,
     "structured_outputs": _structured_outputs,
 }

@@ -14,6 +14,11 @@ use crate::metrics::{entropy, Base};
 use crate::model::Model;
 use crate::sampler::Sampler;
 use crate::sampling::SamplingParams;
+
+/// The furthest position a branch may start at (`Branch.create`): far beyond any context's
+/// cells, and far enough below `i32::MAX` that positions, which grow by a cell a token, never
+/// wrap round.
+pub const MAX_START: i32 = 1 << 30;
 use crate::tenancy::Handle;
 
 /// A read-only view of one branch for the glue.
@@ -66,8 +71,11 @@ impl ContextState {
     /// `Branch.create`: take a lease (an empty sequence; ids holding flat-path cells are
     /// skipped, see [`ContextState::take_lease`]) and start a root at `position`.
     pub fn branch_create(&mut self, position: i32, params: SamplingParams) -> Result<Handle> {
-        if position < 0 {
-            return Err(LloyalError::invalid(format!("position must be >= 0, got {position}")));
+        if !(0..=MAX_START).contains(&position) {
+            return Err(LloyalError::invalid(format!(
+                "position must be in [0, {MAX_START}], got {position}: a branch starts where its \
+                 sequence's cells end (0 for a new one)"
+            )));
         }
         let model = self.model();
         let sampler = Sampler::new(&model, params)?;

@@ -10,7 +10,7 @@ use std::sync::Arc;
 
 use llguidance::api::{ParserLimits, TopLevelGrammar};
 use llguidance::{Matcher, ParserFactory};
-use serde_json::{json, Value};
+use serde_json::Value;
 use toktrie::SimpleVob;
 
 use super::GrammarKind;
@@ -56,22 +56,20 @@ pub(crate) struct LlgEngine {
     n_vocab: usize,
 }
 
-/// The llguidance grammar for `text` of `kind`. A JSON schema object without an `x-guidance`
-/// entry gets compact separators and no free whitespace (`{"a":1,"b":[2,3]}`).
+/// The llguidance grammar for `text` of `kind`; a JSON schema read as llama.cpp's converter
+/// reads one ([`super::schema::prepare`]: objects that list properties closed, compact
+/// separators, `oneOf` as `anyOf`, unknown keywords and formats ignored).
 fn top_level(kind: GrammarKind, text: &str) -> Result<TopLevelGrammar> {
     match kind {
         GrammarKind::JsonSchema => {
-            let mut schema: Value = serde_json::from_str(text).map_err(|e| {
+            let schema: Value = serde_json::from_str(text).map_err(|e| {
                 LloyalError::Grammar(if e.to_string().contains("recursion limit") {
                     format!("the JSON schema nests too deeply ({e}); use $defs/$ref for deep structures")
                 } else {
                     format!("the JSON schema is not valid JSON ({e}); pass a JSON Schema object")
                 })
             })?;
-            if let Some(obj) = schema.as_object_mut() {
-                obj.entry("x-guidance").or_insert_with(|| json!({"whitespace_flexible": false}));
-            }
-            Ok(TopLevelGrammar::from_json_schema(schema))
+            Ok(TopLevelGrammar::from_json_schema(super::schema::prepare(schema)))
         }
         GrammarKind::Lark => Ok(TopLevelGrammar::from_lark(text.to_string())),
         GrammarKind::Regex => Ok(TopLevelGrammar::from_regex(text)),

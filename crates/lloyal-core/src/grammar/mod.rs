@@ -13,6 +13,7 @@ pub mod gbnf_check;
 mod gbnf_lark;
 mod gbnf_syntax;
 mod llg;
+pub mod schema;
 
 use std::sync::Arc;
 
@@ -169,6 +170,11 @@ impl Grammar {
         &self.accepted
     }
 
+    /// The model whose vocabulary this grammar masks.
+    pub fn model(&self) -> &Arc<Model> {
+        &self.model
+    }
+
     /// The text this grammar was built from.
     pub fn source(&self) -> &GrammarSource {
         &self.source
@@ -314,6 +320,7 @@ impl Grammar {
 
     /// Advance past `token`; a token the grammar forbids → `GrammarError`, state unchanged.
     pub fn accept(&mut self, token: i32) -> Result<()> {
+        self.model.check_token(i64::from(token))?; // outside the vocabulary: InvalidToken
         if !self.allows(token) {
             return Err(self.forbidden(token));
         }
@@ -341,11 +348,20 @@ impl Grammar {
 
 /// The engine for a GBNF `source` and, when `Auto` fell back to llama.cpp's, the reason.
 fn gbnf_engine(model: &Model, source: &GrammarSource) -> Result<(Engine, Option<Arc<str>>)> {
-    let llama = || GbnfEngine::new(model, &source.text, &source.root).map(Engine::Gbnf);
+    let syntax = read(source);
+    // llama.cpp prints why it refused a grammar rather than logging it: lloyal's reader says why
+    let why = syntax.as_ref().err().cloned();
+    let llama = || {
+        GbnfEngine::new(model, &source.text, &source.root).map(Engine::Gbnf).map_err(|e| match &why {
+            Some(why) => {
+                LloyalError::Grammar(format!("invalid grammar (root rule {:?}): {why}", source.root))
+            }
+            None => e,
+        })
+    };
     if source.engine == GbnfEngineChoice::LlamaCpp {
         return Ok((llama()?, None));
     }
-    let syntax = read(source);
     if let Some(reason) = syntax.as_ref().ok().and_then(|s| matches_nothing(s, &source.root)) {
         llama()?; // a grammar llama.cpp cannot read gets its reason first
         return Err(LloyalError::Grammar(reason));
