@@ -21,6 +21,7 @@ import lloyal
 ray = pytest.importorskip("ray", reason="the ray extra: pip install 'lloyal[ray]'")
 openai = pytest.importorskip("openai", reason="the server extra: pip install 'lloyal[server]'")
 serve = pytest.importorskip("ray.serve")
+httpx = pytest.importorskip("httpx")
 
 from lloyal.ray.routing import HashRing, prefix_key  # noqa: E402
 
@@ -196,6 +197,37 @@ def test_requests_succeed_while_a_killed_replica_is_replaced(client: Any) -> Non
     assert _chat(client, system, "hello")[1] == before
 
 
+def test_preflights_big_bodies_and_the_servers_pages_pass_through_the_router(served: str) -> None:
+    """Every method and path reaches an engine: a browser's CORS preflight is answered as
+    ``lloyal serve`` answers it, a body over the server's limit gets its 413 (the router sends
+    the body's length on), and ``/openapi.json`` is the server's, not the router's."""
+    base = served.removesuffix("/v1")
+    pre = httpx.options(
+        served + "/chat/completions",
+        headers={"origin": "http://example.com", "access-control-request-method": "POST"},
+    )
+    assert pre.status_code == 200 and pre.headers["access-control-allow-origin"] == "*"
+    big = httpx.post(
+        served + "/completions", content=b"x" * ((8 << 20) + 1), headers={"content-type": "application/json"}
+    )
+    assert big.status_code == 413 and big.json()["error"]["type"] == "invalid_request_error"
+    doc = httpx.get(base + "/openapi.json")
+    assert doc.status_code == 200 and "/v1/chat/completions" in doc.json()["paths"]
+    assert doc.headers["x-lloyal-replica"] in ("lloyal-0", "lloyal-1")
+
+
+def test_an_engine_whose_model_cannot_load_fails_the_deployment_with_the_reason(cluster: None) -> None:
+    from lloyal.ray.serve import app_from_config
+    from lloyal.server import ServerConfig
+
+    app = app_from_config(ServerConfig(model=Path("/no/such/model.gguf"), n_ctx=256), 1)
+    with pytest.raises(RuntimeError, match="Deploying application broken failed"):
+        serve.run(app, name="broken", route_prefix="/broken")
+    engine = serve.status().applications["broken"].deployments["lloyal-0"]
+    assert "cannot load model" in engine.message and "/no/such/model.gguf" in engine.message
+    serve.delete("broken")
+
+
 # -- Ray Data ---------------------------------------------------------------------------------
 
 
@@ -356,3 +388,57 @@ def test_row_generator_runs_rows_on_the_scheduler_sharing_a_prefix_and_ranking(m
     assert gen.ctx.engine_stats().rows - rows0 == len(toks[0]) + tails + generated
     assert lloyal.BranchStore(gen.ctx).kv_pressure.cells_used == 0  # nothing kept after the batch
     gen.ctx.close()  # its engine thread ends now, not when the garbage collector gets to it
+
+
+def test_a_row_with_a_missing_prompt_or_a_malformed_grammar_fails_alone(model_path: str) -> None:
+    """A null or NaN prompt (a Parquet/pandas gap), a number, or a grammar spec of the wrong type
+    gives that row an ``error``; the batch's other rows complete (nothing raised)."""
+    import numpy as np
+
+    from lloyal.ray.data import RowGenerator
+
+    gen = RowGenerator(
+        model=model_path,
+        prompt_column="prompt",
+        n=1,
+        best_of=1,
+        sampling=lloyal.SamplingParams(temperature=0.0),
+        grammar=None,
+        grammar_column="grammar",
+        max_tokens=2,
+        seed=1,
+        rows_at_once=4,
+        context_options={"n_ctx": 512, "n_threads": 1},
+    )
+    prompts = [None, float("nan"), 7, "Water is", "Fire is"]
+    grammars = [None, None, None, {"regex": 5}, None]
+    out = gen({"prompt": np.array(prompts, dtype=object), "grammar": np.array(grammars, dtype=object)})
+    errors = list(out["error"])
+    assert (
+        errors[0]
+        == errors[1]
+        == "ValueError: the prompt must be text or a list of token ids, got null (a missing value)"
+    )
+    assert errors[2] == "ValueError: the prompt must be text or a list of token ids, got int"
+    assert errors[3] is not None and errors[3].startswith("TypeError")
+    assert errors[4] is None and out["completion_tokens"][4] == [2]
+    assert lloyal.BranchStore(gen.ctx).kv_pressure.cells_used == 0
+    gen.ctx.close()
+
+
+def test_serve_limits_sit_above_what_lloyal_runs_and_queues(model_path: str) -> None:
+    """Serve's max_ongoing_requests (its default, 5, held the sixth request in the proxy
+    whatever --parallel): each engine takes parallel + max_queue and a few more, the router
+    that for every engine; and best_of beyond a context's sequences is refused up front."""
+    from lloyal.ray import generate
+    from lloyal.ray.serve import SPARE_ONGOING, UNBOUNDED_QUEUE, ongoing_limits
+    from lloyal.server import ServerConfig
+
+    assert ongoing_limits(ServerConfig(model=model_path, parallel=8, max_queue=512), 3) == (
+        8 + 512 + SPARE_ONGOING,
+        3 * (8 + 512 + SPARE_ONGOING),
+    )
+    unbounded = ongoing_limits(ServerConfig(model=model_path, parallel=2, max_queue=None), 1)
+    assert unbounded[0] == 2 + UNBOUNDED_QUEUE + SPARE_ONGOING
+    with pytest.raises(ValueError, match="best_of <= 255"):
+        generate([{"prompt": "x"}], model_path, n=1, best_of=256)

@@ -31,6 +31,8 @@ __all__ = ["RowGenerator", "generate"]
 
 OUTPUT_COLUMNS = ("completions", "completion_tokens", "perplexities", "error")
 
+MAX_BEST_OF = 255  # llama.cpp's 256 sequences a context: a root and its candidates
+
 
 def _grammar(ctx: lloyal.Context, spec: Any) -> lloyal.Grammar | None:
     """A grammar from a spec: None, a JSON schema (dict or JSON text), or one of
@@ -73,7 +75,7 @@ class RowGenerator:
         # Only the model perplexity picks the best of n: the sampling one would cost a second
         # exponential a vocabulary value each decoded row (Context's sampling_perplexity).
         opts = {"n_ctx": 4096, "sampling_perplexity": False, **context_options}
-        opts["n_seq_max"] = min(256, max(opts.get("n_seq_max", 0), rows_at_once * (best_of + 1)))
+        opts["n_seq_max"] = min(MAX_BEST_OF + 1, max(opts.get("n_seq_max", 0), rows_at_once * (best_of + 1)))
         self.ctx = lloyal.Context(model, **opts)
         self.prompt_column, self.grammar_column = prompt_column, grammar_column
         self.n, self.best_of, self.max_tokens, self.seed = n, best_of, max_tokens, seed
@@ -110,7 +112,7 @@ class RowGenerator:
     async def _row(self, prompt: Any, grammar_spec: Any) -> tuple[Any, ...]:
         ctx = self.ctx
         try:
-            tokens = ctx.tokenize(prompt) if isinstance(prompt, str) else [int(t) for t in prompt]
+            tokens = ctx.tokenize(prompt) if isinstance(prompt, str) else _token_ids(prompt)
             if not tokens:
                 raise ValueError("the prompt is empty")
             need = len(tokens) + self.best_of * self.max_tokens
@@ -139,8 +141,19 @@ class RowGenerator:
                         None,
                     )
             raise RuntimeError("the scheduler ended a request without its result")  # pragma: no cover
-        except (ValueError, lloyal.LloyalError) as e:
+        except Exception as e:  # a row never raises (a cancellation is no Exception: it does)
             return ([], [], [], f"{type(e).__name__}: {e}")
+
+
+def _token_ids(prompt: Any) -> list[int]:
+    """A row's prompt given as token ids (a list, or an array from a Parquet column)."""
+    if prompt is None or isinstance(prompt, (float, bytes, dict)) or not hasattr(prompt, "__iter__"):
+        kind = "null (a missing value)" if prompt is None or prompt != prompt else type(prompt).__name__
+        raise ValueError(f"the prompt must be text or a list of token ids, got {kind}")
+    try:
+        return [int(t) for t in prompt]
+    except (TypeError, ValueError):
+        raise ValueError("the prompt must be text or a list of token ids (integers)") from None
 
 
 def _dataset(source: Any) -> ray.data.Dataset:
@@ -210,6 +223,11 @@ def generate(
     k = best_of if best_of is not None else n
     if n < 1 or k < n:
         raise ValueError(f"need 1 <= n <= best_of, got n={n}, best_of={best_of}")
+    if k > MAX_BEST_OF:
+        raise ValueError(
+            f"best_of is {k}, but a context holds at most {MAX_BEST_OF + 1} sequences (a root and its "
+            f"candidates): use best_of <= {MAX_BEST_OF}"
+        )
     if max_tokens < 1:
         raise ValueError(f"max_tokens must be >= 1, got {max_tokens}")
     if isinstance(sampling, lloyal.SamplingParams):
@@ -243,7 +261,7 @@ def generate(
             "context_options": context_options,
         },
         batch_size=batch_size,
-        concurrency=concurrency,
+        compute=ray.data.ActorPoolStrategy(size=concurrency),  # `concurrency=` is deprecated (Ray 2.51)
         num_cpus=num_cpus,
         num_gpus=num_gpus,
         batch_format="numpy",

@@ -17,6 +17,7 @@ by name with the stable handle API.
 # No `from __future__ import annotations`: FastAPI reads the route signatures at runtime
 # through Serve's class-based ingress, which needs real annotation objects.
 import asyncio
+import inspect
 import json
 import os
 import time
@@ -36,33 +37,34 @@ from lloyal.server.protocol import error_body
 from .asgi import Lifespan, call
 from .routing import HashRing, prefix_key
 
-__all__ = ["LloyalReplica", "LloyalRouter", "app_from_config", "run_on_ray", "serve_app"]
+__all__ = ["LloyalReplica", "LloyalRouter", "app_from_config", "ongoing_limits", "run_on_ray", "serve_app"]
 
 ACCEPT_TIMEOUT_S = 10.0  # a replica that does not take a request this fast is treated as down
+SPARE_ONGOING = 16  # requests a replica takes beyond parallel + max_queue (/metrics, /health, ...)
+UNBOUNDED_QUEUE = 100_000  # what max_queue=None counts as in Serve's limits
+# Starts of an engine replica Serve tries before it fails the deployment (its default, 20, takes
+# a minute to report a model that cannot load); an option of Serve's since after Ray 2.40.
+START_RETRIES = 3
+_SERVE_RETRIES_OPTION = "max_constructor_retry_count" in inspect.signature(serve.deployment).parameters
 DOWN_FOR_S = 15.0  # how long a replica that failed is skipped
 
 
 @serve.deployment
 class LloyalReplica:
-    """One engine: the ``lloyal serve`` app, started on the first request."""
+    """One engine: the ``lloyal serve`` app, started (model loaded) as the replica starts, so a
+    model that cannot load fails the deployment with its reason."""
 
-    def __init__(self, cfg: ServerConfig, replica_id: str) -> None:
+    async def __init__(self, cfg: ServerConfig, replica_id: str) -> None:  # type: ignore[misc]  # Serve awaits it
         self.id = replica_id
         self.app = create_app(cfg)
         self._lifespan = Lifespan(self.app)
-        self._started: asyncio.Task[None] | None = None
-
-    async def _ensure_started(self) -> None:
-        if self._started is None:
-            self._started = asyncio.get_running_loop().create_task(self._lifespan.start())
-        await asyncio.shield(self._started)
+        await self._lifespan.start()
 
     async def handle(
         self, method: str, path: str, query: str, headers: list[tuple[str, str]], body: bytes
     ) -> AsyncIterator[dict[str, Any] | bytes]:
         """Yield ``{"accepted": id}``, then the response start, then its body chunks."""
         yield {"accepted": self.id}
-        await self._ensure_started()
         async for part in call(self.app, method, path, query, headers, body):
             yield part
 
@@ -70,7 +72,12 @@ class LloyalReplica:
         await self._lifespan.stop()
 
 
-router_app = FastAPI(title="lloyal router")
+# Every path goes to a replica: the router has no docs or schema of its own (the replicas' are
+# the server's, behind its API key).
+router_app = FastAPI(title="lloyal router", docs_url=None, redoc_url=None, openapi_url=None)
+
+# Every method too: a browser's CORS preflight (OPTIONS) and HEAD get the server's answers.
+METHODS = ["GET", "POST", "DELETE", "OPTIONS", "HEAD", "PUT", "PATCH"]
 
 
 @serve.deployment
@@ -89,7 +96,7 @@ class LloyalRouter:
         now = time.monotonic()
         return {r for r, t in self.down_until.items() if t > now}
 
-    @router_app.api_route("/{path:path}", methods=["GET", "POST", "DELETE"])
+    @router_app.api_route("/{path:path}", methods=METHODS)
     async def forward(self, path: str, request: Request) -> Response:
         body = await request.body()
         path = "/" + path
@@ -100,6 +107,7 @@ class LloyalRouter:
             except ValueError:
                 key = None  # the replica answers malformed JSON with a 400
         headers = [(k, v) for k, v in request.headers.items() if k.lower() not in ("host", "content-length")]
+        headers.append(("content-length", str(len(body))))  # the replica's size limit reads it
         query = request.url.query
         tried: set[str] = set()
         while len(tried) < len(self.handles):
@@ -200,12 +208,33 @@ def app_from_config(
         raise ValueError(f"replicas must be >= 1, got {replicas}")
     names = [f"lloyal-{i}" for i in range(replicas)]
     opts = dict(ray_actor_options or {"num_cpus": 1})
+    engine_limit, router_limit = ongoing_limits(cfg, replicas)
+    retries = {"max_constructor_retry_count": START_RETRIES} if _SERVE_RETRIES_OPTION else {}
     engines = [
-        cast(Any, LloyalReplica).options(name=n, num_replicas=1, ray_actor_options=opts).bind(cfg, n)
+        cast(Any, LloyalReplica)
+        .options(name=n, num_replicas=1, ray_actor_options=opts, max_ongoing_requests=engine_limit, **retries)
+        .bind(cfg, n)
         for n in names
     ]
-    router = cast(Any, LloyalRouter).options(ray_actor_options={"num_cpus": 0})
+    router = cast(Any, LloyalRouter).options(
+        ray_actor_options={"num_cpus": 0}, max_ongoing_requests=router_limit
+    )
     return cast(serve.Application, router.bind(names, overload or 2 * cfg.parallel, *engines))
+
+
+def ongoing_limits(cfg: ServerConfig, replicas: int) -> tuple[int, int]:
+    """Serve's ``max_ongoing_requests`` for each engine and for the router: above what lloyal
+    itself runs and queues (``parallel + max_queue``, and a few more for ``/metrics`` and the
+    like), so lloyal's scheduler does the queueing and answers 429 past ``max_queue``; Serve's
+    default (5) would hold every request beyond the fifth in its proxy, whatever ``parallel``.
+
+    >>> from lloyal.server import ServerConfig
+    >>> ongoing_limits(ServerConfig(model="m.gguf", parallel=8, max_queue=512), 2)
+    (536, 1072)
+    """
+    queue = UNBOUNDED_QUEUE if cfg.max_queue is None else cfg.max_queue
+    engine = cfg.parallel + queue + SPARE_ONGOING
+    return engine, engine * replicas
 
 
 def run_on_ray(cfg: ServerConfig, replicas: int, host: str, port: int, num_cpus: float = 1.0) -> None:
