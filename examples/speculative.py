@@ -1,4 +1,5 @@
-"""Speculative decoding with prompt lookup: drafts come from earlier text, ONE decode verifies them.
+"""Speculative decoding with prompt lookup: drafts come from earlier text, ONE decode verifies them
+(and one more writes the bonus token).
 
 API: ``lloyal.strategies.speculative_generate`` (``Branch.verify``).
 

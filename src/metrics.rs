@@ -28,9 +28,16 @@ impl PyPerplexityTracker {
         Self::from_core(PerplexityTracker::new())
     }
 
-    /// Record one token's surprisal in nats (see ``model_surprisal``).
-    fn add_surprisal(&self, surprisal: f64) {
+    /// Record one token's surprisal in nats (see ``model_surprisal``): ``>= 0`` (``inf`` for an
+    /// impossible token); NaN or a negative value raises ``ValueError``.
+    fn add_surprisal(&self, surprisal: f64) -> PyResult<()> {
+        if surprisal.is_nan() || surprisal < 0.0 {
+            return Err(pyo3::exceptions::PyValueError::new_err(format!(
+                "a surprisal is -log p >= 0 (inf for an impossible token), got {surprisal}"
+            )));
+        }
         self.get().add(surprisal);
+        Ok(())
     }
 
     /// ``exp(mean surprisal)``, ``inf`` when empty.

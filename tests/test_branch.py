@@ -578,7 +578,24 @@ def test_set_logits_and_metrics(ctx, root):
     assert root.model_entropy("bits") >= 0.0
     with pytest.raises(ValueError):
         root.set_logits(np.zeros(10, dtype=np.float32))
+    with pytest.raises(ValueError, match="every logit is -inf"):  # produce() would give token 0
+        root.set_logits(np.full(ctx.n_vocab, -np.inf, dtype=np.float32))
     assert root.produce().token == 123
+
+
+def test_negative_counts_are_value_errors_naming_the_argument(ctx, root):
+    """Not pyo3's bare OverflowError ("can't convert negative int to unsigned")."""
+    for kwargs, name in (
+        ({"max_tokens": -1}, "max_tokens"),
+        ({"min_tokens": -1}, "min_tokens"),
+        ({"top_logprobs": -2}, "top_logprobs"),
+        ({"lookahead": 0}, "lookahead"),
+    ):
+        with pytest.raises(ValueError, match=name):
+            root.generate(**kwargs)
+    with pytest.raises(ValueError, match=r"top_logprobs must be in 0\.\.=20, got -1"):
+        root.score(ctx.tokenize("Hi"), -1)
+    assert root.position == BranchStore(ctx).kv_pressure.cells_used == len(ctx.tokenize(PROMPT))
 
 
 def test_set_sampler_params_overrides_keep_the_other_fields(ctx):

@@ -38,7 +38,10 @@ def test_bench_jsonl_rows(model_path: Path, capsys: pytest.CaptureFixture[str]) 
     rows = [json.loads(line) for line in captured.out.splitlines()]
     assert [r["batch"] for r in rows] == [1, 2]
     assert all(r["pp"] == 8 and r["tg"] == 2 and r["s_pp"] > 0 and r["s_tg"] > 0 for r in rows)
-    assert "2/2" in captured.err  # the progress bar finished
+    assert all(type(r[k]) is int for r in rows for k in ("batch", "pp", "tg"))  # not 1.0
+    assert captured.err == "", "no progress bar drawn into a log (stderr is no terminal)"
+    assert main(["--model", str(model_path), "bench", "-b", "1", "--pp", "40000", "--tg", "1"]) == 1
+    assert "beyond the model's training context of 32768" in capsys.readouterr().err
 
 
 def test_bench_table_and_bad_batches(model_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
@@ -187,6 +190,28 @@ def test_python_m_lloyal_errors_exit_1_without_a_traceback(model_path: Path, tmp
 def test_serve_refuses_a_negative_cache_budget(model_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["--model", str(model_path), "serve", "--cache-cells", "-1"]) == 1
     assert "--cache-cells must be >= 0" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--model", "/no/such.gguf", "serve"], "cannot read the model '/no/such.gguf'"),
+        (["serve", "--port", "99999"], "--port must be in 0..65535"),
+        (["serve", "-t", "0"], "--threads must be >= 1"),
+        (["serve", "-ngl", "5", "--batch-invariant"], "--batch-invariant runs on the CPU"),
+    ],
+)
+def test_serve_refuses_bad_flags_in_one_line_before_it_starts(
+    model_path: Path, capsys: pytest.CaptureFixture[str], args: list[str], message: str
+) -> None:
+    """What the server would meet as it starts (a traceback there) is refused by the CLI."""
+    full = args if args[0] == "--model" else ["--model", str(model_path), *args]
+    assert main(full) == 1
+    err = capsys.readouterr().err
+    assert err.startswith("lloyal: error: ") and message in err and err.count("\n") == 1, err
+    not_gguf = Path(__file__)  # a file, not a model
+    assert main(["--model", str(not_gguf), "serve"]) == 1
+    assert "is not a GGUF file" in capsys.readouterr().err
 
 
 # --- progress bars ------------------------------------------------------------------------------

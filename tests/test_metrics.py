@@ -76,6 +76,11 @@ def test_perplexity_tracker(ctx: lloyal.Context) -> None:
         t.add_surprisal(x)
     assert t.perplexity == pytest.approx(math.exp((math.log(2) + math.log(8) + sum(xs)) / 6))
 
+    for bad in (float("nan"), -0.5):
+        with pytest.raises(ValueError, match="surprisal is -log p >= 0"):
+            t.add_surprisal(bad)
+    assert t.count == 6, "refused values are not counted"
+
     c = t.clone()
     assert c.count == t.count and c.perplexity == t.perplexity
     c.add_surprisal(10.0)

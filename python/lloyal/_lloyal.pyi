@@ -822,7 +822,9 @@ class PerplexityTracker:
 
     def __new__(cls) -> PerplexityTracker: ...
     def add_surprisal(self, surprisal: float) -> None:
-        """Record one token's surprisal in nats (see ``model_surprisal``)."""
+        """Record one token's surprisal in nats (see ``model_surprisal``): ``>= 0`` (``inf`` for an
+        impossible token); NaN or a negative value raises ``ValueError``.
+        """
     @property
     def perplexity(self) -> float:
         """``exp(mean surprisal)``, ``inf`` when empty."""
@@ -1022,7 +1024,8 @@ class Branch:
         sharing its ``llama_decode`` with other callers' commits.
         """
     def verify(self, draft_tokens: list[int]) -> int:
-        """Speculative check of ``draft_tokens`` in one decode; returns how many were accepted.
+        """Speculative check of ``draft_tokens`` in one decode (the bonus token in a second); returns
+        how many were accepted.
 
         Keeps the longest prefix of the drafts that this branch's sampler agrees with, removes
         the rejected drafts' cells, and commits the sampler's own next token (the bonus, see

@@ -40,13 +40,15 @@ class BenchRow:
     s_tg: float
 
     def as_dict(self) -> dict[str, float]:
-        """The row as a JSON-ready dict."""
-        return {k: float(v) for k, v in asdict(self).items()}
+        """The row as a JSON-ready dict (the sizes as integers, the timings as floats)."""
+        return dict(asdict(self))
 
 
 def _progress(out: TextIO | None) -> Callable[[int, int, str], None]:
+    """A progress bar on ``out``, drawn only when it is a terminal (a log gets none)."""
+
     def show(done: int, total: int, label: str) -> None:
-        if out is None:
+        if out is None or not out.isatty():
             return
         width = 30
         filled = width * done // max(total, 1)
@@ -74,6 +76,11 @@ def run_bench(
     n_max = max(batches)
     rows: list[BenchRow] = []
     with Context(model, n_ctx=pp + tg * n_max + 64, n_seq_max=n_max + 1, n_threads=n_threads) as ctx:
+        if pp + tg > ctx.model.n_ctx_train:
+            raise ValueError(
+                f"pp + tg = {pp + tg} positions a branch, beyond the model's training context of "
+                f"{ctx.model.n_ctx_train}: lower --pp or --tg"
+            )
         store = BranchStore(ctx)
         base = ctx.tokenize("The history of the harbour town began long ago. " * (pp // 8 + 2))
         prompt = (base * (pp // len(base) + 1))[:pp]

@@ -383,6 +383,15 @@ def serve(args: argparse.Namespace) -> int:
         raise ValueError("--cache-cells must be >= 0 (0: keep no finished request's KV)")
     if args.cache_ram < -1:
         raise ValueError("--cache-ram must be >= -1 (MiB; 0: keep no copies, -1: no limit)")
+    if not 0 <= args.port <= 65535:
+        raise ValueError(f"--port must be in 0..65535, got {args.port}")
+    if args.threads is not None and args.threads < 1:
+        raise ValueError(f"--threads must be >= 1, got {args.threads}")
+    if args.batch_invariant and args.n_gpu_layers:
+        raise ValueError(
+            "--batch-invariant runs on the CPU (per-row CPU kernels): drop -ngl/--n-gpu-layers, or "
+            "--batch-invariant"
+        )
     try:
         from lloyal.server import ServerConfig
         from lloyal.server import serve as run_server
@@ -393,8 +402,11 @@ def serve(args: argparse.Namespace) -> int:
         "n_ctx", "parallel", "api_key", "embeddings", "max_queue", "shutdown_grace",
         "batch_invariant", "n_gpu_layers", "prefill_chunk", "cache_cells", "cache_ram", "warmup",
     )  # fmt: skip
+    model = _model_path(args.model)
+    if not args.ray:  # (on Ray the file is each node's)
+        _check_gguf(model)  # the server loads it as it starts, where a failure is a traceback
     cfg = ServerConfig(
-        model=_model_path(args.model),
+        model=model,
         n_threads=args.threads,
         model_name=args.served_model_name,
         request_timeout=args.request_timeout or None,
@@ -413,6 +425,17 @@ def serve(args: argparse.Namespace) -> int:
         return 0
     run_server(cfg, host=args.host, port=args.port)
     return 0
+
+
+def _check_gguf(path: Path) -> None:
+    """Raise ``ValueError`` unless ``path`` is a readable GGUF file (its magic bytes)."""
+    try:
+        with path.open("rb") as f:
+            magic = f.read(4)
+    except OSError as exc:
+        raise ValueError(f"cannot read the model {str(path)!r}: {exc.strerror or exc}") from None
+    if magic != b"GGUF":
+        raise ValueError(f"{str(path)!r} is not a GGUF file (lloyal loads llama.cpp .gguf models)")
 
 
 def _prefill_chunk(text: str) -> int | None:
@@ -474,7 +497,9 @@ def _parser() -> argparse.ArgumentParser:
         metavar="N",
         help="layers on the GPU in a GPU build (99: all; default $LLOYAL_N_GPU_LAYERS, else 0)",
     )
-    sv.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1/*")
+    sv.add_argument(
+        "--api-key", default=None, help="require 'Authorization: Bearer KEY' on every route but /health"
+    )
     sv.add_argument("--embeddings", action="store_true", help="also serve /v1/embeddings")
     sv.add_argument(
         "--allowed-origins",

@@ -12,6 +12,7 @@ use pyo3::types::PyCFunction;
 use super::{PyBranch, PyProduced};
 use crate::aio;
 use crate::context::to_i32;
+use crate::convert::narrow;
 use crate::engine;
 use crate::error::IntoPyResult;
 
@@ -43,7 +44,8 @@ impl PyBranch {
         engine::wait(py, self.core(), Work::Commit(vec![(self.handle, token)]))
     }
 
-    /// Speculative check of ``draft_tokens`` in one decode; returns how many were accepted.
+    /// Speculative check of ``draft_tokens`` in one decode (the bonus token in a second); returns
+    /// how many were accepted.
     ///
     /// Keeps the longest prefix of the drafts that this branch's sampler agrees with, removes
     /// the rejected drafts' cells, and commits the sampler's own next token (the bonus, see
@@ -92,7 +94,8 @@ impl PyBranch {
     ///     >>> len(scored), len(scored[0].top), scored[0].rank >= 1, branch.position
     ///     (3, 2, True, 13)
     #[pyo3(signature = (tokens, top_logprobs = 0))]
-    fn score(&self, py: Python<'_>, tokens: Vec<i64>, top_logprobs: usize) -> PyResult<Vec<Py<PyAny>>> {
+    fn score(&self, py: Python<'_>, tokens: Vec<i64>, top_logprobs: i64) -> PyResult<Vec<Py<PyAny>>> {
+        let top_logprobs = narrow::<usize>("top_logprobs", top_logprobs, "in 0..=20")?;
         let work = self.score_work(tokens, top_logprobs)?;
         engine::wait(py, self.core(), Work::Score(Arc::clone(&work)))?;
         scored_tokens(py, &work)
@@ -104,8 +107,9 @@ impl PyBranch {
     fn ascore<'py>(
         slf: &Bound<'py, Self>,
         tokens: Bound<'py, PyAny>,
-        top_logprobs: usize,
+        top_logprobs: i64,
     ) -> PyResult<Bound<'py, PyAny>> {
+        narrow::<usize>("top_logprobs", top_logprobs, "in 0..=20")?;
         let top = top_logprobs.into_pyobject(slf.py())?.into_any();
         aio::Coroutine::EngineValue.call(slf.py(), slf.getattr("_submit_score")?, vec![tokens, top])
     }

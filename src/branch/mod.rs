@@ -12,7 +12,7 @@ use pyo3::prelude::*;
 use pyo3::types::{PyBytes, PyTuple, PyType};
 
 use crate::context::PyContext;
-use crate::convert::clamp_i32;
+use crate::convert::{clamp_i32, narrow};
 use crate::detach::run;
 use crate::engine;
 use crate::error::IntoPyResult;
@@ -326,20 +326,25 @@ impl PyBranch {
     #[allow(clippy::too_many_arguments)]
     fn generate(
         &self,
-        max_tokens: Option<usize>,
+        max_tokens: Option<i64>,
         prompt: Option<Vec<i64>>,
         stop: Option<Vec<String>>,
         stop_tokens: Option<Vec<i64>>,
-        min_tokens: usize,
+        min_tokens: i64,
         include_stop_str: bool,
         logprobs: bool,
-        top_logprobs: usize,
+        top_logprobs: i64,
         timeout: Option<f64>,
-        lookahead: usize,
+        lookahead: i64,
         reserve: bool,
         waited: f64,
         commit_last: bool,
     ) -> PyResult<PyTokenIter> {
+        let count = |name: &str, v: i64| narrow::<usize>(name, v, ">= 0");
+        let max_tokens = max_tokens.map(|n| count("max_tokens", n)).transpose()?;
+        let (min_tokens, top_logprobs) =
+            (count("min_tokens", min_tokens)?, count("top_logprobs", top_logprobs)?);
+        let lookahead = narrow::<usize>("lookahead", lookahead, ">= 1")?;
         let args = GenArgs::parse(
             self.core().model(),
             max_tokens,

@@ -272,6 +272,11 @@ impl ContextState {
         if logits.iter().any(|x| x.is_nan()) {
             return Err(LloyalError::invalid("logits must not contain NaN"));
         }
+        if !logits.iter().any(|&x| x > f32::NEG_INFINITY) {
+            return Err(LloyalError::invalid(
+                "every logit is -inf: no token could be sampled; leave at least one finite (or +inf)",
+            ));
+        }
         let b = self.branch_mut(handle)?;
         b.logits = Arc::new(Logits::new(logits));
         b.invalidate();
