@@ -8,6 +8,11 @@ Each example is run as a script (``python examples/best_of_n.py``), so this fold
 from __future__ import annotations
 
 import argparse
+import sys
+from collections.abc import Callable
+from pathlib import Path
+
+import lloyal
 
 
 def example_parser(
@@ -28,6 +33,16 @@ def example_parser(
         parser.add_argument("--max-tokens", type=int, default=max_tokens, help=max_tokens_help)
     if seed:
         parser.add_argument("--seed", type=int, default=1)
-    parser.add_argument("--model", default=None, help="GGUF path (default: the embedded Gemma 3 270M)")
+    model_help = "GGUF path (default: LLOYAL_MODEL or the embedded Gemma 3 270M)"
+    parser.add_argument("--model", default=None, help=model_help)
     parser.add_argument("--jsonl", action="store_true", help=jsonl_help)
     return parser
+
+
+def run(main: Callable[[], object]) -> None:
+    """Run an example's ``main``: what a user can get wrong (an argument, a model path) ends it
+    with one line on stderr and exit status 1, not a traceback."""
+    try:
+        main()
+    except (lloyal.LloyalError, ValueError) as exc:
+        sys.exit(f"{Path(sys.argv[0]).name}: error: {exc}")

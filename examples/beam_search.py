@@ -22,7 +22,7 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
-from _args import example_parser
+from _args import example_parser, run
 
 import lloyal
 from lloyal import strategies
@@ -104,4 +104,4 @@ def main(argv: list[str] | None = None) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    run(main)

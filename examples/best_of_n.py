@@ -20,7 +20,7 @@ from __future__ import annotations
 import json
 import math
 
-from _args import example_parser
+from _args import example_parser, run
 
 import lloyal
 from lloyal import strategies
@@ -62,4 +62,4 @@ def main(argv: list[str] | None = None) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    run(main)

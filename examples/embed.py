@@ -23,7 +23,7 @@ from dataclasses import dataclass
 
 import numpy as np
 import numpy.typing as npt
-from _args import example_parser
+from _args import example_parser, run
 
 import lloyal
 
@@ -100,4 +100,4 @@ def main(argv: list[str] | None = None) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    run(main)

@@ -24,7 +24,7 @@ import json
 from collections.abc import Iterator, Mapping
 from typing import Any
 
-from _args import example_parser
+from _args import example_parser, run
 
 import lloyal
 
@@ -202,4 +202,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    run(main)

@@ -20,7 +20,7 @@ import json
 import time
 from dataclasses import dataclass
 
-from _args import example_parser
+from _args import example_parser, run
 
 import lloyal
 from lloyal import strategies
@@ -93,4 +93,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    run(main)

@@ -25,7 +25,7 @@ import math
 from collections.abc import Iterator
 from typing import Any
 
-from _args import example_parser
+from _args import example_parser, run
 
 import lloyal
 
@@ -178,4 +178,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    run(main)
