@@ -1,11 +1,13 @@
 """Random programs over a context with a prefix cache (hypothesis' rule-based state machine):
 entries added, released, pinned and looked up while branches are created, forked, prefilled,
-generated and pruned, and the engine evicts whenever something needs room. After every step:
-leases and cells add up, no pinned branch and no branch with a live fork was evicted, and the
-cache holds only live branches."""
+generated and pruned, and the engine evicts whenever something needs room, copying what it
+evicts to the host tier (when it has a budget), whose copies are written back by admission
+plans. After every step: leases and cells add up, no pinned branch and no branch with a live
+fork was evicted, the cache holds only live branches, and the host tier stays in its budget."""
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 from collections import Counter
 
@@ -18,6 +20,7 @@ from lloyal import _lloyal
 
 N_SEQ = 3
 N_CTX = 96
+MIB = 1 << 20
 GREEDY = lloyal.SamplingParams(temperature=0.0)
 CHECKS: Counter[str] = Counter()
 
@@ -33,12 +36,19 @@ class CachedBranches(RuleBasedStateMachine):
         )
         self.store = lloyal.BranchStore(self.ctx)
         self.cache = _lloyal.PrefixCache(self.ctx)
+        self.cache.host_budget = 64 * MIB
+        self.book = _lloyal.Admission(self.ctx, N_SEQ)
+        self.added: dict[int, list[int]] = {}  # handle -> the tokens it was last added with
+        self.gone_keys: list[list[int]] = []  # those of branches gone since (maybe copied)
         self.live: list[lloyal.Branch] = []
         self.pins: dict[int, int] = {}  # handle -> pins this program holds
         self.keys = 0
 
     def teardown(self) -> None:
-        CHECKS["evictions"] += int(self.cache.stats()["evictions"])
+        stats = self.cache.stats()
+        CHECKS["evictions"] += int(stats["evictions"])
+        CHECKS["copies kept"] += int(stats["host_kept"])
+        CHECKS["copies written back"] += int(stats["host_restored"])
         self.ctx.close()
 
     def _pick(self, i: int) -> lloyal.Branch:
@@ -54,6 +64,7 @@ class CachedBranches(RuleBasedStateMachine):
         before, parents = snap
         self.live = [b for b in before if not b.disposed]
         gone = {b.handle for b in before if b.disposed}
+        self.gone_keys += [self.added.pop(h) for h in gone if h in self.added]
         assert not any(self.pins.get(h) for h in gone), "a pinned branch was pruned"
         assert not any(parents.get(b.handle) in gone for b in self.live), "a parent of a live fork went"
 
@@ -110,7 +121,9 @@ class CachedBranches(RuleBasedStateMachine):
     def add(self, i: int) -> None:
         b = self._pick(i)
         snap = self._snap()
-        self.cache.add(b, self._tokens(4))
+        tokens = self._tokens(4)
+        self.cache.add(b, tokens)
+        self.added[b.handle] = tokens
         self._settle(snap)
 
     @precondition(lambda self: self.live)
@@ -150,6 +163,44 @@ class CachedBranches(RuleBasedStateMachine):
         self.pins.pop(b.handle, None)
         self._settle(snap)
 
+    @precondition(lambda self: self.gone_keys)
+    @rule(i=st.integers(0, 99))
+    def restore(self, i: int) -> None:
+        """A request for a gone entry's tokens: written back from the host tier when a copy of
+        it is kept (its plan's room found, evicting if need be), else a plan that forks nothing."""
+        snap = self._snap()
+        keys = self.gone_keys[i % len(self.gone_keys) :] + self.gone_keys[: i % len(self.gone_keys)]
+        for tokens in keys:  # the first with a copy kept (a plan that does not restore puts nothing out)
+            plan = self.book.plan(tokens, 1)
+            assert plan is not None, "a slot is free: nothing else is admitted"
+            if plan.restores:
+                break
+            self.book.release(plan)
+        else:
+            self._settle(snap)
+            return
+        try:
+            asyncio.run(self.cache.amake_room(leases=plan.leases, cells=plan.cells))
+        except (lloyal.LeaseExhaustedError, lloyal.KvCacheFullError):
+            self.book.release(plan)  # the copy goes back to the host tier
+            self._settle(snap)
+            return
+        self.book.reserve(plan)
+        b = asyncio.run(self.book.arestore(plan))
+        assert b.position >= 1  # a copy holds cells
+        assert any(e.handle == b.handle for e, _ in self.cache.entries()), "an entry again"
+        child = b.fork()  # as the request forks it (the plan's second lease), before admitted
+        self.book.admitted(plan)
+        self.book.release(plan)
+        self._settle(snap)
+        assert not b.disposed, "it has a live fork"
+        self.added[b.handle] = tokens
+        self.live += [b, child]
+
+    @rule(on=st.booleans())
+    def host_budget(self, on: bool) -> None:
+        self.cache.host_budget = 64 * MIB if on else 0
+
     @rule(budget=st.sampled_from([None, 0, 20, 80]))
     def set_budget(self, budget: int | None) -> None:
         snap = self._snap()
@@ -161,6 +212,12 @@ class CachedBranches(RuleBasedStateMachine):
         CHECKS["invariant checks (one per step)"] += 1
         assert self.store.available + len(self.live) == N_SEQ
         assert self.store.kv_pressure.cells_used == sum(b.position - b.fork_head for b in self.live)
+
+    @invariant()
+    def the_host_tier_stays_in_its_budget(self) -> None:
+        stats = self.cache.stats()
+        assert stats["host_bytes"] <= self.cache.host_budget
+        assert (stats["host_entries"] == 0) == (stats["host_bytes"] == 0)
 
     @invariant()
     def the_cache_holds_live_branches(self) -> None:
