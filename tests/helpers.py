@@ -15,13 +15,17 @@ import time
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from pathlib import Path
 from types import ModuleType
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import pytest
 from hypothesis import HealthCheck, settings
 
 import lloyal
+
+if TYPE_CHECKING:
+    from lloyal import _lloyal
+    from lloyal.scheduling.scheduler import Done, GenSpec, Scheduler, TokenEvent
 
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
 GREEDY = lloyal.SamplingParams(temperature=0)
@@ -248,6 +252,27 @@ def flat_constrained(
         ctx.decode([token], pos)
         pos += 1
     return out, False
+
+
+def cached(ctx: lloyal.Context, cache: _lloyal.PrefixCache, tokens: list[int]) -> lloyal.Branch:
+    """A branch holding ``tokens`` (prefilled greedy), kept by the prefix ``cache``."""
+    b = lloyal.Branch.create(ctx, 0, GREEDY)
+    b.prefill(tokens)
+    assert cache.add(b, tokens)
+    return b
+
+
+async def until_done(sched: Scheduler, spec: GenSpec) -> tuple[list[TokenEvent], Done]:
+    """``spec`` run on the scheduler ``sched``: its token events and its ``Done``."""
+    from lloyal.scheduling.scheduler import Done, TokenEvent
+
+    evs: list[TokenEvent] = []
+    async for ev in sched.generate(spec):
+        if isinstance(ev, Done):
+            return evs, ev
+        assert isinstance(ev, TokenEvent)
+        evs.append(ev)
+    raise AssertionError("no Done")
 
 
 def greedy_completion(

@@ -6,19 +6,12 @@ from __future__ import annotations
 import asyncio
 
 import pytest
+from helpers import cached
 
 import lloyal
 from lloyal import _lloyal
 
 GREEDY = lloyal.SamplingParams(temperature=0.0)
-
-
-def cached(ctx: lloyal.Context, cache: _lloyal.PrefixCache, tokens: list[int]) -> lloyal.Branch:
-    """A branch holding ``tokens``, kept by ``cache``."""
-    b = lloyal.Branch.create(ctx, 0, GREEDY)
-    b.prefill(tokens)
-    assert cache.add(b, tokens)
-    return b
 
 
 def test_lookup_forks_a_whole_entry_or_a_shared_run_and_pins_it(model: lloyal.Model) -> None:

@@ -10,7 +10,7 @@ import re
 from pathlib import Path
 
 import pytest
-from helpers import greedy_completion, serving
+from helpers import cached, greedy_completion, serving, until_done
 
 import lloyal
 from lloyal import _lloyal
@@ -18,24 +18,15 @@ from lloyal import _lloyal
 pytest.importorskip("fastapi", reason="the server extra: pip install 'lloyal[server]'")
 httpx = pytest.importorskip("httpx")
 
-from lloyal.scheduling.scheduler import Done, GenSpec, Scheduler, TokenEvent  # noqa: E402
+from lloyal.scheduling.scheduler import Done, GenSpec, Scheduler  # noqa: E402
 
 GREEDY = lloyal.SamplingParams(temperature=0.0)
 MIB = 1 << 20
 
 
-async def until_done(sched: Scheduler, spec: GenSpec) -> tuple[list[int], Done]:
-    tokens: list[int] = []
-    async for ev in sched.generate(spec):
-        if isinstance(ev, Done):
-            return tokens, ev
-        assert isinstance(ev, TokenEvent)
-        tokens.append(ev.token)
-    raise AssertionError("no Done")
-
-
 def run(sched: Scheduler, prompt: list[int], max_tokens: int) -> tuple[list[int], Done]:
-    return asyncio.run(until_done(sched, GenSpec(prompt=prompt, params=GREEDY, max_tokens=max_tokens)))
+    evs, done = asyncio.run(until_done(sched, GenSpec(prompt=prompt, params=GREEDY, max_tokens=max_tokens)))
+    return [e.token for e in evs], done
 
 
 def test_a_returning_conversation_is_written_back_from_host_memory(exact_model: lloyal.Model) -> None:
@@ -73,13 +64,6 @@ def test_a_returning_conversation_is_written_back_from_host_memory(exact_model: 
             assert (
                 lloyal.BranchStore(ctx).kv_pressure.cells_used == 0 and lloyal.BranchStore(ctx).available == 6
             )
-
-
-def cached(ctx: lloyal.Context, cache: _lloyal.PrefixCache, tokens: list[int]) -> lloyal.Branch:
-    b = lloyal.Branch.create(ctx, 0, GREEDY)
-    b.prefill(tokens)
-    assert cache.add(b, tokens)
-    return b
 
 
 def test_a_copy_written_back_holds_the_cells_and_logits_the_entry_had(exact_model: lloyal.Model) -> None:

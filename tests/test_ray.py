@@ -350,26 +350,35 @@ def test_cli_serve_ray_refuses_zero_replicas(capsys: pytest.CaptureFixture[str])
     assert capsys.readouterr().err == "lloyal: error: --replicas must be >= 1\n"
 
 
+def _row_generator(model_path: str, *, n_ctx: int = 512, **overrides: Any) -> Any:
+    """The actor behind ``generate``, in process: greedy single candidates of ``MAX_TOKENS``
+    tokens, four rows at once, unless ``overrides`` say otherwise."""
+    from lloyal.ray.data import RowGenerator
+
+    args: dict[str, Any] = {
+        "prompt_column": "prompt",
+        "n": 1,
+        "best_of": 1,
+        "sampling": lloyal.SamplingParams(temperature=0.0),
+        "grammar": None,
+        "grammar_column": None,
+        "max_tokens": MAX_TOKENS,
+        "seed": 1,
+        "rows_at_once": 4,
+    }
+    return RowGenerator(
+        model=model_path, context_options={"n_ctx": n_ctx, "n_threads": 1}, **(args | overrides)
+    )
+
+
 def test_row_generator_runs_rows_on_the_scheduler_sharing_a_prefix_and_ranking(model_path: str) -> None:
     """The actor behind ``generate``, in process: its rows are the server's generation requests
     (the same best_of and admission), so rows that share a long prompt prefix prefill it once,
     and each row's completions come best first with their perplexities."""
     import numpy as np
 
-    from lloyal.ray.data import RowGenerator
-
-    gen = RowGenerator(
-        model=model_path,
-        prompt_column="prompt",
-        n=3,
-        best_of=3,
-        sampling=lloyal.SamplingParams(temperature=0.8),
-        grammar=None,
-        grammar_column=None,
-        max_tokens=MAX_TOKENS,
-        seed=7,
-        rows_at_once=4,
-        context_options={"n_ctx": 2048, "n_threads": 1},
+    gen = _row_generator(
+        model_path, n=3, best_of=3, sampling=lloyal.SamplingParams(temperature=0.8), seed=7, n_ctx=2048
     )
     system = "A long shared instruction about colours, shapes and numbers. " * 20
     prompts = [system + q for q in ("Name a colour.", "Name a shape.", "Name a number.")]
@@ -395,21 +404,7 @@ def test_a_row_with_a_missing_prompt_or_a_malformed_grammar_fails_alone(model_pa
     gives that row an ``error``; the batch's other rows complete (nothing raised)."""
     import numpy as np
 
-    from lloyal.ray.data import RowGenerator
-
-    gen = RowGenerator(
-        model=model_path,
-        prompt_column="prompt",
-        n=1,
-        best_of=1,
-        sampling=lloyal.SamplingParams(temperature=0.0),
-        grammar=None,
-        grammar_column="grammar",
-        max_tokens=2,
-        seed=1,
-        rows_at_once=4,
-        context_options={"n_ctx": 512, "n_threads": 1},
-    )
+    gen = _row_generator(model_path, grammar_column="grammar", max_tokens=2)
     prompts = [None, float("nan"), 7, "Water is", "Fire is"]
     grammars = [None, None, None, {"regex": 5}, None]
     out = gen({"prompt": np.array(prompts, dtype=object), "grammar": np.array(grammars, dtype=object)})

@@ -6,7 +6,7 @@ from __future__ import annotations
 import asyncio
 
 import pytest
-from helpers import greedy_completion, wait_until
+from helpers import greedy_completion, until_done, wait_until
 
 import lloyal
 
@@ -25,17 +25,6 @@ WORDS = (  # noqa: SIM905 (40 words read better as text)
     "ginger harbor island jacket kettle ladder magnet needle orange parrot puzzle "
     "rabbit saddle tunnel wallet yellow zipper"
 ).split()
-
-
-async def until_done(sched: Scheduler, spec: GenSpec) -> tuple[list[TokenEvent], Done]:
-    """``spec`` run on ``sched``: its token events and its ``Done``."""
-    evs: list[TokenEvent] = []
-    async for ev in sched.generate(spec):
-        if isinstance(ev, Done):
-            return evs, ev
-        assert isinstance(ev, TokenEvent)
-        evs.append(ev)
-    raise AssertionError("no Done")
 
 
 def record_admissions(sched: Scheduler, prompts: list[list[int]]) -> list[int]:
