@@ -435,5 +435,14 @@ def test_serve_limits_sit_above_what_lloyal_runs_and_queues(model_path: str) -> 
     )
     unbounded = ongoing_limits(ServerConfig(model=model_path, parallel=2, max_queue=None), 1)
     assert unbounded[0] == 2 + UNBOUNDED_QUEUE + SPARE_ONGOING
+    # the deployments carry them, and a stopped engine's grace is --shutdown-grace
+    from lloyal.ray.serve import app_from_config
+
+    app = app_from_config(ServerConfig(model=model_path, parallel=3, max_queue=10, shutdown_grace=7.0), 2)
+    router = app._bound_deployment
+    engines = [a._bound_deployment for a in router.init_args[2:]]
+    assert router.max_ongoing_requests == 2 * (3 + 10 + SPARE_ONGOING)
+    assert [e.max_ongoing_requests for e in engines] == [3 + 10 + SPARE_ONGOING] * 2
+    assert [e._deployment_config.graceful_shutdown_timeout_s for e in engines] == [7.0, 7.0]
     with pytest.raises(ValueError, match="best_of <= 255"):
         generate([{"prompt": "x"}], model_path, n=1, best_of=256)

@@ -212,7 +212,15 @@ def app_from_config(
     retries = {"max_constructor_retry_count": START_RETRIES} if _SERVE_RETRIES_OPTION else {}
     engines = [
         cast(Any, LloyalReplica)
-        .options(name=n, num_replicas=1, ray_actor_options=opts, max_ongoing_requests=engine_limit, **retries)
+        .options(
+            name=n,
+            num_replicas=1,
+            ray_actor_options=opts,
+            max_ongoing_requests=engine_limit,
+            # a replica being stopped lets its running requests finish for --shutdown-grace
+            graceful_shutdown_timeout_s=cfg.shutdown_grace,
+            **retries,
+        )
         .bind(cfg, n)
         for n in names
     ]
