@@ -21,6 +21,18 @@ pub fn narrow<T: TryFrom<i64>>(name: &str, value: i64, expected: &str) -> PyResu
     })
 }
 
+/// A Python int argument as ``T``: ``narrow`` for an int of any size (one past 64 bits, which
+/// pyo3 raises as a bare ``OverflowError``, is a ``ValueError`` naming the argument too).
+pub fn int_arg<T: TryFrom<i64>>(name: &str, value: &Bound<'_, PyAny>, expected: &str) -> PyResult<T> {
+    match value.extract::<i64>() {
+        Ok(v) => narrow(name, v, expected),
+        Err(e) if e.is_instance_of::<pyo3::exceptions::PyOverflowError>(value.py()) => {
+            Err(pyo3::exceptions::PyValueError::new_err(format!("{name} must be {expected}, got {value}")))
+        }
+        Err(e) => Err(e),
+    }
+}
+
 /// A seq id or position past 32 bits, clamped so the core's range check (which names the valid
 /// range, e.g. ``n_seq_max``) rejects it instead of pyo3 raising a bare ``OverflowError``.
 pub fn clamp_i32(value: i64) -> i32 {

@@ -120,14 +120,25 @@ where
     py.detach(f)
 }
 
-/// Like [`detached`] for file I/O: an `std::io::Error` becomes the matching `OSError` subclass.
-pub fn detached_io<T, F>(py: Python<'_>, f: F) -> PyResult<T>
+/// Like [`detached`] for I/O on the file at `path`: an `std::io::Error` becomes the matching
+/// `OSError` subclass naming the file, as Python's own ``open()`` does
+/// (``FileNotFoundError: [Errno 2] No such file or directory: 'x.bin'``).
+pub fn detached_io_at<T, F>(py: Python<'_>, path: &std::path::Path, f: F) -> PyResult<T>
 where
     T: Send,
     F: FnOnce() -> std::io::Result<T> + Send,
 {
-    py.detach(|| {
+    let result = py.detach(|| {
         catch_unwind(AssertUnwindSafe(f)).unwrap_or_else(|p| Err(std::io::Error::other(panic_message(p))))
+    });
+    result.map_err(|e| {
+        let Some(errno) = e.raw_os_error() else { return PyErr::from(e) };
+        let strerror = std::io::Error::from_raw_os_error(errno).to_string();
+        let strerror = strerror.split(" (os error").next().unwrap_or_default().to_string();
+        // OSError(errno, strerror, filename) is the subclass for the errno (FileNotFoundError, ...)
+        match py.get_type::<pyo3::exceptions::PyOSError>().call1((errno, strerror, path.to_string_lossy())) {
+            Ok(exc) => PyErr::from_value(exc),
+            Err(other) => other,
+        }
     })
-    .map_err(PyErr::from)
 }

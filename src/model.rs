@@ -6,6 +6,7 @@ use std::sync::Arc;
 use lloyal_core::{Model, ModelOptions};
 use pyo3::prelude::*;
 
+use crate::convert::int_arg;
 use crate::detach::detached;
 use crate::error::IntoPyResult;
 
@@ -46,10 +47,12 @@ impl PyModel {
     fn new(
         py: Python<'_>,
         path: PathBuf,
-        n_gpu_layers: Option<u32>,
+        n_gpu_layers: Option<&Bound<'_, PyAny>>,
         use_mmap: bool,
         repack: bool,
     ) -> PyResult<Self> {
+        let n_gpu_layers =
+            n_gpu_layers.map(|n| int_arg::<u32>("n_gpu_layers", n, ">= 0 (99: every layer)")).transpose()?;
         let n_gpu_layers = ModelOptions::gpu_layers_or_env(n_gpu_layers).py()?;
         let inner = Self::load(py, path, ModelOptions { n_gpu_layers, use_mmap, repack })?;
         Ok(PyModel { inner })

@@ -133,6 +133,12 @@ fn xtc(v: &Bound<'_, PyAny>) -> PyResult<Xtc> {
 fn extract_as<'py, T: FromPyObjectOwned<'py>>(key: &str, value: &Bound<'py, PyAny>) -> PyResult<T> {
     value.extract::<T>().map_err(|e| {
         let e: PyErr = e.into();
+        if e.is_instance_of::<pyo3::exceptions::PyOverflowError>(value.py()) {
+            // the right type, out of the field's range (a seed past 32 bits, a negative top_k)
+            return pyo3::exceptions::PyValueError::new_err(format!(
+                "sampling parameter {key} = {value} is out of range ({e})"
+            ));
+        }
         PyTypeError::new_err(format!("sampling parameter {key}: {e}"))
     })
 }

@@ -595,6 +595,13 @@ def test_negative_counts_are_value_errors_naming_the_argument(ctx, root):
             root.generate(**kwargs)
     with pytest.raises(ValueError, match=r"top_logprobs must be in 0\.\.=20, got -1"):
         root.score(ctx.tokenize("Hi"), -1)
+    for seed in (-1, 2**32, 2**70):  # past 64 bits too
+        with pytest.raises(ValueError, match=rf"seed must be in 0\.\.=4294967295, got {seed}"):
+            root.reseed_sampler(seed)
+    with pytest.raises(ValueError, match="sampling parameter seed = 18446744073709551616 is out of range"):
+        Branch.create(ctx, 0, SamplingParams(seed=2**64))
+    with pytest.raises(ValueError, match="n_gpu_layers must be >= 0"):
+        lloyal.Model(ctx.model.path, n_gpu_layers=-5)
     assert root.position == BranchStore(ctx).kv_pressure.cells_used == len(ctx.tokenize(PROMPT))
 
 

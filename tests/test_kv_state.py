@@ -89,8 +89,11 @@ def test_file_round_trip(
         assert c.kv_cache_read_file(1, str(path)) == tokens[:-1]
         assert c.kv_seq_pos_max(1) == len(tokens) - 2
         assert continuation(c, tokens, 1) == expected
-        with pytest.raises(FileNotFoundError):
+        with pytest.raises(FileNotFoundError, match=r"missing\.lkv") as missing:
             c.kv_cache_read_file(0, tmp_path / "missing.lkv")
+        assert missing.value.filename == str(tmp_path / "missing.lkv")  # as open() names it
+        with pytest.raises(FileNotFoundError, match="no-such-dir"):
+            c.kv_cache_write_file(0, tmp_path / "no-such-dir" / "x.lkv", tokens[:-1])
         with pytest.raises(lloyal.InvalidTokenError):
             c.kv_cache_write_file(0, path, [10**7])
 

@@ -9,7 +9,7 @@ use pyo3::prelude::*;
 use pyo3::types::PyDict;
 
 use super::PyBranch;
-use crate::convert::narrow;
+use crate::convert::{int_arg, narrow};
 use crate::engine;
 use crate::error::IntoPyResult;
 use crate::grammar::PyGrammar;
@@ -62,8 +62,8 @@ impl PyBranch {
     }
 
     /// Restart the sampler's RNG with ``seed`` (history kept).
-    fn reseed_sampler(&self, py: Python<'_>, seed: i64) -> PyResult<()> {
-        let seed: u32 = narrow("seed", seed, "in 0..=4294967295")?;
+    fn reseed_sampler(&self, py: Python<'_>, seed: &Bound<'_, PyAny>) -> PyResult<()> {
+        let seed: u32 = int_arg("seed", seed, "in 0..=4294967295")?;
         self.call(py, move |s, h| s.branch_reseed_sampler(h, seed))
     }
 

@@ -1,7 +1,7 @@
 //! `Context`'s raw KV cache operations and KV state files.
 
 use crate::convert::clamp_i32;
-use crate::detach::{detached_io, run};
+use crate::detach::{detached_io_at, run};
 use lloyal_core::write_atomic;
 use pyo3::prelude::*;
 use pyo3::types::PyBytes;
@@ -105,7 +105,8 @@ impl PyContext {
         let seq_id = clamp_i32(seq_id);
         let tokens = to_i32(self.inner.model(), &tokens)?;
         let data = run(py, self.ctx(), move |s| s.kv_save_tokens(seq_id, &tokens))?;
-        detached_io(py, move || write_atomic(&path, &data))
+        let at = path.clone();
+        detached_io_at(py, &at, move || write_atomic(&path, &data))
     }
 
     /// Load a file from :meth:`kv_cache_write_file` into ``seq_id``; returns its tokens.
@@ -117,7 +118,7 @@ impl PyContext {
     fn kv_cache_read_file(&self, py: Python<'_>, seq_id: i64, path: PathBuf) -> PyResult<Vec<i32>> {
         let seq_id = clamp_i32(seq_id);
         self.check_open()?;
-        let data = detached_io(py, move || std::fs::read(&path))?;
+        let data = detached_io_at(py, &path, || std::fs::read(&path))?;
         run(py, self.ctx(), move |s| s.kv_load(seq_id, &data))
     }
 }
