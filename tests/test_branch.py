@@ -581,6 +581,10 @@ def test_set_logits_and_metrics(ctx, root):
     with pytest.raises(ValueError, match="every logit is -inf"):  # produce() would give token 0
         root.set_logits(np.full(ctx.n_vocab, -np.inf, dtype=np.float32))
     assert root.produce().token == 123
+    wide = np.full(ctx.n_vocab, -30.0)  # float64, numpy's default
+    wide[7] = 10.0
+    root.set_logits(wide)
+    assert root.produce().token == 7 and root.logits.dtype == np.float32
 
 
 def test_negative_counts_are_value_errors_naming_the_argument(ctx, root):

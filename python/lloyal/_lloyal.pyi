@@ -1161,8 +1161,8 @@ class Branch:
     @property
     def logits(self) -> npt.NDArray[np.float32]:
         """A float32 copy of the current logits, shape ``(n_vocab,)``."""
-    def set_logits(self, logits: npt.NDArray[np.float32]) -> None:
-        """Replace the logits snapshot (shape ``(n_vocab,)``)."""
+    def set_logits(self, logits: npt.ArrayLike) -> None:
+        """Replace the logits snapshot (shape ``(n_vocab,)``; any real dtype, read as float32)."""
     def model_entropy(self, base: str = "nats") -> float:
         """Entropy of the next-token distribution in ``"nats"`` or ``"bits"``."""
     def model_surprisal(self, token: int, base: str = "nats") -> float:

@@ -151,8 +151,11 @@ impl PyBranch {
         Ok(PyArray1::from_vec(py, v))
     }
 
-    /// Replace the logits snapshot (shape ``(n_vocab,)``).
-    fn set_logits(&self, py: Python<'_>, logits: PyReadonlyArray1<'_, f32>) -> PyResult<()> {
+    /// Replace the logits snapshot (shape ``(n_vocab,)``; any real dtype, read as float32).
+    fn set_logits(&self, py: Python<'_>, logits: &Bound<'_, PyAny>) -> PyResult<()> {
+        // numpy's own conversion: a float64 row (np.zeros' default) is as good as a float32 one
+        let converted = py.import("numpy")?.call_method1("asarray", (logits, "float32"))?;
+        let logits: PyReadonlyArray1<'_, f32> = converted.extract()?;
         let v = logits.as_array().to_vec();
         self.call(py, move |s, h| s.branch_set_logits(h, v))
     }
