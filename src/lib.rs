@@ -59,5 +59,6 @@ fn _lloyal(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(grammar::json_schema_to_grammar, m)?)?;
     m.add_function(wrap_pyfunction!(chat::parse_chat_output_native, m)?)?;
     m.add_function(wrap_pyfunction!(chat::chat_markers, m)?)?;
+    m.add_function(wrap_pyfunction!(model::check_model_file, m)?)?;
     Ok(())
 }

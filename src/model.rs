@@ -40,6 +40,13 @@ impl PyModel {
     }
 }
 
+/// Raise ``ModelLoadError`` unless ``path`` is a readable GGUF file with a plausible header (the
+/// check ``Model`` makes before llama.cpp reads a file), without loading it.
+#[pyfunction(name = "_check_model_file")]
+pub fn check_model_file(path: PathBuf) -> PyResult<()> {
+    lloyal_core::model_file::check_gguf_file(&path).py()
+}
+
 #[pymethods]
 impl PyModel {
     #[new]

@@ -195,7 +195,7 @@ def test_serve_refuses_a_negative_cache_budget(model_path: Path, capsys: pytest.
 @pytest.mark.parametrize(
     ("args", "message"),
     [
-        (["--model", "/no/such.gguf", "serve"], "cannot read the model '/no/such.gguf'"),
+        (["--model", "/no/such.gguf", "serve"], 'cannot load model "/no/such.gguf": No such file'),
         (["serve", "--port", "99999"], "--port must be in 0..65535"),
         (["serve", "-t", "0"], "--threads must be >= 1"),
         (["serve", "-ngl", "5", "--batch-invariant"], "--batch-invariant runs on the CPU"),
@@ -211,7 +211,7 @@ def test_serve_refuses_bad_flags_in_one_line_before_it_starts(
     assert err.startswith("lloyal: error: ") and message in err and err.count("\n") == 1, err
     not_gguf = Path(__file__)  # a file, not a model
     assert main(["--model", str(not_gguf), "serve"]) == 1
-    assert "is not a GGUF file" in capsys.readouterr().err
+    assert "not a GGUF file (wrong magic bytes)" in capsys.readouterr().err
 
 
 # --- progress bars ------------------------------------------------------------------------------

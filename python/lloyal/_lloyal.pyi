@@ -42,6 +42,7 @@ __all__ = [
     "TokenIterator",
     "__version__",
     "_chat_markers",
+    "_check_model_file",
     "_parse_chat_output",
     "json_schema_to_grammar",
     "quiesce_callbacks",
@@ -64,6 +65,10 @@ def validate_sampling_params(params: object) -> None:
 
 def _parse_chat_output(text: str) -> tuple[str, str | None, list[tuple[str, str]]]:
     """Native part of `lloyal.parse_chat_output`: `(content, reasoning_content, [(name, arguments_json)])`."""
+
+def _check_model_file(path: str | os.PathLike[str]) -> None:
+    """Raise ``ModelLoadError`` unless ``path`` is a readable GGUF file with a plausible header (the
+    check ``Model`` makes before llama.cpp reads a file), without loading it."""
 
 def _chat_markers() -> tuple[list[str], list[str]]:
     """The markers `parse_chat_output` acts on: `(end-of-turn markers it removes, markers from which

@@ -32,7 +32,7 @@ from pathlib import Path
 from typing import Any, NamedTuple
 
 import lloyal
-from lloyal import progress, strategies
+from lloyal import _lloyal, progress, strategies
 from lloyal.scheduling import Done, GenSpec, Scheduler, TokenEvent
 from lloyal.tree_html import TreeNode, write_tree_html
 
@@ -403,8 +403,8 @@ def serve(args: argparse.Namespace) -> int:
         "batch_invariant", "n_gpu_layers", "prefill_chunk", "cache_cells", "cache_ram", "warmup",
     )  # fmt: skip
     model = _model_path(args.model)
-    if not args.ray:  # (on Ray the file is each node's)
-        _check_gguf(model)  # the server loads it as it starts, where a failure is a traceback
+    if not args.ray:  # (on Ray the file is each node's) the server loads it as it starts: a traceback there
+        _lloyal._check_model_file(model)
     cfg = ServerConfig(
         model=model,
         n_threads=args.threads,
@@ -425,17 +425,6 @@ def serve(args: argparse.Namespace) -> int:
         return 0
     run_server(cfg, host=args.host, port=args.port)
     return 0
-
-
-def _check_gguf(path: Path) -> None:
-    """Raise ``ValueError`` unless ``path`` is a readable GGUF file (its magic bytes)."""
-    try:
-        with path.open("rb") as f:
-            magic = f.read(4)
-    except OSError as exc:
-        raise ValueError(f"cannot read the model {str(path)!r}: {exc.strerror or exc}") from None
-    if magic != b"GGUF":
-        raise ValueError(f"{str(path)!r} is not a GGUF file (lloyal loads llama.cpp .gguf models)")
 
 
 def _prefill_chunk(text: str) -> int | None:
