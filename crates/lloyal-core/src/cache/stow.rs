@@ -62,25 +62,18 @@ impl ContextState {
     /// again (takes a lease and its cells). On failure nothing is taken and the copy is lost.
     pub fn cache_restore(&mut self, tokens: &[i32], stowed: Stowed) -> Result<Handle> {
         let Stowed { mut state, kv, cells, pos_max } = stowed;
-        self.cache_make_room(1, cells, 0, &[]);
-        self.check_room(cells)?;
-        let seq = self.ledger.take_lease(&mut self.raw)?;
-        self.remove_cells(seq, -1, -1);
-        self.reclaim_parked();
-        let written =
-            self.raw_mut().state_seq_set(seq, &kv) > 0 && self.raw_mut().seq_pos_max(seq) == pos_max;
-        if !written {
-            self.remove_cells(seq, -1, -1);
-            self.ledger.return_lease(seq);
-            return Err(LloyalError::Backend(format!(
-                "llama.cpp could not write a cached prompt of {cells} cells back from host memory"
-            )));
-        }
-        state.seq_id = seq;
-        state.fork_head = pos_max + 1 - cells as i32;
-        let handle = self.branches.insert(state);
-        self.topology.add(handle, None);
-        self.ledger.grow_cells(cells);
+        let write = |s: &mut Self, seq| {
+            s.write_seq_payload(seq, &kv, pos_max).map_err(|why| {
+                LloyalError::Backend(format!(
+                    "a cached prompt of {cells} cells could not be written back: {why}"
+                ))
+            })
+        };
+        let handle = self.new_root(cells, write, |seq| {
+            state.seq_id = seq;
+            state.fork_head = pos_max + 1 - cells as i32;
+            state
+        })?;
         lock(&self.cache).add(handle, tokens);
         Ok(handle)
     }

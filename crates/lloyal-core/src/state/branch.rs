@@ -302,26 +302,46 @@ impl ContextState {
     /// empties the new sequence and returns the lease.
     pub fn branch_load(&mut self, data: &[u8]) -> Result<Handle> {
         let p = self.parse_branch_state(data)?;
-        self.cache_make_room(1, p.cells, 0, &[]);
-        self.check_room(p.cells)?;
+        let tracks_sampling = self.sampling_perplexity;
+        let kv = p.kv;
+        self.new_root(
+            p.cells,
+            |s, seq| s.kv_load_unchecked(seq, &kv).map(drop),
+            |seq| {
+                let mut b = BranchState::new(seq, p.position, p.sampler, tracks_sampling);
+                b.fork_head = p.position - p.cells as i32;
+                b.grammar = p.grammar;
+                b.model_ppl = p.model_ppl;
+                b.sampling_ppl = p.sampling_ppl;
+                b.logit_bias = p.logit_bias;
+                b.steer = p.steer;
+                b.logits = Arc::new(Logits::new(p.logits));
+                b
+            },
+        )
+    }
+
+    /// A new root branch on a free lease, its `cells` cells written by `write` (room made for
+    /// them first) and its state `branch(seq)`: a loaded branch state, a prefix cache entry
+    /// written back from host memory. A failed write empties the sequence and returns the lease.
+    pub(crate) fn new_root(
+        &mut self,
+        cells: usize,
+        write: impl FnOnce(&mut Self, i32) -> Result<()>,
+        branch: impl FnOnce(i32) -> BranchState,
+    ) -> Result<Handle> {
+        self.cache_make_room(1, cells, 0, &[]);
+        self.check_room(cells)?;
         let seq = self.ledger.take_lease(&mut self.raw)?;
         self.remove_cells(seq, -1, -1);
-        if let Err(e) = self.kv_load_unchecked(seq, &p.kv) {
+        if let Err(e) = write(self, seq) {
             self.remove_cells(seq, -1, -1);
             self.ledger.return_lease(seq);
             return Err(e);
         }
-        let mut b = BranchState::new(seq, p.position, p.sampler, self.sampling_perplexity);
-        b.fork_head = p.position - p.cells as i32;
-        b.grammar = p.grammar;
-        b.model_ppl = p.model_ppl;
-        b.sampling_ppl = p.sampling_ppl;
-        b.logit_bias = p.logit_bias;
-        b.steer = p.steer;
-        b.logits = Arc::new(Logits::new(p.logits));
-        let handle = self.branches.insert(b);
+        let handle = self.branches.insert(branch(seq));
         self.topology.add(handle, None);
-        self.ledger.grow_cells(p.cells);
+        self.ledger.grow_cells(cells);
         Ok(handle)
     }
 }

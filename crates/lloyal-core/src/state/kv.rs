@@ -93,26 +93,36 @@ impl ContextState {
         if let Err(e) = model.check_tokens(&state.tokens) {
             return Err(LloyalError::State(format!("cannot load KV state: stored tokens are invalid ({e})")));
         }
+        self.write_seq_payload(seq_id, &state.payload, state.pos_max)
+            .map_err(|why| LloyalError::State(format!("cannot load KV state: {why}")))?;
+        Ok(state.tokens)
+    }
+
+    /// Write llama.cpp's serialised cells of one sequence (`payload`) into `seq_id`, emptied
+    /// first, which must then end at `pos_max`; why not otherwise (the caller empties it).
+    pub(crate) fn write_seq_payload(
+        &mut self,
+        seq_id: i32,
+        payload: &[u8],
+        pos_max: i32,
+    ) -> std::result::Result<(), String> {
         self.remove_cells(seq_id, 0, -1);
         // Loading needs one contiguous run of free cells: give back the parked ones first.
         self.reclaim_parked();
         clear_recent_errors();
-        let read = self.raw_mut().state_seq_set(seq_id, &state.payload);
-        if read == 0 {
-            return Err(LloyalError::State(format!(
-                "cannot load KV state: llama.cpp rejected it ({}); the context may have a different \
-                 cache type or too few free cells",
+        if self.raw_mut().state_seq_set(seq_id, payload) == 0 {
+            return Err(format!(
+                "llama.cpp rejected it ({}); the context may have a different cache type or too few \
+                 free cells",
                 recent_errors_or("see LLOYAL_LOG=1")
-            )));
+            ));
         }
-        let pos_max = self.seq_pos_max(seq_id)?;
-        if pos_max != state.pos_max {
-            return Err(LloyalError::State(format!(
-                "cannot load KV state: the sequence ends at position {pos_max} after loading, the state \
-                 says {}",
-                state.pos_max
-            )));
+        let end = self.raw_mut().seq_pos_max(seq_id);
+        if end != pos_max {
+            return Err(format!(
+                "the sequence ends at position {end} after loading, the state says {pos_max}"
+            ));
         }
-        Ok(state.tokens)
+        Ok(())
     }
 }
