@@ -110,6 +110,13 @@ struct Held {
     restore: Option<(Vec<i32>, Stowed, usize)>,
 }
 
+/// Where a request reusing `used` of an entry's `len` tokens forks it (`None`: whole, with its
+/// logits), and whether its prompt of `prompt_len` tokens is exactly the entry.
+fn fork_terms(used: usize, len: usize, prompt_len: usize) -> (Option<usize>, bool) {
+    let whole = used == len;
+    (if whole { None } else { Some(used) }, whole && len == prompt_len)
+}
+
 fn held(plans: &mut HashMap<u64, Held>, plan: u64) -> Result<&mut Held> {
     plans
         .get_mut(&plan)
@@ -218,29 +225,26 @@ impl Admission {
         let restore = copy.and_then(|c| {
             index.host.take(c.key).map(|(tokens, value, bytes)| (c.used, tokens, value, bytes))
         });
+        if shared.is_some() || restore.is_some() {
+            if let Some(f) = entry {
+                index.unpin(f.handle); // not the live entry after all
+            }
+        }
         let (start, reused, exact, source) = match (shared, &restore) {
             (Some((key, shared)), _) => {
-                if let Some(f) = entry {
-                    index.unpin(f.handle);
-                }
                 let w = &self.flights[&key];
                 let handle = w.handle.filter(|_| w.ready)?; // forked once written
                 index.pin(handle);
                 (Start::Fork { handle, at: Some(shared) }, shared, false, Some(key))
             }
             (None, Some((used, tokens, _, _))) => {
-                if let Some(f) = entry {
-                    index.unpin(f.handle);
-                }
-                let whole = *used == tokens.len();
-                let at = if whole { None } else { Some(*used) };
-                (Start::Restore { at }, *used, whole && tokens.len() == prompt.len(), None)
+                let (at, exact) = fork_terms(*used, tokens.len(), prompt.len());
+                (Start::Restore { at }, *used, exact, None)
             }
             (None, None) => match entry {
                 Some(f) => {
-                    let whole = f.used == f.len;
-                    let at = if whole { None } else { Some(f.used) };
-                    (Start::Fork { handle: f.handle, at }, f.used, whole && f.len == prompt.len(), None)
+                    let (at, exact) = fork_terms(f.used, f.len, prompt.len());
+                    (Start::Fork { handle: f.handle, at }, f.used, exact, None)
                 }
                 None => (Start::New, 0, false, None),
             },

@@ -475,10 +475,7 @@ fn engine_loop<H: Host>(ctx: Weak<H>, shared: Arc<Shared>) {
         record(&shared, &sched, &mut outcome, started);
         let decoded = outcome.ops > 0;
         let recorded = Instant::now();
-        for (stream, event) in outcome.events {
-            stream.deliver(event);
-        }
-        answer(&shared, outcome.replies);
+        hand_out(&shared, outcome);
         let mut q = shared.lock();
         if decoded {
             // The tick's time up to `record` was counted there, with its decode time, so a
@@ -491,6 +488,14 @@ fn engine_loop<H: Host>(ctx: Weak<H>, shared: Arc<Shared>) {
             shared.wake();
         }
     }
+}
+
+/// Deliver an outcome's events to their streams, then answer its operations.
+fn hand_out(shared: &Shared, outcome: TickOutcome) {
+    for (stream, event) in outcome.events {
+        stream.deliver(event);
+    }
+    answer(shared, outcome.replies);
 }
 
 /// Roll back the in-flight prefills and end the generation requests cancelled since the last
@@ -508,10 +513,7 @@ fn settle<H: Host>(context: &H, shared: &Shared, sched: &mut Scheduler) {
     }
     shared.wake();
     if let Ok(Ok(outcome)) = ran {
-        for (stream, event) in outcome.events {
-            stream.deliver(event);
-        }
-        answer(shared, outcome.replies);
+        hand_out(shared, outcome);
     }
 }
 

@@ -338,10 +338,16 @@ impl Scheduler {
     /// (or whose branch went) since the last tick, as the next tick would first.
     pub fn settle(&mut self, s: &mut ContextState) -> TickOutcome {
         let mut out = TickOutcome::default();
-        self.drop_stale_flights(s, &mut out);
-        self.drop_stale_gens(s, &mut out);
+        self.drop_stale(s, &mut out);
         self.note_flights(s);
         out
+    }
+
+    /// Roll back the cancelled prefills in flight and end the cancelled generation requests (or
+    /// those whose branch went).
+    fn drop_stale(&mut self, s: &mut ContextState, out: &mut TickOutcome) {
+        self.drop_stale_flights(s, out);
+        self.drop_stale_gens(s, out);
     }
 
     /// Tell the ledger which branches have prefill cells written ahead of their position, and
@@ -370,8 +376,7 @@ impl Scheduler {
         out: &mut TickOutcome,
     ) -> Scheduled {
         self.fresh_waiting = false;
-        self.drop_stale_flights(s, out);
-        self.drop_stale_gens(s, out);
+        self.drop_stale(s, out);
         self.note_in_engine(s);
         let mut budget = Budget {
             busy: self.flights.iter().flat_map(|f| f.items.iter().map(|i| i.handle)).collect(),
