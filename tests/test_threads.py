@@ -239,8 +239,15 @@ def thread_ids(name: str | None = None) -> set[str]:
     """The ids of this process's threads, or of those named ``name`` (``lloyal-engine``: the
     contexts' engine threads and the OpenMP workers of their decodes, which take the name of the
     thread that started them)."""
-    tasks = Path("/proc/self/task").iterdir()
-    return {t.name for t in tasks if name is None or (t / "comm").read_text().strip() == name}
+    return {t.name for t in Path("/proc/self/task").iterdir() if name is None or _comm(t) == name}
+
+
+def _comm(task: Path) -> str | None:
+    """A thread's name, or None when it ended since its task was listed (it is not alive)."""
+    try:
+        return (task / "comm").read_text().strip()
+    except FileNotFoundError:
+        return None
 
 
 @pytest.mark.skipif(not Path("/proc/self/task").is_dir(), reason="needs Linux's /proc")
