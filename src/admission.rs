@@ -78,10 +78,11 @@ impl PyAdmission {
 #[pymethods]
 impl PyAdmission {
     #[new]
-    fn new(ctx: Py<PyContext>, max_running: usize) -> Self {
+    fn new(ctx: Py<PyContext>, max_running: usize) -> PyResult<Self> {
         let core = Arc::clone(&ctx.get().inner);
+        core.check_open().map_err(to_py)?;
         let book = admission::Admission::new(max_running);
-        PyAdmission { max_running: book.max_running(), ctx, core, book: Arc::new(Mutex::new(book)) }
+        Ok(PyAdmission { max_running: book.max_running(), ctx, core, book: Arc::new(Mutex::new(book)) })
     }
 
     /// Choices running now (admitted, not yet released).

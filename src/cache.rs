@@ -13,6 +13,7 @@ use crate::branch::PyBranch;
 use crate::context::PyContext;
 use crate::detach::run;
 use crate::engine;
+use crate::error::IntoPyResult;
 
 /// Finished requests' branches kept for their KV, found by the longest shared token prefix.
 ///
@@ -68,9 +69,10 @@ impl PyPrefixCache {
 #[pymethods]
 impl PyPrefixCache {
     #[new]
-    fn new(ctx: Py<PyContext>) -> Self {
+    fn new(ctx: Py<PyContext>) -> PyResult<Self> {
         let core = Arc::clone(&ctx.get().inner);
-        PyPrefixCache { ctx, core }
+        core.check_open().py()?;
+        Ok(PyPrefixCache { ctx, core })
     }
 
     /// ``(branch, used, length)`` of the entry a request for ``tokens`` forks, pinned (call

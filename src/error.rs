@@ -53,7 +53,7 @@ fn classes(py: Python<'_>) -> PyResult<&Classes> {
 /// The `lloyal.errors` class for a core error (None: a builtin exception).
 fn class_of<'c>(c: &'c Classes, err: &LloyalError) -> Option<&'c Py<PyType>> {
     Some(match err {
-        LloyalError::ModelLoad { .. } => &c.model_load,
+        LloyalError::ModelLoad { .. } | LloyalError::LoraLoad { .. } => &c.model_load,
         LloyalError::ContextClosed => &c.context_closed,
         LloyalError::Decode { .. } => &c.decode,
         LloyalError::KvCacheFull { .. } => &c.kv_cache_full,

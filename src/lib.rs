@@ -18,6 +18,7 @@ mod exit;
 mod generate;
 mod grammar;
 mod lease;
+mod lora;
 mod metrics;
 mod model;
 mod sampling;
@@ -38,6 +39,7 @@ fn _lloyal(m: &Bound<'_, PyModule>) -> PyResult<()> {
     // The backend folder the package set for this process, read before it removes the variable.
     lloyal_core::backend::backends_dir();
     m.add_class::<model::PyModel>()?;
+    m.add_class::<lora::PyLoraAdapter>()?;
     m.add_class::<context::PyContext>()?;
     m.add_class::<metrics::PyPerplexityTracker>()?;
     m.add_class::<text::PyTextStream>()?;

@@ -9,6 +9,7 @@ use pyo3::prelude::*;
 use crate::convert::int_arg;
 use crate::detach::detached;
 use crate::error::IntoPyResult;
+use crate::lora::PyLoraAdapter;
 
 /// Model weights (thread-safe; shared by every context created from it).
 ///
@@ -137,6 +138,17 @@ impl PyModel {
     /// A GGUF metadata value as a string, or None.
     fn meta(&self, key: &str) -> Option<String> {
         self.inner.meta(key)
+    }
+
+    /// Load the LoRA adapter at ``path`` for this model (or return the one already loaded
+    /// from that file); apply it with ``Context(model, lora=[adapter])``.
+    ///
+    /// Raises:
+    ///     ModelLoadError: the file is missing, not a GGUF, not a LoRA adapter, made for
+    ///         another architecture or with tensors of the wrong shape for this model, or an
+    ///         activated LoRA (aLoRA), which lloyal does not apply.
+    fn load_lora(&self, py: Python<'_>, path: PathBuf) -> PyResult<PyLoraAdapter> {
+        PyLoraAdapter::load(py, &self.inner, path)
     }
 
     fn __repr__(&self) -> String {

@@ -63,8 +63,9 @@ impl PyBranchStore {
 #[pymethods]
 impl PyBranchStore {
     #[new]
-    fn new(ctx: Py<PyContext>) -> Self {
-        PyBranchStore { ctx }
+    fn new(ctx: Py<PyContext>) -> PyResult<Self> {
+        ctx.get().inner.check_open().py()?;
+        Ok(PyBranchStore { ctx })
     }
 
     /// Accept and decode one token per branch in ONE ``llama_decode``; all-or-nothing.

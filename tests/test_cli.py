@@ -199,6 +199,13 @@ def test_serve_refuses_a_negative_cache_budget(model_path: Path, capsys: pytest.
         (["serve", "--port", "99999"], "--port must be in 0..65535"),
         (["serve", "-t", "0"], "--threads must be >= 1"),
         (["serve", "-ngl", "5", "--batch-invariant"], "--batch-invariant runs on the CPU"),
+        (["serve", "--lora", "/no/a.gguf"], '--lora: cannot load adapter "/no/a.gguf": No such file'),
+        (
+            ["serve", "--lora-scaled", "a.gguf"],
+            "--lora-scaled takes FNAME:SCALE (e.g. adapter.gguf:0.5), got 'a.gguf'",
+        ),
+        (["serve", "--lora-scaled", "a.gguf:x"], "--lora-scaled takes FNAME:SCALE"),
+        (["serve", "--lora", "a.gguf", "--batch-invariant"], "--batch-invariant cannot go with --lora"),
     ],
 )
 def test_serve_refuses_bad_flags_in_one_line_before_it_starts(

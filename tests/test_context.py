@@ -12,6 +12,7 @@ import pytest
 from helpers import THP_COLLAPSE
 
 import lloyal
+from lloyal import _lloyal
 
 
 def test_properties(exact_model: lloyal.Model) -> None:
@@ -83,7 +84,9 @@ def calls_after_close(ctx: lloyal.Context) -> list[Callable[[], object]]:
         lambda: ctx.clear_and_reseed([2], [100]),
         lambda: ctx.memory_size,
         lambda: lloyal.Branch.create(ctx),
-        lambda: lloyal.BranchStore(ctx).available,
+        lambda: lloyal.BranchStore(ctx),  # refused as it is made, not at first use
+        lambda: _lloyal.PrefixCache(ctx),
+        lambda: _lloyal.Admission(ctx, 4),
     ]
 
 

@@ -2,7 +2,7 @@
 
 import asyncio
 import os
-from collections.abc import Awaitable, Callable, Coroutine, Mapping
+from collections.abc import Awaitable, Callable, Coroutine, Mapping, Sequence
 from typing import Any, Literal, final
 
 import numpy as np
@@ -33,6 +33,7 @@ __all__ = [
     "Grammar",
     "KvPressure",
     "LoopWaker",
+    "LoraAdapter",
     "Model",
     "PerplexityTracker",
     "PrefixCache",
@@ -143,6 +144,37 @@ class Model:
         """The model's Jinja chat template, or None."""
     def meta(self, key: str) -> str | None:
         """A GGUF metadata value as a string, or None."""
+    def load_lora(self, path: str | os.PathLike[str]) -> LoraAdapter:
+        """Load the LoRA adapter at ``path`` for this model (or return the one already loaded
+        from that file); apply it with ``Context(model, lora=[adapter])``.
+
+        Raises:
+            ModelLoadError: the file is missing, not a GGUF, not a LoRA adapter, made for
+                another architecture or with tensors of the wrong shape for this model, or an
+                activated LoRA (aLoRA), which lloyal does not apply.
+        """
+
+@final
+class LoraAdapter:
+    """A LoRA adapter loaded for one :class:`Model` (``model.load_lora(path)``); a context applies
+    it to every token it decodes when created with ``Context(model, lora=[adapter])``.
+
+    A path loaded twice for the same model gives the same adapter. It holds its model's weights
+    alive, and the file's metadata (``meta``) can be read back. ``Context(model,
+    lora=[(adapter, 0.5)])`` applies it at half its strength.
+    """
+
+    @property
+    def path(self) -> os.PathLike[str]:
+        """The adapter file (absolute)."""
+    @property
+    def alpha(self) -> float:
+        """``adapter.lora.alpha`` from the file (0.0 when absent). llama.cpp multiplies the
+        adapter's delta by ``scale * alpha / rank``, or by ``scale`` alone when alpha is 0."""
+    def meta(self, key: str) -> str | None:
+        """A GGUF metadata value of the adapter file as a string, or None."""
+    def __eq__(self, value: object, /) -> bool: ...
+    def __hash__(self) -> int: ...
 
 @final
 class Context:
@@ -170,6 +202,12 @@ class Context:
     ``pooling`` (for ``embeddings=True``): ``None`` pools the way the model's GGUF declares
     (``<arch>.pooling_type``, e.g. the last token for Qwen3-Embedding), else by mean.
 
+    ``lora``: LoRA adapters applied to every token the context decodes, fixed for its life
+    (every KV cell is computed under the same weights): a list of :class:`LoraAdapter`
+    (``model.load_lora(path)``), paths (loaded for the model), or ``(adapter or path, scale)``
+    pairs; the scale is 1.0 when not given. Other contexts of the same model are unaffected.
+    Adapters are float matrices, so a context with them is not batch-invariant.
+
     Example:
         >>> with Context(default_model_path(), n_ctx=512) as ctx:
         ...     ctx.decode(ctx.tokenize("Hello"), 0)
@@ -191,6 +229,10 @@ class Context:
         flash_attn: bool = True,
         batch_invariant: bool | None = None,
         sampling_perplexity: bool = True,
+        lora: Sequence[
+            LoraAdapter | str | os.PathLike[str] | tuple[LoraAdapter | str | os.PathLike[str], float]
+        ]
+        | None = None,
     ) -> Context: ...
     @classmethod
     def from_path(cls, path: str | os.PathLike[str], **options: Any) -> Context:
@@ -198,6 +240,10 @@ class Context:
     @property
     def model(self) -> Model:
         """The :class:`Model` this context runs."""
+    @property
+    def lora(self) -> list[tuple[LoraAdapter, float]]:
+        """The LoRA adapters applied to every decode, as ``(adapter, scale)`` pairs (fixed at
+        creation; empty without ``lora=``)."""
     @property
     def n_ctx(self) -> int:
         """Total KV cells (tokens) across all sequences."""

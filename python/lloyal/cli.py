@@ -373,6 +373,23 @@ def _cpu_facts() -> dict[str, Any]:
     }
 
 
+def _lora_flags(plain: list[str], scaled: list[str]) -> tuple[tuple[Path, float], ...]:
+    """``--lora FNAME`` and ``--lora-scaled FNAME:SCALE`` (each comma-separated, repeatable) as
+    ``(path, scale)`` pairs in the order given, ``--lora`` first (llama-server's syntax)."""
+    out = [(Path(f.strip()), 1.0) for flag in plain for f in flag.split(",") if f.strip()]
+    for flag in scaled:
+        for item in (i.strip() for i in flag.split(",") if i.strip()):
+            path, sep, scale = item.rpartition(":")
+            try:
+                value = float(scale)
+            except ValueError:
+                value = math.nan
+            if not sep or not path or not math.isfinite(value):
+                raise ValueError(f"--lora-scaled takes FNAME:SCALE (e.g. adapter.gguf:0.5), got {item!r}")
+            out.append((Path(path), value))
+    return tuple(out)
+
+
 def serve(args: argparse.Namespace) -> int:
     """``lloyal serve``: run the OpenAI-compatible server until Ctrl-C."""
     if args.parallel < 1 or args.n_ctx < 64:
@@ -403,8 +420,20 @@ def serve(args: argparse.Namespace) -> int:
         "batch_invariant", "n_gpu_layers", "prefill_chunk", "cache_cells", "cache_ram", "warmup",
     )  # fmt: skip
     model = _model_path(args.model)
+    lora = _lora_flags(args.lora, args.lora_scaled)
+    if args.batch_invariant and lora:
+        raise ValueError(
+            "--batch-invariant cannot go with --lora: llama.cpp multiplies an adapter's float matrices "
+            "with a batch-dependent kernel; drop one of them"
+        )
     if not args.ray:  # (on Ray the file is each node's) the server loads it as it starts: a traceback there
         _lloyal._check_model_file(model)
+        for path, _ in lora:
+            try:
+                _lloyal._check_model_file(path)
+            except lloyal.ModelLoadError as exc:
+                message = str(exc).replace("cannot load model", "cannot load adapter")
+                raise ValueError(f"--lora: {message}") from None
     cfg = ServerConfig(
         model=model,
         n_threads=args.threads,
@@ -412,6 +441,7 @@ def serve(args: argparse.Namespace) -> int:
         request_timeout=args.request_timeout or None,
         use_mmap=args.mmap,
         allowed_origins=tuple(o.strip() for o in args.allowed_origins.split(",") if o.strip()),
+        lora=lora,
         **{name: getattr(args, name) for name in same_name},
     )
     if args.ray:
@@ -544,6 +574,22 @@ def _parser() -> argparse.ArgumentParser:
         help="host memory for copies of prefix cache entries evicted for room: a prompt that reuses one "
         "has it written back instead of prefilling it again, as llama-server's --cache-ram "
         "(default 8192; 0: none kept; -1: no limit)",
+    )
+    sv.add_argument(
+        "--lora",
+        action="append",
+        default=[],
+        metavar="FNAME",
+        help="a LoRA adapter applied to every request at scale 1.0, as llama-server's --lora "
+        "(comma-separated or repeated for several)",
+    )
+    sv.add_argument(
+        "--lora-scaled",
+        action="append",
+        default=[],
+        metavar="FNAME:SCALE",
+        help="a LoRA adapter with its scale, as llama-server's --lora-scaled (comma-separated or "
+        "repeated for several)",
     )
     sv.add_argument(
         "--mmap",

@@ -43,6 +43,12 @@ use crate::model::PyModel;
 /// ``pooling`` (for ``embeddings=True``): ``None`` pools the way the model's GGUF declares
 /// (``<arch>.pooling_type``, e.g. the last token for Qwen3-Embedding), else by mean.
 ///
+/// ``lora``: LoRA adapters applied to every token the context decodes, fixed for its life
+/// (every KV cell is computed under the same weights): a list of :class:`LoraAdapter`
+/// (``model.load_lora(path)``), paths (loaded for the model), or ``(adapter or path, scale)``
+/// pairs; the scale is 1.0 when not given. Other contexts of the same model are unaffected.
+/// Adapters are float matrices, so a context with them is not batch-invariant.
+///
 /// Example:
 ///     >>> with Context(default_model_path(), n_ctx=512) as ctx:
 ///     ...     ctx.decode(ctx.tokenize("Hello"), 0)
@@ -68,7 +74,7 @@ impl PyContext {
     #[new]
     #[pyo3(signature = (model, *, n_ctx=2048, n_batch=512, n_seq_max=1, n_threads=None,
                         embeddings=false, pooling=None, type_k=None, type_v="f16", flash_attn=true,
-                        batch_invariant=None, sampling_perplexity=true))]
+                        batch_invariant=None, sampling_perplexity=true, lora=None))]
     #[allow(clippy::too_many_arguments)]
     fn new(
         py: Python<'_>,
@@ -84,8 +90,9 @@ impl PyContext {
         flash_attn: bool,
         batch_invariant: Option<bool>,
         sampling_perplexity: bool,
+        lora: Option<&Bound<'_, PyAny>>,
     ) -> PyResult<Self> {
-        let options = ContextOptions {
+        let mut options = ContextOptions {
             n_ctx: narrow("n_ctx", n_ctx, "a positive number of KV cells")?,
             n_batch: narrow("n_batch", n_batch, "a positive number of tokens per decode")?,
             n_seq_max: narrow("n_seq_max", n_seq_max, "a positive number of sequences")?,
@@ -97,6 +104,7 @@ impl PyContext {
             flash_attn,
             batch_invariant,
             sampling_perplexity,
+            lora: Vec::new(),
         };
         options.validate().py()?;
         let model: Py<PyModel> = match model.cast::<PyModel>() {
@@ -108,6 +116,7 @@ impl PyContext {
             }
         };
         let core_model = model.get().inner.clone();
+        options.lora = crate::lora::lora_uses(py, &core_model, lora)?;
         let inner = detached(py, move || Context::new(core_model, options))?;
         Ok(PyContext { inner, model })
     }
@@ -116,6 +125,14 @@ impl PyContext {
     #[getter]
     fn model(&self, py: Python<'_>) -> Py<PyModel> {
         self.model.clone_ref(py)
+    }
+
+    /// The LoRA adapters applied to every decode, as ``(adapter, scale)`` pairs (fixed at
+    /// creation; empty without ``lora=``).
+    #[getter]
+    fn lora(&self) -> Vec<(crate::lora::PyLoraAdapter, f32)> {
+        let wrap = |l: &lloyal_core::lora::LoraUse| crate::lora::PyLoraAdapter { inner: l.adapter.clone() };
+        self.inner.options().lora.iter().map(|l| (wrap(l), l.scale)).collect()
     }
 
     /// Total KV cells (tokens) across all sequences.

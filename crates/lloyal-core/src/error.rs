@@ -14,6 +14,10 @@ pub enum LloyalError {
     #[error("cannot load model {path:?}: {reason}")]
     ModelLoad { path: String, reason: String },
 
+    /// A LoRA adapter file could not be opened, parsed or fitted to its model.
+    #[error("cannot load LoRA adapter {path:?}: {reason}")]
+    LoraLoad { path: String, reason: String },
+
     /// A call on a context (or one of its branches) after `close()`.
     #[error("the context is closed; create a new Context to continue")]
     ContextClosed,

@@ -22,6 +22,7 @@ pub mod error;
 pub mod grammar;
 pub mod hugepages;
 pub mod ledger;
+pub mod lora;
 pub mod metrics;
 pub mod model;
 pub mod model_file;

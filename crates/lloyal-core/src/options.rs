@@ -167,6 +167,8 @@ pub struct ContextOptions {
     /// Whether branches keep their sampling perplexity. Off, a decode's summary of each row
     /// takes one exponential a value instead of two (the sum at `1 / temperature`).
     pub sampling_perplexity: bool,
+    /// LoRA adapters applied to every decode, with their scales (fixed for the context's life).
+    pub lora: Vec<crate::lora::LoraUse>,
 }
 
 impl Default for ContextOptions {
@@ -183,6 +185,7 @@ impl Default for ContextOptions {
             flash_attn: true,
             batch_invariant: None,
             sampling_perplexity: true,
+            lora: Vec::new(),
         }
     }
 }
@@ -314,6 +317,12 @@ impl ContextOptions {
         } else if model.repack {
             Some(
                 "the model was loaded with repack=True, whose Q4 kernel multiplies rows in groups of 4"
+                    .into(),
+            )
+        } else if !self.lora.is_empty() {
+            Some(
+                "the context applies LoRA adapters, whose float matrices llama.cpp multiplies with one \
+                 kernel for a single row and another (llamafile sgemm) for 2+ rows"
                     .into(),
             )
         } else {

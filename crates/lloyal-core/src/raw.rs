@@ -18,6 +18,7 @@ use llama_cpp_2::model::LlamaModel;
 use llama_cpp_sys_2 as sys;
 
 use crate::device_rows::{DeviceRows, DeviceSummary};
+use crate::lora::ffi::RawLora;
 
 // `LlamaModel` is `#[repr(transparent)]` over a `NonNull<llama_model>` (llama-cpp-2 0.1.160,
 // pinned with `=`); fail the build if that ever changes size.
@@ -111,6 +112,9 @@ pub struct RawContext {
     collapsed: (usize, usize),
     /// Bytes of it on huge pages.
     huge_logit_bytes: usize,
+    /// The LoRA adapters llama.cpp applies, with their scales: held until the context is
+    /// freed (Drop frees the context before the fields go).
+    loras: Vec<(Arc<RawLora>, f32)>,
 }
 
 // SAFETY: a llama_context has no thread affinity; lloyal only touches it through &mut under
@@ -142,7 +146,33 @@ impl RawContext {
             huge_logits: false,
             collapsed: (0, 0),
             huge_logit_bytes: 0,
+            loras: Vec::new(),
         })
+    }
+
+    /// Apply `loras` (adapter, scale) to every later decode, in place of any set before.
+    /// Each adapter must have been loaded for this context's model (checked: `Err` with the
+    /// reason otherwise, nothing changed).
+    pub fn set_loras(&mut self, loras: Vec<(Arc<RawLora>, f32)>) -> Result<(), String> {
+        let ours = model_ptr(self.model.llama());
+        if loras.iter().any(|(l, _)| model_ptr(l.weights().llama()) != ours) {
+            return Err("a LoRA adapter was loaded for another model than this context's".into());
+        }
+        let mut ptrs: Vec<*mut sys::llama_adapter_lora> = loras.iter().map(|(l, _)| l.as_ptr()).collect();
+        let mut scales: Vec<f32> = loras.iter().map(|(_, s)| *s).collect();
+        // SAFETY: valid context pointer; `ptrs` and `scales` hold `len` entries each and live
+        // through the call; every adapter belongs to this context's model (checked above) and
+        // is kept alive in `self.loras` until the context is freed.
+        unsafe {
+            sys::llama_set_adapters_lora(
+                self.ptr.as_ptr(),
+                ptrs.as_mut_ptr(),
+                ptrs.len(),
+                scales.as_mut_ptr(),
+            )
+        };
+        self.loras = loras;
+        Ok(())
     }
 
     /// `(n_ctx, n_batch, n_seq_max)` as llama.cpp settled them.
@@ -579,8 +609,9 @@ mod tests {
     /// The files allowed to hold `unsafe`: the FFI wrappers.
     // FFI wrappers (omp.rs: libgomp's GOMP_parallel), and scan/x86.rs: the SIMD kernels' loads
     // and stores (intrinsics take raw pointers).
-    const FFI_WRAPPERS: [&str; 10] = [
+    const FFI_WRAPPERS: [&str; 11] = [
         "raw.rs",
+        "lora/ffi.rs",
         "cxx_alloc.rs",
         "hugepages.rs",
         "sampler/mod.rs",

@@ -36,6 +36,8 @@ class ServerConfig:
     # CORS: the origins whose web pages may call the server ("*": any, as llama-server and
     # vLLM allow by default; empty: no CORS headers, browsers on other origins are refused)
     allowed_origins: tuple[str, ...] = ("*",)
+    # LoRA adapters applied to every request, (path, scale), as llama-server's --lora/--lora-scaled
+    lora: tuple[tuple[Path, float], ...] = ()
     context_options: dict[str, Any] = field(default_factory=dict)
 
     @property

@@ -19,6 +19,7 @@ __all__ = [
     "CompletionRequest",
     "DetokenizeRequest",
     "EmbeddingRequest",
+    "LoraScale",
     "StreamOptions",
     "TokenizeRequest",
     "error_body",
@@ -57,6 +58,13 @@ class _Body(BaseModel):
 
 class StreamOptions(_Body):
     include_usage: bool = False
+
+
+class LoraScale(_Body):
+    """llama-server's per-request adapter scale: an id of ``GET /lora-adapters`` and its scale."""
+
+    id: int = Field(ge=0)
+    scale: float
 
 
 class _Sampling(_Body):
@@ -107,6 +115,8 @@ class _Sampling(_Body):
     dry_sequence_breakers: list[str] = Field(default_factory=lambda: ["\n", ":", '"', "*"])
     xtc_probability: float = Field(default=0.0, ge=0.0, le=1.0)  # 0: off
     xtc_threshold: float = Field(default=0.1, ge=0.0, le=1.0)
+    # llama-server's adapter scales: taken when they are the server's own (--lora), else refused
+    lora: list[LoraScale] | None = None
     # vLLM's, refused by name when they ask for something (:mod:`.translate`)
     use_beam_search: bool = False
     truncate_prompt_tokens: int | None = None

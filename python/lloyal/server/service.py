@@ -1,5 +1,6 @@
 """The routes around generation: ``GET /health``, ``GET /metrics`` (Prometheus),
-``GET /v1/models``, and llama-server's ``POST /tokenize`` and ``POST /detokenize``."""
+``GET /v1/models``, and llama-server's ``POST /tokenize``, ``POST /detokenize`` and
+``GET /lora-adapters``."""
 
 from __future__ import annotations
 
@@ -34,6 +35,14 @@ def add_routes(app: FastAPI, state: StateGetter) -> None:
         card = {"id": st.cfg.name, "object": "model", "created": st.created, "owned_by": "lloyal"}
         card["max_model_len"] = st.ctx.n_ctx
         return {"object": "list", "data": [card]}
+
+    @app.get("/lora-adapters")
+    async def lora_adapters() -> list[dict[str, Any]]:
+        """The adapters every request runs under, as llama-server lists them."""
+        return [
+            {"id": i, "path": str(adapter.path), "scale": scale}
+            for i, (adapter, scale) in enumerate(state().lora)
+        ]
 
     @app.post("/tokenize")
     async def tokenize(body: TokenizeRequest) -> dict[str, Any]:

@@ -36,6 +36,10 @@ class ServerState:
         ngl = 0 if invariant and cfg.n_gpu_layers is None else cfg.n_gpu_layers
         # Weights read into memory (not mapped) get huge pages: a faster decode (Model.huge_page_bytes).
         self.model = lloyal.Model(cfg.model, repack=not invariant, n_gpu_layers=ngl, use_mmap=cfg.use_mmap)
+        # The adapters every request runs under, in --lora order (their ids on /lora-adapters).
+        self.lora = [(self.model.load_lora(path), float(scale)) for path, scale in cfg.lora]
+        if self.lora:
+            options["lora"] = self.lora
         # Per running choice: its own sequence, its request's prompt root, and the cached prefix
         # the root forked from (pinned while the request runs); +2 spare for admissions.
         n_seq_max = min(256, max(4, 3 * cfg.parallel + 2))

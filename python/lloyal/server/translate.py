@@ -9,6 +9,8 @@ import json
 from collections.abc import Sequence
 from typing import Any
 
+import numpy as np
+
 import lloyal
 
 from ..scheduling.scheduler import GenSpec
@@ -73,6 +75,7 @@ def gen_spec(
     """One prompt of ``body`` as what the scheduler runs, refused if it does not fit the context.
     ``eog``: the model's end-of-generation tokens, banned when ``body.ignore_eos``."""
     _refuse_unimplemented(body)
+    _check_lora(ctx, body)
     if body.stream_options is not None and not body.stream:
         raise ApiError("stream_options is only allowed with stream=true", param="stream_options")
     if not prompt:
@@ -123,6 +126,32 @@ def gen_spec(
         logprobs=logprobs,
         seed=body.seed,
     )
+
+
+def _check_lora(ctx: lloyal.Context, body: CompletionRequest | ChatRequest) -> None:
+    """A 400 unless the body's ``lora`` (llama-server's ``[{"id", "scale"}]``; an adapter left
+    out has scale 0) asks for the adapters every request runs under: one context decodes every
+    request, and its adapters are fixed."""
+    if body.lora is None:
+        return
+    ours = [scale for _, scale in ctx.lora]
+    asked = [0.0] * len(ours)
+    for item in body.lora:
+        if item.id >= len(ours):
+            raise ApiError(
+                f"lora id {item.id} does not exist: this server has {len(ours)} adapter(s) "
+                "(GET /lora-adapters)",
+                param="lora",
+            )
+        asked[item.id] = float(np.float32(item.scale))  # as the context holds its scales
+    if asked != ours:
+        raise ApiError(
+            f"per-request LoRA scales are not supported: every request runs under the server's "
+            f"adapters at their scales [{', '.join(f'{x:g}' for x in ours)}] (GET /lora-adapters); "
+            "leave lora out, or start the "
+            "server with the scales you want (--lora-scaled FNAME:SCALE)",
+            param="lora",
+        )
 
 
 def _refuse_unimplemented(body: CompletionRequest | ChatRequest) -> None:

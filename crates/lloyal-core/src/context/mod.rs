@@ -66,6 +66,7 @@ impl std::fmt::Debug for Context {
 impl Context {
     /// Create a context for `model` (validated options; llama.cpp failures explained).
     pub fn new(model: Arc<Model>, options: ContextOptions) -> Result<Arc<Context>> {
+        crate::lora::check(&options.lora, &model)?;
         let options =
             options.with_model_pooling(model.pooling()).resolve(&model.options(), model.float_weights())?;
         let device_rows = crate::device_rows::wanted(options.is_batch_invariant(), options.embeddings)?;
@@ -85,6 +86,8 @@ impl Context {
         if device_rows {
             raw.use_device_rows();
         }
+        let loras = options.lora.iter().map(|l| (Arc::clone(l.adapter.raw()), l.scale)).collect();
+        raw.set_loras(loras).map_err(LloyalError::invalid)?;
         // Layers on a GPU: asked for and a GPU backend loaded (a CPU build runs n_gpu_layers > 0
         // on the CPU, as llama.cpp does, and is treated as the CPU context it is).
         let offloaded = model.options().n_gpu_layers != 0 && crate::backend::backend().supports_gpu_offload();
