@@ -337,20 +337,23 @@ impl GenArgs {
         let stop_tokens: Vec<i32> =
             stop_tokens.iter().map(|&t| model.check_token(t)).collect::<lloyal_core::Result<_>>().py()?;
         let timeout = match timeout {
-            Some(t) if !(t >= 0.0 && t.is_finite()) => {
+            Some(t) if t.is_nan() || t < 0.0 => {
                 return Err(pyo3::exceptions::PyValueError::new_err(format!(
-                    "timeout must be a finite number of seconds >= 0 or None, got {t}"
+                    "timeout must be a number of seconds >= 0 or None, got {t}"
                 )))
             }
-            t => t.map(Duration::from_secs_f64),
+            // a wait longer than any clock can count (inf, 1e300) is no limit
+            t => t.and_then(|t| Duration::try_from_secs_f64(t).ok()),
         };
         if !(waited >= 0.0 && waited.is_finite()) {
             return Err(pyo3::exceptions::PyValueError::new_err(format!(
                 "waited must be a finite number of seconds >= 0, got {waited}"
             )));
         }
-        let arrived =
-            (waited > 0.0).then(|| Instant::now().checked_sub(Duration::from_secs_f64(waited))).flatten();
+        let arrived = Duration::try_from_secs_f64(waited)
+            .ok()
+            .filter(|w| !w.is_zero())
+            .and_then(|w| Instant::now().checked_sub(w));
         Ok(GenArgs {
             max_tokens,
             prompt,

@@ -159,9 +159,11 @@ fn set_field(p: &mut SamplingParams, key: &str, value: &Bound<'_, PyAny>) -> PyR
             let seed: Option<i64> = extract_as(key, value)?;
             p.seed = seed.map(|s| narrow("seed", s, "in 0..=4294967295 (or None)")).transpose()?;
         }
-        "mirostat" => p.mirostat = if none { None } else { Some(mirostat(value)?) },
-        "dry" => p.dry = if none { None } else { Some(dry(value)?) },
-        "xtc" => p.xtc = if none { None } else { Some(xtc(value)?) },
+        "mirostat" => {
+            p.mirostat = if none { None } else { Some(mirostat(check_part(value, "mirostat", "Mirostat")?)?) }
+        }
+        "dry" => p.dry = if none { None } else { Some(dry(check_part(value, "dry", "Dry")?)?) },
+        "xtc" => p.xtc = if none { None } else { Some(xtc(check_part(value, "xtc", "Xtc")?)?) },
         other => {
             let snake = snake_case(other);
             let hint = if snake != other && FIELDS.contains(&snake.as_str()) {
@@ -176,6 +178,26 @@ fn set_field(p: &mut SamplingParams, key: &str, value: &Bound<'_, PyAny>) -> PyR
         }
     }
     Ok(())
+}
+
+/// Refuse a `mirostat`/`dry`/`xtc` value that is neither a `lloyal.<class>` nor a dict of its
+/// fields: a number or a flag (llama-cpp-python's `mirostat_mode=0` meaning "off") would
+/// otherwise be read as the sampler with its defaults, turned on.
+fn check_part<'a, 'py>(
+    obj: &'a Bound<'py, PyAny>,
+    what: &str,
+    class: &str,
+) -> PyResult<&'a Bound<'py, PyAny>> {
+    if obj.cast::<PyDict>().is_ok()
+        || obj.is_instance(&obj.py().import("lloyal.sampling")?.getattr(class)?)?
+    {
+        return Ok(obj);
+    }
+    Err(PyTypeError::new_err(format!(
+        "{what} must be a lloyal.{class}, a dict of its fields, or None (off); got {} {}",
+        obj.get_type().name()?,
+        obj.repr()?
+    )))
 }
 
 /// Refuse sampling parameters that are neither a `lloyal.SamplingParams` (or a subclass's

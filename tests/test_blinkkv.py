@@ -46,6 +46,11 @@ def test_clear_and_reseed_refuses_bad_input(ctx: lloyal.Context) -> None:
         ctx.clear_and_reseed([], [])
     with pytest.raises(lloyal.InvalidTokenError):
         ctx.clear_and_reseed([2], [10**9])
+    # more than the cache holds: refused before anything is cleared
+    ctx.decode([2, 651, 6974], 0)
+    with pytest.raises(lloyal.KvCacheFullError, match="more sink and tail tokens than the whole cache"):
+        ctx.clear_and_reseed([2] * 8, [651] * ctx.n_ctx)
+    assert ctx.kv_cache_size() == 2  # seq 0 still ends at position 2
 
 
 def test_branch_reseed_rewrites_only_its_sequence_and_keeps_metrics(ctx3: lloyal.Context) -> None:

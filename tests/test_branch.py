@@ -311,6 +311,27 @@ def test_bias_validation(ctx, root):
         root.steer({5: float("inf")})
 
 
+def test_a_bias_of_most_of_the_vocabulary_samples_among_the_rest(ctx, root):
+    """A ban of all but a few tokens (a map as long as the vocabulary, which a search per entry
+    made take seconds a sample) leaves the best allowed token; one that bans every token, with
+    steering's bans counted, is refused with the bias unchanged (it sampled a banned token 0)."""
+    logits = np.array(root.logits)
+    allowed = [int(t) for t in np.argsort(logits)[:3]]  # the three worst tokens
+    ban = {t: float("-inf") for t in range(ctx.n_vocab) if t not in allowed}
+    root.set_logit_bias(ban)
+    assert root.produce().token == max(allowed, key=lambda t: logits[t])
+    sampled = lloyal.Branch.create(ctx, 0, lloyal.SamplingParams(temperature=0.8, top_k=40, seed=3))
+    sampled.prefill([2, 651])
+    sampled.set_logit_bias(ban)
+    assert all(sampled.produce().token in allowed for _ in range(3))
+    root.steer({t: float("-inf") for t in allowed[:2]})
+    with pytest.raises(ValueError, match="bans every token of the vocabulary"):
+        root.steer({t: float("-inf") for t in allowed})
+    with pytest.raises(ValueError, match="bans every token of the vocabulary"):
+        sampled.set_logit_bias({t: float("-inf") for t in range(ctx.n_vocab)})
+    assert root.produce().token == allowed[2]  # the bias and steering before stay
+
+
 # --------------------------------------------------------------------------- invalid tokens
 
 
@@ -578,7 +599,7 @@ def test_set_logits_and_metrics(ctx, root):
     assert root.model_entropy("bits") >= 0.0
     with pytest.raises(ValueError):
         root.set_logits(np.zeros(10, dtype=np.float32))
-    with pytest.raises(ValueError, match="every logit is -inf"):  # produce() would give token 0
+    with pytest.raises(ValueError, match="every value of logits is -inf"):  # produce() would give token 0
         root.set_logits(np.full(ctx.n_vocab, -np.inf, dtype=np.float32))
     assert root.produce().token == 123
     wide = np.full(ctx.n_vocab, -30.0)  # float64, numpy's default

@@ -111,6 +111,15 @@ def test_wrong_position_raises_and_changes_nothing(ctx: lloyal.Context, offset: 
     assert ctx.kv_cache_size() == len(tokens)
 
 
+def test_a_position_past_the_last_a_sequence_holds_is_refused(ctx: lloyal.Context) -> None:
+    """Positions near 2**31 would wrap round inside llama.cpp (it then said "positions are
+    decreasing"): refused naming the last position, with nothing written."""
+    for pos in (2**30, 2**31 - 2):
+        with pytest.raises(ValueError, match=f"decode at pos {pos} of 2 tokens would go past position"):
+            ctx.decode([5, 6], pos, seq_id=0)
+    assert ctx.kv_cache_size() == -1
+
+
 def test_empty_decode_is_a_no_op(ctx: lloyal.Context) -> None:
     ctx.decode([], 0)  # nothing decoded yet: still no logits
     assert ctx.kv_cache_size() == -1

@@ -38,6 +38,20 @@ def test_no_timeout_fails_at_once_and_bad_timeouts_are_refused(ctx3: lloyal.Cont
     assert ctx3.engine_stats().ops_submitted == 0  # timeout=0 never involves the engine
 
 
+def test_a_timeout_longer_than_the_clock_counts_is_no_limit(ctx3: lloyal.Context) -> None:
+    """inf and 1e300 seconds wait as None does (they were a PanicException: no Duration holds
+    them); a free lease is granted at once, and generate's timeout and waited take them too."""
+    for huge in (float("inf"), 1e300):
+        root = Branch.create(ctx3, 0, GREEDY, timeout=huge)
+        child = root.fork(timeout=huge)
+        child2 = asyncio.run(root.afork(timeout=huge))
+        assert [t.token for t in child.generate(2, prompt=[2, 651], timeout=huge, waited=1e300)] == [
+            t.token for t in child2.generate(2, prompt=[2, 651])
+        ]
+        root.prune_subtree()
+    assert BranchStore(ctx3).available == 3
+
+
 def test_a_waiting_fork_gets_the_next_free_lease(ctx3: lloyal.Context) -> None:
     root = Branch.create(ctx3, 0, GREEDY)
     root.prefill(ctx3.tokenize(PROMPT))

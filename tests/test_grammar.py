@@ -250,6 +250,13 @@ def test_flat_sample_from_caller_logits(ctx: lloyal.Context) -> None:
     assert ctx.sample(logits=logits, temperature=0, repeat_penalty=100.0) == 7000
     with pytest.raises(ValueError, match="n_vocab"):
         ctx.sample(logits=np.zeros(10, dtype=np.float32))
+    # nothing to sample from: refused, where llama.cpp's sampler aborted (NaN) or gave token 0
+    with pytest.raises(ValueError, match="must not contain NaN"):
+        ctx.sample(logits=np.full(ctx.n_vocab, np.nan, dtype=np.float32))
+    with pytest.raises(ValueError, match="must not contain NaN"):
+        ctx.sample(logits=np.full(ctx.n_vocab, np.nan, dtype=np.float32), temperature=0.8, seed=1)
+    with pytest.raises(ValueError, match="every value of logits is -inf"):
+        ctx.sample(logits=np.full(ctx.n_vocab, -np.inf, dtype=np.float32), temperature=0)
     with pytest.raises(lloyal.LloyalError, match="no logits"):
         ctx.sample(temperature=0)  # still nothing decoded
 

@@ -228,6 +228,15 @@ def test_validation() -> None:
         with pytest.raises(ValueError):
             SamplingParams(**bad)
     SamplingParams(top_k=0, top_p=1.0, min_p=0.0, typical_p=1.0, penalty_last_n=-1)  # edges are valid
+    # llama.cpp allocated this window at once (2**31 tokens: an abort)
+    with pytest.raises(ValueError, match=r"dry penalty_last_n must be in -1\.\.=1048576"):
+        SamplingParams(dry=Dry(multiplier=0.8, penalty_last_n=2**31 - 1))
+    SamplingParams(dry=Dry(multiplier=0.8, penalty_last_n=2**20))
+    # a number or a flag is not "off" read as the sampler with its defaults, turned on
+    for part, bad in (("mirostat", 0), ("mirostat", False), ("mirostat", 1), ("dry", 5), ("xtc", "on")):
+        with pytest.raises(TypeError, match=rf"{part} must be a lloyal\.\w+, a dict of its fields, or None"):
+            SamplingParams(**{part: bad})
+    assert SamplingParams(mirostat={"version": 1}).mirostat == {"version": 1}
 
 
 def test_frozen_and_keyword_only() -> None:

@@ -103,6 +103,10 @@ fn check(ok: bool, msg: impl FnOnce() -> String) -> Result<()> {
     }
 }
 
+/// The longest DRY window: llama.cpp allocates two buffers of that many tokens for each branch
+/// when its sampler is made (2**31 tokens was 16 GB and an abort).
+pub const MAX_DRY_WINDOW: i32 = 1 << 20;
+
 fn unit(name: &str, v: f32) -> Result<()> {
     check((0.0..=1.0).contains(&v), || format!("{name} must be in [0, 1], got {v}"))
 }
@@ -154,7 +158,13 @@ impl SamplingParams {
             check(d.multiplier.is_finite() && d.multiplier >= 0.0, || "dry multiplier must be >= 0".into())?;
             check(d.base.is_finite() && d.base >= 1.0, || format!("dry base must be >= 1, got {}", d.base))?;
             check(d.allowed_length >= 0, || "dry allowed_length must be >= 0".into())?;
-            check(d.penalty_last_n >= -1, || "dry penalty_last_n must be >= -1".into())?;
+            // llama.cpp allocates two buffers of this many tokens per branch at once
+            check((-1..=MAX_DRY_WINDOW).contains(&d.penalty_last_n), || {
+                format!(
+                    "dry penalty_last_n must be in -1..={MAX_DRY_WINDOW} (-1: the model's context length), got {}",
+                    d.penalty_last_n
+                )
+            })?;
             check(d.sequence_breakers.iter().all(|s| !s.is_empty() && !s.contains('\0')), || {
                 "dry sequence_breakers must be non-empty strings without NUL".into()
             })?;
@@ -168,7 +178,8 @@ impl SamplingParams {
 }
 
 /// The logits that llama.cpp-style repeat/frequency/presence penalties change, as
-/// `(token, new value)` pairs, computed from the token history (O(history), not O(vocab)).
+/// `(token, new value)` pairs in ascending token order, computed from the token history
+/// (O(history), not O(vocab)).
 pub fn penalty_replacements(logits: &[f32], history: &[i32], params: &SamplingParams) -> Vec<(usize, f32)> {
     if !params.has_penalties() || history.is_empty() {
         return Vec::new();
@@ -205,20 +216,91 @@ pub fn adjusted_replacements(
     biases: &[(i32, f32)],
 ) -> Vec<(usize, f32)> {
     let mut repl = penalty_replacements(logits, history, params);
-    for &(t, b) in biases {
-        let t = t as usize;
-        if let Some(entry) = repl.iter_mut().find(|(i, _)| *i == t) {
-            entry.1 += b;
-        } else if let Some(&l) = logits.get(t) {
-            repl.push((t, l + b));
+    if biases.len() <= 32 {
+        for &(t, b) in biases {
+            let t = t as usize;
+            if let Some(entry) = repl.iter_mut().find(|(i, _)| *i == t) {
+                entry.1 += b;
+            } else if let Some(&l) = logits.get(t) {
+                repl.push((t, l + b));
+            }
         }
+        return repl;
     }
-    repl
+    // Many biases (a ban of much of the vocabulary): sorted and merged with the penalties'
+    // replacements (in ascending token order), n log n where a search per bias was n squared.
+    // A token biased twice (logit bias and steering) gets both, in the order given.
+    let mut sorted: Vec<(usize, f32)> = biases.iter().map(|&(t, b)| (t as usize, b)).collect();
+    sorted.sort_by_key(|&(t, _)| t);
+    let mut out = Vec::with_capacity(repl.len() + sorted.len());
+    let mut penalised = repl.drain(..).peekable();
+    for run in sorted.chunk_by(|a, b| a.0 == b.0) {
+        let t = run[0].0;
+        while let Some(p) = penalised.next_if(|&(pt, _)| pt < t) {
+            out.push(p);
+        }
+        let base = match penalised.next_if(|&(pt, _)| pt == t) {
+            Some((_, v)) => v,
+            None => match logits.get(t) {
+                Some(&l) => l,
+                None => continue,
+            },
+        };
+        out.push((t, run.iter().fold(base, |v, &(_, b)| v + b)));
+    }
+    out.extend(penalised);
+    out
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// What adjusted_replacements gives, by a search per bias (the definition).
+    fn replacements_by_search(
+        logits: &[f32],
+        history: &[i32],
+        params: &SamplingParams,
+        biases: &[(i32, f32)],
+    ) -> Vec<(usize, f32)> {
+        let mut repl = penalty_replacements(logits, history, params);
+        for &(t, b) in biases {
+            let t = t as usize;
+            if let Some(entry) = repl.iter_mut().find(|(i, _)| *i == t) {
+                entry.1 += b;
+            } else if let Some(&l) = logits.get(t) {
+                repl.push((t, l + b));
+            }
+        }
+        repl.sort_by_key(|&(t, _)| t);
+        repl
+    }
+
+    #[test]
+    fn many_biases_merge_as_a_search_per_bias_would() {
+        let logits: Vec<f32> = (0..1000).map(|i| ((i * 37) % 101) as f32 / 10.0 - 5.0).collect();
+        let params = SamplingParams { repeat_penalty: 1.3, frequency_penalty: 0.2, ..Default::default() };
+        let history: Vec<i32> = (0..64).map(|i| (i * 13) % 200).collect();
+        // 600 biases over 500 tokens: penalised ones, repeats (bias and steering), -inf bans,
+        // and ids past the vocabulary (skipped)
+        let biases: Vec<(i32, f32)> = (0..600)
+            .map(|i| {
+                (
+                    (i * 7) % 500 + if i % 97 == 0 { 2000 } else { 0 },
+                    if i % 5 == 0 { f32::NEG_INFINITY } else { 0.5 },
+                )
+            })
+            .collect();
+        for (h, b) in [(&history[..], &biases[..]), (&[][..], &biases[..]), (&history[..], &biases[..20])] {
+            let mut fast = adjusted_replacements(&logits, h, &params, b);
+            fast.sort_by_key(|&(t, _)| t);
+            let want = replacements_by_search(&logits, h, &params, b);
+            assert_eq!(fast.len(), want.len());
+            for (x, y) in fast.iter().zip(&want) {
+                assert!(x.0 == y.0 && x.1.to_bits() == y.1.to_bits(), "{x:?} != {y:?}");
+            }
+        }
+    }
 
     #[test]
     fn defaults_validate() {

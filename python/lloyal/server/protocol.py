@@ -111,7 +111,7 @@ class _Sampling(_Body):
     dry_multiplier: float = Field(default=0.0, ge=0.0)  # 0: off
     dry_base: float = 1.75
     dry_allowed_length: int = Field(default=2, ge=0, le=_I32_MAX)
-    dry_penalty_last_n: int = Field(default=-1, ge=-1, le=_I32_MAX)
+    dry_penalty_last_n: int = Field(default=-1, ge=-1, le=1 << 20)  # the core's MAX_DRY_WINDOW
     dry_sequence_breakers: list[str] = Field(default_factory=lambda: ["\n", ":", '"', "*"])
     xtc_probability: float = Field(default=0.0, ge=0.0, le=1.0)  # 0: off
     xtc_threshold: float = Field(default=0.1, ge=0.0, le=1.0)

@@ -13,6 +13,29 @@ use crate::device_rows::{self, DeviceSummary};
 use crate::raw::OutputRow;
 use crate::scan::{scan_row, RowStats};
 
+/// Refuse logits a caller hands in (`Branch.set_logits`, `Context.sample(logits=)`) that no
+/// token could be sampled from: the wrong length, a NaN, or every value -inf. `what` names the
+/// argument in the message.
+pub fn check_supplied(logits: &[f32], n_vocab: usize, what: &str) -> crate::error::Result<()> {
+    use crate::error::LloyalError;
+    if logits.len() != n_vocab {
+        return Err(LloyalError::invalid(format!(
+            "{what} must have shape ({n_vocab},) (the model's vocabulary), got ({},); pass an array of \
+             length n_vocab (e.g. a modified copy of the last logits)",
+            logits.len()
+        )));
+    }
+    if logits.iter().any(|x| x.is_nan()) {
+        return Err(LloyalError::invalid(format!("{what} must not contain NaN")));
+    }
+    if !logits.iter().any(|&x| x > f32::NEG_INFINITY) {
+        return Err(LloyalError::invalid(format!(
+            "every value of {what} is -inf: no token could be sampled; leave at least one finite (or +inf)"
+        )));
+    }
+    Ok(())
+}
+
 /// What one pass over the values learned.
 #[derive(Debug)]
 struct Summary {

@@ -2,7 +2,7 @@
 //! biases), its single-branch operations (`ops`), BlinkKV reseed (`reseed`) and speculative
 //! verify (`verify`).
 
-mod logits;
+pub(crate) mod logits;
 pub mod ops;
 pub mod reseed;
 pub mod score;

@@ -254,29 +254,23 @@ impl ContextState {
         which: fn(&mut BranchState) -> &mut Vec<(i32, f32)>,
     ) -> Result<()> {
         self.check_bias(&bias)?;
+        let n_vocab = self.shape().n_vocab as usize;
         let b = self.branch_mut(handle)?;
-        *which(b) = bias;
+        let before = std::mem::replace(which(b), bias);
+        if bans_every_token(&b.logit_bias, &b.steer, n_vocab) {
+            *which(b) = before;
+            return Err(LloyalError::invalid(
+                "this bias bans every token of the vocabulary (-inf for each, with the branch's \
+                 logit bias and steering together): nothing could be sampled; leave one allowed",
+            ));
+        }
         b.invalidate();
         Ok(())
     }
 
     /// Replace the logits snapshot.
     pub fn branch_set_logits(&mut self, handle: Handle, logits: Vec<f32>) -> Result<()> {
-        let n_vocab = self.shape().n_vocab as usize;
-        if logits.len() != n_vocab {
-            return Err(LloyalError::invalid(format!(
-                "logits must have shape ({n_vocab},), got ({},)",
-                logits.len()
-            )));
-        }
-        if logits.iter().any(|x| x.is_nan()) {
-            return Err(LloyalError::invalid("logits must not contain NaN"));
-        }
-        if !logits.iter().any(|&x| x > f32::NEG_INFINITY) {
-            return Err(LloyalError::invalid(
-                "every logit is -inf: no token could be sampled; leave at least one finite (or +inf)",
-            ));
-        }
+        super::logits::check_supplied(&logits, self.shape().n_vocab as usize, "logits")?;
         let b = self.branch_mut(handle)?;
         b.logits = Arc::new(Logits::new(logits));
         b.invalidate();
@@ -313,4 +307,20 @@ impl ContextState {
     pub fn branch_last_token(&self, handle: Handle) -> Result<Option<i32>> {
         Ok(self.branch(handle)?.sampler.history().last().copied())
     }
+}
+
+/// Whether `-inf` entries of the two bias maps together cover all `n_vocab` tokens.
+fn bans_every_token(a: &[(i32, f32)], b: &[(i32, f32)], n_vocab: usize) -> bool {
+    if a.len() + b.len() < n_vocab {
+        return false;
+    }
+    let mut banned = vec![false; n_vocab];
+    for &(t, v) in a.iter().chain(b) {
+        if v == f32::NEG_INFINITY {
+            if let Some(slot) = banned.get_mut(t as usize) {
+                *slot = true;
+            }
+        }
+    }
+    banned.iter().all(|&x| x)
 }

@@ -36,6 +36,14 @@ impl ContextState {
         if tokens.is_empty() {
             return Err(LloyalError::invalid("clear_and_reseed needs at least one sink or tail token"));
         }
+        if tokens.len() > self.shape().n_ctx as usize {
+            // before the clear: a call that cannot succeed changes nothing
+            return Err(LloyalError::KvCacheFull {
+                needed: tokens.len(),
+                n_ctx: self.shape().n_ctx,
+                detail: "more sink and tail tokens than the whole cache holds".into(),
+            });
+        }
         self.kv_clear()?;
         self.decode(&tokens, 0, 0)?;
         Ok(tokens.len() as i32)

@@ -25,6 +25,14 @@ impl ContextState {
                 detail: "more tokens than the whole cache holds".into(),
             });
         }
+        if i64::from(pos) + tokens.len() as i64 > i64::from(crate::branch::ops::MAX_START) {
+            return Err(LloyalError::invalid(format!(
+                "decode at pos {pos} of {} tokens would go past position {}, the last a sequence may \
+                 hold; start lower (positions count from 0)",
+                tokens.len(),
+                crate::branch::ops::MAX_START
+            )));
+        }
         let pos_max = self.seq_pos_max(seq_id)?;
         if pos < 0 || (pos_max >= 0 && pos != pos_max + 1) {
             return Err(LloyalError::invalid(format!(
@@ -74,13 +82,7 @@ impl ContextState {
     ) -> Result<i32> {
         let n_vocab = self.shape.n_vocab as usize;
         if let Some(l) = &logits {
-            if l.len() != n_vocab {
-                return Err(LloyalError::invalid(format!(
-                    "logits has {} entries; the model's vocabulary has {n_vocab}: pass an array of \
-                     length n_vocab (e.g. a modified copy of get_logits())",
-                    l.len()
-                )));
-            }
+            crate::branch::logits::check_supplied(l, n_vocab, "logits")?;
         } else if self.logits.is_empty() {
             return Err(LloyalError::NoLogits);
         }

@@ -92,7 +92,11 @@ impl LeaseWork {
     /// (None: never).
     pub fn new(parent: Option<Handle>, timeout: Option<f64>, make: MakeBranch) -> (Self, Arc<LeaseSlot>) {
         let slot = Arc::new(LeaseSlot::default());
-        let deadline = timeout.map(|t| Instant::now() + std::time::Duration::from_secs_f64(t.max(0.0)));
+        // (a timeout past what the clock can count, inf included, is no deadline)
+        let deadline = timeout.and_then(|t| {
+            let wait = std::time::Duration::try_from_secs_f64(t.max(0.0)).ok()?;
+            Instant::now().checked_add(wait)
+        });
         let work = LeaseWork {
             parent,
             deadline,

@@ -65,11 +65,38 @@ pub fn top_candidates_in(
         }
     }
     let mut out: Vec<Cand> = heap.into_vec();
-    out.retain(|c| !replace.iter().any(|&(i, _)| i as i32 == c.1));
+    let replaced = ReplacedIds::new(replace);
+    out.retain(|c| !replaced.contains(c.1));
     out.extend(replace.iter().filter(|(i, _)| *i < logits.len()).map(|&(i, v)| Cand(v, i as i32)));
     out.sort_unstable_by(|a, b| b.cmp(a));
     out.truncate(k);
     out.into_iter().map(|c| (c.1, c.0)).collect()
+}
+
+/// The tokens a replacement list names, for membership tests: a scan of a short list (the usual
+/// few penalised tokens), a sorted copy bisected for a long one (a bias map of much of the
+/// vocabulary, which a scan per candidate made quadratic).
+enum ReplacedIds<'a> {
+    Few(&'a [(usize, f32)]),
+    Many(Vec<i32>),
+}
+
+impl<'a> ReplacedIds<'a> {
+    fn new(replace: &'a [(usize, f32)]) -> Self {
+        if replace.len() <= 32 {
+            return ReplacedIds::Few(replace);
+        }
+        let mut ids: Vec<i32> = replace.iter().map(|&(i, _)| i as i32).collect();
+        ids.sort_unstable();
+        ReplacedIds::Many(ids)
+    }
+
+    fn contains(&self, id: i32) -> bool {
+        match self {
+            ReplacedIds::Few(r) => r.iter().any(|&(i, _)| i as i32 == id),
+            ReplacedIds::Many(ids) => ids.binary_search(&id).is_ok(),
+        }
+    }
 }
 
 /// Offer `heap` every value of `logits` at least `bound`, visiting only the [`SPAN`]s whose
@@ -96,8 +123,12 @@ pub(super) fn token_data((id, logit): (i32, f32)) -> sys::llama_token_data {
 /// `(token, value)` of every token of `ids` whose value (`replace` substituted) is finite, best
 /// first (the order of [`top_candidates`]).
 pub(super) fn allowed_finite(logits: &[f32], replace: &[(usize, f32)], ids: &[i32]) -> Vec<(i32, f32)> {
-    let value =
-        |t: i32| replace.iter().find(|&&(i, _)| i as i32 == t).map(|&(_, v)| v).unwrap_or(logits[t as usize]);
+    let mut sorted = replace.to_vec();
+    sorted.sort_unstable_by_key(|&(i, _)| i);
+    let value = |t: i32| match sorted.binary_search_by_key(&(t as usize), |&(i, _)| i) {
+        Ok(at) => sorted[at].1,
+        Err(_) => logits[t as usize],
+    };
     let mut out: Vec<Cand> = ids
         .iter()
         .filter(|&&t| t >= 0 && (t as usize) < logits.len())

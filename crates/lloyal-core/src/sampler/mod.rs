@@ -498,16 +498,21 @@ mod tests {
                 *x = f32::NEG_INFINITY;
             }
             logits[n / 2] = f32::NAN;
-            let repl = vec![(n - 1, 100.0), (7, -50.0), (n / 4, 19.98)];
-            let mut want: Vec<(i32, f32)> = logits
-                .iter()
-                .enumerate()
-                .filter(|(_, x)| !x.is_nan())
-                .map(|(i, &x)| (i as i32, repl.iter().find(|r| r.0 == i).map_or(x, |r| r.1)))
-                .collect();
-            want.sort_by(|a, b| b.1.total_cmp(&a.1).then(a.0.cmp(&b.0)));
-            want.truncate(k);
-            assert_eq!(top_candidates(&logits, &repl, k), want, "n={n} k={k}");
+            let few = vec![(n - 1, 100.0), (7, -50.0), (n / 4, 19.98)];
+            // a long list (a ban of a third of the row, unsorted) takes the bisected lookup
+            let mut many = few.clone();
+            many.extend((1..n / 3).rev().step_by(2).map(|i| (n - 1 - i, f32::NEG_INFINITY)));
+            for repl in [few, many] {
+                let mut want: Vec<(i32, f32)> = logits
+                    .iter()
+                    .enumerate()
+                    .filter(|(_, x)| !x.is_nan())
+                    .map(|(i, &x)| (i as i32, repl.iter().find(|r| r.0 == i).map_or(x, |r| r.1)))
+                    .collect();
+                want.sort_by(|a, b| b.1.total_cmp(&a.1).then(a.0.cmp(&b.0)));
+                want.truncate(k);
+                assert_eq!(top_candidates(&logits, &repl, k), want, "n={n} k={k} {} replaced", repl.len());
+            }
             let mut all: Vec<(i32, f32)> =
                 logits.iter().enumerate().filter(|(_, x)| !x.is_nan()).map(|(i, &x)| (i as i32, x)).collect();
             all.sort_by(|a, b| b.1.total_cmp(&a.1).then(a.0.cmp(&b.0)));
