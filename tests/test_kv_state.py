@@ -98,6 +98,35 @@ def test_file_round_trip(
             c.kv_cache_write_file(0, path, [10**7])
 
 
+def test_threads_writing_one_path_each_write_whole_files(
+    model: lloyal.Model, saved: tuple[list[int], bytes, list[int]], tmp_path: Path
+) -> None:
+    """Each write has a temporary file of its own (they shared one per process: a rename took
+    another thread's file, FileNotFoundError in 14 of 30 writes)."""
+    import threading
+
+    tokens, data, _ = saved
+    path = tmp_path / "same.lkv"
+    errors: list[BaseException] = []
+    with lloyal.Context(model, n_ctx=512) as c:
+        c.kv_cache_load(0, data)
+
+        def write() -> None:
+            try:
+                for _ in range(15):
+                    c.kv_cache_write_file(0, path, tokens[:5])
+            except BaseException as exc:
+                errors.append(exc)
+
+        threads = [threading.Thread(target=write) for _ in range(2)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        assert errors == [] and [p.name for p in tmp_path.iterdir()] == ["same.lkv"]
+        assert c.kv_cache_read_file(0, path) == tokens[:5]
+
+
 def bad_inputs(data: bytes) -> dict[str, bytes]:
     rng = random.Random(7)
     flipped = bytearray(data)

@@ -122,6 +122,39 @@ def test_a_copy_written_back_holds_the_cells_and_logits_the_entry_had(exact_mode
         assert cache.stats()["host_entries"] == cache.stats()["host_bytes"] == 0, "clear drops the copies"
 
 
+@pytest.mark.gemma
+def test_a_copy_longer_than_the_sliding_window_is_forked_only_where_it_is_exact(
+    exact_model: lloyal.Model,
+) -> None:
+    """A copy holds its sliding-window cells from its last window on (llama.cpp saves no more):
+    a prompt that diverges before its end is not served from it (a fork there gave logits ~10
+    apart from a cold run's), one that goes on from its whole is; the restored entry is then
+    not forked short of its end either, and its cells are all counted."""
+    with lloyal.Context(exact_model, n_ctx=2048, n_seq_max=6, batch_invariant=True) as ctx:
+        cache = _lloyal.PrefixCache(ctx)
+        cache.host_budget = 64 * MIB
+        tokens = ctx.tokenize("Once upon a time there was a little fox who lived in the forest. " * 60)[:700]
+        cached(ctx, cache, tokens)
+        asyncio.run(cache.amake_room(cells=2000))
+        assert cache.stats()["host_entries"] == 1
+        book = _lloyal.Admission(ctx, 2)
+        early = book.plan([*tokens[:300], 651], 1)
+        assert early is not None and early.restores is False  # it would fork the copy at 300
+        book.release(early)
+        plan = book.plan([*tokens, 651], 1)
+        assert plan is not None and plan.restores and plan.reused == 700
+        book.reserve(plan)
+        restored = asyncio.run(book.arestore(plan))
+        assert lloyal.BranchStore(ctx).kv_pressure.cells_used == 700
+        with pytest.raises(ValueError, match="continues exactly only at 699"):
+            restored.fork(at=300)
+        assert cache.lookup([*tokens[:400], 651, 652]) is None  # no fork of it at 400
+        found = cache.lookup([*tokens, 651, 652])
+        assert found is not None and found[1:] == (700, 700)
+        cache.unpin(found[0])
+        book.release(plan)
+
+
 def test_copies_stay_within_the_host_budget(exact_model: lloyal.Model) -> None:
     """A copy larger than the budget is not kept; least recently used copies make way."""
     with lloyal.Context(exact_model, n_ctx=512, n_seq_max=6) as ctx:

@@ -136,6 +136,12 @@ impl Model {
         self.llama.n_embd()
     }
 
+    /// The window of its sliding-window attention layers, in positions (0: none). llama.cpp
+    /// saves only the last window of a sequence's cells for those layers (`state_write`).
+    pub fn n_swa(&self) -> i32 {
+        crate::raw::model_n_swa(&self.llama)
+    }
+
     /// Number of layers.
     pub fn n_layer(&self) -> u32 {
         self.llama.n_layer()

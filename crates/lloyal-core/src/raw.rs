@@ -73,6 +73,12 @@ pub fn model_n_embd_out(model: &LlamaModel) -> usize {
     unsafe { sys::llama_model_n_embd_out(model_ptr(model)) }.max(0) as usize
 }
 
+/// The sliding-window size of `model`'s SWA layers (0: none).
+pub fn model_n_swa(model: &LlamaModel) -> i32 {
+    // SAFETY: the model pointer is valid while `model` lives; a read-only getter.
+    unsafe { sys::llama_model_n_swa(model_ptr(model)) }
+}
+
 /// The raw vocab of a model.
 pub fn vocab_ptr(model: &LlamaModel) -> *const sys::llama_vocab {
     // SAFETY: model_ptr is valid for the model's lifetime; the vocab lives inside the model.

@@ -81,9 +81,18 @@ impl ContextState {
     /// (one copy of its KV) so its next tokens do not land in freed cells ahead of its own.
     pub fn retain_only(&mut self, winner: Handle) -> Result<()> {
         let seq = self.branch(winner)?.seq_id;
+        // Where the winner's sequence starts: its tree's root's first cell (not
+        // seq_pos_min, which answers from the sliding-window cache: state::window).
+        let mut root = winner;
+        while let Some(p) = self.topology.parent(root) {
+            root = p;
+        }
+        let start = self.branch(root)?.fork_head;
+        let exact_from = self.fork_exact_from(winner);
         let raw = self.raw_mut();
         raw.seq_keep(seq);
-        let (p_min, p_max) = (raw.seq_pos_min(seq), raw.seq_pos_max(seq));
+        let p_max = raw.seq_pos_max(seq);
+        let p_min = start.min(p_max.max(0));
         self.forget_parked();
         for h in self.branches.handles() {
             if h != winner {
@@ -94,6 +103,7 @@ impl ContextState {
         self.ledger.reset(&[seq], if p_max >= 0 { (p_max - p_min + 1) as usize } else { 0 });
         let b = self.branch_mut(winner)?;
         b.fork_head = if p_max >= 0 { p_min } else { b.position };
+        crate::cache::lock(&self.cache).retain_exact_from(winner, exact_from);
         if p_max >= 0 && self.batch_invariant {
             if let Err(e) = self.compact_seq(seq) {
                 // Cannot happen short of a llama.cpp fault (the cache is empty when the cells
@@ -101,6 +111,7 @@ impl ContextState {
                 self.dispose_all();
                 return Err(e);
             }
+            self.note_window(winner, seq, p_min); // rewritten from its state
         }
         Ok(())
     }

@@ -105,6 +105,16 @@ impl ContextState {
             Some(a) if a < position => Some(a),
             _ => None,
         };
+        let exact_from = self.fork_exact_from(parent);
+        if let Some(a) = at.filter(|&a| (a as usize) < exact_from) {
+            return Err(LloyalError::InvalidArgument(format!(
+                "fork(at={a}): this branch's sequence was written back from a saved state (a loaded \
+                 branch, a copy from host memory, or a fork of one), for which llama.cpp keeps only \
+                 the last {} positions of the sliding-window layers' cells, so a fork continues \
+                 exactly only at {exact_from} or later; fork there, or prefill the prefix again",
+                self.model().n_swa()
+            )));
+        }
         self.cache_make_room(1, 0, 0, &[parent]);
         let seq = self.ledger.take_lease(&mut self.raw)?;
         let made = self.branch(parent).and_then(|p| match at {
@@ -123,6 +133,9 @@ impl ContextState {
         self.raw_mut().seq_cp(parent_seq, seq, -1, at.unwrap_or(-1));
         let handle = self.branches.insert(child);
         self.topology.add(handle, Some(parent));
+        if exact_from > 0 {
+            crate::cache::lock(&self.cache).set_exact_from(handle, exact_from);
+        }
         Ok(handle)
     }
 

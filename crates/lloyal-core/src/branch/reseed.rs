@@ -113,6 +113,10 @@ impl ContextState {
     /// (its written cells are already removed: `rollback_flight`): the parked cells released,
     /// or put back. A branch disposed meanwhile only gives its parking lease back.
     pub(crate) fn reseed_end(&mut self, handle: Handle, r: Reseeding, succeeded: bool) {
+        if succeeded {
+            // decoded afresh: every sliding-window cell is there
+            crate::cache::lock(&self.cache).set_exact_from(handle, 0);
+        }
         let Some(p) = r.parking else { return };
         // None: the ledger was reset meanwhile (`retain_only`), which dropped the parked cells.
         let Some(parked) = self.ledger.unpark(p) else { return };

@@ -218,10 +218,16 @@ impl Admission {
         }
         let entry = if share { index.lookup(prompt) } else { None };
         let hit = entry.map_or(0, |f| f.used);
-        let shared = if share { self.in_flight(prompt, hit) } else { None };
+        // (a fork is made only where it continues exactly: state::window)
+        let exact_at = |index: &PrefixIndex, handle: Option<Handle>, at: usize| {
+            handle.is_none_or(|h| at >= index.exact_from(h))
+        };
+        let shared = if share { self.in_flight(prompt, hit) } else { None }
+            .filter(|(key, at)| exact_at(index, self.flights[key].handle, *at));
         // an evicted entry's copy that serves more than the live entries (and no prompt in flight
         // shares more), taken out of the host tier for this request to write back
-        let copy = if share && shared.is_none() { index.host.lookup(prompt, hit) } else { None };
+        let copy = if share && shared.is_none() { index.host.lookup(prompt, hit) } else { None }
+            .filter(|c| c.used == c.len || index.host.get(c.key).is_some_and(|s| c.used >= s.exact_from()));
         let restore = copy.and_then(|c| {
             index.host.take(c.key).map(|(tokens, value, bytes)| (c.used, tokens, value, bytes))
         });

@@ -138,6 +138,11 @@ impl<T> HostTier<T> {
         (used > live).then_some(HostFound { key, used, len })
     }
 
+    /// Copy `key`'s value, while it is kept.
+    pub fn get(&self, key: u64) -> Option<&T> {
+        self.kept.get(&key).map(|k| &k.value)
+    }
+
     /// Take copy `key` out to write it back: its tokens, value and bytes (`None`: gone since
     /// the lookup).
     pub fn take(&mut self, key: u64) -> Option<(Vec<i32>, T, usize)> {

@@ -96,6 +96,11 @@ pub struct PrefixIndex {
     incoming: usize,
     /// Copies of evicted entries in host memory (none until a budget is set).
     pub host: HostTier<Stowed>,
+    /// For branches whose sliding-window cells start late (written back from a copy, loaded
+    /// from a state, or forked from one: llama.cpp saves only a sequence's last window of
+    /// them), the lowest position a fork of them continues exactly; see
+    /// [`crate::context::state::ContextState::fork_exact_from`].
+    exact_from: HashMap<Handle, usize>,
 }
 
 impl Default for PrefixIndex {
@@ -115,6 +120,7 @@ impl Default for PrefixIndex {
             reach: VecDeque::new(),
             incoming: 0,
             host: HostTier::default(),
+            exact_from: HashMap::new(),
         }
     }
 }
@@ -143,12 +149,15 @@ impl PrefixIndex {
     /// The entry a request for `tokens` forks, pinned (see [`PrefixIndex::unpin`]).
     pub fn lookup(&mut self, tokens: &[i32]) -> Option<Found> {
         let (used, &handle) = reusable(&self.tree, tokens)?;
+        let len = self.entries.get(&handle)?.tokens.len();
+        if used < len && used < self.exact_from(handle) {
+            return None; // a fork there would miss sliding-window cells
+        }
         let since = self.entries.get(&handle)?.last_used;
         self.reached(self.reach_of(&tokens[..used], since));
         let now = self.tick();
         let entry = self.entries.get_mut(&handle)?;
         entry.last_used = now;
-        let len = entry.tokens.len();
         *self.pins.entry(handle).or_default() += 1;
         Some(Found { handle, used, len })
     }
@@ -216,7 +225,28 @@ impl PrefixIndex {
 
     /// `handle`'s branch is gone (pruned by anyone): drop what the cache knew of it; the
     /// tokens it held when it was an entry.
+    /// The lowest position a fork of branch `handle` continues exactly (0: any).
+    pub fn exact_from(&self, handle: Handle) -> usize {
+        self.exact_from.get(&handle).copied().unwrap_or(0)
+    }
+
+    /// Record that forks of `handle` below `position` would not be exact (0: forget it).
+    pub(crate) fn set_exact_from(&mut self, handle: Handle, position: usize) {
+        if position == 0 {
+            self.exact_from.remove(&handle);
+        } else {
+            self.exact_from.insert(handle, position);
+        }
+    }
+
+    /// `retain_only`: only `winner` lives on, with `position` as its exact-fork floor.
+    pub(crate) fn retain_exact_from(&mut self, winner: Handle, position: usize) {
+        self.exact_from.clear();
+        self.set_exact_from(winner, position);
+    }
+
     pub(crate) fn forget(&mut self, handle: Handle) -> Option<Vec<i32>> {
+        self.exact_from.remove(&handle);
         self.released.retain(|&h| h != handle);
         self.dupes.retain(|&(r, e)| r != handle && e != handle);
         self.pins.remove(&handle);
@@ -381,6 +411,7 @@ impl PrefixIndex {
         self.entries.clear();
         self.tree = RadixTree::default();
         self.pins.clear();
+        self.exact_from.clear();
         self.host.clear();
         out
     }

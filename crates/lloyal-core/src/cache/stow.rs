@@ -17,6 +17,9 @@ pub struct Stowed {
     /// Cells the copy fills when written back.
     cells: usize,
     pos_max: i32,
+    /// The lowest position a fork of it written back continues exactly (its sliding-window
+    /// cells are saved from its last window on: `state::window`).
+    exact_from: usize,
 }
 
 impl fmt::Debug for Stowed {
@@ -29,6 +32,11 @@ impl Stowed {
     /// The cells the copy fills when written back.
     pub fn cells(&self) -> usize {
         self.cells
+    }
+
+    /// The lowest position a fork of the copy, written back, continues exactly (0: any).
+    pub fn exact_from(&self) -> usize {
+        self.exact_from
     }
 }
 
@@ -53,15 +61,18 @@ impl ContextState {
         if pos_max < 0 || pos_max + 1 != state.position {
             return None;
         }
-        let cells = (pos_max - pos_min + 1) as usize;
+        let cells = crate::state::window::payload_cells(&self.model(), &kv, pos_min, pos_max);
+        let exact_from =
+            self.window_after_write(pos_max + 1 - cells as i32, pos_max).max(self.fork_exact_from(h));
         let bytes = kv.len() + state.logits.len() * std::mem::size_of::<f32>();
-        Some((Stowed { state, kv, cells, pos_max }, bytes))
+        Some((Stowed { state, kv, cells, pos_max, exact_from }, bytes))
     }
 
     /// Write `stowed` back as a new root branch holding `tokens`, an entry of the prefix cache
     /// again (takes a lease and its cells). On failure nothing is taken and the copy is lost.
     pub fn cache_restore(&mut self, tokens: &[i32], stowed: Stowed) -> Result<Handle> {
-        let Stowed { mut state, kv, cells, pos_max } = stowed;
+        let Stowed { mut state, kv, cells, pos_max, .. } = stowed;
+        let start = pos_max + 1 - cells as i32;
         let write = |s: &mut Self, seq| {
             s.write_seq_payload(seq, &kv, pos_max).map_err(|why| {
                 LloyalError::Backend(format!(
@@ -71,9 +82,11 @@ impl ContextState {
         };
         let handle = self.new_root(cells, write, |seq| {
             state.seq_id = seq;
-            state.fork_head = pos_max + 1 - cells as i32;
+            state.fork_head = start;
             state
         })?;
+        let seq = self.branch(handle)?.seq_id;
+        self.note_window(handle, seq, start);
         lock(&self.cache).add(handle, tokens);
         Ok(handle)
     }

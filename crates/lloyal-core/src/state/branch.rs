@@ -160,7 +160,12 @@ fn tracker_to_json(t: &PerplexityTracker) -> Value {
 fn tracker_of(v: &Value, key: &str) -> Result<PerplexityTracker> {
     let err = || bad(format!("bad tracker {key:?}"));
     let a = v.get(key).and_then(Value::as_array).ok_or_else(err)?;
-    let sum = a.first().and_then(Value::as_f64).ok_or_else(err)?;
+    // JSON has no infinity: a sum that reached it (the surprisal of a token banned with -inf)
+    // is stored as null.
+    let sum = match a.first() {
+        Some(Value::Null) => f64::INFINITY,
+        other => other.and_then(Value::as_f64).ok_or_else(err)?,
+    };
     let count = a.get(1).and_then(Value::as_u64).ok_or_else(err)?;
     Ok(PerplexityTracker::from_parts(sum, count))
 }
@@ -267,7 +272,13 @@ impl ContextState {
         }
         let kv_state = envelope::decode(&fingerprint(&model), &kv)?;
         let position = i32_of(&meta, "position")?;
-        if position != kv_state.pos_max + 1 {
+        // (a branch with no cells may stand anywhere a new one may: Branch.create(position=))
+        let fits = if kv_state.pos_max >= 0 {
+            position == kv_state.pos_max + 1
+        } else {
+            (0..=crate::branch::ops::MAX_START).contains(&position)
+        };
+        if !fits {
             return Err(bad(format!("position {position} does not follow the stored cells")));
         }
         let params = params_from_json(meta.get("params").ok_or_else(|| bad("missing params"))?)?;
@@ -282,7 +293,7 @@ impl ContextState {
             model.check_token(i64::from(t)).map_err(bad)?;
         }
         let cells =
-            if kv_state.pos_max >= 0 { (kv_state.pos_max - kv_state.pos_min + 1) as usize } else { 0 };
+            super::window::payload_cells(&model, &kv_state.payload, kv_state.pos_min, kv_state.pos_max);
         Ok(Parsed {
             position,
             sampler,
@@ -304,9 +315,10 @@ impl ContextState {
         let p = self.parse_branch_state(data)?;
         let tracks_sampling = self.sampling_perplexity;
         let kv = p.kv;
-        self.new_root(
-            p.cells,
-            |s, seq| s.kv_load_unchecked(seq, &kv).map(drop),
+        let (cells, start, n_ctx) = (p.cells, p.position - p.cells as i32, self.shape().n_ctx);
+        let handle = self.new_root(
+            cells,
+            |s, seq| s.kv_load_unchecked(seq, &kv).map(drop).map_err(|e| no_run_is_full(e, cells, n_ctx)),
             |seq| {
                 let mut b = BranchState::new(seq, p.position, p.sampler, tracks_sampling);
                 b.fork_head = p.position - p.cells as i32;
@@ -318,7 +330,10 @@ impl ContextState {
                 b.logits = Arc::new(Logits::new(p.logits));
                 b
             },
-        )
+        )?;
+        let seq = self.branch(handle)?.seq_id;
+        self.note_window(handle, seq, start);
+        Ok(handle)
     }
 
     /// A new root branch on a free lease, its `cells` cells written by `write` (room made for
@@ -396,4 +411,17 @@ fn grammar_of(meta: &Value, model: &Arc<Model>) -> Result<Option<Grammar>> {
             Some(Grammar::restore(model.clone(), &source, &accepted).map_err(bad)?)
         }
     })
+}
+
+/// A load llama.cpp refused for want of a run of free cells (flat-path sequences hold the rest
+/// of the cache, which the branches' count does not see) is a full cache, not bad data.
+fn no_run_is_full(e: LloyalError, cells: usize, n_ctx: u32) -> LloyalError {
+    match e {
+        LloyalError::State(why) if why.contains("available cells") => LloyalError::KvCacheFull {
+            needed: cells,
+            n_ctx,
+            detail: format!("llama.cpp found no run of {cells} free cells: {why}"),
+        },
+        other => other,
+    }
 }

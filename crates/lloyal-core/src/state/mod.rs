@@ -7,3 +7,4 @@ pub mod compact;
 pub mod envelope;
 pub mod file;
 pub mod kv;
+pub(crate) mod window;
