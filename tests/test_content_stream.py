@@ -37,6 +37,10 @@ FRAGMENTS = [
     "<|python_tag|>",
     "</s",
     "a < b",
+    "[",
+    " [",
+    "[1, 2]",
+    '[{"name": "f", "arguments": {}}]',
 ]
 
 
@@ -69,6 +73,8 @@ def test_a_tool_call_stops_the_content_and_the_text_after_it_comes_at_the_end() 
     [
         '{"name": "get_weather", "parameters": {"city": "Paris"}}',
         '<|python_tag|>{"name": "f", "parameters": {}}',
+        ' [{"name": "get_weather", "arguments": {"city": "Paris"}}]',  # Mistral's list of calls
+        '{"name": "a", "parameters": {}}; {"name": "b", "parameters": {}}',
         "<think>hmm</think>Paris is mild.",
         "<tool",
     ],

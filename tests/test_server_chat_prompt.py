@@ -73,6 +73,62 @@ def test_continue_final_message_goes_on_from_its_text(client: openai.OpenAI, ref
     assert r.choices[0].message.content == ref.detokenize(greedy_completion(ref, prompt, 6, fc.stop_tokens))
 
 
+def test_continue_final_message_cuts_after_the_stripped_text(client: openai.OpenAI) -> None:
+    """As transformers (vLLM) cut it: after the message's text stripped, its last text part
+    when it has parts; a trailing space does not change the prompt."""
+    want = ask(client, OPEN, continue_final_message=True, add_generation_prompt=False)
+    spaced = [*ASK, {"role": "assistant", "content": "Hello, my "}]
+    parts = [*ASK, {"role": "assistant", "content": [{"type": "text", "text": "Hello, my"}]}]
+    for messages in (spaced, parts):
+        r = ask(client, messages, continue_final_message=True, add_generation_prompt=False)
+        assert (r.usage.prompt_tokens, r.choices[0].message.content) == (
+            want.usage.prompt_tokens,
+            want.choices[0].message.content,
+        )
+
+
+def test_text_parts_reach_a_string_content_template_as_one_text(
+    client: openai.OpenAI, ref: lloyal.Context
+) -> None:
+    """Qwen 3's template reads content as a string (a list renders as nothing): text parts are
+    joined by newlines first, as vLLM gives such a template ("hi" and "there" were lost)."""
+    joined = [{"role": "user", "content": "hi\nthere"}]
+    parts = [{"role": "user", "content": [{"type": "text", "text": "hi"}, {"type": "text", "text": "there"}]}]
+    r = ask(client, parts)
+    assert r.usage.prompt_tokens == len(prompt_tokens(ref, ref.format_chat(joined).prompt))
+    assert r.choices[0].message.content == ask(client, joined).choices[0].message.content
+
+
+def test_a_completion_prompt_reads_special_tokens_as_tokens(server: str, ref: lloyal.Context) -> None:
+    """A prompt a client rendered with the chat template itself: its markers are the special
+    tokens, as llama-server and vLLM read them (they were split into plain-text pieces)."""
+    text = "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n"
+    r = httpx.post(
+        server + "/v1/completions", json={"model": NAME, "prompt": text, "max_tokens": 1}, timeout=60
+    )
+    want = ref.tokenize(text, add_special=True, parse_special=True)
+    assert len(want) < len(ref.tokenize(text, add_special=True))
+    assert r.status_code == 200 and r.json()["usage"]["prompt_tokens"] == len(want)
+
+
+def test_message_fields_as_templates_read_them(ref: lloyal.Context) -> None:
+    """A turn that only calls tools keeps ``content: null`` (templates test ``is none``), a call
+    with empty arguments has ``{}``, and which templates read content as parts."""
+    from lloyal.server.translate import content_as_parts, message_dict
+
+    call = {"type": "function", "function": {"name": "f", "arguments": ""}}
+    m = message_dict({"role": "assistant", "tool_calls": [call]})
+    assert m["content"] is None and m["tool_calls"][0]["function"]["arguments"] == {}
+    template = (
+        "{% for m in messages %}{% if m.content is none %}[calls]{% else %}{{ m.content }}{% endif %}"
+        "{% endfor %}"
+    )
+    assert ref.format_chat([{"role": "user", "content": "hi"}, m], template=template).prompt == "hi[calls]"
+    assert not content_as_parts(ref.model.chat_template) and not content_as_parts(None)
+    assert content_as_parts("{% for part in message['content'] %}{{ part.text }}{% endfor %}")
+    assert content_as_parts("{%- for item in m.content -%}")
+
+
 def test_add_generation_prompt_false_renders_no_assistant_turn(
     client: openai.OpenAI, ref: lloyal.Context
 ) -> None:

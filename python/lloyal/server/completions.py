@@ -28,7 +28,7 @@ from .replies import chat_logprobs, completion_logprobs, prompt_logprobs, usage
 from .state import ServerState, StateGetter
 from .streaming import chat_chunks, completion_chunks, sse
 from .tools import ToolChoice, tool_choice
-from .translate import chat_prompt, check_model, gen_spec, message_dict, token_lists
+from .translate import chat_prompt, check_model, content_as_parts, gen_spec, message_dict, token_lists
 
 __all__ = ["add_routes", "answer_chat", "answer_completion"]
 
@@ -152,7 +152,8 @@ async def answer_chat(st: ServerState, body: ChatRequest) -> Response | dict[str
     _unstreamed_prompt_logprobs(body)
     _choices_fit(st, body.n, "n")
     choice = tool_choice(body)
-    messages = [message_dict(m.model_dump(exclude_none=True)) for m in body.messages]
+    parts = content_as_parts(ctx.model.chat_template)
+    messages = [message_dict(m.model_dump(exclude_none=True), parts) for m in body.messages]
     fc = chat_prompt(ctx, body, messages, choice.tools)
     prompt = ctx.tokenize(fc.prompt, add_special=False, parse_special=True)
     grammar = await asyncio.to_thread(_chat_grammar, ctx, body, choice)

@@ -75,9 +75,11 @@ class ContentStream:
             tail = tail[cut:]
         self.raw_tail = tail
         text = (self.clean_head + _remove_end_markers(tail)).lstrip()
-        if text.startswith("{"):  # maybe a Llama 3 JSON call
-            self.plain = False
+        if text.startswith("{") or (text[:1] == "[" and text[1:].lstrip()[:1] == "{"):
+            self.plain = False  # maybe a Llama 3 JSON call, or Mistral's list of calls
             return ""
+        if text[:1] == "[" and not text[1:].strip():
+            return ""  # a list of calls or text: the next piece tells
         ready = text[: len(text) - _marker_start(text)].rstrip()
         if not ready.startswith(self.sent):  # a marker's beginning turned out to be text: resend nothing
             return ""

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import re
 from collections.abc import Sequence
 from typing import Any
 
@@ -21,7 +22,15 @@ from .protocol import ApiError, ChatRequest, CompletionRequest
 #: looked for at every token, so the list is bounded.
 MAX_STOP = 64
 
-__all__ = ["chat_prompt", "check_ids", "check_model", "gen_spec", "message_dict", "token_lists"]
+__all__ = [
+    "chat_prompt",
+    "check_ids",
+    "check_model",
+    "content_as_parts",
+    "gen_spec",
+    "message_dict",
+    "token_lists",
+]
 
 
 def check_model(name: str | None, cfg: ServerConfig) -> None:
@@ -36,13 +45,15 @@ def check_model(name: str | None, cfg: ServerConfig) -> None:
 
 
 def token_lists(ctx: lloyal.Context, value: Any, *, add_special: bool, param: str) -> list[list[int]]:
-    """A prompt/input field (text, texts, token ids, lists of token ids) as token lists."""
+    """A prompt/input field (text, texts, token ids, lists of token ids) as token lists. Text
+    is read with its special tokens (``<start_of_turn>``, ``<|im_start|>``...) as those tokens,
+    as llama-server and vLLM read a prompt a client rendered with the chat template itself."""
     if isinstance(value, str):
-        out = [ctx.tokenize(value, add_special=add_special)]
+        out = [ctx.tokenize(value, add_special=add_special, parse_special=True)]
     elif value and all(isinstance(x, int) for x in value):
         out = [list(value)]
     elif value and all(isinstance(x, str) for x in value):
-        out = [ctx.tokenize(x, add_special=add_special) for x in value]
+        out = [ctx.tokenize(x, add_special=add_special, parse_special=True) for x in value]
     elif value and all(isinstance(x, list) for x in value):
         out = [list(x) for x in value]
     else:
@@ -216,25 +227,42 @@ def _logit_bias(ctx: lloyal.Context, logit_bias: dict[str, float] | None) -> dic
     return bias
 
 
-def message_dict(m: dict[str, Any]) -> dict[str, Any]:
-    """A chat message as the chat template takes it: text content parts only, and tool calls'
-    JSON ``arguments`` strings parsed."""
+# a template that loops over a message's content reads it as a list of parts (vLLM's "openai"
+# content format); any other reads it as a string
+_ITERATES_CONTENT = re.compile(r"for\s+\w+\s+in\s+\w+(?:\.content\b|\[\s*['\"]content['\"]\s*\])")
+
+
+def content_as_parts(template: str | None) -> bool:
+    """Whether the chat ``template`` reads a message's content as a list of parts (it loops over
+    it); otherwise :func:`message_dict` joins text parts into one string, as vLLM detects it."""
+    return template is not None and _ITERATES_CONTENT.search(template) is not None
+
+
+def message_dict(m: dict[str, Any], parts: bool = True) -> dict[str, Any]:
+    """A chat message as the chat template takes it: text content parts only (joined by
+    newlines into one string unless the template reads ``parts``, as vLLM gives a string-content
+    template), ``content`` kept when null (templates test ``content is none`` on a turn that
+    only calls tools), and tool calls' JSON ``arguments`` strings parsed (empty: ``{}``)."""
+    m.setdefault("content", None)
     content = m.get("content")
     if isinstance(content, list):
-        parts = []
+        texts = []
         for part in content:
             if part.get("type") != "text":
                 raise ApiError(
                     f"message content part of type {part.get('type')!r} is not supported: only text",
                     param="messages",
                 )
-            parts.append({"type": "text", "text": str(part.get("text", ""))})
-        m["content"] = parts
+            texts.append(str(part.get("text", "")))
+        m["content"] = [{"type": "text", "text": t} for t in texts] if parts else "\n".join(texts)
     for call in m.get("tool_calls") or []:
         fn = call.get("function") or {}
-        if isinstance(fn.get("arguments"), str):
+        arguments = fn.get("arguments")
+        if arguments is None or (isinstance(arguments, str) and not arguments.strip()):
+            fn["arguments"] = {}  # as vLLM reads a call without arguments
+        elif isinstance(arguments, str):
             try:
-                fn["arguments"] = json.loads(fn["arguments"])
+                fn["arguments"] = json.loads(arguments)
             except json.JSONDecodeError:
                 raise ApiError("tool_calls[].function.arguments must be JSON", param="messages") from None
     return m
@@ -263,8 +291,12 @@ def chat_prompt(
     fc = ctx.format_chat(messages, add_generation_prompt=body.add_generation_prompt, tools=tools, **kwargs)
     if not body.continue_final_message:
         return fc
+    # as transformers' apply_chat_template (vLLM's) cuts it: after the last occurrence of the
+    # message's text (its last text part), stripped
     content = messages[-1].get("content")
-    text = "".join(p["text"] for p in content) if isinstance(content, list) else str(content or "")
+    if isinstance(content, list):
+        content = next((p["text"] for p in reversed(content) if "text" in p), "")
+    text = str(content or "").strip()
     at = fc.prompt.rfind(text) if text else -1
     if at < 0:
         raise ApiError(

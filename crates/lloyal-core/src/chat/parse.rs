@@ -46,8 +46,9 @@ const CALL_CLOSE: &str = "</tool_call>";
 const PYTHON_TAG: &str = "<|python_tag|>";
 
 /// Split generated text into content, `<think>` reasoning and tool calls (Hermes/Qwen
-/// `<tool_call>{...}</tool_call>` blocks, or a Llama 3 JSON call with optional
-/// `<|python_tag|>`). Malformed tool calls stay in `content`; this never fails.
+/// `<tool_call>{...}</tool_call>` blocks, the last one possibly left open; Llama 3 JSON calls
+/// with optional `<|python_tag|>`, several apart by `;`; Mistral's JSON list of calls).
+/// Malformed tool calls stay in `content`; this never fails.
 pub fn parse_chat_output(text: &str) -> ChatOutput {
     let mut text = text.to_string();
     for m in END_MARKERS {
@@ -84,7 +85,16 @@ fn extract_hermes(text: &str) -> (String, Vec<ToolCall>) {
     let mut rest = text;
     while let Some(o) = rest.find(CALL_OPEN) {
         let after = &rest[o + CALL_OPEN.len()..];
-        let Some(c) = after.find(CALL_CLOSE) else { break };
+        let Some(c) = after.find(CALL_CLOSE) else {
+            // the last call left open (the end of generation, or a stop at `</tool_call>`), as
+            // vLLM's Hermes parser reads it: a call when what follows is one
+            if let Some(call) = tool_call_from_json(after.trim(), "arguments") {
+                content.push_str(&rest[..o]);
+                calls.push(call);
+                rest = "";
+            }
+            break;
+        };
         match tool_call_from_json(after[..c].trim(), "arguments") {
             Some(call) => {
                 content.push_str(&rest[..o]);
@@ -101,13 +111,25 @@ fn extract_hermes(text: &str) -> (String, Vec<ToolCall>) {
 fn llama3_calls(content: &str) -> Option<Vec<ToolCall>> {
     let t = content.trim();
     let t = t.strip_prefix(PYTHON_TAG).unwrap_or(t).trim();
+    if t.starts_with('[') {
+        // Mistral's `[TOOL_CALLS] [{...}, ...]` (the marker is a control token, no text)
+        let Json::Array(items) = serde_json::from_str::<Json>(t).ok()? else { return None };
+        let calls: Option<Vec<ToolCall>> =
+            items.into_iter().map(|v| call_from_value(v, "arguments", true)).collect();
+        return calls.filter(|c| !c.is_empty());
+    }
     if !t.starts_with('{') {
         return None;
     }
+    // one call, or several apart by whitespace or `;` (as vLLM's llama3_json parser splits them)
     let mut calls = Vec::new();
-    for part in serde_json::Deserializer::from_str(t).into_iter::<Json>() {
-        let value = part.ok()?;
+    let mut rest = t;
+    while !rest.is_empty() {
+        let mut stream = serde_json::Deserializer::from_str(rest).into_iter::<Json>();
+        let value = stream.next()?.ok()?;
         calls.push(call_from_value(value, "parameters", true)?);
+        let after = rest[stream.byte_offset()..].trim_start();
+        rest = after.strip_prefix(';').unwrap_or(after).trim_start();
     }
     (!calls.is_empty()).then_some(calls)
 }

@@ -191,12 +191,19 @@ pub fn plain_generation_blocks(template: &str) -> Cow<'_, str> {
     Cow::Owned(out)
 }
 
+/// The most instructions one render may run (a 1,000-message conversation with tools takes
+/// well under a million).
+const TEMPLATE_FUEL: u64 = 50_000_000;
+
 fn environment() -> Environment<'static> {
     let mut env = Environment::new();
     if let Ok(syntax) = SyntaxConfig::builder().trim_blocks(true).lstrip_blocks(true).build() {
         env.set_syntax(syntax);
     }
     env.set_unknown_method_callback(minijinja_contrib::pycompat::unknown_method_callback);
+    // A template is a user's input: a bounded amount of work (a loop of 10^10 steps would run
+    // for minutes), far above what a chat template spends on a long conversation.
+    env.set_fuel(Some(TEMPLATE_FUEL));
     env.add_function("raise_exception", |msg: String| -> std::result::Result<Value, JinjaError> {
         Err(JinjaError::new(ErrorKind::InvalidOperation, format!("raise_exception: {msg}")))
     });
@@ -208,59 +215,117 @@ fn environment() -> Environment<'static> {
     env
 }
 
-/// `tojson` as transformers defines it: Python `json.dumps` spacing (`", "`, `": "`), keys in
-/// insertion order, no HTML escaping; `indent=N` pretty-prints. Other keyword arguments
-/// (`ensure_ascii`, `sort_keys`...) are accepted and ignored.
+/// `tojson` as transformers defines it: Python `json.dumps` with `ensure_ascii=False`, keys in
+/// insertion order, no HTML escaping; `indent=N` pretty-prints, `sort_keys=True` sorts keys,
+/// `ensure_ascii=True` escapes non-ASCII as `\uXXXX`, `separators=(item, key)` replaces
+/// `", "`/`": "` (`","` for items when indenting).
 fn tojson(value: &Value, kwargs: Kwargs) -> std::result::Result<Value, JinjaError> {
     let indent: Option<usize> = kwargs.get("indent")?;
+    let sort_keys: Option<bool> = kwargs.get("sort_keys")?;
+    let ensure_ascii: Option<bool> = kwargs.get("ensure_ascii")?;
+    let separators: Option<Vec<String>> = kwargs.get("separators")?;
+    kwargs.assert_all_used()?;
+    let separators = match separators.as_deref() {
+        None => None,
+        Some([item, key]) => Some((item.clone(), key.clone())),
+        Some(_) => {
+            return Err(JinjaError::new(ErrorKind::InvalidOperation, "tojson: separators is (item, key)"))
+        }
+    };
     let json = serde_json::to_value(value)
         .map_err(|e| JinjaError::new(ErrorKind::InvalidOperation, format!("tojson: {e}")))?;
-    Ok(Value::from_safe_string(python_json(&json, indent)))
+    let style = JsonStyle {
+        indent,
+        sort_keys: sort_keys.unwrap_or(false),
+        ensure_ascii: ensure_ascii.unwrap_or(false),
+        separators,
+    };
+    let mut out = String::new();
+    write_json(&mut out, &json, &style, 0);
+    Ok(Value::from_safe_string(out))
+}
+
+/// How `json.dumps` is asked to write.
+#[derive(Default)]
+struct JsonStyle {
+    indent: Option<usize>,
+    sort_keys: bool,
+    ensure_ascii: bool,
+    /// `(item, key)` separators (`None`: Python's defaults).
+    separators: Option<(String, String)>,
 }
 
 /// `json.dumps(value, indent=indent)` as Python writes it (non-ASCII kept as is).
 pub fn python_json(value: &Json, indent: Option<usize>) -> String {
     let mut out = String::new();
-    write_json(&mut out, value, indent, 0);
+    write_json(&mut out, value, &JsonStyle { indent, ..JsonStyle::default() }, 0);
     out
 }
 
-fn write_json(out: &mut String, value: &Json, indent: Option<usize>, depth: usize) {
+fn write_json(out: &mut String, value: &Json, style: &JsonStyle, depth: usize) {
     let newline = |out: &mut String, depth: usize| {
-        if let Some(n) = indent {
+        if let Some(n) = style.indent {
             out.push('\n');
             out.push_str(&" ".repeat(n * depth));
         }
     };
-    let sep = if indent.is_some() { "," } else { ", " };
+    let (item_sep, key_sep) = match &style.separators {
+        Some((item, key)) => (item.as_str(), key.as_str()),
+        None => (if style.indent.is_some() { "," } else { ", " }, ": "),
+    };
     match value {
         Json::Array(items) if !items.is_empty() => {
             out.push('[');
             for (i, item) in items.iter().enumerate() {
                 if i > 0 {
-                    out.push_str(sep);
+                    out.push_str(item_sep);
                 }
                 newline(out, depth + 1);
-                write_json(out, item, indent, depth + 1);
+                write_json(out, item, style, depth + 1);
             }
             newline(out, depth);
             out.push(']');
         }
         Json::Object(map) if !map.is_empty() => {
             out.push('{');
-            for (i, (k, v)) in map.iter().enumerate() {
+            let mut pairs: Vec<(&String, &Json)> = map.iter().collect();
+            if style.sort_keys {
+                pairs.sort_by(|a, b| a.0.cmp(b.0));
+            }
+            for (i, (k, v)) in pairs.into_iter().enumerate() {
                 if i > 0 {
-                    out.push_str(sep);
+                    out.push_str(item_sep);
                 }
                 newline(out, depth + 1);
-                out.push_str(&Json::String(k.clone()).to_string());
-                out.push_str(": ");
-                write_json(out, v, indent, depth + 1);
+                write_string(out, k, style.ensure_ascii);
+                out.push_str(key_sep);
+                write_json(out, v, style, depth + 1);
             }
             newline(out, depth);
             out.push('}');
         }
+        Json::String(text) => write_string(out, text, style.ensure_ascii),
         other => out.push_str(&other.to_string()),
+    }
+}
+
+/// A JSON string; with `ascii`, every non-ASCII character as `\uXXXX` (UTF-16 pairs beyond
+/// the BMP), as Python's `ensure_ascii`.
+fn write_string(out: &mut String, text: &str, ascii: bool) {
+    let quoted = Json::String(text.to_owned()).to_string();
+    if !ascii || quoted.is_ascii() {
+        out.push_str(&quoted);
+        return;
+    }
+    for c in quoted.chars() {
+        if c.is_ascii() {
+            out.push(c);
+        } else {
+            let mut units = [0u16; 2];
+            for u in c.encode_utf16(&mut units) {
+                out.push_str(&format!("\\u{u:04x}"));
+            }
+        }
     }
 }
 

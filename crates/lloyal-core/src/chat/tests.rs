@@ -241,10 +241,63 @@ fn parses_llama3_json_tool_calls() {
     assert!(broken.tool_calls.is_empty() && broken.content.starts_with('{'));
 }
 
+/// As vLLM's parsers read them: a Hermes call left open at the end, Llama 3 calls apart by
+/// `; `, and Mistral's list of calls (its `[TOOL_CALLS]` marker renders as no text).
+#[test]
+fn open_calls_semicolons_and_call_lists_parse() {
+    let open = parse_chat_output(
+        "Sure. <tool_call>\n{\"name\": \"get_weather\", \"arguments\": {\"city\": \"Paris\"}}\n",
+    );
+    assert_eq!((open.content.as_str(), open.tool_calls.len()), ("Sure.", 1));
+    assert_eq!(open.tool_calls[0].name, "get_weather");
+    let cut = parse_chat_output("<tool_call>{\"name\": \"a\", \"argu");
+    assert!(cut.tool_calls.is_empty() && cut.content.starts_with("<tool_call>"));
+    let two = parse_chat_output(
+        "{\"name\": \"a\", \"parameters\": {}}; {\"name\": \"b\", \"parameters\": {\"x\": 1}}",
+    );
+    let names: Vec<&str> = two.tool_calls.iter().map(|c| c.name.as_str()).collect();
+    assert_eq!((names, two.content.as_str()), (vec!["a", "b"], ""));
+    let mistral = parse_chat_output(" [{\"name\": \"get_weather\", \"arguments\": {\"city\": \"Paris\"}}, {\"name\": \"t\", \"arguments\": {}}]");
+    assert_eq!(mistral.tool_calls.len(), 2);
+    assert_eq!(mistral.tool_calls[0].arguments, json!({"city": "Paris"}));
+    let plain_list = parse_chat_output("[1, 2, 3]");
+    assert!(plain_list.tool_calls.is_empty() && plain_list.content == "[1, 2, 3]");
+}
+
 #[test]
 fn python_json_matches_json_dumps() {
     let v = json!({"b": 1, "a": [true, null, "é\"x"], "e": {}, "f": []});
     assert_eq!(python_json(&v, None), r#"{"b": 1, "a": [true, null, "é\"x"], "e": {}, "f": []}"#);
+}
+
+/// What transformers' templates use beyond plain Jinja: loop controls (`jinja2.ext.loopcontrols`)
+/// and `tojson`'s `json.dumps` options, as jinja2 renders them.
+#[test]
+fn loop_controls_and_tojson_options_render_as_transformers_does() {
+    let m = vec![json!({"role": "user", "content": "x"})];
+    let t = "{% for i in range(5) %}{% if i == 1 %}{% continue %}{% endif %}{% if i == 3 %}{% break %}\
+             {% endif %}{{ i }}{% endfor %}";
+    assert_eq!(render(t, &m, &vars(false)).unwrap(), "02");
+    let t = "{{ {'b': 1, 'a': {'d': 'é', 'c': [1, 2]}} | tojson(sort_keys=true) }}|\
+             {{ 'é😀' | tojson(ensure_ascii=true) }}|{{ {'a': [1, 2]} | tojson(separators=(',', ':')) }}|\
+             {{ {'a': 1} | tojson(indent=2, sort_keys=true) }}";
+    assert_eq!(
+        render(t, &m, &vars(false)).unwrap(),
+        "{\"a\": {\"c\": [1, 2], \"d\": \"é\"}, \"b\": 1}|\"\\u00e9\\ud83d\\ude00\"|{\"a\":[1,2]}|{\n  \"a\": 1\n}"
+    );
+    let err = render("{{ 1 | tojson(nope=1) }}", &m, &vars(false)).unwrap_err();
+    assert!(err.to_string().contains("nope"), "{err}");
+}
+
+/// A template is input: one whose loops would run for minutes stops with a ChatTemplateError.
+#[test]
+fn a_template_runs_on_a_bounded_amount_of_work() {
+    let m = vec![json!({"role": "user", "content": "x"})];
+    let t = "{% for i in range(100000) %}{% for j in range(100000) %}{% endfor %}{% endfor %}";
+    let started = std::time::Instant::now();
+    let err = render(t, &m, &vars(false)).unwrap_err();
+    assert!(matches!(err, LloyalError::ChatTemplate(_)) && err.to_string().contains("fuel"), "{err}");
+    assert!(started.elapsed().as_secs() < 60);
 }
 
 #[test]
