@@ -119,6 +119,7 @@ def test_message_fields_as_templates_read_them(ref: lloyal.Context) -> None:
     call = {"type": "function", "function": {"name": "f", "arguments": ""}}
     m = message_dict({"role": "assistant", "tool_calls": [call]})
     assert m["content"] is None and m["tool_calls"][0]["function"]["arguments"] == {}
+    assert message_dict({"role": "developer", "content": "Be brief."})["role"] == "system"
     template = (
         "{% for m in messages %}{% if m.content is none %}[calls]{% else %}{{ m.content }}{% endif %}"
         "{% endfor %}"

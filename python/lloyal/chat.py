@@ -36,7 +36,7 @@ class FormattedChat:
         stop_tokens: Tokens that end the assistant's turn (the family's end-of-turn token,
             e.g. ``<end_of_turn>`` = 106 on Gemma, then EOG/EOS).
         template_source: ``"override"`` (``template=``), ``"model"`` (the GGUF's own) or
-            ``"builtin:gemma"`` / ``"builtin:chatml"`` / ``"builtin:llama3"``.
+            ``"builtin:<family>"``: ``gemma``, ``chatml``, ``llama3``, ``phi3`` or ``mistral``.
     """
 
     prompt: str
@@ -57,7 +57,9 @@ class ToolCall:
     arguments: dict[str, Any] = field(default_factory=dict)
 
     def to_message_dict(self) -> dict[str, Any]:
-        """This call in OpenAI form, for an assistant message's ``tool_calls`` list."""
+        """This call as an entry of an assistant message's ``tool_calls`` for
+        ``Context.format_chat``: ``arguments`` an object, as chat templates take it (the OpenAI
+        API sends it as a JSON string, which the server parses before rendering)."""
         return {"type": "function", "function": {"name": self.name, "arguments": self.arguments}}
 
 

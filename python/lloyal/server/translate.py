@@ -239,11 +239,14 @@ def content_as_parts(template: str | None) -> bool:
 
 
 def message_dict(m: dict[str, Any], parts: bool = True) -> dict[str, Any]:
-    """A chat message as the chat template takes it: text content parts only (joined by
+    """A chat message as the chat template takes it: OpenAI's ``developer`` role as
+    ``system``, text content parts only (joined by
     newlines into one string unless the template reads ``parts``, as vLLM gives a string-content
     template), ``content`` kept when null (templates test ``content is none`` on a turn that
     only calls tools), and tool calls' JSON ``arguments`` strings parsed (empty: ``{}``)."""
     m.setdefault("content", None)
+    if m.get("role") == "developer":
+        m["role"] = "system"  # OpenAI's name for system instructions; chat templates know "system"
     content = m.get("content")
     if isinstance(content, list):
         texts = []

@@ -43,7 +43,9 @@ impl ChatFamily {
             Some(ChatFamily::Gemma)
         } else if arch.starts_with("qwen") || arch.starts_with("smollm") {
             Some(ChatFamily::ChatMl)
-        } else if arch == "llama" {
+        } else if arch == "llama" && template.is_none() {
+            // (a llama-architecture model whose template has none of Llama 3's markers is
+            // another convention: Llama 2, Zephyr, a distilled model's own)
             Some(ChatFamily::Llama3)
         } else if arch == "phi3" {
             Some(ChatFamily::Phi3)
@@ -82,6 +84,9 @@ mod tests {
         let mistral = "{{ '[INST] ' + m + ' [/INST]' }}";
         assert_eq!(ChatFamily::detect(Some(mistral), "llama"), Some(ChatFamily::Mistral));
         let llama2 = "{{ '[INST] <<SYS>>\\n' + s + '\\n<</SYS>>\\n\\n' }}";
-        assert_eq!(ChatFamily::detect(Some(llama2), "llama"), Some(ChatFamily::Llama3));
+        assert_eq!(ChatFamily::detect(Some(llama2), "llama"), None);
+        let zephyr = "{% for m in messages %}<|{{ m.role }}|>\n{{ m.content }}</s>{% endfor %}";
+        assert_eq!(ChatFamily::detect(Some(zephyr), "llama"), None);
+        assert_eq!(ChatFamily::detect(None, "llama"), Some(ChatFamily::Llama3));
     }
 }
