@@ -186,6 +186,25 @@ def test_dry_default_window_is_honoured(primed: lloyal.Context) -> None:
     assert primed.sample(temperature=0, dry=Dry(multiplier=50.0)) != best
 
 
+def test_a_dry_sampler_made_again_is_a_copy_that_samples_the_same(model: lloyal.Model) -> None:
+    """Making a DRY sampler scans the vocabulary for each breaker (~48 ms for the default four):
+    a second one with the same settings is a copy of the first, and branches sampling with
+    either (and the same seed) draw the same tokens; DRY is on in both (another multiplier draws
+    other ones)."""
+    prompt = "Repeat after me: the cat sat on the mat, the cat sat on the mat, the cat"
+
+    def run(dry: Dry) -> list[int]:
+        with lloyal.Context(model, n_ctx=256, n_threads=2) as ctx:
+            b = lloyal.Branch.create(ctx, 0, SamplingParams(temperature=0.8, seed=3, dry=dry))
+            b.prefill(ctx.tokenize(prompt))
+            return [t.token for t in b.generate(24)]
+
+    only_here = Dry(multiplier=50.0, sequence_breakers=("\n", "zq-test"))  # made in this test first
+    made, copied = run(only_here), run(only_here)
+    assert made == copied
+    assert made != run(Dry(multiplier=0.0, sequence_breakers=("\n", "zq-test")))
+
+
 def test_params_object_and_overrides_merge(primed: lloyal.Context) -> None:
     p = SamplingParams(temperature=1.5, top_k=0, top_p=1.0, min_p=0.0, seed=4)
     a = draws(primed, 8, **{f.name: getattr(p, f.name) for f in dataclasses.fields(p)})

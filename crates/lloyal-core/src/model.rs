@@ -21,6 +21,9 @@ static REGISTRY: Mutex<Option<HashMap<RegistryKey, Weak<Model>>>> = Mutex::new(N
 
 /// Model weights plus vocabulary facts read once at load time.
 pub struct Model {
+    /// DRY samplers made for this vocabulary, cloned for new ones (first: freed before the
+    /// weights, though they hold nothing of them).
+    dry_prototypes: crate::sampler::DryPrototypes,
     llama: LlamaModel,
     path: PathBuf,
     options: ModelOptions,
@@ -88,6 +91,7 @@ impl Model {
             .ok_or_else(|| fail(recent_errors_or("llama.cpp could not load it")))?;
         let n_vocab = llama.n_vocab();
         Ok(Model {
+            dry_prototypes: Default::default(),
             llama,
             path: path.to_path_buf(),
             options,
@@ -97,6 +101,11 @@ impl Model {
             llg_factory: OnceLock::new(),
             eog_tokens: OnceLock::new(),
         })
+    }
+
+    /// The DRY samplers made for this model's vocabulary (`sampler`).
+    pub(crate) fn dry_prototypes(&self) -> &crate::sampler::DryPrototypes {
+        &self.dry_prototypes
     }
 
     /// The underlying llama-cpp-2 model.

@@ -7,6 +7,7 @@ mod rng;
 
 use std::ffi::CString;
 use std::ptr::NonNull;
+use std::sync::Mutex;
 
 use llama_cpp_sys_2 as sys;
 
@@ -38,7 +39,82 @@ impl Drop for RawChain {
     }
 }
 
+/// DRY samplers made before, by their settings, for [`DryPrototypes::sampler`] to clone.
+#[derive(Default)]
+pub struct DryPrototypes(Mutex<Vec<(DryKey, RawChain)>>);
+
+/// A DRY sampler's settings: multiplier and base (bits), allowed length, window, breakers.
+type DryKey = (u32, u32, i32, i32, Vec<String>);
+
+/// How many DRY settings a model keeps made (a server's requests mostly share one).
+const DRY_PROTOTYPES: usize = 8;
+
+impl DryPrototypes {
+    /// A new DRY sampler for `dry` over `window` tokens (owned by the caller): a clone of the one
+    /// made for the same settings before. Making one scans the whole vocabulary for every
+    /// sequence breaker (llama.cpp's `get_overlapping_token_sequences`: ~48 ms for the 4 default
+    /// breakers with 262,144 tokens, paid by every request that asked for DRY); a clone copies
+    /// what the scan found.
+    fn sampler(
+        &self,
+        vocab: *const sys::llama_vocab,
+        dry: &crate::sampling::Dry,
+        window: i32,
+    ) -> Result<*mut sys::llama_sampler> {
+        let key: DryKey = (
+            dry.multiplier.to_bits(),
+            dry.base.to_bits(),
+            dry.allowed_length,
+            window,
+            dry.sequence_breakers.clone(),
+        );
+        let mut made = self.0.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+        if let Some(at) = made.iter().position(|(k, _)| *k == key) {
+            let hit = made.remove(at);
+            let clone = hit.1.cloned();
+            made.push(hit); // most recently used last
+            return Ok(clone);
+        }
+        let breakers: Vec<CString> = dry
+            .sequence_breakers
+            .iter()
+            .map(|s| {
+                CString::new(s.as_str()).map_err(|_| LloyalError::invalid("NUL in dry sequence breaker"))
+            })
+            .collect::<Result<_>>()?;
+        let mut ptrs: Vec<*const std::ffi::c_char> = breakers.iter().map(|c| c.as_ptr()).collect();
+        // SAFETY: vocab outlives the call; breaker strings live until after init copies them.
+        let smpl = unsafe {
+            sys::llama_sampler_init_dry(
+                vocab,
+                dry.multiplier,
+                dry.base,
+                dry.allowed_length,
+                window,
+                ptrs.as_mut_ptr(),
+                ptrs.len(),
+            )
+        };
+        let proto = NonNull::new(smpl)
+            .map(RawChain)
+            .ok_or_else(|| LloyalError::invalid("llama.cpp rejected the DRY settings"))?;
+        let clone = proto.cloned();
+        if made.len() >= DRY_PROTOTYPES {
+            made.remove(0);
+        }
+        made.push((key, proto));
+        Ok(clone)
+    }
+}
+
 impl RawChain {
+    /// A fresh copy of this sampler (null when llama.cpp cannot allocate one).
+    fn cloned(&self) -> *mut sys::llama_sampler {
+        // SAFETY: a valid sampler; a clone only reads it (the prototype is never applied), under
+        // the prototypes' lock.
+        unsafe { sys::llama_sampler_clone(self.0.as_ptr()) }
+    }
+
     fn new() -> Result<Self> {
         // SAFETY: plain constructor calls with default params.
         let ptr = unsafe { sys::llama_sampler_chain_init(sys::llama_sampler_chain_default_params()) };
@@ -147,32 +223,13 @@ fn build_chain(model: &Model, params: &SamplingParams) -> Result<RawChain> {
     let mut chain = RawChain::new()?;
     let vocab = crate::raw::vocab_ptr(model.llama());
     if let Some(dry) = params.dry.as_ref().filter(|d| d.multiplier > 0.0) {
-        let breakers: Vec<CString> = dry
-            .sequence_breakers
-            .iter()
-            .map(|s| {
-                CString::new(s.as_str()).map_err(|_| LloyalError::invalid("NUL in dry sequence breaker"))
-            })
-            .collect::<Result<_>>()?;
-        let mut ptrs: Vec<*const std::ffi::c_char> = breakers.iter().map(|c| c.as_ptr()).collect();
         // llama.cpp clamps a negative window to 0 (= DRY off); -1 means "whole history" in our API.
         let window = if dry.penalty_last_n < 0 {
             i32::try_from(model.n_ctx_train()).unwrap_or(i32::MAX)
         } else {
             dry.penalty_last_n
         };
-        // SAFETY: vocab outlives the call; breaker strings live until after init copies them.
-        let smpl = unsafe {
-            sys::llama_sampler_init_dry(
-                vocab,
-                dry.multiplier,
-                dry.base,
-                dry.allowed_length,
-                window,
-                ptrs.as_mut_ptr(),
-                ptrs.len(),
-            )
-        };
+        let smpl = model.dry_prototypes().sampler(vocab, dry, window)?;
         chain.add(smpl)?;
     }
     for step in plan_steps(params, model.n_vocab()) {
