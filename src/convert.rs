@@ -1,4 +1,4 @@
-//! numpy conversions.
+//! Argument conversions: numpy arrays, ints narrowed with the argument named, token ids.
 
 use numpy::PyArray1;
 use pyo3::prelude::*;
@@ -37,4 +37,53 @@ pub fn int_arg<T: TryFrom<i64>>(name: &str, value: &Bound<'_, PyAny>, expected: 
 /// range, e.g. ``n_seq_max``) rejects it instead of pyo3 raising a bare ``OverflowError``.
 pub fn clamp_i32(value: i64) -> i32 {
     value.clamp(i64::from(i32::MIN), i64::from(i32::MAX)) as i32
+}
+
+/// A token id argument: any Python int. One past 64 bits becomes the nearest 64-bit value,
+/// outside every vocabulary, so the core's check raises ``InvalidTokenError`` for it as for
+/// any other id out of range (pyo3's own extraction raised a bare ``OverflowError``).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub struct TokenId(pub i64);
+
+impl<'a, 'py> FromPyObject<'a, 'py> for TokenId {
+    type Error = PyErr;
+
+    fn extract(obj: pyo3::Borrowed<'a, 'py, PyAny>) -> PyResult<Self> {
+        match obj.extract::<i64>() {
+            Ok(v) => Ok(TokenId(v)),
+            Err(e) if e.is_instance_of::<pyo3::exceptions::PyOverflowError>(obj.py()) => {
+                Ok(TokenId(if obj.lt(0)? { i64::MIN } else { i64::MAX }))
+            }
+            Err(e) => Err(e),
+        }
+    }
+}
+
+impl std::ops::Deref for TokenId {
+    type Target = i64;
+
+    fn deref(&self) -> &i64 {
+        &self.0
+    }
+}
+
+/// A list of token ids (each as [`TokenId`]), read as the ``Vec<i64>`` it derefs to.
+#[derive(Clone, Debug, Default)]
+pub struct Tokens(pub Vec<i64>);
+
+impl<'a, 'py> FromPyObject<'a, 'py> for Tokens {
+    type Error = PyErr;
+
+    fn extract(obj: pyo3::Borrowed<'a, 'py, PyAny>) -> PyResult<Self> {
+        let ids: Vec<TokenId> = obj.extract()?;
+        Ok(Tokens(ids.into_iter().map(|t| t.0).collect()))
+    }
+}
+
+impl std::ops::Deref for Tokens {
+    type Target = Vec<i64>;
+
+    fn deref(&self) -> &Vec<i64> {
+        &self.0
+    }
 }

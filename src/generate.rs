@@ -10,6 +10,7 @@ use pyo3::prelude::*;
 
 use crate::aio;
 use crate::context::to_i32;
+use crate::convert::Tokens;
 use crate::detach::on_main_thread;
 use crate::error::IntoPyResult;
 use crate::waker::wake_for;
@@ -315,9 +316,9 @@ impl GenArgs {
     pub(crate) fn parse(
         model: &lloyal_core::Model,
         max_tokens: Option<usize>,
-        prompt: Option<Vec<i64>>,
+        prompt: Option<Tokens>,
         stop: Option<Vec<String>>,
-        stop_tokens: Option<Vec<i64>>,
+        stop_tokens: Option<Tokens>,
         (min_tokens, include_stop): (usize, bool),
         logprobs: bool,
         top_logprobs: usize,

@@ -8,6 +8,7 @@ use pyo3::prelude::*;
 use pyo3::types::PyString;
 
 use crate::context::PyContext;
+use crate::convert::TokenId;
 use crate::detach::detached;
 use crate::error::IntoPyResult;
 use crate::model::PyModel;
@@ -164,15 +165,15 @@ impl PyGrammar {
 
     /// Advance past ``token``; a forbidden token raises ``GrammarError``, one outside the
     /// vocabulary ``InvalidTokenError`` (state unchanged either way).
-    fn accept(&self, token: i64) -> PyResult<()> {
+    fn accept(&self, token: TokenId) -> PyResult<()> {
         let mut g = self.lock();
-        let t = g.model().check_token(token).py()?;
+        let t = g.model().check_token(*token).py()?;
         g.accept(t).py()
     }
 
     /// Whether ``token`` may come next.
-    fn allows(&self, token: i64) -> bool {
-        i32::try_from(token).map(|t| self.lock().allows(t)).unwrap_or(false)
+    fn allows(&self, token: TokenId) -> bool {
+        i32::try_from(*token).map(|t| self.lock().allows(t)).unwrap_or(false)
     }
 
     /// Back to the start.

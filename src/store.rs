@@ -8,6 +8,7 @@ use pyo3::prelude::*;
 use crate::aio;
 use crate::branch::{PyBranch, PyProduced};
 use crate::context::{to_i32, PyContext};
+use crate::convert::{TokenId, Tokens};
 use crate::detach::run;
 use crate::engine;
 use crate::error::IntoPyResult;
@@ -41,16 +42,16 @@ impl PyBranchStore {
         b.get().handle_in(self.core(), "this BranchStore")
     }
 
-    fn commit_work(&self, pairs: &[(Bound<'_, PyBranch>, i64)]) -> PyResult<Work> {
+    fn commit_work(&self, pairs: &[(Bound<'_, PyBranch>, TokenId)]) -> PyResult<Work> {
         let model = self.core().model();
         let pairs: Vec<(Handle, i32)> = pairs
             .iter()
-            .map(|(b, t)| Ok((self.handle_of(b)?, model.check_token(*t).py()?)))
+            .map(|(b, t)| Ok((self.handle_of(b)?, model.check_token(**t).py()?)))
             .collect::<PyResult<_>>()?;
         Ok(Work::Commit(pairs))
     }
 
-    fn prefill_work(&self, items: Vec<(Bound<'_, PyBranch>, Vec<i64>)>) -> PyResult<Work> {
+    fn prefill_work(&self, items: Vec<(Bound<'_, PyBranch>, Tokens)>) -> PyResult<Work> {
         let model = self.core().model();
         let items: Vec<(Handle, Vec<i32>)> = items
             .into_iter()
@@ -69,13 +70,13 @@ impl PyBranchStore {
     }
 
     /// Accept and decode one token per branch in ONE ``llama_decode``; all-or-nothing.
-    fn commit(&self, py: Python<'_>, pairs: Vec<(Bound<'_, PyBranch>, i64)>) -> PyResult<()> {
+    fn commit(&self, py: Python<'_>, pairs: Vec<(Bound<'_, PyBranch>, TokenId)>) -> PyResult<()> {
         let work = self.commit_work(&pairs)?;
         engine::wait(py, self.core(), work)
     }
 
     /// Write each branch's tokens, bin-packed into ``ceil(total / n_batch)`` decodes; all-or-nothing.
-    fn prefill(&self, py: Python<'_>, items: Vec<(Bound<'_, PyBranch>, Vec<i64>)>) -> PyResult<()> {
+    fn prefill(&self, py: Python<'_>, items: Vec<(Bound<'_, PyBranch>, Tokens)>) -> PyResult<()> {
         let work = self.prefill_work(items)?;
         engine::wait(py, self.core(), work)
     }
@@ -121,7 +122,7 @@ impl PyBranchStore {
         py: Python<'py>,
         lp: Bound<'py, PyAny>,
         fut: Bound<'py, PyAny>,
-        pairs: Vec<(Bound<'py, PyBranch>, i64)>,
+        pairs: Vec<(Bound<'py, PyBranch>, TokenId)>,
     ) -> PyResult<Bound<'py, PyAny>> {
         let work = self.commit_work(&pairs)?;
         engine::submit_async(py, self.core(), work, lp, fut)
@@ -132,7 +133,7 @@ impl PyBranchStore {
         py: Python<'py>,
         lp: Bound<'py, PyAny>,
         fut: Bound<'py, PyAny>,
-        items: Vec<(Bound<'py, PyBranch>, Vec<i64>)>,
+        items: Vec<(Bound<'py, PyBranch>, Tokens)>,
     ) -> PyResult<Bound<'py, PyAny>> {
         let work = self.prefill_work(items)?;
         engine::submit_async(py, self.core(), work, lp, fut)

@@ -5,6 +5,7 @@ use std::sync::{Arc, Mutex};
 use lloyal_core::{Model, Utf8Stream};
 use pyo3::prelude::*;
 
+use crate::convert::TokenId;
 use crate::error::IntoPyResult;
 
 /// Turns tokens into text one at a time; a character split across tokens is released
@@ -24,8 +25,8 @@ impl PyTextStream {
 #[pymethods]
 impl PyTextStream {
     /// Add a token; return the text it completes (possibly empty).
-    fn push(&self, token: i64) -> PyResult<String> {
-        let t = self.model.check_token(token).py()?;
+    fn push(&self, token: TokenId) -> PyResult<String> {
+        let t = self.model.check_token(*token).py()?;
         let bytes = self.model.token_bytes(t, false).py()?;
         Ok(self.stream.lock().unwrap_or_else(|p| p.into_inner()).push(&bytes))
     }

@@ -367,18 +367,40 @@ def test_commit_out_of_range_token_changes_nothing(ctx, root):
     assert ctx.kv_seq_pos_max(root.seq_id) == root.position - 1
 
 
-@pytest.mark.parametrize("call", ["commit", "prefill", "accept", "store.commit"])
-def test_huge_token_ids_raise_invalid_token_error(ctx, root, call):
+@pytest.mark.parametrize("big", [2**31, 2**64, -(2**70)])  # past 64 bits: was a bare OverflowError
+@pytest.mark.parametrize(
+    "call",
+    [
+        "commit",
+        "prefill",
+        "accept",
+        "store.commit",
+        "store.prefill",
+        "verify",
+        "score",
+        "set_logit_bias",
+        "model_surprisal",
+        "generate",
+    ],
+)
+def test_huge_token_ids_raise_invalid_token_error(ctx, root, call, big):
     store = BranchStore(ctx)
-    big = 2**31
     fn = {
         "commit": lambda: root.commit(big),
         "prefill": lambda: root.prefill([1, big]),
         "accept": lambda: root.accept(big),
         "store.commit": lambda: store.commit([(root, big)]),
+        "store.prefill": lambda: store.prefill([(root, [1, big])]),
+        "verify": lambda: root.verify([big]),
+        "score": lambda: root.score([1, big]),
+        "set_logit_bias": lambda: root.set_logit_bias({big: 1.0}),
+        "model_surprisal": lambda: root.model_surprisal(big),
+        "generate": lambda: list(root.generate(1, prompt=[big])),
     }[call]
+    snap = snapshot(root)
     with pytest.raises(lloyal.InvalidTokenError):
         fn()
+    assert_same(root, snap)
 
 
 def test_empty_prefill_is_noop(ctx, root):

@@ -148,3 +148,18 @@ def test_invalid_token_ids(ctx: lloyal.Context, bad: int) -> None:
         assert isinstance(exc.value, lloyal.LloyalError)
         assert str(bad) in str(exc.value) and str(N_VOCAB) in str(exc.value)
     assert ctx.detokenize([5]) == ctx.token_to_text(5)  # the context still works
+
+
+@pytest.mark.parametrize("bad", [2**64, -(2**70)])
+def test_token_ids_past_64_bits_are_invalid_tokens(ctx: lloyal.Context, bad: int) -> None:
+    """Not a bare OverflowError (pyo3's), as API.md says of any id outside the vocabulary."""
+    for call in (
+        lambda: ctx.detokenize([5, bad]),
+        lambda: ctx.token_to_text(bad),
+        lambda: ctx.is_stop_token(bad),
+        lambda: ctx.text_stream().push(bad),
+        lambda: ctx.decode([2, bad], 0),
+        lambda: ctx.create_grammar('root ::= "a"').accept(bad),
+    ):
+        with pytest.raises(lloyal.InvalidTokenError):
+            call()

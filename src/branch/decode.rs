@@ -13,6 +13,7 @@ use super::{PyBranch, PyProduced};
 use crate::aio;
 use crate::context::to_i32;
 use crate::convert::narrow;
+use crate::convert::{TokenId, Tokens};
 use crate::engine;
 use crate::error::IntoPyResult;
 
@@ -30,8 +31,8 @@ impl PyBranch {
     }
 
     /// Record ``token`` in the sampler history, grammar and metrics without decoding it.
-    fn accept(&self, py: Python<'_>, token: i64) -> PyResult<()> {
-        let token = self.core().model().check_token(token).py()?;
+    fn accept(&self, py: Python<'_>, token: TokenId) -> PyResult<()> {
+        let token = self.core().model().check_token(*token).py()?;
         self.call(py, move |s, h| s.branch_accept(h, token))
     }
 
@@ -39,8 +40,8 @@ impl PyBranch {
     ///
     /// Runs on the context's engine: commits and prefills that other threads or tasks
     /// submit meanwhile share its ``llama_decode``.
-    fn commit(&self, py: Python<'_>, token: i64) -> PyResult<()> {
-        let token = self.core().model().check_token(token).py()?;
+    fn commit(&self, py: Python<'_>, token: TokenId) -> PyResult<()> {
+        let token = self.core().model().check_token(*token).py()?;
         engine::wait(py, self.core(), Work::Commit(vec![(self.handle, token)]))
     }
 
@@ -54,7 +55,7 @@ impl PyBranch {
     /// Runs on the context's engine: the drafts decode in one tick and the bonus in the next,
     /// each sharing its ``llama_decode`` with other callers' rows; a failure (or Ctrl-C) leaves
     /// the branch as it was.
-    fn verify(&self, py: Python<'_>, draft_tokens: Vec<i64>) -> PyResult<usize> {
+    fn verify(&self, py: Python<'_>, draft_tokens: Tokens) -> PyResult<usize> {
         let drafts = to_i32(self.core().model(), &draft_tokens)?;
         let work = Arc::new(VerifyWork::new(self.handle, drafts));
         engine::wait(py, self.core(), Work::Verify(Arc::clone(&work)))?;
@@ -72,7 +73,7 @@ impl PyBranch {
     ///
     /// Runs on the context's engine in chunks of at most ``n_batch`` tokens per tick, each
     /// sharing its ``llama_decode`` with other callers' commits.
-    fn prefill(&self, py: Python<'_>, tokens: Vec<i64>) -> PyResult<()> {
+    fn prefill(&self, py: Python<'_>, tokens: Tokens) -> PyResult<()> {
         let tokens = to_i32(self.core().model(), &tokens)?;
         engine::wait(py, self.core(), Work::Prefill(vec![(self.handle, tokens)]))
     }
@@ -94,7 +95,7 @@ impl PyBranch {
     ///     >>> len(scored), len(scored[0].top), scored[0].rank >= 1, branch.position
     ///     (3, 2, True, 13)
     #[pyo3(signature = (tokens, top_logprobs = 0))]
-    fn score(&self, py: Python<'_>, tokens: Vec<i64>, top_logprobs: i64) -> PyResult<Vec<Py<PyAny>>> {
+    fn score(&self, py: Python<'_>, tokens: Tokens, top_logprobs: i64) -> PyResult<Vec<Py<PyAny>>> {
         let top_logprobs = narrow::<usize>("top_logprobs", top_logprobs, "in 0..=20")?;
         let work = self.score_work(tokens, top_logprobs)?;
         engine::wait(py, self.core(), Work::Score(Arc::clone(&work)))?;
@@ -119,7 +120,7 @@ impl PyBranch {
         py: Python<'py>,
         lp: Bound<'py, PyAny>,
         fut: Bound<'py, PyAny>,
-        tokens: Vec<i64>,
+        tokens: Tokens,
         top_logprobs: usize,
     ) -> PyResult<(Bound<'py, PyAny>, Bound<'py, PyAny>)> {
         let work = self.score_work(tokens, top_logprobs)?;
@@ -144,9 +145,9 @@ impl PyBranch {
         py: Python<'py>,
         lp: Bound<'py, PyAny>,
         fut: Bound<'py, PyAny>,
-        token: i64,
+        token: TokenId,
     ) -> PyResult<Bound<'py, PyAny>> {
-        let token = self.core().model().check_token(token).py()?;
+        let token = self.core().model().check_token(*token).py()?;
         engine::submit_async(py, self.core(), Work::Commit(vec![(self.handle, token)]), lp, fut)
     }
 
@@ -155,7 +156,7 @@ impl PyBranch {
         py: Python<'py>,
         lp: Bound<'py, PyAny>,
         fut: Bound<'py, PyAny>,
-        tokens: Vec<i64>,
+        tokens: Tokens,
     ) -> PyResult<Bound<'py, PyAny>> {
         let tokens = to_i32(self.core().model(), &tokens)?;
         engine::submit_async(py, self.core(), Work::Prefill(vec![(self.handle, tokens)]), lp, fut)
@@ -173,7 +174,7 @@ impl PyBranch {
     /// Example:
     ///     >>> branch.reseed(tokens[:4], tokens[-8:])  # sinks + recent tail
     ///     12
-    fn reseed(&self, py: Python<'_>, sinks: Vec<i64>, tail: Vec<i64>) -> PyResult<i32> {
+    fn reseed(&self, py: Python<'_>, sinks: Tokens, tail: Tokens) -> PyResult<i32> {
         let model = self.core().model();
         let (sinks, tail) = (to_i32(model, &sinks)?, to_i32(model, &tail)?);
         let n = (sinks.len() + tail.len()) as i32;
@@ -184,7 +185,7 @@ impl PyBranch {
 
 impl PyBranch {
     /// A score of `tokens` on this branch, its arguments checked.
-    fn score_work(&self, tokens: Vec<i64>, top_logprobs: usize) -> PyResult<Arc<ScoreWork>> {
+    fn score_work(&self, tokens: Tokens, top_logprobs: usize) -> PyResult<Arc<ScoreWork>> {
         let tokens = to_i32(self.core().model(), &tokens)?;
         Ok(Arc::new(ScoreWork::new(self.handle, tokens, top_logprobs).py()?))
     }

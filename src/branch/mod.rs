@@ -12,6 +12,7 @@ use pyo3::prelude::*;
 use pyo3::types::{PyBytes, PyTuple, PyType};
 
 use crate::context::PyContext;
+use crate::convert::Tokens;
 use crate::convert::{clamp_i32, narrow};
 use crate::detach::run;
 use crate::engine;
@@ -327,9 +328,9 @@ impl PyBranch {
     fn generate(
         &self,
         max_tokens: Option<i64>,
-        prompt: Option<Vec<i64>>,
+        prompt: Option<Tokens>,
         stop: Option<Vec<String>>,
-        stop_tokens: Option<Vec<i64>>,
+        stop_tokens: Option<Tokens>,
         min_tokens: i64,
         include_stop_str: bool,
         logprobs: bool,

@@ -9,6 +9,7 @@ use pyo3::prelude::*;
 use pyo3::types::PyDict;
 
 use super::PyBranch;
+use crate::convert::TokenId;
 use crate::convert::{int_arg, narrow};
 use crate::engine;
 use crate::error::IntoPyResult;
@@ -33,10 +34,10 @@ pub(super) fn grammar_arg(
 
 /// Token ids (range-checked) and biases from a `{token: bias}` dict.
 fn bias_list(model: &lloyal_core::Model, bias: &Bound<'_, PyDict>) -> PyResult<Vec<(i32, f32)>> {
-    let map: HashMap<i64, f32> = bias.extract()?;
+    let map: HashMap<TokenId, f32> = bias.extract()?;
     let mut v: Vec<(i32, f32)> = map
         .into_iter()
-        .map(|(t, b)| Ok((model.check_token(t)?, b)))
+        .map(|(t, b)| Ok((model.check_token(*t)?, b)))
         .collect::<lloyal_core::Result<_>>()
         .py()?;
     v.sort_by_key(|x| x.0);
@@ -169,9 +170,9 @@ impl PyBranch {
 
     /// Surprisal of ``token`` under the current logits.
     #[pyo3(signature = (token, base="nats"))]
-    fn model_surprisal(&self, py: Python<'_>, token: i64, base: &str) -> PyResult<f64> {
+    fn model_surprisal(&self, py: Python<'_>, token: TokenId, base: &str) -> PyResult<f64> {
         let base = Base::parse(base).py()?;
-        let token = self.core().model().check_token(token).py()?;
+        let token = self.core().model().check_token(*token).py()?;
         self.call(py, move |s, h| s.branch_surprisal(h, token, base))
     }
 }

@@ -13,6 +13,7 @@ use pyo3::prelude::*;
 use pyo3::types::PyDict;
 
 use super::{to_i32, PyContext};
+use crate::convert::{TokenId, Tokens};
 
 #[pymethods]
 impl PyContext {
@@ -20,7 +21,7 @@ impl PyContext {
 
     /// Decode ``tokens`` on ``seq_id`` starting at ``pos`` (chunked by n_batch; all-or-nothing).
     #[pyo3(signature = (tokens, pos, seq_id=0))]
-    fn decode(&self, py: Python<'_>, tokens: Vec<i64>, pos: i64, seq_id: i64) -> PyResult<()> {
+    fn decode(&self, py: Python<'_>, tokens: Tokens, pos: i64, seq_id: i64) -> PyResult<()> {
         let seq_id = clamp_i32(seq_id);
         let pos = clamp_i32(pos);
         let tokens = to_i32(self.inner.model(), &tokens)?;
@@ -51,7 +52,7 @@ impl PyContext {
 
     /// BlinkKV: clear the cache, decode ``sinks`` at 0 and ``tail`` after them on seq 0
     /// (sampler history kept); returns the next position, ``len(sinks) + len(tail)``.
-    fn clear_and_reseed(&self, py: Python<'_>, sinks: Vec<i64>, tail: Vec<i64>) -> PyResult<i32> {
+    fn clear_and_reseed(&self, py: Python<'_>, sinks: Tokens, tail: Tokens) -> PyResult<i32> {
         let sinks = to_i32(self.inner.model(), &sinks)?;
         let tail = to_i32(self.inner.model(), &tail)?;
         run_decoding(py, &self.inner, move |s| s.clear_and_reseed(&sinks, &tail))
@@ -80,9 +81,9 @@ impl PyContext {
 
     /// Surprisal ``-log p(token)`` under the last logits, in ``"nats"`` or ``"bits"``.
     #[pyo3(signature = (token, base="nats"))]
-    fn model_surprisal(&self, py: Python<'_>, token: i64, base: &str) -> PyResult<f64> {
+    fn model_surprisal(&self, py: Python<'_>, token: TokenId, base: &str) -> PyResult<f64> {
         let base = Base::parse(base).py()?;
-        let t = self.inner.model().check_token(token).py()?;
+        let t = self.inner.model().check_token(*token).py()?;
         run(py, self.ctx(), move |s| s.model_surprisal(t, base))
     }
 
@@ -115,7 +116,7 @@ impl PyContext {
     ///     SeqLeasedError: a live branch holds ``seq_id``.
     ///     ContextClosedError: the context is closed.
     #[pyo3(signature = (tokens, seq_id=0))]
-    fn encode(&self, py: Python<'_>, tokens: Vec<i64>, seq_id: i64) -> PyResult<()> {
+    fn encode(&self, py: Python<'_>, tokens: Tokens, seq_id: i64) -> PyResult<()> {
         let seq_id = clamp_i32(seq_id);
         let tokens = to_i32(self.inner.model(), &tokens)?;
         run_decoding(py, &self.inner, move |s| s.encode(&tokens, seq_id))

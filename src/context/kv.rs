@@ -8,6 +8,7 @@ use pyo3::types::PyBytes;
 use std::path::PathBuf;
 
 use super::{to_i32, PyContext};
+use crate::convert::Tokens;
 
 #[pymethods]
 impl PyContext {
@@ -100,7 +101,7 @@ impl PyContext {
         py: Python<'_>,
         seq_id: i64,
         path: PathBuf,
-        tokens: Vec<i64>,
+        tokens: Tokens,
     ) -> PyResult<()> {
         let seq_id = clamp_i32(seq_id);
         let tokens = to_i32(self.inner.model(), &tokens)?;

@@ -7,6 +7,7 @@ use pyo3::prelude::*;
 use pyo3::types::{PyBytes, PyDict};
 
 use super::{to_i32, PyContext};
+use crate::convert::{TokenId, Tokens};
 
 #[pymethods]
 impl PyContext {
@@ -29,7 +30,7 @@ impl PyContext {
 
     /// Token ids to text; ``special`` renders control tokens.
     #[pyo3(signature = (tokens, special=false))]
-    fn detokenize(&self, py: Python<'_>, tokens: Vec<i64>, special: bool) -> PyResult<String> {
+    fn detokenize(&self, py: Python<'_>, tokens: Tokens, special: bool) -> PyResult<String> {
         self.check_open()?;
         let model = self.inner.model().clone();
         let tokens = to_i32(&model, &tokens)?;
@@ -38,10 +39,10 @@ impl PyContext {
 
     /// One token's text (a partial UTF-8 character becomes U+FFFD; use ``text_stream()``).
     #[pyo3(signature = (token, special=false))]
-    fn token_to_text(&self, token: i64, special: bool) -> PyResult<String> {
+    fn token_to_text(&self, token: TokenId, special: bool) -> PyResult<String> {
         self.check_open()?;
         let model = self.inner.model();
-        let t = model.check_token(token).py()?;
+        let t = model.check_token(*token).py()?;
         Ok(String::from_utf8_lossy(&model.token_bytes(t, special).py()?).into_owned())
     }
 
@@ -51,12 +52,12 @@ impl PyContext {
     fn token_to_bytes<'py>(
         &self,
         py: Python<'py>,
-        token: i64,
+        token: TokenId,
         special: bool,
     ) -> PyResult<Bound<'py, PyBytes>> {
         self.check_open()?;
         let model = self.inner.model();
-        let t = model.check_token(token).py()?;
+        let t = model.check_token(*token).py()?;
         Ok(PyBytes::new(py, &model.token_bytes(t, special).py()?))
     }
 
@@ -67,10 +68,10 @@ impl PyContext {
     }
 
     /// Whether ``token`` ends generation (EOS/EOT).
-    fn is_stop_token(&self, token: i64) -> PyResult<bool> {
+    fn is_stop_token(&self, token: TokenId) -> PyResult<bool> {
         self.check_open()?;
         let model = self.inner.model();
-        let t = model.check_token(token).py()?;
+        let t = model.check_token(*token).py()?;
         Ok(model.is_eog(t))
     }
 
