@@ -217,14 +217,7 @@ pub fn adjusted_replacements(
 ) -> Vec<(usize, f32)> {
     let mut repl = penalty_replacements(logits, history, params);
     if biases.len() <= 32 {
-        for &(t, b) in biases {
-            let t = t as usize;
-            if let Some(entry) = repl.iter_mut().find(|(i, _)| *i == t) {
-                entry.1 += b;
-            } else if let Some(&l) = logits.get(t) {
-                repl.push((t, l + b));
-            }
-        }
+        add_biases_by_search(&mut repl, logits, biases);
         return repl;
     }
     // Many biases (a ban of much of the vocabulary): sorted and merged with the penalties'
@@ -252,6 +245,19 @@ pub fn adjusted_replacements(
     out
 }
 
+/// Add `biases` to the replacements `repl` of `logits`, finding each token by a scan (the
+/// definition; quadratic for a long bias map).
+fn add_biases_by_search(repl: &mut Vec<(usize, f32)>, logits: &[f32], biases: &[(i32, f32)]) {
+    for &(t, b) in biases {
+        let t = t as usize;
+        if let Some(entry) = repl.iter_mut().find(|(i, _)| *i == t) {
+            entry.1 += b;
+        } else if let Some(&l) = logits.get(t) {
+            repl.push((t, l + b));
+        }
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -264,14 +270,7 @@ mod tests {
         biases: &[(i32, f32)],
     ) -> Vec<(usize, f32)> {
         let mut repl = penalty_replacements(logits, history, params);
-        for &(t, b) in biases {
-            let t = t as usize;
-            if let Some(entry) = repl.iter_mut().find(|(i, _)| *i == t) {
-                entry.1 += b;
-            } else if let Some(&l) = logits.get(t) {
-                repl.push((t, l + b));
-            }
-        }
+        add_biases_by_search(&mut repl, logits, biases);
         repl.sort_by_key(|&(t, _)| t);
         repl
     }
