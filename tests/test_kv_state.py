@@ -127,6 +127,20 @@ def test_threads_writing_one_path_each_write_whole_files(
         assert c.kv_cache_read_file(0, path) == tokens[:5]
 
 
+def test_a_load_into_a_full_cache_is_kv_cache_full(
+    model: lloyal.Model, saved: tuple[list[int], bytes, list[int]]
+) -> None:
+    """Other sequences hold the cells: the data was fine, so not StateError; the target is left
+    empty and the others untouched."""
+    tokens, data, _ = saved
+    with lloyal.Context(model, n_ctx=256, n_seq_max=2) as c:
+        filler = (tokens * 100)[: c.n_ctx - 3]  # fewer free cells than the state holds
+        c.decode(filler, 0, seq_id=1)
+        with pytest.raises(lloyal.KvCacheFullError, match="no run of"):
+            c.kv_cache_load(0, data)
+        assert c.kv_cache_size(0) == -1 and c.kv_seq_pos_max(1) == len(filler) - 1
+
+
 def bad_inputs(data: bytes) -> dict[str, bytes]:
     rng = random.Random(7)
     flipped = bytearray(data)

@@ -315,10 +315,10 @@ impl ContextState {
         let p = self.parse_branch_state(data)?;
         let tracks_sampling = self.sampling_perplexity;
         let kv = p.kv;
-        let (cells, start, n_ctx) = (p.cells, p.position - p.cells as i32, self.shape().n_ctx);
+        let (cells, start) = (p.cells, p.position - p.cells as i32);
         let handle = self.new_root(
             cells,
-            |s, seq| s.kv_load_unchecked(seq, &kv).map(drop).map_err(|e| no_run_is_full(e, cells, n_ctx)),
+            |s, seq| s.kv_load_unchecked(seq, &kv).map(drop),
             |seq| {
                 let mut b = BranchState::new(seq, p.position, p.sampler, tracks_sampling);
                 b.fork_head = p.position - p.cells as i32;
@@ -411,17 +411,4 @@ fn grammar_of(meta: &Value, model: &Arc<Model>) -> Result<Option<Grammar>> {
             Some(Grammar::restore(model.clone(), &source, &accepted).map_err(bad)?)
         }
     })
-}
-
-/// A load llama.cpp refused for want of a run of free cells (flat-path sequences hold the rest
-/// of the cache, which the branches' count does not see) is a full cache, not bad data.
-fn no_run_is_full(e: LloyalError, cells: usize, n_ctx: u32) -> LloyalError {
-    match e {
-        LloyalError::State(why) if why.contains("available cells") => LloyalError::KvCacheFull {
-            needed: cells,
-            n_ctx,
-            detail: format!("llama.cpp found no run of {cells} free cells: {why}"),
-        },
-        other => other,
-    }
 }

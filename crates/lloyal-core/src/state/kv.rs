@@ -93,8 +93,21 @@ impl ContextState {
         if let Err(e) = model.check_tokens(&state.tokens) {
             return Err(LloyalError::State(format!("cannot load KV state: stored tokens are invalid ({e})")));
         }
-        self.write_seq_payload(seq_id, &state.payload, state.pos_max)
-            .map_err(|why| LloyalError::State(format!("cannot load KV state: {why}")))?;
+        self.write_seq_payload(seq_id, &state.payload, state.pos_max).map_err(|why| {
+            if why.contains("available cells") {
+                // the data was fine: other sequences (flat-path cells the branches' count does
+                // not see) hold the cache
+                let cells =
+                    super::window::payload_cells(&model, &state.payload, state.pos_min, state.pos_max);
+                LloyalError::KvCacheFull {
+                    needed: cells,
+                    n_ctx: self.shape().n_ctx,
+                    detail: format!("llama.cpp found no run of {cells} free cells: {why}"),
+                }
+            } else {
+                LloyalError::State(format!("cannot load KV state: {why}"))
+            }
+        })?;
         Ok(state.tokens)
     }
 
