@@ -16,7 +16,6 @@ from pathlib import Path
 import numpy as np
 import pytest
 from helpers import (
-    MODELS_ON_CPU,
     context_fixture,
     exact_model_fixture,
     greedy_completion,
@@ -408,7 +407,7 @@ def test_commit_rows_of_several_branches_decode_apart_from_prefill_rows(
     build has no GPU backend (it runs on the CPU), not when its layers are on a GPU."""
     if gpu_layers is not None:
         model = lloyal.Model(model_path, repack=False, n_gpu_layers=gpu_layers)
-    asked_gpu = not MODELS_ON_CPU if gpu_layers is None else gpu_layers > 0
+    asked_gpu = bool(gpu_layers)  # this module's own model is on the CPU on a GPU run too
     on_gpu = asked_gpu and not lloyal.system_info().lstrip().startswith("CPU")
     with lloyal.Context(model, n_ctx=1024, n_batch=512, n_seq_max=8, batch_invariant=invariant) as ctx:
         ctx.engine_prefill_chunk = 0  # each tick takes the whole batch (not paced)
