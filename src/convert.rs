@@ -75,8 +75,15 @@ impl<'a, 'py> FromPyObject<'a, 'py> for Tokens {
     type Error = PyErr;
 
     fn extract(obj: pyo3::Borrowed<'a, 'py, PyAny>) -> PyResult<Self> {
-        let ids: Vec<TokenId> = obj.extract()?;
-        Ok(Tokens(ids.into_iter().map(|t| t.0).collect()))
+        match obj.extract::<Vec<i64>>() {
+            Ok(ids) => Ok(Tokens(ids)),
+            // an id past 64 bits: read again id by id, saturating (the rare path)
+            Err(e) if e.is_instance_of::<pyo3::exceptions::PyOverflowError>(obj.py()) => {
+                let ids: Vec<TokenId> = obj.extract()?;
+                Ok(Tokens(ids.into_iter().map(|t| t.0).collect()))
+            }
+            Err(e) => Err(e),
+        }
     }
 }
 

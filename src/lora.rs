@@ -11,7 +11,6 @@ use pyo3::prelude::*;
 use pyo3::types::PyTuple;
 
 use crate::detach::detached;
-use crate::error::IntoPyResult;
 
 /// A LoRA adapter loaded for one :class:`Model` (``model.load_lora(path)``); a context applies
 /// it to every token it decodes when created with ``Context(model, lora=[adapter])``.
@@ -117,6 +116,5 @@ pub(crate) fn lora_uses(
         };
         out.push(LoraUse { adapter, scale });
     }
-    lloyal_core::lora::check(&out, model).py()?;
-    Ok(out)
+    Ok(out) // checked against the model by Context::new (lloyal_core::lora::check)
 }
