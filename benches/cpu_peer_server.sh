@@ -13,12 +13,10 @@ set -euo pipefail
 src=${1:?usage: benches/cpu_peer_server.sh LLAMA_CPP PEER_LLAMA_CPP OUT}
 peer=${2:?PEER_LLAMA_CPP}
 out=${3:?OUT}
-source "$(dirname "$0")/peer_source.sh"  # PEER_PROJECT_INCLUDE
+source "$(dirname "$0")/peer_source.sh"  # PEER_PROJECT_INCLUDE, peer_server_tools
 mkdir -p "$out"
 rm -rf "$out/llama.cpp" && cp -r "$src" "$out/llama.cpp"
-rm -rf "$out/llama.cpp/tools/server" "$out/llama.cpp/tools/ui"
-cp -r "$peer/tools/server" "$peer/tools/ui" "$out/llama.cpp/tools/"
-mkdir -p "$out/llama.cpp/scripts" && cp "$peer/scripts/ui-assets.cmake" "$out/llama.cpp/scripts/"
+peer_server_tools "$out/llama.cpp" "$peer"
 cat > "$out/llama.cpp/tools/CMakeLists.txt" <<'CMAKE'
 find_package(Threads REQUIRED)
 llama_add_compile_flags()
@@ -26,12 +24,6 @@ add_subdirectory(mtmd)
 add_subdirectory(ui)
 add_subdirectory(server)
 CMAKE
-# llama-cpp-python 0.3.36's server is a little newer than llama-cpp-sys-2 0.1.160's llama.cpp:
-# mtmd_get_memory_usage returns a struct holding the map, and common has no fs_open_ifstream.
-sed -i 's|mtmd_get_memory_usage(mmproj_path.c_str(), mparams);|mtmd_get_memory_usage(mmproj_path.c_str(), mparams).backend_mem_usage;|' \
-    "$out/llama.cpp/tools/server/server-context.cpp"
-sed -i 's|std::ifstream f = fs_open_ifstream(params.mcp_servers_config, std::ios::in);|std::ifstream f(params.mcp_servers_config, std::ios::in);|' \
-    "$out/llama.cpp/tools/server/server-mcp.cpp"
 cmake -S "$out/llama.cpp" -B "$out/build" -DCMAKE_BUILD_TYPE=Release -DGGML_NATIVE=ON \
     -DCMAKE_PROJECT_INCLUDE="$PEER_PROJECT_INCLUDE" \
     -DLLAMA_CURL=OFF -DLLAMA_OPENSSL=OFF -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF \

@@ -15,6 +15,10 @@
 #                                          load, builds now) or waits for the build, checks the
 #                                          model, then benches/gpu_suite.sh $OUT/r 0 bench
 #   bash benches/gpu_lease.sh tests        benches/gpu_suite.sh $OUT/r 560 tests
+#   bash benches/gpu_lease.sh server       lloyal serve vs llama-server (the prebuilt one, on the
+#                                          same ggml), -ngl 99 both: gpu_suite.sh's `server` part
+#   bash benches/gpu_lease.sh cputests     the suite on the host's CPU (AMX on the lent Xeons),
+#                                          the CUDA module set aside meanwhile
 set -euo pipefail
 w=/tmp/w
 site=/tmp/site
@@ -34,7 +38,7 @@ install_prebuilt() {
     "$LLAMA_BATCHED_BENCH" --list-devices 2>&1 | grep -m 1 CUDA || return 1
     echo "BUILD-EXIT 0 (prebuilt: $(cat "$w/build/build/bin/PREBUILT"))" >> "$w/build.log"
 }
-case "${1:?usage: benches/gpu_lease.sh setup | part N | bench | tests}" in
+case "${1:?usage: benches/gpu_lease.sh setup | part N | bench | tests | server | cputests}" in
 setup)
     mkdir -p "$w/src" "$w/repo"
     cp -r .dev/. "$w/"
@@ -56,10 +60,20 @@ part)
     if ls "$dir"/c.* > /dev/null 2>&1; then cat "$dir"/c.* >> "$w/cuda.tar.xz" && ls -l "$w/cuda.tar.xz"; fi
     tail -c 200 "$w/build.log"
     ;;
-bench | tests)
+bench | tests | server | cputests)
     export PYTHONPATH=$site PATH=$site/bin:$PATH:/usr/local/cuda/bin LLOYAL_MODEL=$w/model.gguf
     export LD_LIBRARY_PATH=/usr/local/cuda/lib64${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
     export LLAMA_BATCHED_BENCH=$w/build/build/bin/llama-batched-bench
+    if [ "$1" = server ]; then
+        LLAMA_SERVER=$w/build/build/bin/llama-server bash benches/gpu_suite.sh "$OUT/r" 0 server
+        exit 0
+    fi
+    if [ "$1" = cputests ]; then
+        mv "$site/lloyal/_native/libggml-cuda.so" "$w/"
+        bash benches/gpu_suite.sh "$OUT/r" 560 cpu || true
+        mv "$w/libggml-cuda.so" "$site/lloyal/_native/"
+        exit 0
+    fi
     if [ "$1" = bench ]; then
         if [ -f "$w/cuda.sha256" ] && ! grep -q BUILD-EXIT "$w/build.log"; then
             install_prebuilt || build_in_background

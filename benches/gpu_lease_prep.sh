@@ -5,7 +5,7 @@
 #   .dev     the portable wheel (`make wheel-portable`), src.tar.xz (llama.cpp as llama-cpp-sys-2
 #            vendors it with only its CPU and CUDA backends, and llama-batched-bench's source from
 #            llama-cpp-python's sdist: `make bench-peers-cpp` unpacks it), whl/ (the test suite's
-#            pure-Python and CPython 3.12 dependencies the GPU image lacks), cache.tar.xz (the
+#            pure-Python and CPython 3.12 dependencies, with theirs, numpy aside), cache.tar.xz (the
 #            test fixtures in ~/.cache/lloyal), m.00 and model.sha256 (the model's first 30 MiB)
 #   .dev2..  the rest of the model, 56 MB a folder; then, when benches/gpu_prebuild.sh has built
 #            ggml's CUDA module and llama-batched-bench from this llama.cpp, that build (c.NN,
@@ -30,11 +30,14 @@ for backend in "$src"/llama.cpp/ggml/src/ggml-*/; do
 done
 tar -cJf .dev/src.tar.xz -C "$src" . && rm -rf "$src"
 
-.venv/bin/python -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 \
-    --implementation cp --abi cp312 --platform manylinux2014_x86_64 -d .dev/whl \
+# With their dependencies (FastAPI 0.165 imports opentelemetry, openai 3 httpx2), but not numpy:
+# the GPU image has one, and 16 MB more would not fit the 64 MiB a call carries.
+.venv/bin/python -m pip download -q --only-binary=:all: --python-version 3.12 --implementation cp \
+    --abi cp312 --platform manylinux2014_x86_64 --platform manylinux_2_28_x86_64 -d .dev/whl \
     fastapi starlette uvicorn openai jiter distro sniffio pydantic pydantic-core annotated-types \
     annotated-doc typing-extensions typing-inspection jsonschema jsonschema-specifications \
     referencing rpds-py gguf
+rm -f .dev/whl/numpy-*.whl
 
 tar -cJf .dev/cache.tar.xz -C ~/.cache/lloyal gguf-families llama-grammars
 

@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
-# ggml's CUDA module and llama-batched-bench built here, without a GPU, for the next GPU lease:
+# ggml's CUDA module, llama-batched-bench and llama-server built here, without a GPU, for the next GPU lease:
 # the lease then installs them instead of spending ~200 s of its device time on the build.
 #
-#   benches/gpu_prebuild.sh            (~35 min on 2 cores; then benches/gpu_lease_prep.sh packs it)
+#   benches/gpu_prebuild.sh            (~45 min on 2 cores; then benches/gpu_lease_prep.sh packs it)
+#   benches/gpu_prebuild.sh server     (llama-server added to a build made before it had one)
 #
 # The toolchain is CUDA 13.0 from PyPI (nvcc 13.0.88, the lent H200's version; its runtime,
 # cuBLAS, CCCL and NVVM), laid out as a toolkit under $CUDA_WHEELS (default ~/.cache/lloyal/cuda13),
@@ -34,6 +35,18 @@ export PATH=$kit/bin:$(dirname "$(ls "$wheels"/site/ninja-*.data/scripts/ninja)"
 export CUDAToolkit_ROOT=$kit CUDACXX=$kit/bin/nvcc
 source benches/peer_source.sh
 peer_inputs
+peer_server=$(ls -d target/peers/llama_cpp_python-*/vendor/llama.cpp | tail -n 1)
+if [ "${1:-}" = server ]; then
+    # llama-server added to the build already here (~10 min, its own sources only).
+    tree=/tmp/w/build/llama.cpp
+    grep -q "llama-cpp-sys-2 $llama_version" /tmp/w/build/build/bin/PREBUILT
+    grep -q 'add_subdirectory(server)' "$tree/tools/CMakeLists.txt" ||
+        printf 'add_subdirectory(mtmd)\nadd_subdirectory(ui)\nadd_subdirectory(server)\n' >> "$tree/tools/CMakeLists.txt"
+    peer_server_tools "$tree" "$peer_server"
+    cmake -S "$tree" -B /tmp/w/build/build -DLLAMA_BUILD_SERVER=ON
+    nice -n 5 cmake --build /tmp/w/build/build -j "$(nproc)" --target llama-server
+    exit 0
+fi
 rm -rf /tmp/w/build # a fresh configure: CMake keeps the toolkit it found first
-CPU_VARIANTS=avx2 nice -n 5 bash benches/gpu_backend.sh "$llama_cpp" "$batched_bench" /tmp/w/build
+CPU_VARIANTS=avx2 PEER_SERVER=$peer_server nice -n 5 bash benches/gpu_backend.sh "$llama_cpp" "$batched_bench" /tmp/w/build
 echo "llama-cpp-sys-2 $llama_version" > /tmp/w/build/build/bin/PREBUILT

@@ -16,6 +16,8 @@
 # $LLAMA_SERVER set server.md/.json (benches/bench_server.py, shared prefix, 2 paired rounds,
 # -ngl 99 on both) and pytest.txt (tests/ with LLOYAL_N_GPU_LAYERS=99, stopped after
 # TEST_SECONDS, default 300; tests/test_ray.py left out: Ray is not installed there).
+# PART `server`: the server comparison alone (needs LLAMA_SERVER); `cpu`: the suite on the CPU
+# (pytest_cpu.txt, cpu_info.txt), for a caller that has set the GPU backend aside.
 set -uo pipefail
 out=${1:?usage: benches/gpu_suite.sh OUT [TEST_SECONDS] [bench|tests]}
 test_seconds=${2:-300}
@@ -25,7 +27,7 @@ cd "$(dirname "$0")/.."
 mkdir -p "$out"
 export PYTHONUNBUFFERED=1
 step() { echo "== $(date +%T) $*"; }
-if [ "$part" != tests ]; then
+if [ "$part" = all ] || [ "$part" = bench ]; then
 step card
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv | tee "$out/gpu.txt"
 step gpu_check
@@ -44,23 +46,37 @@ LLOYAL_N_GPU_LAYERS=99 timeout 60 $py benches/bench_host_work.py 64 1 16 > "$out
 echo "with LLOYAL_DEVICE_ROWS=1:" >> "$out/host_work.md"
 LLOYAL_DEVICE_ROWS=1 LLOYAL_N_GPU_LAYERS=99 timeout 60 $py benches/bench_host_work.py 64 1 16 >> "$out/host_work.md" 2>&1
 cat "$out/host_work.md"
-if [ -n "${LLAMA_SERVER:-}" ]; then
-    # llama-server built with CUDA from llama-cpp-python's own llama.cpp (its server sources do not
-    # build against the crate's llama.cpp: another mtmd API): a second CUDA build.
+fi
+if [ -n "${LLAMA_SERVER:-}" ] && { [ "$part" = all ] || [ "$part" = server ]; }; then
+    # llama-server on the same ggml (benches/gpu_prebuild.sh: llama-cpp-python's server sources
+    # on the crate's llama.cpp, as benches/cpu_peer_server.sh), loading the same CUDA module.
     step "lloyal serve vs llama-server"
-    timeout 300 $py benches/bench_server.py --full --loads shared-prefix --only lloyal,llama-server \
+    timeout 400 $py benches/bench_server.py --full --loads shared-prefix --only lloyal,llama-server \
         --rounds 2 --ngl 99 --json "$out/server.json" > "$out/server.md" 2>&1
-    tail -n 6 "$out/server.md"
+    tail -n 12 "$out/server.md"
 fi
+if [ "$part" = bench ] || [ "$part" = server ]; then step end; exit 0; fi
+workers=$(($(nproc) / 2))
+if [ "$part" = cpu ]; then
+    # The suite on this host's CPU (the lent H200s' Xeons have AMX), no GPU backend loaded (the
+    # caller sets the CUDA module aside): the same call as on CI, in workers of 2 threads.
+    step "tests on the CPU (${test_seconds}s at most)"
+    $py -c "import lloyal; print(lloyal.system_info())" | tee "$out/cpu_info.txt"
+    grep -o 'AMX_INT8 = 1' "$out/cpu_info.txt" || echo "no AMX on this CPU"
+    PYTHONPATH=benches:${PYTHONPATH:-} timeout "$test_seconds" $py -m pytest tests -q -p no:cacheprovider -rfE \
+        -p no:benchmark -p xdist_pin -W ignore::DeprecationWarning -W ignore::PendingDeprecationWarning \
+        --ignore tests/test_ray.py -n "$workers" --dist loadfile --durations 15 > "$out/pytest_cpu.txt" 2>&1
+    echo "pytest exit $?"
+    tail -n 40 "$out/pytest_cpu.txt"
+    step end
+    exit 0
 fi
-if [ "$part" = bench ]; then step end; exit 0; fi
 if [ -n "${DEADLINE:-}" ]; then test_seconds=$((DEADLINE - $(date +%s) - 10)); fi
 if [ "$test_seconds" -lt 30 ]; then step "no time left for the tests"; exit 0; fi
 step "tests (${test_seconds}s at most)"
 # pytest-xdist, one worker per 2 cores, each pinned to its 2 (benches/xdist_pin.py: threads as on
 # CI's 2-core host, not 16 threads a worker on 16 cores); with xdist pytest-benchmark warns (an
 # error here): no:benchmark. -W: the GPU image's own pytest plugins (other versions) may warn.
-workers=$(($(nproc) / 2))
 PYTHONPATH=benches:${PYTHONPATH:-} LLOYAL_N_GPU_LAYERS=99 timeout "$test_seconds" $py -m pytest tests -q \
     -p no:cacheprovider -rfE -p no:benchmark -p xdist_pin -W ignore::DeprecationWarning \
     -W ignore::PendingDeprecationWarning --ignore tests/test_ray.py -n "$workers" --dist loadfile \

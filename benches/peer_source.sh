@@ -30,3 +30,19 @@ peer_inputs() {
     llama_cpp=$(ls -d "${CARGO_HOME:-$HOME/.cargo}"/registry/src/*/"llama-cpp-sys-2-$llama_version"/llama.cpp | tail -n 1)
     batched_bench=$(ls -d target/peers/llama_cpp_python-*/vendor/llama.cpp/tools/batched-bench | tail -n 1)
 }
+
+# llama-server's sources from llama-cpp-python's sdist (PEER: its vendor/llama.cpp) into TREE, a
+# copy of the crate's llama.cpp: tools/server, tools/ui and scripts/ui-assets.cmake, patched for
+# the crate's older llama.cpp (llama-cpp-python 0.3.36's server is a little newer than
+# llama-cpp-sys-2 0.1.160's: mtmd_get_memory_usage returns a struct holding the map, and common
+# has no fs_open_ifstream). The caller's tools/CMakeLists.txt adds mtmd, ui and server.
+peer_server_tools() {
+    local tree=$1 peer=$2
+    rm -rf "$tree/tools/server" "$tree/tools/ui"
+    cp -r "$peer/tools/server" "$peer/tools/ui" "$tree/tools/"
+    mkdir -p "$tree/scripts" && cp "$peer/scripts/ui-assets.cmake" "$tree/scripts/"
+    sed -i 's|mtmd_get_memory_usage(mmproj_path.c_str(), mparams);|mtmd_get_memory_usage(mmproj_path.c_str(), mparams).backend_mem_usage;|' \
+        "$tree/tools/server/server-context.cpp"
+    sed -i 's|std::ifstream f = fs_open_ifstream(params.mcp_servers_config, std::ios::in);|std::ifstream f(params.mcp_servers_config, std::ios::in);|' \
+        "$tree/tools/server/server-mcp.cpp"
+}

@@ -7,6 +7,7 @@ import importlib.util
 import json
 import os
 import platform
+import re
 import socket
 import subprocess
 import sys
@@ -157,6 +158,13 @@ THP_COLLAPSE = _collapses()
 # (``LLOYAL_N_GPU_LAYERS=99``, benches/gpu_suite.sh; ``make test-offloaded`` rehearses it here),
 # where their weights and logits live in GPU or pinned memory instead of huge pages.
 MODELS_ON_CPU = os.environ.get("LLOYAL_N_GPU_LAYERS", "").strip() in ("", "0")
+
+# Whether ggml loaded a backend besides the CPU's (a CUDA module beside the wheel's CPU ones:
+# ``system_info`` names each backend, "CPU : ... | CUDA : ..."). Models on the CPU then change
+# too: llama.cpp keeps their weights in the GPU's pinned host memory (not on huge pages), and a
+# context that is not batch-invariant runs the matmuls of its large batches on the GPU
+# (``op_offload``), whose kernels round by batch shape.
+GPU_BACKEND = any(name != "CPU" for name in re.findall(r"(\w+) : ", lloyal.system_info()))
 
 
 def wait_until(cond: Callable[[], bool], timeout: float = 30.0) -> None:
