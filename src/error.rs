@@ -22,6 +22,7 @@ struct Classes {
     grammar: Py<PyType>,
     state: Py<PyType>,
     chat_template: Py<PyType>,
+    out_of_memory: Py<PyType>,
 }
 
 static CLASSES: PyOnceLock<Classes> = PyOnceLock::new();
@@ -46,6 +47,7 @@ fn classes(py: Python<'_>) -> PyResult<&Classes> {
             grammar: get("GrammarError")?,
             state: get("StateError")?,
             chat_template: get("ChatTemplateError")?,
+            out_of_memory: get("OutOfMemoryError")?,
         })
     })
 }
@@ -67,6 +69,7 @@ fn class_of<'c>(c: &'c Classes, err: &LloyalError) -> Option<&'c Py<PyType>> {
         LloyalError::Grammar(_) => &c.grammar,
         LloyalError::State(_) => &c.state,
         LloyalError::ChatTemplate(_) => &c.chat_template,
+        LloyalError::OutOfMemory(_) => &c.out_of_memory,
         LloyalError::NoLogits | LloyalError::SamplingPerplexityOff | LloyalError::Backend(_) => &c.base,
         LloyalError::InvalidArgument(_) | LloyalError::Interrupted => return None,
     })

@@ -149,6 +149,18 @@ def test_negative_sizes_raise_value_error(model: lloyal.Model, option: str) -> N
         lloyal.Context(model, **{option: -1})  # type: ignore[arg-type]
 
 
+def test_a_cache_too_large_to_allocate_raises_out_of_memory(model: lloyal.Model) -> None:
+    """A hundred million cells (hundreds of GB of KV cache): llama.cpp's failed allocation is an
+    ``OutOfMemoryError`` (also a ``MemoryError``) naming the shape and what to shrink, and the
+    process goes on making contexts."""
+    with pytest.raises(lloyal.OutOfMemoryError, match=r"n_ctx=100000000,.*try a smaller n_ctx") as e:
+        lloyal.Context(model, n_ctx=10**8)  # fails at once (10**7 took 47 s to fail here)
+    assert isinstance(e.value, MemoryError) and isinstance(e.value, lloyal.LloyalError)
+    with lloyal.Context(model, n_ctx=256) as ctx:
+        ctx.decode(ctx.tokenize("Hello"), 0)
+        assert ctx.kv_cache_size() > 0
+
+
 def test_edge_options_are_accepted(model: lloyal.Model) -> None:
     with lloyal.Context(model, n_ctx=256, n_seq_max=256) as ctx:
         assert ctx.n_seq_max == 256

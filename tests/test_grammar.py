@@ -45,6 +45,21 @@ def test_invalid_schema_is_a_grammar_error(schema: str) -> None:
         lloyal.json_schema_to_grammar(schema)
 
 
+@pytest.mark.parametrize(
+    ("schema", "reason"),
+    [
+        ({"type": "foo"}, "Invalid type: foo"),
+        ({"$ref": "#/nope"}, "Pointer '/nope' does not exist"),
+        ({"type": "integer", "minimum": 5, "maximum": 1}, "minimum \\(5\\) is greater than maximum \\(1\\)"),
+    ],
+)
+def test_a_schema_the_converter_cannot_use_says_why(schema: dict[str, object], reason: str) -> None:
+    """llama.cpp's converter fails without a reason on the first two and turns the third into
+    rules that match nothing; the error gives llguidance's reading of the schema."""
+    with pytest.raises(lloyal.GrammarError, match=reason):
+        lloyal.json_schema_to_grammar(schema)
+
+
 def test_unserialisable_schema_is_a_grammar_error() -> None:
     with pytest.raises(lloyal.GrammarError, match="JSON-serialisable"):
         lloyal.json_schema_to_grammar({"type": object()})

@@ -26,6 +26,7 @@ __all__ = [
     "LeaseExhaustedError",
     "LloyalError",
     "ModelLoadError",
+    "OutOfMemoryError",
     "SeqLeasedError",
     "StateError",
     "TopologyError",
@@ -83,6 +84,11 @@ class StateError(LloyalError):
 
 class ChatTemplateError(LloyalError):
     """A chat template could not be rendered."""
+
+
+class OutOfMemoryError(LloyalError, MemoryError):
+    """llama.cpp could not allocate a context's buffers (its KV cache grows with ``n_ctx``):
+    raised by ``Context(...)`` instead of a bare failure; the message names the shape asked for."""
 
 
 class UnsupportedCpuError(LloyalError, ImportError):

@@ -103,7 +103,11 @@ pub enum LloyalError {
     #[error("no logits available: decode (or prefill) at least one token first")]
     NoLogits,
 
-    /// llama.cpp failed in a way the user cannot fix by changing arguments (out of memory...).
+    /// llama.cpp could not allocate a buffer (a context's KV cache or compute buffers).
+    #[error("{0}")]
+    OutOfMemory(String),
+
+    /// llama.cpp failed in a way the user cannot fix by changing arguments.
     #[error("{0}")]
     Backend(String),
 

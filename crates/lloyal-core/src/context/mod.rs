@@ -25,6 +25,7 @@ use crate::options::ContextOptions;
 use crate::raw::{Batch, RawContext};
 use crate::tenancy::Slots;
 use crate::topology::Topology;
+use llama_cpp_sys_2 as sys;
 use state::{ContextState, InterruptCheck};
 
 /// Sizes fixed at creation (readable without the lock).
@@ -77,12 +78,7 @@ impl Context {
             params.n_outputs_max_per_seq = 0;
         }
         clear_recent_errors();
-        let mut raw = RawContext::new(model.clone(), params).ok_or_else(|| {
-            LloyalError::Backend(format!(
-                "llama.cpp could not create the context ({}); try a smaller n_ctx or other cache types",
-                recent_errors()
-            ))
-        })?;
+        let mut raw = RawContext::new(model.clone(), params).ok_or_else(|| creation_failed(&params))?;
         if device_rows {
             raw.use_device_rows();
         }
@@ -388,5 +384,49 @@ impl Host for Context {
         f: impl FnOnce(&mut ContextState) -> Result<T>,
     ) -> Result<T> {
         Context::locked(self, interrupt, f)
+    }
+}
+
+/// Why llama.cpp could not create a context with `params`, from what it logged: a buffer it
+/// could not allocate ([`LloyalError::OutOfMemory`]), or another failure.
+fn creation_failed(params: &sys::llama_context_params) -> LloyalError {
+    let logged = recent_errors();
+    let shape = format!("n_ctx={}, n_batch={}, n_seq_max={}", params.n_ctx, params.n_batch, params.n_seq_max);
+    if is_allocation_failure(&logged) {
+        LloyalError::OutOfMemory(format!(
+            "llama.cpp could not allocate the buffers of a context with {shape} ({logged}); the KV \
+             cache grows with n_ctx: try a smaller n_ctx, a smaller n_batch, or a quantized cache \
+             (type_k='q8_0', type_v='q8_0' with flash_attn=True)"
+        ))
+    } else {
+        LloyalError::Backend(format!(
+            "llama.cpp could not create the context with {shape} ({logged}); try a smaller n_ctx or \
+             other cache types"
+        ))
+    }
+}
+
+/// Whether llama.cpp's log says an allocation failed (host `std::bad_alloc`, or a backend
+/// buffer it could not allocate).
+fn is_allocation_failure(logged: &str) -> bool {
+    ["bad_alloc", "failed to allocate", "unable to allocate", "out of memory"]
+        .iter()
+        .any(|m| logged.contains(m))
+}
+
+#[cfg(test)]
+mod creation_tests {
+    use super::is_allocation_failure;
+
+    #[test]
+    fn allocation_failures_are_told_from_other_failures() {
+        assert!(is_allocation_failure(
+            "llama_init_from_model: failed to initialize the context: std::bad_alloc"
+        ));
+        assert!(is_allocation_failure(
+            "ggml_backend_cpu_buffer_type_alloc_buffer: failed to allocate buffer of size 9"
+        ));
+        assert!(is_allocation_failure("ggml_backend_cuda_buffer_type_alloc_buffer: allocating 9 MiB on device 0: cudaMalloc failed: out of memory"));
+        assert!(!is_allocation_failure("llama_init_from_model: n_batch is less than GGML_KQ_MASK_PAD"));
     }
 }

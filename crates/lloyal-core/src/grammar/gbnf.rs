@@ -45,21 +45,34 @@ pub fn json_schema_to_grammar(schema_json: &str) -> Result<String> {
     }
     // Parse here first: serde_json bounds nesting (128 levels), so a deeply nested schema is
     // refused before llama.cpp's recursive converter could overflow the stack.
-    serde_json::from_str::<serde_json::Value>(schema_json).map_err(|e| {
+    let schema = serde_json::from_str::<serde_json::Value>(schema_json).map_err(|e| {
         LloyalError::Grammar(if e.to_string().contains("recursion limit") {
             format!("the JSON schema nests too deeply ({e}); use $defs/$ref for deep structures")
         } else {
             format!("the JSON schema is not valid JSON ({e}); pass a JSON Schema object")
         })
     })?;
-    let gbnf = llama_cpp_2::json_schema_to_grammar(schema_json).map_err(|e| {
-        LloyalError::Grammar(format!(
-            "could not convert the JSON schema to a grammar ({e}); pass a valid JSON Schema object"
-        ))
-    })?;
+    // llama.cpp's converter reports only that it failed, and converts some schemas no document
+    // meets (a minimum above the maximum) into rules that match nothing: llguidance says why.
+    let refused = |what: &str| {
+        let why = super::llg::schema_refusal(schema.clone()).unwrap_or_else(|| {
+            "it uses a construct llama.cpp's converter does not support; Grammar.from_json_schema \
+             compiles it with llguidance instead"
+                .into()
+        });
+        LloyalError::Grammar(format!("{what}: {why}"))
+    };
+    let gbnf = llama_cpp_2::json_schema_to_grammar(schema_json)
+        .map_err(|_| refused("llama.cpp could not convert the JSON schema to a grammar"))?;
     check_gbnf(&gbnf).map_err(|e| {
         LloyalError::Grammar(format!("the JSON schema converts to a grammar that cannot be used: {e}"))
     })?;
+    let syntax = super::gbnf_syntax::parse(&gbnf).map_err(|e| {
+        LloyalError::Grammar(format!("the JSON schema converts to a grammar that does not parse ({e})"))
+    })?;
+    if super::matches_nothing(&syntax, "root").is_some() {
+        return Err(refused("the JSON schema converts to a grammar that accepts no text"));
+    }
     Ok(gbnf)
 }
 

@@ -79,6 +79,21 @@ fn top_level(kind: GrammarKind, text: &str) -> Result<TopLevelGrammar> {
     }
 }
 
+/// Why llguidance refuses the JSON schema `schema` (read as [`top_level`] reads it), without a
+/// model: a schema llama.cpp's converter cannot convert gets this reason (an unknown type, a
+/// `$ref` to nothing, bounds no number meets), which llama.cpp's converter does not report.
+/// `None` when llguidance takes it.
+pub(crate) fn schema_refusal(schema: Value) -> Option<String> {
+    let schema = super::schema::prepare(schema);
+    let builder = llguidance::GrammarBuilder::new(None, limits());
+    let options = llguidance::JsonCompileOptions::default();
+    match catch_unwind(AssertUnwindSafe(|| options.json_to_llg_with_overrides(builder, schema))) {
+        Ok(Ok(_)) => None,
+        Ok(Err(e)) => Some(e.to_string()),
+        Err(_) => Some("llguidance failed on it".into()),
+    }
+}
+
 impl LlgEngine {
     /// Compile `text` as a `kind` grammar and compute its first mask, so that every compile
     /// error (including limits hit by the first mask) is raised here.
