@@ -64,6 +64,10 @@ bench | tests | server | cputests)
     export PYTHONPATH=$site PATH=$site/bin:$PATH:/usr/local/cuda/bin LLOYAL_MODEL=$w/model.gguf
     export LD_LIBRARY_PATH=/usr/local/cuda/lib64${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
     export LLAMA_BATCHED_BENCH=$w/build/build/bin/llama-batched-bench
+    # The prebuilt CUDA build, installed by whichever of these calls comes first.
+    if [ -f "$w/cuda.sha256" ] && ! grep -q BUILD-EXIT "$w/build.log"; then
+        install_prebuilt || build_in_background
+    fi
     if [ "$1" = server ]; then
         LLAMA_SERVER=$w/build/build/bin/llama-server bash benches/gpu_suite.sh "$OUT/r" 0 server
         exit 0
@@ -75,9 +79,6 @@ bench | tests | server | cputests)
         exit 0
     fi
     if [ "$1" = bench ]; then
-        if [ -f "$w/cuda.sha256" ] && ! grep -q BUILD-EXIT "$w/build.log"; then
-            install_prebuilt || build_in_background
-        fi
         sed "s|  .*|  $w/model.gguf|" "$w/model.sha256" | sha256sum -c
         t0=$(date +%s)
         until grep -q BUILD-EXIT "$w/build.log"; do

@@ -43,8 +43,8 @@ tar -cJf .dev/cache.tar.xz -C ~/.cache/lloyal gguf-families llama-grammars
 
 model=$(.venv/bin/python -c "import lloyal; print(lloyal.default_model_path())")
 sha256sum "$model" > .dev/model.sha256
-head -c 31457280 "$model" > .dev/m.00
-tail -c +31457281 "$model" | split -b 56000000 -d -a 2 --numeric-suffixes=1 - .dev/m.
+head -c 26214400 "$model" > .dev/m.00
+tail -c +26214401 "$model" | split -b 56000000 -d -a 2 --numeric-suffixes=1 - .dev/m.
 for part in .dev/m.[0-9][0-9]; do
     n=$((10#${part##*.}))
     [ "$n" -eq 0 ] && continue

@@ -5,6 +5,8 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
+import pytest
+
 import lloyal
 from lloyal import _cpu
 
@@ -18,6 +20,7 @@ def test_system_info_names_the_cpu_backend_and_its_features() -> None:
     assert lloyal.system_info() == info  # llama.cpp rebuilds one static string per call
 
 
+@pytest.mark.skipif(lloyal._lloyal.PORTABLE, reason="a source build's test: this is the portable wheel")
 def test_a_source_build_uses_what_this_cpu_has() -> None:
     """`make build` compiles for the host (-C target-cpu=native): each SIMD extension the CPU
     reports is on in llama.cpp's CPU backend, and the build is not the portable one. A build for

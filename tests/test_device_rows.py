@@ -157,9 +157,13 @@ def test_the_scheduler_and_speculative_tests_pass_with_device_summaries() -> Non
     summarised by the decode: those modules' own tests, in a process where the suite's model
     counts as offloaded (its contexts are then not batch-invariant, so device rows apply)."""
     tests = Path(__file__).resolve().parent
-    env = {**os.environ, "LLOYAL_DEVICE_ROWS": "1", "LLOYAL_N_GPU_LAYERS": "99"}
+    # Not an xdist worker's environment (pytest-benchmark refuses to run under xdist, as an error
+    # with the suite's filterwarnings), and no benchmark plugin: these modules have no benches.
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PYTEST_XDIST")}
+    env |= {"LLOYAL_DEVICE_ROWS": "1", "LLOYAL_N_GPU_LAYERS": "99"}
     files = [str(tests / "test_scheduler.py"), str(tests / "test_speculative.py")]
     cmd = [sys.executable, "-m", "pytest", *files, "-q", "-p", "no:cacheprovider", "-p", "no:randomly"]
+    cmd += ["-p", "no:benchmark"]
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600, cwd=tests.parent)
     assert proc.returncode == 0, proc.stdout[-4000:]
     assert " passed" in proc.stdout and "failed" not in proc.stdout

@@ -549,10 +549,11 @@ def test_a_drain_waits_for_a_request_still_making_its_branches(model: lloyal.Mod
         assert cancelled == 0 and sched.book.running == 0 and sched.book.reserved == (0, 0, 0)
 
 
-def test_best_of_ranks_choices_by_the_perplexity_of_what_each_generated(model: lloyal.Model) -> None:
+def test_best_of_ranks_choices_by_the_perplexity_of_what_each_generated(exact_model: lloyal.Model) -> None:
     """``best_of`` keeps the ``n`` choices of lowest perplexity (read from each generation
-    request's end, no context call): each equals the perplexity of its tokens scored alone."""
-    with lloyal.Context(model, n_ctx=512, n_seq_max=8) as ctx:
+    request's end, no context call): each equals the perplexity of its tokens scored alone
+    (batch-invariant kernels: on a GPU run too, the model stays on the CPU)."""
+    with lloyal.Context(exact_model, n_ctx=512, n_seq_max=8) as ctx:
         sched = Scheduler(ctx, max_running=4, cache_cells=0)
         prompt = ctx.tokenize("A list of fruits: apples, pears,")
         params = lloyal.SamplingParams(temperature=1.2, top_k=40)
