@@ -17,8 +17,9 @@
 #   bash benches/gpu_lease.sh tests        benches/gpu_suite.sh $OUT/r 560 tests
 #   bash benches/gpu_lease.sh server       lloyal serve vs llama-server (the prebuilt one, on the
 #                                          same ggml), -ngl 99 both: gpu_suite.sh's `server` part
-#   bash benches/gpu_lease.sh cputests     the suite on the host's CPU (AMX on the lent Xeons),
-#                                          the CUDA module set aside meanwhile
+#   bash benches/gpu_lease.sh cputests [S] the suite on the host's CPU (AMX on the lent Xeons),
+#                                          the CUDA module set aside meanwhile, S seconds at most
+#                                          (540; it took over 420 s there): call with timeout_s 600
 set -euo pipefail
 w=/tmp/w
 site=/tmp/site
@@ -74,7 +75,7 @@ bench | tests | server | cputests)
     fi
     if [ "$1" = cputests ]; then
         mv "$site/lloyal/_native/libggml-cuda.so" "$w/"
-        bash benches/gpu_suite.sh "$OUT/r" 560 cpu || true
+        bash benches/gpu_suite.sh "$OUT/r" "${2:-540}" cpu || true
         mv "$w/libggml-cuda.so" "$site/lloyal/_native/"
         exit 0
     fi

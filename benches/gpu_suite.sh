@@ -63,11 +63,13 @@ if [ "$part" = cpu ]; then
     step "tests on the CPU (${test_seconds}s at most)"
     $py -c "import lloyal; print(lloyal.system_info())" | tee "$out/cpu_info.txt"
     grep -o 'AMX_INT8 = 1' "$out/cpu_info.txt" || echo "no AMX on this CPU"
-    PYTHONPATH=benches:${PYTHONPATH:-} timeout "$test_seconds" $py -m pytest tests -q -p no:cacheprovider -rfE \
+    # -v: each test's outcome as it ends (session 48's run was stopped before pytest's summary)
+    PYTHONPATH=benches:${PYTHONPATH:-} timeout "$test_seconds" $py -m pytest tests -v -p no:cacheprovider -rfE \
         -p no:benchmark -p xdist_pin -W ignore::DeprecationWarning -W ignore::PendingDeprecationWarning \
         --ignore tests/test_ray.py -n "$workers" --dist loadfile --durations 15 > "$out/pytest_cpu.txt" 2>&1
     echo "pytest exit $?"
-    tail -n 40 "$out/pytest_cpu.txt"
+    grep -E "FAILED|ERROR|node down" "$out/pytest_cpu.txt" | head -n 40
+    tail -n 3 "$out/pytest_cpu.txt"
     step end
     exit 0
 fi
