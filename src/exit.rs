@@ -20,6 +20,9 @@ static LEFT: Condvar = Condvar::new();
 /// The longest `atexit` waits for callbacks under way.
 const EXIT_WAIT: Duration = Duration::from_secs(5);
 
+/// The longest `atexit` waits for the engines' decodes under way (a tick of one batch).
+const ENGINE_WAIT: Duration = Duration::from_secs(10);
+
 fn state() -> MutexGuard<'static, (bool, usize)> {
     STATE.lock().unwrap_or_else(|p| p.into_inner())
 }
@@ -48,13 +51,16 @@ pub fn attach(f: impl FnOnce(Python<'_>)) {
 }
 
 /// Stop lloyal's threads from calling into Python and wait (GIL released, at most 5 s) for
-/// the calls under way; registered with ``atexit`` by ``import lloyal``.
+/// the calls under way; then shut every context's engine down and wait (at most
+/// [`ENGINE_WAIT`]) for the decodes under way, which the process's teardown must not meet
+/// (`lloyal_core::engine::quiesce_all`). Registered with ``atexit`` by ``import lloyal``.
 #[pyfunction]
 pub fn quiesce_callbacks(py: Python<'_>) {
     py.detach(|| {
+        state().0 = true;
+        lloyal_core::engine::quiesce_all(ENGINE_WAIT);
         let deadline = Instant::now() + EXIT_WAIT;
         let mut s = state();
-        s.0 = true;
         while s.1 > 0 {
             let now = Instant::now();
             if now >= deadline {

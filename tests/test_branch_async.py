@@ -315,6 +315,45 @@ def test_exiting_right_after_an_await_is_a_clean_exit() -> None:
         assert proc.stdout.split()[0] == "end"
 
 
+EXIT_DURING_A_DECODE = """
+import asyncio, sys, threading, time, lloyal
+ctx = lloyal.Context(lloyal.default_model_path(), n_ctx=1024, n_threads=2)
+prompt = ctx.tokenize("The quick brown fox jumps over the lazy dog. " * 30)[:300]
+def prefills() -> None:
+    while True:
+        b = lloyal.Branch.create(ctx, 0, lloyal.SamplingParams(temperature=0))
+        b.prefill(prompt)
+        b.prune()
+async def cancelled() -> None:
+    b = lloyal.Branch.create(ctx, 0, lloyal.SamplingParams(temperature=0))
+    try:
+        await asyncio.wait_for(b.aprefill(prompt), 0.05)
+    except asyncio.TimeoutError:
+        pass
+if sys.argv[1] == "thread":
+    threading.Thread(target=prefills, daemon=True).start()
+    time.sleep(0.5)
+else:
+    asyncio.run(cancelled())
+print("end")
+"""
+
+
+@pytest.mark.parametrize("how", ["thread", "cancelled"])
+def test_exiting_while_the_engine_decodes_is_a_clean_exit(how: str) -> None:
+    """The interpreter exits while the engine thread is inside ``llama_decode``: a daemon thread
+    looping prefills, or an ``aprefill`` cancelled by its timeout (cancelling settles the
+    future; the engine finishes the batch it decodes). The process's teardown met the decode
+    and segfaulted (3 of 12 runs of the two); ``atexit`` now shuts the engines down and waits
+    for their threads."""
+    for _ in range(4):
+        proc = subprocess.run(
+            [sys.executable, "-c", EXIT_DURING_A_DECODE, how], capture_output=True, text=True, timeout=120
+        )
+        assert proc.returncode == 0, (proc.returncode, proc.stderr[-2000:])
+        assert proc.stdout.split()[0] == "end"
+
+
 def test_engine_start_queues_the_operation_before_it_is_awaited(ctx):
     """``aio.engine_start`` (the server's commit) is on the engine's queue when it returns, where
     a coroutine such as ``acommit`` queues nothing until it is first awaited; its argument errors

@@ -107,6 +107,8 @@ def test_pooling_none_and_last(model: lloyal.Model) -> None:
 
 
 def test_errors(model: lloyal.Model, ectx: lloyal.Context) -> None:
+    with pytest.raises(ValueError, match="pooling applies to embeddings contexts"):
+        lloyal.Context(model, n_ctx=256, pooling="cls")  # was accepted and ignored
     with lloyal.Context(model, n_ctx=256) as plain:
         for call in (
             lambda: plain.encode([2, 3]),
@@ -160,8 +162,19 @@ def test_leases_and_other_sequences_untouched(model: lloyal.Model) -> None:
 
 
 def test_mean_pooling_needs_n_batch_multiple_of_n_seq_max(model: lloyal.Model) -> None:
-    # llama.cpp would abort the process on this shape (mean-pooling graph reservation).
-    with pytest.raises(ValueError, match="n_batch=513"):
+    # llama.cpp would abort the process on this shape (mean-pooling graph reservation); the
+    # hint stays within n_ctx (513 would be taken down to 512 again)
+    with pytest.raises(ValueError, match=r"try n_batch=510$"):
         lloyal.Context(model, n_ctx=512, n_batch=512, n_seq_max=3, embeddings=True)
+    with pytest.raises(ValueError, match=r"try n_batch=12$"):
+        lloyal.Context(model, n_ctx=512, n_batch=10, n_seq_max=3, embeddings=True)
+    # an n_batch above n_ctx (the default 512 too), which llama.cpp takes down to n_ctx: lloyal
+    # takes it down to a multiple of n_seq_max (the process aborted on all three)
+    for n_ctx, n_batch, n_seq_max, expect in ((256, 513, 3, 255), (250, 512, 4, 248), (300, 512, 8, 296)):
+        with lloyal.Context(model, n_ctx=n_ctx, n_batch=n_batch, n_seq_max=n_seq_max, embeddings=True) as c:
+            assert c.n_batch == expect
+            assert c.embed(["a", "b c"]).shape == (2, 640)
+    with pytest.raises(ValueError, match=r"n_ctx \(8\) must be at least n_seq_max \(16\)"):
+        lloyal.Context(model, n_ctx=8, n_seq_max=16, embeddings=True)
     with lloyal.Context(model, n_ctx=512, n_seq_max=3, embeddings=True, pooling="last") as c:
         assert c.embed(["a", "b"]).shape == (2, 640)

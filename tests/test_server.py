@@ -508,6 +508,11 @@ def test_embeddings(client: openai.OpenAI, name: str, ref: lloyal.Context) -> No
     again = client.embeddings.create(model=name, input="hello world", encoding_format="float")
     np.testing.assert_allclose(np.array(again.data[0].embedding), v[0], rtol=1e-5, atol=1e-6)
     assert r.usage.prompt_tokens == len(ref.tokenize("hello world")) + len(ref.tokenize("a cat"))
+    # an input is pooled from one decode: past the embedding context's batch (512) is refused up
+    # front (it passed the n_ctx check and failed with "create the Context with a larger n_batch")
+    with pytest.raises(openai.BadRequestError, match="takes at most 512 an input") as e:
+        client.embeddings.create(model=name, input="word " * 600)
+    assert e.value.code == "context_length_exceeded" and e.value.param == "input"
 
 
 # -- errors ----------------------------------------------------------------------------------

@@ -59,7 +59,8 @@ def system_info() -> str:
 
 def quiesce_callbacks() -> None:
     """Stop lloyal's threads from calling into Python and wait (GIL released, at most 5 s) for
-    the calls under way; registered with ``atexit`` by ``import lloyal``."""
+    the calls under way, and shut every context's engine down, waiting (at most 10 s) for the
+    decodes under way; registered with ``atexit`` by ``import lloyal``."""
 
 def validate_sampling_params(params: object) -> None:
     """Raise ``ValueError``/``TypeError`` if ``params`` is not a valid set of sampling parameters."""

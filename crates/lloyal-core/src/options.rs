@@ -230,15 +230,30 @@ impl ContextOptions {
         // llama.cpp reserves the mean-pooling graph with n_batch rounded up to a multiple of
         // n_seq_max but only n_batch output rows, and aborts on the shape mismatch.
         // (An unset pooling is checked once the model's own has filled it in.)
+        // llama.cpp takes n_batch down to n_ctx; an n_batch above n_ctx goes down to a multiple
+        // of n_seq_max below n_ctx here ([`Self::llama_n_batch`]).
         let mean = matches!(self.pooling, Some(Pooling::Mean | Pooling::Rank));
-        if self.embeddings && mean && !self.n_batch.is_multiple_of(self.n_seq_max) {
+        if self.embeddings && mean && self.n_ctx < self.n_seq_max {
+            return Err(LloyalError::invalid(format!(
+                "with embeddings=True and mean pooling, n_ctx ({}) must be at least n_seq_max ({})",
+                self.n_ctx, self.n_seq_max
+            )));
+        }
+        if self.embeddings
+            && mean
+            && self.n_batch <= self.n_ctx
+            && !self.n_batch.is_multiple_of(self.n_seq_max)
+        {
             return Err(LloyalError::invalid(format!(
                 "with embeddings=True and pooling={:?}, n_batch must be a multiple of n_seq_max \
                  (got n_batch={}, n_seq_max={}); try n_batch={}",
                 if self.pooling == Some(Pooling::Mean) { "mean" } else { "rank" },
                 self.n_batch,
                 self.n_seq_max,
-                self.n_batch.div_ceil(self.n_seq_max) * self.n_seq_max
+                match self.n_batch.div_ceil(self.n_seq_max) * self.n_seq_max {
+                    up if up <= self.n_ctx => up,
+                    _ => self.n_batch / self.n_seq_max * self.n_seq_max,
+                }
             )));
         }
         if let Some(k) = &self.type_k {
@@ -348,6 +363,19 @@ impl ContextOptions {
         Ok(out)
     }
 
+    /// The n_batch to give llama.cpp: `n_batch`, or for mean-pooled embeddings with an n_batch
+    /// above n_ctx (which llama.cpp would take down to n_ctx) the largest multiple of n_seq_max
+    /// up to n_ctx: llama.cpp reserves that pooling's graph for n_batch rounded up to a multiple
+    /// of n_seq_max and aborts when the rounding changes it.
+    fn llama_n_batch(&self) -> u32 {
+        let mean = matches!(self.pooling, Some(Pooling::Mean | Pooling::Rank));
+        if self.embeddings && mean && self.n_batch > self.n_ctx {
+            (self.n_ctx / self.n_seq_max.max(1)).max(1) * self.n_seq_max.max(1)
+        } else {
+            self.n_batch
+        }
+    }
+
     /// Whether this (resolved) context runs batch-invariant kernels.
     pub fn is_batch_invariant(&self) -> bool {
         self.batch_invariant == Some(true)
@@ -360,8 +388,8 @@ impl ContextOptions {
         let mut p = crate::raw::default_context_params();
         let threads = self.n_threads.unwrap_or_else(default_threads);
         p.n_ctx = self.n_ctx;
-        p.n_batch = self.n_batch;
-        p.n_ubatch = self.n_batch;
+        p.n_batch = self.llama_n_batch();
+        p.n_ubatch = p.n_batch;
         p.n_seq_max = self.n_seq_max + u32::from(self.parks_freed_cells());
         // llama.cpp reserves max(outputs, n_seq_max) logit rows and asserts that fits in
         // n_outputs_max (default n_batch): an n_batch below n_seq_max would abort.

@@ -67,9 +67,12 @@ def _inputs(ectx: lloyal.Context, body: EmbeddingRequest) -> list[list[int]]:
     for toks in inputs:
         if not toks:
             raise ApiError("input must not be empty", param="input")
-        if len(toks) > ectx.n_ctx:
+        # each input is pooled from one decode: at most a batch (llama-server's limit too)
+        limit = min(ectx.n_ctx, ectx.n_batch)
+        if len(toks) > limit:
             raise ApiError(
-                f"an input has {len(toks)} tokens but the embedding context holds {ectx.n_ctx}: shorten it",
+                f"an input has {len(toks)} tokens but the embedding context takes at most {limit} "
+                "an input: shorten it or split it",
                 param="input",
                 code="context_length_exceeded",
             )

@@ -68,6 +68,11 @@ impl Context {
     /// Create a context for `model` (validated options; llama.cpp failures explained).
     pub fn new(model: Arc<Model>, options: ContextOptions) -> Result<Arc<Context>> {
         crate::lora::check(&options.lora, &model)?;
+        if options.pooling.is_some() && !options.embeddings {
+            return Err(LloyalError::invalid(
+                "pooling applies to embeddings contexts: pass embeddings=True with it, or leave pooling out",
+            ));
+        }
         let options =
             options.with_model_pooling(model.pooling()).resolve(&model.options(), model.float_weights())?;
         let device_rows = crate::device_rows::wanted(options.is_batch_invariant(), options.embeddings)?;

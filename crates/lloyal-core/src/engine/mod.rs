@@ -128,6 +128,8 @@ struct Queue {
     closing: bool,
     shutdown: bool,
     started: bool,
+    /// The engine thread ended (after a shutdown): no decode of this engine is running.
+    exited: bool,
     /// No tick running and no prefill in flight.
     idle: bool,
     /// Commits the previous tick decoded (the gather window waits for as many).
@@ -237,6 +239,7 @@ impl Default for Engine {
                     closing: false,
                     shutdown: false,
                     started: false,
+                    exited: false,
                     idle: true,
                     last_tick_ops: 0,
                     last_prefilled: Vec::new(),
@@ -252,19 +255,60 @@ impl Default for Engine {
     }
 }
 
+/// The engines whose thread started, for [`quiesce_all`].
+static STARTED: std::sync::Mutex<Vec<std::sync::Weak<Shared>>> = std::sync::Mutex::new(Vec::new());
+
 /// Start the engine thread of `ctx` unless it runs.
 fn start_thread<H: Host>(q: &mut Queue, ctx: &Arc<H>, shared: &Arc<Shared>) -> Result<()> {
     if !q.started {
-        let (weak, shared) = (Arc::downgrade(ctx), Arc::clone(shared));
+        let (weak, thread_shared) = (Arc::downgrade(ctx), Arc::clone(shared));
         std::thread::Builder::new()
             .name("lloyal-engine".into())
-            .spawn(move || engine_loop(weak, shared))
+            .spawn(move || engine_loop(weak, thread_shared))
             .map_err(|e| {
                 LloyalError::Backend(format!("cannot start the engine thread: {e}; free some threads"))
             })?;
         q.started = true;
+        let mut started = STARTED.lock().unwrap_or_else(|p| p.into_inner());
+        started.retain(|w| w.strong_count() > 0);
+        started.push(Arc::downgrade(shared));
     }
     Ok(())
+}
+
+/// Shut every running engine down (what they hold fails with `ContextClosed`) and wait, up to
+/// `wait` in all, for their threads to end: for the process's exit, which must not find an
+/// engine thread inside `llama_decode` while it tears the process down (a segfault in
+/// ggml's CPU backend, seen when an asyncio program exited with a cancelled prefill still
+/// decoding). Later calls on those contexts raise `ContextClosedError`.
+pub fn quiesce_all(wait: Duration) {
+    let engines: Vec<Arc<Shared>> = {
+        let started = STARTED.lock().unwrap_or_else(|p| p.into_inner());
+        started.iter().filter_map(std::sync::Weak::upgrade).collect()
+    };
+    let deadline = Instant::now() + wait;
+    for shared in engines {
+        let mut q = shared.lock();
+        q.shutdown = true;
+        shared.wake();
+        while q.started && !q.exited {
+            let now = Instant::now();
+            if now >= deadline {
+                break;
+            }
+            q = shared.cv.wait_timeout(q, deadline - now).unwrap_or_else(|p| p.into_inner()).0;
+        }
+    }
+}
+
+/// Marks the engine thread's end (however it ends) for [`quiesce_all`].
+struct Exited(Arc<Shared>);
+
+impl Drop for Exited {
+    fn drop(&mut self) {
+        self.0.lock().exited = true;
+        self.0.wake();
+    }
 }
 
 impl Drop for Engine {
@@ -429,6 +473,7 @@ fn set_idle(shared: &Shared) {
 }
 
 fn engine_loop<H: Host>(ctx: Weak<H>, shared: Arc<Shared>) {
+    let _exited = Exited(Arc::clone(&shared));
     // The decodes run here: this thread's OpenMP pool also takes the rows' host work.
     crate::omp::mark_engine_thread();
     shared.lock().engine_thread = Some(std::thread::current().id());
