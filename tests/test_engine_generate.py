@@ -707,6 +707,91 @@ def test_lookahead_runs_ahead_of_the_reader_by_at_most_k_tokens(ctx9: lloyal.Con
         again.generate(4, lookahead=0)
 
 
+def test_a_generating_branch_refuses_commits_and_prefills_by_hand(ctx9: lloyal.Context, root: Branch) -> None:
+    """A commit or prefill on a branch whose ``generate()`` stream is open raises, and the stream
+    goes on: the engine dropped the stream's request for its next token in the tick the commit
+    held the branch, and the stream waited for good."""
+    ref, b = root.fork(), root.fork()
+    want = hand_loop(ref, 12)
+
+    async def main() -> tuple[list[int], list[str]]:
+        out: list[int] = []
+        refused: list[str] = []
+
+        async def stream() -> None:
+            async for t in b.generate(12):
+                out.append(t.token)
+
+        task = asyncio.ensure_future(stream())
+        while not out:
+            await asyncio.sleep(0.005)
+        for call in (lambda: b.acommit(100), lambda: b.aprefill([101, 102])):
+            with pytest.raises(ValueError, match="is generating") as e:
+                await call()
+            refused.append(str(e.value))
+        await asyncio.wait_for(task, 60)
+        return out, refused
+
+    out, refused = asyncio.run(main())
+    assert out == want and len(refused) == 2
+    # in threads: a reader iterating, a second thread committing
+    c = root.fork()
+    it = c.generate(12)
+    first = next(it)
+    with pytest.raises(ValueError, match="close that iterator"):
+        c.commit(100)
+    assert [first.token, *(t.token for t in it)] == want
+
+
+def test_close_ends_a_stream_that_reads_ahead(model: lloyal.Model) -> None:
+    """``close()`` waits for the operations it was given, but a generation request reading
+    ahead (``lookahead`` > 1) never let the engine run dry: close took until the cache filled
+    (22 s, ~500 tokens). The request now ends with ``ContextClosedError``."""
+    ctx = lloyal.Context(model, n_ctx=2048, n_threads=2)
+    b = prefilled(ctx, PROMPT)
+    got: list[int] = []
+    errors: list[BaseException] = []
+
+    def reader() -> None:
+        try:
+            for tok in b.generate(lookahead=4):
+                got.append(tok.token)
+                time.sleep(0.01)  # a slow reader: the engine keeps 4 tokens ahead of it
+        except lloyal.LloyalError as e:
+            errors.append(e)
+
+    th = threading.Thread(target=reader)
+    th.start()
+    wait_until(lambda: len(got) >= 3)
+    t0 = time.monotonic()
+    ctx.close()
+    closed_in = time.monotonic() - t0
+    th.join(30)
+    assert not th.is_alive() and len(errors) == 1 and isinstance(errors[0], lloyal.ContextClosedError)
+    assert len(got) < 200, "the stream ended at close, long before the cache was full"
+    assert closed_in < 10
+
+
+def test_a_second_task_awaiting_the_same_iterator_raises(ctx9: lloyal.Context, root: Branch) -> None:
+    """Two tasks awaiting one iterator's next token: the second raises ``RuntimeError`` (as an
+    async generator's second ``anext()`` does) and the first gets its token; one of them used
+    to wait for good."""
+    b = root.fork()
+    want = hand_loop(root.fork(), 3)
+
+    async def main() -> tuple[list[object], list[object]]:
+        it = b.generate(3)
+        t1 = asyncio.ensure_future(it.__anext__())
+        t2 = asyncio.ensure_future(it.__anext__())
+        _, pending = await asyncio.wait([t1, t2], timeout=30)
+        rest = [t.token async for t in it]
+        return [t.exception() or t.result().token for t in (t1, t2)], [len(pending), *rest]
+
+    (first, second), (pending, *rest) = asyncio.run(main())
+    assert first == want[0] and isinstance(second, RuntimeError) and "already awaited" in str(second)
+    assert pending == 0 and rest == want[1:]
+
+
 def test_async_lookahead_equals_demand_driven(ctx9: lloyal.Context, root: Branch) -> None:
     a, b = root.fork(), root.fork()
 

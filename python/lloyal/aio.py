@@ -104,18 +104,34 @@ async def stream_next(iterator: Any) -> Any:
     to settle ``future`` when the next token arrives. Cancelling the awaiting task closes the
     iterator: the engine frees the request at its next tick.
     """
-    loop = asyncio.get_running_loop()
-    waker = _waker(loop)
-    while True:
-        future: asyncio.Future[None] = loop.create_future()
-        item = iterator._poll(waker, future)
-        if item is not None:
-            return item
-        try:
-            await future
-        except asyncio.CancelledError:
-            iterator.close()
-            raise
+    key = id(iterator)
+    if key in _awaited:
+        # as an async generator refuses a second anext() while one runs (the engine keeps one
+        # waiter an iterator: the first task would wait for good)
+        raise RuntimeError(
+            "this TokenIterator is already awaited by another task: await its tokens from one task "
+            "at a time (or give each task a branch of its own)"
+        )
+    _awaited.add(key)
+    try:
+        loop = asyncio.get_running_loop()
+        waker = _waker(loop)
+        while True:
+            future: asyncio.Future[None] = loop.create_future()
+            item = iterator._poll(waker, future)
+            if item is not None:
+                return item
+            try:
+                await future
+            except asyncio.CancelledError:
+                iterator.close()
+                raise
+    finally:
+        _awaited.discard(key)
+
+
+# The ids of the TokenIterators a task awaits now (one task at a time each).
+_awaited: set[int] = set()
 
 
 # Each running loop's LoopWaker, or None where the loop cannot watch a socket.

@@ -607,6 +607,17 @@ fn take_ops(shared: &Shared, sched: &mut Scheduler, pool_held: bool) -> Option<T
                 apply::fail(applies, &LloyalError::ContextClosed);
                 return None;
             }
+            if q.closing && sched.generating() + sched.waiting() > 0 {
+                // `close()` waits for what was submitted, but not for generation requests (a
+                // stream reading ahead never lets the engine run dry): they end now.
+                drop(q);
+                answer(shared, sched.end_generations(&LloyalError::ContextClosed));
+                q = shared.lock();
+                q.idle = !sched.has_work();
+                q.stats.generating = 0;
+                shared.wake();
+                continue;
+            }
             if q.stale {
                 q.stale = false;
                 q.ticking = true;

@@ -114,6 +114,15 @@ impl Scheduler {
             return None;
         }
         let handles = op.work.handles();
+        let writes = !matches!(op.work, Work::Lease(_) | Work::Generate(_));
+        if let Some(h) = handles.iter().find(|&&h| writes && self.is_generating(h)) {
+            let err = LloyalError::invalid(format!(
+                "branch {h} is generating (a generate() iterator of it is open): close that iterator \
+                 or let it finish before committing, prefilling, verifying, scoring or reseeding it"
+            ));
+            out.reply(op, Err(err));
+            return None;
+        }
         if handles.iter().any(|h| budget.busy.contains(h)) {
             budget.busy.extend(handles);
             out.deferred.push(op);
@@ -250,12 +259,7 @@ impl Scheduler {
                 ),
             });
         }
-        let generating = self
-            .gens
-            .iter()
-            .map(|g| g.spec.handle)
-            .chain(self.waiting.iter().chain(self.prompt_waiting.iter()).map(|w| w.spec.handle));
-        if generating.into_iter().any(|h| h == spec.handle) {
+        if self.is_generating(spec.handle) {
             return Err(LloyalError::invalid(format!(
                 "branch {} is already generating (another iterator of it is open); finish or \
                  close that iterator first",
@@ -263,6 +267,12 @@ impl Scheduler {
             )));
         }
         Ok(())
+    }
+
+    /// Whether a generation request holds `handle` (running, or waiting to start).
+    fn is_generating(&self, handle: Handle) -> bool {
+        self.gens.iter().map(|g| g.spec.handle).any(|h| h == handle)
+            || self.waiting.iter().chain(self.prompt_waiting.iter()).any(|w| w.spec.handle == handle)
     }
 
     /// Grant leases to waiters in arrival order while leases are free; answer the cancelled

@@ -315,6 +315,16 @@ impl Scheduler {
         replies
     }
 
+    /// End every generation request, running or waiting, with `err` (for a closing context:
+    /// a request may run for as long as the cache lasts, where `close()` waits for the other
+    /// operations it was given). Prefills in flight go on.
+    pub fn end_generations(&mut self, err: &LloyalError) -> Vec<(Reply, Result<()>)> {
+        let mut replies: Vec<_> = self.gens.drain(..).map(|g| (g.op.reply, Err(err.clone()))).collect();
+        replies.extend(self.waiting.drain(..).map(|w| (w.op.reply, Err(err.clone()))));
+        replies.extend(self.prompt_waiting.drain(..).map(|w| (w.op.reply, Err(err.clone()))));
+        replies
+    }
+
     /// Run one tick over the queued `ops` (FIFO) and the prefills in flight.
     /// `max_prefill`: the prefill cap (`Some(0)`: the batch; `None`: paced).
     pub fn tick(&mut self, s: &mut ContextState, ops: Vec<Op>, max_prefill: Option<usize>) -> TickOutcome {

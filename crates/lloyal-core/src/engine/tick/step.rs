@@ -46,8 +46,12 @@ impl Scheduler {
         for (gi, g) in self.gens.iter_mut().enumerate() {
             // A token yielded ahead is committed once its consumer wants another, the want
             // left for that next token.
+            // (A busy branch keeps its consumer's want for a later tick.)
+            if budget.busy.contains(&g.spec.handle) {
+                continue;
+            }
             let wants = if g.ahead { g.spec.stream.is_wanted() } else { g.spec.stream.take_wanted() };
-            if budget.busy.contains(&g.spec.handle) || !wants {
+            if !wants {
                 continue;
             }
             // A bounded request's row takes one of the cells it reserved.
