@@ -51,9 +51,8 @@ pub fn attach(f: impl FnOnce(Python<'_>)) {
 }
 
 /// Stop lloyal's threads from calling into Python and wait (GIL released, at most 5 s) for
-/// the calls under way; then shut every context's engine down and wait (at most
-/// [`ENGINE_WAIT`]) for the decodes under way, which the process's teardown must not meet
-/// (`lloyal_core::engine::quiesce_all`). Registered with ``atexit`` by ``import lloyal``.
+/// the calls under way, and shut every context's engine down, waiting (at most 10 s) for the
+/// decodes under way; registered with ``atexit`` by ``import lloyal``.
 #[pyfunction]
 pub fn quiesce_callbacks(py: Python<'_>) {
     py.detach(|| {

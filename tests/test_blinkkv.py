@@ -124,6 +124,31 @@ def test_branch_reseed_on_a_nearly_full_cache_frees_its_cells_first(
         assert store.kv_pressure.cells_used == 68
 
 
+def test_cells_of_sequences_no_branch_holds_count_as_taken(
+    make_context: Callable[..., lloyal.Context],
+) -> None:
+    """Flat-path cells on a sequence no branch holds (``ctx.decode``) fill the cache up to 10
+    cells. A reseed needing 30 was let through a room check that counted branches' cells only:
+    it freed its branch's cells and failed to write the new ones, leaving the branch empty with
+    no logits. It is refused up front now, changing nothing; a generation request asking for
+    more than the room waits and times out instead of failing after 10 tokens."""
+    with make_context(n_ctx=256, n_seq_max=2) as ctx:
+        toks = ctx.tokenize("Once upon a time, in a land far away, there lived a")
+        br = lloyal.Branch.create(ctx, 0, lloyal.SamplingParams(temperature=0))
+        br.prefill(toks)
+        flat = (ctx.tokenize(STORY, add_special=False) * 4)[: 256 - len(toks) - 10]
+        ctx.decode(flat, 0, 1)  # seq 1 is free: allowed
+        before = (br.position, ctx.kv_seq_pos_max(br.seq_id), br.sample())
+        with pytest.raises(lloyal.KvCacheFullError, match="sequences no branch holds"):
+            br.reseed(toks[:4], toks[-13:] * 2)
+        assert (br.position, ctx.kv_seq_pos_max(br.seq_id), br.sample()) == before
+        with pytest.raises(lloyal.KvCacheFullError, match="waited"):
+            list(br.generate(max_tokens=20, timeout=0.5))
+        assert br.position == before[0]
+        ctx.kv_cache_remove(1, 0)  # the room comes back
+        assert len(list(br.generate(max_tokens=20))) == 20
+
+
 def test_a_reseed_keeps_its_parked_cells_from_other_operations(
     make_context: Callable[..., lloyal.Context],
 ) -> None:

@@ -3,6 +3,7 @@ across sequences, lease and sequence protection, errors. Real default model, sma
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterator
 
 import numpy as np
@@ -159,6 +160,28 @@ def test_leases_and_other_sequences_untouched(model: lloyal.Model) -> None:
         c.kv_cache_remove(1, 0)
         assert c.embed(CAT).shape == (640,)
         assert c.kv_seq_pos_max(2) == len(prompt) - 1
+
+
+def test_texts_are_packed_within_the_cells_left(model: lloyal.Model) -> None:
+    """156 cells left (100 held by a flat-path sequence): two 101-token texts each fit, together
+    they do not. They were packed into one 202-token decode and failed with KvCacheFullError;
+    they now go in two decodes. A run longer than the whole cache (pooling none) is refused up
+    front rather than after the chunks that fit."""
+    with lloyal.Context(model, n_ctx=256, n_batch=256, n_seq_max=4, embeddings=True) as c:
+        held = c.tokenize("word " * 99)
+        c.decode(held, 0, 0)
+        text = "word " * 99
+        one = c.embed(text)
+        both = c.embed([text, text])
+        assert both.shape == (2, 640) and np.allclose(both[0], one, atol=1e-5)
+        assert c.kv_seq_pos_max(0) == len(held) - 1, "the flat sequence is untouched"
+    with lloyal.Context(model, n_ctx=256, n_batch=64, embeddings=True, pooling="none") as c:
+        t0 = time.monotonic()
+        with pytest.raises(
+            lloyal.KvCacheFullError, match=r"300 cells needed .*more tokens than the whole cache"
+        ):
+            c.encode(c.tokenize("word " * 400)[:300])
+        assert time.monotonic() - t0 < 1.0
 
 
 def test_mean_pooling_needs_n_batch_multiple_of_n_seq_max(model: lloyal.Model) -> None:

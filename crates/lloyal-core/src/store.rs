@@ -23,9 +23,36 @@ impl ContextState {
         self.ledger.pressure(self.shape().n_ctx, self.parked)
     }
 
-    /// Cells of `n_ctx` left after what branches hold and `reserved` more.
+    /// Cells of `n_ctx` left after what branches hold, what sequences no branch holds keep
+    /// ([`Self::note_flat_cells`]) and `reserved` more.
     pub(crate) fn room(&self, reserved: usize) -> usize {
-        (self.shape().n_ctx as usize).saturating_sub(self.ledger.cells_used() + reserved)
+        (self.shape().n_ctx as usize).saturating_sub(self.ledger.cells_used() + self.flat_cells + reserved)
+    }
+
+    /// Count again the cells sequences no branch holds keep: flat-path decodes, copies and
+    /// loaded states on free leases, which a check of room against the branches' cells alone
+    /// missed (a reseed then freed its branch's cells and failed to write the new ones). Each
+    /// sequence counts its span of positions: copies among such sequences count twice.
+    pub(crate) fn note_flat_cells(&mut self) {
+        let free: Vec<i32> = self.ledger.leases().free_ids().to_vec();
+        self.flat_cells = free
+            .into_iter()
+            .map(|seq| match self.raw.seq_pos_max(seq) {
+                max if max < 0 => 0,
+                max => (max - self.raw.seq_pos_min(seq).max(0) + 1) as usize,
+            })
+            .sum();
+    }
+
+    /// What holds the cache, for a `KvCacheFull` message.
+    fn holders(&self) -> String {
+        match self.flat_cells {
+            0 => format!("branches hold {} cells", self.ledger.cells_used()),
+            flat => format!(
+                "branches hold {} cells and sequences no branch holds (flat-path decodes, copies) {flat}",
+                self.ledger.cells_used()
+            ),
+        }
     }
 
     pub(crate) fn check_room(&self, needed: usize) -> Result<()> {
@@ -34,7 +61,7 @@ impl ContextState {
             return Err(LloyalError::KvCacheFull {
                 needed,
                 n_ctx: self.shape().n_ctx,
-                detail: format!("branches hold {} cells, {free} free", self.ledger.cells_used()),
+                detail: format!("{}, {free} free", self.holders()),
             });
         }
         Ok(())
@@ -50,10 +77,7 @@ impl ContextState {
             return Err(LloyalError::KvCacheFull {
                 needed,
                 n_ctx: self.shape().n_ctx,
-                detail: format!(
-                    "branches hold {} cells and operations in progress {reserved} more, {free} free",
-                    self.ledger.cells_used()
-                ),
+                detail: format!("{}, operations in progress {reserved} more, {free} free", self.holders()),
             });
         }
         Ok(())

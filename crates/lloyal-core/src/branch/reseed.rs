@@ -80,13 +80,14 @@ impl ContextState {
         }
         let own = (position - fork_head).max(0) as usize;
         let n_ctx = self.shape().n_ctx as usize;
-        let held = self.ledger.cells_used() + reserved;
+        let held = self.ledger.cells_used() + self.flat_cells + reserved;
         if held - own + tokens.len() > n_ctx {
             return Err(LloyalError::KvCacheFull {
                 needed: tokens.len(),
                 n_ctx: self.shape().n_ctx,
                 detail: format!(
-                    "branches (and operations in progress) would hold {} cells",
+                    "branches{} (and operations in progress) would hold {} cells",
+                    if self.flat_cells > 0 { ", sequences no branch holds" } else { "" },
                     held - own + tokens.len()
                 ),
             });

@@ -119,6 +119,7 @@ impl Context {
             ledger: Ledger::new(n_seq_max),
             park_seq: parks.then_some(n_seq_max as i32),
             parked: 0,
+            flat_cells: 0,
             kv_cell_bytes: model.kv_bytes_per_cell(params.type_k, params.type_v),
             batch_invariant: options.is_batch_invariant(),
             split_mixed_ticks: !options.is_batch_invariant() && options.flash_attn && !offloaded,

@@ -39,6 +39,10 @@ pub struct ContextState {
     pub(super) park_seq: Option<i32>,
     /// Cells only `park_seq` holds (exact, like the ledger's cell count).
     pub(crate) parked: usize,
+    /// Cells the sequences no branch holds keep (flat-path decodes, copies, loaded states):
+    /// each such sequence's span of positions, as of the last [`Self::note_flat_cells`] (an
+    /// upper bound: copies among them share cells).
+    pub(crate) flat_cells: usize,
     /// K+V bytes per cell (for `memory_size`).
     pub(super) kv_cell_bytes: u64,
     /// Batch-invariant kernels (then `retain_only` also rewrites the winner's cells in order).

@@ -78,6 +78,14 @@ impl ContextState {
         if pooled && tokens.len() > n_batch {
             return Err(too_long(tokens.len(), n_batch, "encode()"));
         }
+        if tokens.len() > self.shape().n_ctx as usize {
+            // (refused after the chunks that fitted were decoded, naming the last one's size)
+            return Err(LloyalError::KvCacheFull {
+                needed: tokens.len(),
+                n_ctx: self.shape().n_ctx,
+                detail: "more tokens than the whole cache holds".into(),
+            });
+        }
         let dim = self.embedding_dimension();
         self.encoded.remove(&seq_id);
         self.remove_cells(seq_id, 0, -1);
@@ -162,7 +170,11 @@ impl ContextState {
         let free = self.free_sequences()?;
         let lens: Vec<usize> = runs.iter().map(Vec::len).collect();
         let mut values = Vec::with_capacity(dim * runs.len());
-        for (start, end) in plan_groups(&lens, n_batch, free.len()) {
+        // A decode's texts fit the cells left too (branches and flat-path cells may hold some):
+        // texts that fit one by one are not packed past the room.
+        self.note_flat_cells();
+        let cap = n_batch.min(self.room(0)).max(1);
+        for (start, end) in plan_groups(&lens, cap, free.len()) {
             let used = &free[..end - start];
             let rows: Vec<BatchRow> = runs[start..end]
                 .iter()

@@ -329,6 +329,7 @@ impl Scheduler {
     /// `max_prefill`: the prefill cap (`Some(0)`: the batch; `None`: paced).
     pub fn tick(&mut self, s: &mut ContextState, ops: Vec<Op>, max_prefill: Option<usize>) -> TickOutcome {
         let mut out = TickOutcome::default();
+        s.note_flat_cells(); // flat-path calls since the last tick may have written cells
         let mut sched = self.schedule(s, ops, max_prefill, &mut out);
         let decode_rows: usize = sched.parts.iter().map(Part::row_count).sum();
         let prefill_rows = self.plan(s, &mut sched, decode_rows, max_prefill, &mut out);
