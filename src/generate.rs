@@ -278,6 +278,8 @@ impl PyTokenIter {
 
     /// Stop generating: the request is freed at the engine's next tick and the branch stays
     /// at the last token yielded. Idempotent; ``break`` and dropping the iterator do the same.
+    /// (A task cancelled while it awaits a token can leave the branch one token past: the
+    /// engine may have committed the token it asked for; ``lookahead=k`` up to ``k``.)
     fn close(&self) {
         self.cancel();
     }

@@ -450,7 +450,8 @@ def test_running_requests_that_outgrow_the_cache_fail_youngest_first(small: lloy
 
 def test_a_packed_decode_llama_cpp_rejects_is_isolated_to_its_culprit(model: lloyal.Model) -> None:
     """Flat-path cells (``ctx.decode`` on an unleased sequence) fill llama.cpp's cache behind
-    the branches' accounting, so a 30-token prefill passes validation but the packed batch it
+    the branches' accounting (room checks told not to count them, as they do by default), so a
+    30-token prefill passes validation but the packed batch it
     shares with a commit and a generation step has no slot: llama.cpp rejects the whole batch.
     The engine retries each operation alone: the commit and the generation step proceed with
     the results they would have had alone, the prefill fails and changes nothing."""
@@ -459,6 +460,7 @@ def test_a_packed_decode_llama_cpp_rejects_is_isolated_to_its_culprit(model: llo
 
 
 def isolate(small: lloyal.Context) -> None:
+    small._count_flat_cells = False  # else the room check refuses the prefill first
     root = prefilled(small, PROMPT)
     a, g, bad = root.fork(), root.fork(), root.fork()
     n_ctx = BranchStore(small).kv_pressure.n_ctx

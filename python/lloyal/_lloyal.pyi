@@ -951,6 +951,8 @@ class TokenIterator:
     def close(self) -> None:
         """Stop generating: the request is freed at the engine's next tick and the branch stays
         at the last token yielded. Idempotent; ``break`` and dropping the iterator do the same.
+        (A task cancelled while it awaits a token can leave the branch one token past: the
+        engine may have committed the token it asked for; ``lookahead=k`` up to ``k``.)
         """
     @property
     def finish_reason(self) -> str | None:

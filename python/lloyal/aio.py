@@ -49,7 +49,9 @@ async def engine_call(submit: Callable[..., Callable[[], None]], *args: Any) -> 
 
     ``submit(loop, future, *args)`` validates and queues the operation (its argument errors
     raise here) and returns a canceller; the engine thread settles ``future`` through
-    ``loop.call_soon_threadsafe``. Cancelling the awaiting task cancels the operation.
+    ``loop.call_soon_threadsafe``. Cancelling the awaiting task cancels the operation unless
+    the engine has decoded it: a commit already in a decode is applied, a prefill still in
+    flight is rolled back; the task is cancelled either way.
     """
     await engine_start(submit, *args)
 

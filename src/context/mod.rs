@@ -269,6 +269,13 @@ impl PyContext {
         self.inner.engine_stats().gather
     }
 
+    /// Tests only: ``False`` stops room checks counting the cells of sequences no branch
+    /// holds, so a decode can meet llama.cpp's own refusal of a full cache.
+    #[setter(_count_flat_cells)]
+    fn set_count_flat_cells(&self, on: bool) {
+        self.inner.count_flat_cells(on);
+    }
+
     #[setter]
     fn set_engine_gather(&self, seconds: f64) -> PyResult<()> {
         self.inner.set_engine_gather(seconds).py()

@@ -34,6 +34,10 @@ impl ContextState {
     /// missed (a reseed then freed its branch's cells and failed to write the new ones). Each
     /// sequence counts its span of positions: copies among such sequences count twice.
     pub(crate) fn note_flat_cells(&mut self) {
+        if !self.count_flat {
+            self.flat_cells = 0;
+            return;
+        }
         let free: Vec<i32> = self.ledger.leases().free_ids().to_vec();
         self.flat_cells = free
             .into_iter()

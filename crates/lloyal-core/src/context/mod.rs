@@ -120,6 +120,7 @@ impl Context {
             park_seq: parks.then_some(n_seq_max as i32),
             parked: 0,
             flat_cells: 0,
+            count_flat: true,
             kv_cell_bytes: model.kv_bytes_per_cell(params.type_k, params.type_v),
             batch_invariant: options.is_batch_invariant(),
             split_mixed_ticks: !options.is_batch_invariant() && options.flash_attn && !offloaded,
@@ -161,6 +162,18 @@ impl Context {
             Ok(())
         };
         let _ = self.apply_then(tidy, Box::new(|_: Result<()>| {}));
+    }
+
+    /// Fault injection for tests: with `false`, room checks stop counting the cells of
+    /// sequences no branch holds ([`ContextState::note_flat_cells`]), so a decode can reach
+    /// llama.cpp's own refusal of a full cache (the engine's isolation and rollback of a
+    /// rejected batch). Applied before the next tick.
+    pub fn count_flat_cells(&self, on: bool) {
+        let set = move |s: &mut ContextState| {
+            s.count_flat = on;
+            Ok(())
+        };
+        let _ = self.apply_then(set, Box::new(|_: Result<()>| {}));
     }
 
     /// The model this context runs.

@@ -43,6 +43,8 @@ pub struct ContextState {
     /// each such sequence's span of positions, as of the last [`Self::note_flat_cells`] (an
     /// upper bound: copies among them share cells).
     pub(crate) flat_cells: usize,
+    /// Whether [`Self::note_flat_cells`] counts them (`Context::count_flat_cells`: tests).
+    pub(crate) count_flat: bool,
     /// K+V bytes per cell (for `memory_size`).
     pub(super) kv_cell_bytes: u64,
     /// Batch-invariant kernels (then `retain_only` also rewrites the winner's cells in order).
