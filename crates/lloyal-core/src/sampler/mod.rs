@@ -4,6 +4,7 @@
 
 mod candidates;
 mod rng;
+mod temperature;
 
 use std::ffi::CString;
 use std::ptr::NonNull;
@@ -142,6 +143,22 @@ pub struct Sampler {
     history: Vec<i32>,
     rng: Rng,
     candidates: Vec<sys::llama_token_data>,
+    /// The row scaled by the temperature, for [`temperature::temperature_draw`].
+    scaled: Vec<f32>,
+}
+
+/// Whether the chain of `params` is the temperature alone ([`plan_steps`] with every filter
+/// off, no DRY, no mirostat, not greedy): a draw from softmax(logits / temperature).
+fn only_temperature(params: &SamplingParams) -> bool {
+    !params.is_greedy()
+        && params.temperature > 0.0
+        && params.top_k <= 0
+        && params.typical_p >= 1.0
+        && params.top_p >= 1.0
+        && params.min_p <= 0.0
+        && params.xtc.as_ref().is_none_or(|x| x.probability <= 0.0)
+        && params.dry.as_ref().is_none_or(|d| d.multiplier <= 0.0)
+        && params.mirostat.is_none()
 }
 
 fn seed_of(params: &SamplingParams) -> u32 {
@@ -243,7 +260,7 @@ impl Sampler {
     pub fn new(model: &Model, params: SamplingParams) -> Result<Self> {
         let chain = build_chain(model, &params)?;
         let rng = rng_for(&params);
-        Ok(Sampler { chain, params, history: Vec::new(), rng, candidates: Vec::new() })
+        Ok(Sampler { chain, params, history: Vec::new(), rng, candidates: Vec::new(), scaled: Vec::new() })
     }
 
     /// Rebuild a sampler from saved parts: parameters, accepted history (replayed into DRY /
@@ -347,6 +364,12 @@ impl Sampler {
         if p.is_greedy() && p.dry.is_none() {
             return if repl.is_empty() { argmax() } else { greedy_token(logits, &repl) };
         }
+        if only_temperature(p) {
+            // The chain would only divide by the temperature: drawn straight from the row.
+            let u = self.rng.next_f64();
+            return temperature::temperature_draw(logits, &repl, p.temperature, u, &mut self.scaled)
+                .unwrap_or_else(|| greedy_token(logits, &repl));
+        }
         self.candidates.clear();
         if p.top_k > 0 && p.dry.is_none() && p.mirostat.is_none() {
             let top = top_candidates_in(logits, maxima, &repl, p.top_k as usize);
@@ -444,6 +467,7 @@ impl Sampler {
             history: self.history.clone(),
             rng: self.rng,
             candidates: Vec::new(),
+            scaled: Vec::new(),
         })
     }
 }
