@@ -261,7 +261,7 @@ impl PyTokenIter {
         let Some(stream) = self.stream()? else {
             return Err(pyo3::exceptions::PyStopAsyncIteration::new_err(()));
         };
-        let wake = wake_for(waker, fut.unbind());
+        let wake = wake_for(waker, &fut)?;
         match stream.poll(Some(wake)) {
             Next::Item(item) => Ok(Some(self.taken(&stream, item))),
             Next::End(end) => match self.end(end)? {

@@ -13,6 +13,7 @@
 pub use self::unix::PyLoopWaker;
 
 use pyo3::prelude::*;
+use pyo3::types::{PyWeakrefMethods, PyWeakrefReference};
 
 use lloyal_core::engine::gen::Wake;
 
@@ -27,12 +28,13 @@ mod unix {
     use std::sync::{Arc, Mutex};
 
     use pyo3::prelude::*;
+    use pyo3::types::{PyWeakrefMethods, PyWeakrefReference};
 
     use crate::aio;
 
     /// The queue and the socket pair of one event loop's waker (shared with the wake closures).
     pub struct WakerCore {
-        ready: Mutex<Vec<Py<PyAny>>>,
+        ready: Mutex<Vec<Py<PyWeakrefReference>>>,
         /// A byte is on its way (or in the socket) since the last drain.
         signalled: AtomicBool,
         tx: UnixStream,
@@ -42,7 +44,7 @@ mod unix {
     impl WakerCore {
         /// Queue `future` to be settled (result None) on the loop's thread; the first push after a
         /// drain writes the one byte that wakes the loop. Never takes the GIL.
-        pub fn push(&self, future: Py<PyAny>) {
+        pub fn push(&self, future: Py<PyWeakrefReference>) {
             self.ready.lock().unwrap_or_else(|p| p.into_inner()).push(future);
             if !self.signalled.swap(true, Ordering::AcqRel) {
                 // Non-blocking: a full socket already holds a wake-up for the loop.
@@ -105,9 +107,11 @@ mod unix {
             }
             let settle = aio::settle(py)?;
             for future in ready {
-                // `_settle` skips a future already done (cancelled); one failure must not strand
-                // the others.
-                let _ = settle.call1((future.bind(py), py.None()));
+                // Gone: nobody awaits it (its task was collected). `_settle` skips a future
+                // already done (cancelled); one failure must not strand the others.
+                if let Some(future) = future.bind(py).upgrade() {
+                    let _ = settle.call1((future, py.None()));
+                }
             }
             Ok(())
         }
@@ -116,20 +120,28 @@ mod unix {
 
 /// The engine-side waker that settles `future` through `waker`: a [`PyLoopWaker`] (no GIL
 /// on the engine thread), or else an event loop, through `loop.call_soon_threadsafe`.
-pub fn wake_for(waker: Bound<'_, PyAny>, future: Py<PyAny>) -> Wake {
+///
+/// The engine holds `future` weakly: its awaiting task holds it while it waits. Held strongly,
+/// the engine's stream kept the future, so the task, its coroutine and the token iterator in it
+/// (a cycle through Rust that Python's collector cannot see): a stream whose event loop was
+/// closed mid-read was never freed, nor its branch's generation request.
+pub fn wake_for(waker: Bound<'_, PyAny>, future: &Bound<'_, PyAny>) -> PyResult<Wake> {
+    let future = PyWeakrefReference::new(future)?.unbind();
     #[cfg(unix)]
     if let Ok(w) = waker.cast::<PyLoopWaker>() {
         let core = w.get().core();
-        return Box::new(move || core.push(future));
+        return Ok(Box::new(move || core.push(future)));
     }
     let lp = waker.unbind();
-    Box::new(move || {
+    Ok(Box::new(move || {
         crate::exit::attach(|py| {
+            let Some(future) = future.bind(py).upgrade() else {
+                return; // nobody awaits it any more
+            };
             if let Ok(settle) = aio::settle(py) {
                 // A closed loop cannot take the wake-up, and then nobody awaits it.
-                let _ =
-                    lp.bind(py).call_method1("call_soon_threadsafe", (settle, future.bind(py), py.None()));
+                let _ = lp.bind(py).call_method1("call_soon_threadsafe", (settle, future, py.None()));
             }
         });
-    })
+    }))
 }

@@ -10,6 +10,7 @@ import functools
 import gc
 import threading
 import time
+import weakref
 from collections.abc import Callable
 
 import numpy as np
@@ -792,6 +793,29 @@ def test_a_second_task_awaiting_the_same_iterator_raises(ctx9: lloyal.Context, r
     (first, second), (pending, *rest) = asyncio.run(main())
     assert first == want[0] and isinstance(second, RuntimeError) and "already awaited" in str(second)
     assert pending == 0 and rest == want[1:]
+
+
+def test_a_stream_whose_event_loop_closed_mid_read_is_freed(ctx9: lloyal.Context, root: Branch) -> None:
+    """An event loop closed while a task reads a stream: the engine held the future the task
+    awaited, so the task, its coroutine and the iterator in it (a cycle through Rust that
+    Python's collector cannot see), and the branch stayed "already generating" for good. The
+    engine holds the future weakly now: the task is collected, the request freed."""
+    b = root.fork()
+    loop = asyncio.new_event_loop()
+
+    async def stream() -> None:
+        async for _ in b.generate(500):
+            pass
+
+    task = loop.create_task(stream())
+    loop.run_until_complete(asyncio.sleep(0.1))
+    loop.close()
+    gone = weakref.ref(task)
+    del task, loop
+    gc.collect()
+    assert gone() is None
+    wait_until(lambda: ctx9.engine_stats().generating == 0)
+    assert len(list(b.generate(3))) == 3  # not "already generating"
 
 
 def test_async_lookahead_equals_demand_driven(ctx9: lloyal.Context, root: Branch) -> None:
