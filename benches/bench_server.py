@@ -32,6 +32,7 @@ import importlib.util
 import json
 import os
 import random
+import re
 import shlex
 import socket
 import statistics
@@ -453,13 +454,48 @@ def paired(
                     names = list(urls)
                     names = names[k % len(names) :] + names[: k % len(names)]
                     for name in names:
+                        before = engine_counters(urls[name])
                         r = asyncio.run(
                             run_load(name, urls[name], load, prompts, c, size.max_tokens, served[name])
                         )
-                        r.note = f"round {k}"
+                        r.note = f"round {k}{engine_note(before, engine_counters(urls[name]))}"
                         print(_row(r), flush=True)
                         results.append(r)
     return results
+
+
+_ENGINE_KEYS = ("ticks", "rows", "tick_seconds", "decode_seconds")
+
+
+def engine_counters(url: str) -> dict[str, float] | None:
+    """`lloyal serve`'s engine counters (``/metrics``), None from another server."""
+    try:
+        text = httpx.get(url + "/metrics", timeout=10).text
+    except httpx.HTTPError:
+        return None
+    values = {}
+    for key in _ENGINE_KEYS:
+        m = re.search(rf"^lloyal_engine_{key}_total (\S+)$", text, re.M)
+        if m is None:
+            return None
+        values[key] = float(m.group(1))
+    return values
+
+
+def engine_note(before: dict[str, float] | None, after: dict[str, float] | None) -> str:
+    """What a run cost lloyal's engine: ticks, rows, ms a tick inside ``llama_decode`` and
+    around it (where a step's time goes on a GPU, whose decode is short)."""
+    if before is None or after is None:
+        return ""
+    d = {k: after[k] - before[k] for k in _ENGINE_KEYS}
+    if d["ticks"] <= 0:
+        return ""
+    per = 1000 / d["ticks"]
+    host = d["tick_seconds"] - d["decode_seconds"]
+    return (
+        f"; engine: {d['ticks']:.0f} ticks, {d['rows']:.0f} rows, {d['decode_seconds'] * per:.2f} ms a tick "
+        f"in llama_decode + {host * per:.2f} around it"
+    )
 
 
 def paired_ratios(results: list[Result]) -> list[str]:
