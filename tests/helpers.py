@@ -161,9 +161,7 @@ MODELS_ON_CPU = os.environ.get("LLOYAL_N_GPU_LAYERS", "").strip() in ("", "0")
 
 # Whether ggml loaded a backend besides the CPU's (a CUDA module beside the wheel's CPU ones:
 # ``system_info`` names each backend, "CPU : ... | CUDA : ..."). Models on the CPU then change
-# too: llama.cpp keeps their weights in the GPU's pinned host memory (not on huge pages), and a
-# context that is not batch-invariant runs the matmuls of its large batches on the GPU
-# (``op_offload``), whose kernels round by batch shape.
+# too: llama.cpp keeps their weights in the GPU's pinned host memory, not on huge pages.
 GPU_BACKEND = any(name != "CPU" for name in re.findall(r"(\w+) : ", lloyal.system_info()))
 
 

@@ -232,18 +232,14 @@ impl ContextOptions {
         // (An unset pooling is checked once the model's own has filled it in.)
         // llama.cpp takes n_batch down to n_ctx; an n_batch above n_ctx goes down to a multiple
         // of n_seq_max below n_ctx here ([`Self::llama_n_batch`]).
-        let mean = matches!(self.pooling, Some(Pooling::Mean | Pooling::Rank));
-        if self.embeddings && mean && self.n_ctx < self.n_seq_max {
+        let mean = self.pools_by_mean();
+        if mean && self.n_ctx < self.n_seq_max {
             return Err(LloyalError::invalid(format!(
                 "with embeddings=True and mean pooling, n_ctx ({}) must be at least n_seq_max ({})",
                 self.n_ctx, self.n_seq_max
             )));
         }
-        if self.embeddings
-            && mean
-            && self.n_batch <= self.n_ctx
-            && !self.n_batch.is_multiple_of(self.n_seq_max)
-        {
+        if mean && self.n_batch <= self.n_ctx && !self.n_batch.is_multiple_of(self.n_seq_max) {
             return Err(LloyalError::invalid(format!(
                 "with embeddings=True and pooling={:?}, n_batch must be a multiple of n_seq_max \
                  (got n_batch={}, n_seq_max={}); try n_batch={}",
@@ -368,12 +364,17 @@ impl ContextOptions {
     /// up to n_ctx: llama.cpp reserves that pooling's graph for n_batch rounded up to a multiple
     /// of n_seq_max and aborts when the rounding changes it.
     fn llama_n_batch(&self) -> u32 {
-        let mean = matches!(self.pooling, Some(Pooling::Mean | Pooling::Rank));
-        if self.embeddings && mean && self.n_batch > self.n_ctx {
+        if self.pools_by_mean() && self.n_batch > self.n_ctx {
             (self.n_ctx / self.n_seq_max.max(1)).max(1) * self.n_seq_max.max(1)
         } else {
             self.n_batch
         }
+    }
+
+    /// Whether this is an embeddings context pooled by mean (or rank), whose graph llama.cpp
+    /// reserves for n_batch rounded up to a multiple of n_seq_max.
+    fn pools_by_mean(&self) -> bool {
+        self.embeddings && matches!(self.pooling, Some(Pooling::Mean | Pooling::Rank))
     }
 
     /// Whether this (resolved) context runs batch-invariant kernels.

@@ -64,11 +64,11 @@ def _inputs(ectx: lloyal.Context, body: EmbeddingRequest) -> list[list[int]]:
             param="dimensions",
         )
     inputs = token_lists(ectx, body.input, add_special=True, param="input")
+    # each input is pooled from one decode: at most a batch (llama-server's limit too)
+    limit = min(ectx.n_ctx, ectx.n_batch)
     for toks in inputs:
         if not toks:
             raise ApiError("input must not be empty", param="input")
-        # each input is pooled from one decode: at most a batch (llama-server's limit too)
-        limit = min(ectx.n_ctx, ectx.n_batch)
         if len(toks) > limit:
             raise ApiError(
                 f"an input has {len(toks)} tokens but the embedding context takes at most {limit} "

@@ -18,13 +18,7 @@ impl ContextState {
         if tokens.is_empty() {
             return Ok(());
         }
-        if tokens.len() > self.shape.n_ctx as usize {
-            return Err(LloyalError::KvCacheFull {
-                needed: tokens.len(),
-                n_ctx: self.shape.n_ctx,
-                detail: "more tokens than the whole cache holds".into(),
-            });
-        }
+        self.check_fits_cache(tokens.len())?;
         if i64::from(pos) + tokens.len() as i64 > i64::from(crate::branch::ops::MAX_START) {
             return Err(LloyalError::invalid(format!(
                 "decode at pos {pos} of {} tokens would go past position {}, the last a sequence may \
@@ -55,6 +49,19 @@ impl ContextState {
             }
             Ok(())
         })
+    }
+
+    /// `KvCacheFull` for a run of `n` tokens longer than the whole cache (refused up front,
+    /// not after the chunks that fit were decoded).
+    pub(crate) fn check_fits_cache(&self, n: usize) -> Result<()> {
+        if n > self.shape.n_ctx as usize {
+            return Err(LloyalError::KvCacheFull {
+                needed: n,
+                n_ctx: self.shape.n_ctx,
+                detail: "more tokens than the whole cache holds".into(),
+            });
+        }
+        Ok(())
     }
 
     /// The flat path's last logits.

@@ -78,14 +78,7 @@ impl ContextState {
         if pooled && tokens.len() > n_batch {
             return Err(too_long(tokens.len(), n_batch, "encode()"));
         }
-        if tokens.len() > self.shape().n_ctx as usize {
-            // (refused after the chunks that fitted were decoded, naming the last one's size)
-            return Err(LloyalError::KvCacheFull {
-                needed: tokens.len(),
-                n_ctx: self.shape().n_ctx,
-                detail: "more tokens than the whole cache holds".into(),
-            });
-        }
+        self.check_fits_cache(tokens.len())?;
         let dim = self.embedding_dimension();
         self.encoded.remove(&seq_id);
         self.remove_cells(seq_id, 0, -1);

@@ -307,10 +307,8 @@ impl Scheduler {
     /// Answer every in-flight operation with `err` (the context is gone; nothing to roll back).
     pub fn fail_all(&mut self, err: &LloyalError) -> Vec<(Reply, Result<()>)> {
         let mut replies: Vec<_> = self.flights.drain(..).map(|f| (f.op.reply, Err(err.clone()))).collect();
-        replies.extend(self.gens.drain(..).map(|g| (g.op.reply, Err(err.clone()))));
-        replies.extend(self.waiting.drain(..).map(|w| (w.op.reply, Err(err.clone()))));
+        replies.extend(self.end_generations(err));
         replies.extend(self.lease_waiting.drain(..).map(|op| (op.reply, Err(err.clone()))));
-        replies.extend(self.prompt_waiting.drain(..).map(|w| (w.op.reply, Err(err.clone()))));
         replies.extend(self.bonuses.drain(..).map(|(op, _)| (op.reply, Err(err.clone()))));
         replies
     }
