@@ -87,6 +87,26 @@ def test_temperature_is_honoured(primed: lloyal.Context) -> None:
     assert len(set(hot)) >= 10
 
 
+@pytest.mark.parametrize("top_p", [0.5, 0.9, 0.99])
+def test_top_p_alone_draws_the_chains_tokens(ctx: lloyal.Context, top_p: float) -> None:
+    """Top-p with no other filter is cut straight from the row (sampler/top_p.rs replays the
+    chain's f32 softmax); a min-p too small to remove anything sends the same request through
+    llama.cpp's chain. The same seed must give the same tokens, on real rows, at a temperature
+    that spreads the draws over the whole nucleus, and with penalties (replaced logits)."""
+    prompts = [PROMPT, "I think that", "The best way to learn a new language is"]
+    settings = [{"temperature": 1.0}, {"temperature": 50.0}, {"temperature": 2.0, "repeat_penalty": 1.5}]
+    for prompt in prompts:
+        ctx.kv_cache_clear()
+        ctx.decode(ctx.tokenize(prompt), 0)
+        for extra in settings:
+            params = {"top_k": 0, "top_p": top_p, "seed": 5, **extra}
+            fast = draws(ctx, 60, **params, min_p=0.0)
+            chain = draws(ctx, 60, **params, min_p=1e-30)
+            assert fast == chain, (prompt, extra)
+    # the spread draws met many tokens of the last row's nucleus, not only its best one
+    assert len(set(fast)) > 1
+
+
 def test_tiny_top_p_min_p_1_and_tiny_typical_p_are_greedy(primed: lloyal.Context) -> None:
     best = ranked(primed)[0]
     hot = {"temperature": 3.0, "seed": 1}

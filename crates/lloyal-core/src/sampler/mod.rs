@@ -5,6 +5,7 @@
 mod candidates;
 mod rng;
 mod temperature;
+mod top_p;
 
 use std::ffi::CString;
 use std::ptr::NonNull;
@@ -18,7 +19,7 @@ use crate::sampling::{adjusted_replacements, SamplingParams};
 use candidates::{allowed_finite, best_allowed_in_windows, pad_to_k, token_data};
 pub use candidates::{argmax, greedy_token, top_candidates, top_candidates_in};
 pub use rng::Rng;
-use rng::{draw, rng_for};
+use rng::{draw, draw_index, rng_for};
 
 /// llama.cpp's LLAMA_DEFAULT_SEED: draw a random seed.
 const RANDOM_SEED: u32 = 0xFFFF_FFFF;
@@ -143,18 +144,30 @@ pub struct Sampler {
     history: Vec<i32>,
     rng: Rng,
     candidates: Vec<sys::llama_token_data>,
-    /// The row scaled by the temperature, for [`temperature::temperature_draw`].
+    /// The row with its replacements put in, for the draws straight from it ([`temperature`],
+    /// [`top_p`]).
     scaled: Vec<f32>,
 }
 
 /// Whether the chain of `params` is the temperature alone ([`plan_steps`] with every filter
 /// off, no DRY, no mirostat, not greedy): a draw from softmax(logits / temperature).
 fn only_temperature(params: &SamplingParams) -> bool {
+    params.top_p >= 1.0 && temperature_after(params)
+}
+
+/// Whether the chain of `params` is top-p then the temperature: [`only_temperature`] with a
+/// top-p below 1 (so the chain sees the whole row).
+fn only_top_p(params: &SamplingParams) -> bool {
+    params.top_p < 1.0 && temperature_after(params)
+}
+
+/// Whether the chain of `params` ends with the temperature and has no filter but (maybe)
+/// top-p: no top-k, typical, min-p, XTC, DRY or mirostat, not greedy.
+fn temperature_after(params: &SamplingParams) -> bool {
     !params.is_greedy()
         && params.temperature > 0.0
         && params.top_k <= 0
         && params.typical_p >= 1.0
-        && params.top_p >= 1.0
         && params.min_p <= 0.0
         && params.xtc.as_ref().is_none_or(|x| x.probability <= 0.0)
         && params.dry.as_ref().is_none_or(|d| d.multiplier <= 0.0)
@@ -367,8 +380,30 @@ impl Sampler {
         if only_temperature(p) {
             // The chain would only divide by the temperature: drawn straight from the row.
             let u = self.rng.next_f64();
-            return temperature::temperature_draw(logits, &repl, p.temperature, u, &mut self.scaled)
+            return temperature::temperature_draw(logits, maxima, &repl, p.temperature, u, &mut self.scaled)
                 .unwrap_or_else(|| greedy_token(logits, &repl));
+        }
+        let mut drawn = None;
+        if only_top_p(p) {
+            let nucleus = top_p::survivors(
+                logits,
+                maxima,
+                &repl,
+                p.top_p,
+                p.temperature,
+                &mut self.scaled,
+                &mut self.candidates,
+            );
+            if let Some(nucleus) = nucleus {
+                // The chain's survivors, found without it: drawn as `draw_candidates` draws them,
+                // unless the draw lands on a token tied with a neighbour (the chain's order).
+                let u = self.rng.next_f64();
+                match draw_index(&self.candidates, u) {
+                    Some(at) if nucleus.drawn_untied(at) => return self.candidates[at].id,
+                    Some(_) => drawn = Some(u),
+                    None => return greedy_token(logits, &repl),
+                }
+            }
         }
         self.candidates.clear();
         if p.top_k > 0 && p.dry.is_none() && p.mirostat.is_none() {
@@ -381,7 +416,7 @@ impl Sampler {
                 self.candidates[i].logit = v;
             }
         }
-        self.draw_candidates(|| greedy_token(logits, &repl))
+        self.draw_candidates(drawn, || greedy_token(logits, &repl))
     }
 
     /// [`Self::sample_with`] over `logits` with every token `allowed` rejects at `-inf` (a
@@ -417,11 +452,12 @@ impl Sampler {
         }
         self.candidates.clear();
         self.candidates.extend(pad_to_k(best, k).into_iter().map(token_data));
-        Some(self.draw_candidates(|| first))
+        Some(self.draw_candidates(None, || first))
     }
 
-    /// Run the chain over `self.candidates` and draw; `fallback` when nothing survives.
-    fn draw_candidates(&mut self, fallback: impl FnOnce() -> i32) -> i32 {
+    /// Run the chain over `self.candidates` and draw with `u` (the RNG's next number when
+    /// `None`); `fallback` when nothing survives.
+    fn draw_candidates(&mut self, u: Option<f64>, fallback: impl FnOnce() -> i32) -> i32 {
         let mut arr = sys::llama_token_data_array {
             data: self.candidates.as_mut_ptr(),
             size: self.candidates.len(),
@@ -441,7 +477,7 @@ impl Sampler {
         // SAFETY: after apply, `data[..size]` is the surviving candidate set (our buffer or
         // memory owned by a chain sampler), valid until the next call on this chain.
         let survivors = unsafe { std::slice::from_raw_parts(arr.data, arr.size) };
-        let u = self.rng.next_f64();
+        let u = u.unwrap_or_else(|| self.rng.next_f64());
         draw(survivors, u).unwrap_or_else(fallback)
     }
 
@@ -469,6 +505,28 @@ impl Sampler {
             candidates: Vec::new(),
             scaled: Vec::new(),
         })
+    }
+}
+
+/// The survivors of a llama.cpp chain of `steps` over `cands` (the tests of the draws that
+/// go without it compare with this).
+#[cfg(test)]
+fn chain_survivors(steps: &[Step], cands: &mut [sys::llama_token_data]) -> Vec<sys::llama_token_data> {
+    let mut chain = RawChain::new().expect("a chain");
+    for &step in steps {
+        chain.add(init_step(step)).expect("a sampler");
+    }
+    let mut arr = sys::llama_token_data_array {
+        data: cands.as_mut_ptr(),
+        size: cands.len(),
+        selected: -1,
+        sorted: false,
+    };
+    // SAFETY: arr points into `cands`, alive and exclusively borrowed for the call; after it,
+    // `data[..size]` is `cands` or memory the chain owns, copied out before the chain is freed.
+    unsafe {
+        sys::llama_sampler_apply(chain.0.as_ptr(), &mut arr);
+        std::slice::from_raw_parts(arr.data, arr.size).to_vec()
     }
 }
 

@@ -51,6 +51,11 @@ pub(super) fn rng_for(params: &SamplingParams) -> Rng {
 
 /// Draw from softmax(logit) over `cands` with `u` in [0, 1); `None` if nothing is finite.
 pub(super) fn draw(cands: &[sys::llama_token_data], u: f64) -> Option<i32> {
+    draw_index(cands, u).map(|i| cands[i].id)
+}
+
+/// [`draw`]'s position in `cands`.
+pub(super) fn draw_index(cands: &[sys::llama_token_data], u: f64) -> Option<usize> {
     let max = cands.iter().map(|c| c.logit).fold(f32::NEG_INFINITY, f32::max);
     if !max.is_finite() {
         return None;
@@ -59,12 +64,12 @@ pub(super) fn draw(cands: &[sys::llama_token_data], u: f64) -> Option<i32> {
     let total: f64 = cands.iter().map(weight).sum();
     let mut target = u * total;
     let mut last = None;
-    for c in cands {
+    for (i, c) in cands.iter().enumerate() {
         let w = weight(c);
         if w > 0.0 {
-            last = Some(c.id);
+            last = Some(i);
             if target < w {
-                return Some(c.id);
+                return Some(i);
             }
             target -= w;
         }

@@ -4,14 +4,17 @@
 //! The chain's way builds a candidate array of the whole vocabulary (262,144 entries for
 //! Gemma 3, 3 MB), has llama.cpp divide each logit by the temperature, and [`super::rng::draw`]
 //! walks it twice with a scalar `exp` each entry: ~1 ms a row, ten times the cost of a top-k
-//! draw. Here the scaled row goes to a reused buffer, the weights `exp(y - max)` are summed 64
-//! to a span with a branch-free `exp` the compiler vectorises, and the draw walks the span
-//! sums, then one span's 64 weights.
+//! draw. Here one pass over the row divides each logit by the temperature and sums the weights
+//! `exp(y - max)` 64 to a span with a branch-free `exp` the compiler vectorises (the largest
+//! `y` is the largest logit's, read from the row's span maxima when the caller has them), and
+//! the draw walks the span sums, then one span's 64 weights.
 //!
 //! Same distribution and the same use of the random number as the chain: `u` in [0, 1) picks
 //! the first token (in vocabulary order) whose cumulative weight passes `u` times the total.
 //! The sums are ordered differently and the `exp` differs from libm's by an ulp or so, so a
 //! draw within ~1e-15 (relative) of a boundary between two tokens may land on the neighbour.
+
+use multiversion::{multiversion, target::selected_target};
 
 /// Weights summed to one span: the span sums are what the draw walks first.
 const SPAN: usize = 64;
@@ -23,9 +26,11 @@ const LANES: usize = 8;
 /// libm's result is under 1e-307 and adds nothing to a total of at least 1). Cody-Waite
 /// reduction to `|r| <= ln 2 / 2` and a degree-13 Taylor polynomial (truncation below 1e-17
 /// relative), scaled by `2^k` through the exponent bits; no branches, so loops over it
-/// vectorise.
+/// vectorise. `FUSED`: the polynomial's steps are fused multiply-adds (one instruction and one
+/// rounding each), for a CPU with FMA; without it `mul_add` would be a libm call a step.
 #[inline(always)]
-pub(super) fn exp_nonpositive(x: f64) -> f64 {
+pub(super) fn exp_nonpositive<const FUSED: bool>(x: f64) -> f64 {
+    let step = |p: f64, r: f64, c: f64| if FUSED { p.mul_add(r, c) } else { p * r + c };
     // ln 2 split as fdlibm's exp splits it: the high part times any k here is exact
     const LN2_HI: f64 = f64::from_bits(0x3fe6_2e42_fee0_0000);
     const LN2_LO: f64 = f64::from_bits(0x3dea_39ef_3579_3c76);
@@ -35,39 +40,67 @@ pub(super) fn exp_nonpositive(x: f64) -> f64 {
     let kd = x * std::f64::consts::LOG2_E + SHIFT;
     let k = kd - SHIFT;
     let r = (x - k * LN2_HI) - k * LN2_LO;
-    let p = 1.0 / 6_227_020_800.0;
-    let p = p * r + 1.0 / 479_001_600.0;
-    let p = p * r + 1.0 / 39_916_800.0;
-    let p = p * r + 1.0 / 3_628_800.0;
-    let p = p * r + 1.0 / 362_880.0;
-    let p = p * r + 1.0 / 40_320.0;
-    let p = p * r + 1.0 / 5_040.0;
-    let p = p * r + 1.0 / 720.0;
-    let p = p * r + 1.0 / 120.0;
-    let p = p * r + 1.0 / 24.0;
-    let p = p * r + 1.0 / 6.0;
-    let p = p * r + 0.5;
-    let p = p * r + 1.0;
-    let p = p * r + 1.0;
+    let p: f64 = 1.0 / 6_227_020_800.0;
+    let p = step(p, r, 1.0 / 479_001_600.0);
+    let p = step(p, r, 1.0 / 39_916_800.0);
+    let p = step(p, r, 1.0 / 3_628_800.0);
+    let p = step(p, r, 1.0 / 362_880.0);
+    let p = step(p, r, 1.0 / 40_320.0);
+    let p = step(p, r, 1.0 / 5_040.0);
+    let p = step(p, r, 1.0 / 720.0);
+    let p = step(p, r, 1.0 / 120.0);
+    let p = step(p, r, 1.0 / 24.0);
+    let p = step(p, r, 1.0 / 6.0);
+    let p = step(p, r, 0.5);
+    let p = step(p, r, 1.0);
+    let p = step(p, r, 1.0);
     // k + 1023 is in [1, 1023] here: the low bits of kd's mantissa, moved to the exponent
     let scale = f64::from_bits(kd.to_bits().wrapping_add(1023) << 52);
     let keep: u64 = if x > -708.0 { u64::MAX } else { 0 };
     f64::from_bits((p * scale).to_bits() & keep)
 }
 
-/// The weights `exp(y - max)` of 8 scaled logits (`max` their row's maximum).
+/// The weight `exp(x / t - max)` of logit `x` (`max` its row's largest `x / t`).
 #[inline(always)]
-fn weights8(y: &[f32; LANES], max: f32) -> [f64; LANES] {
-    let mut w = [0.0f64; LANES];
-    for (w, &y) in w.iter_mut().zip(y) {
-        *w = exp_nonpositive(f64::from(y - max));
+fn weight<const FUSED: bool>(x: f32, t: f32, max: f32) -> f64 {
+    exp_nonpositive::<FUSED>(f64::from(x / t - max))
+}
+
+/// The sum of the weights of each [`SPAN`] logits of `values`, in [`LANES`] accumulators.
+#[inline(always)]
+fn span_sums_with<const FUSED: bool>(values: &[f32], t: f32, max: f32) -> Vec<f64> {
+    values
+        .chunks(SPAN)
+        .map(|span| {
+            let mut acc = [0.0f64; LANES];
+            let (groups, rest) = span.as_chunks::<LANES>();
+            for group in groups {
+                for (a, &x) in acc.iter_mut().zip(group) {
+                    *a += weight::<FUSED>(x, t, max);
+                }
+            }
+            let rest: f64 = rest.iter().map(|&x| weight::<FUSED>(x, t, max)).sum();
+            acc.iter().sum::<f64>() + rest
+        })
+        .collect()
+}
+
+/// A logit's weight: `(x, t, max)` to `exp(x / t - max)`.
+type Weight = fn(f32, f32, f32) -> f64;
+
+/// [`span_sums_with`], fused where the CPU has FMA, and the weight function that goes with it.
+#[multiversion(targets("x86_64+avx512f+avx512bw+avx512dq+avx512vl", "x86_64+avx2+fma"))]
+fn span_sums(values: &[f32], t: f32, max: f32) -> (Vec<f64>, Weight) {
+    if selected_target!().supports_feature_str("fma") {
+        (span_sums_with::<true>(values, t, max), weight::<true>)
+    } else {
+        (span_sums_with::<false>(values, t, max), weight::<false>)
     }
-    w
 }
 
 /// The maximum of `values` (NaN-free), in 16 lanes: one running maximum would be a chain of
 /// 262,144 dependent steps.
-fn lane_max(values: &[f32]) -> f32 {
+pub(super) fn lane_max(values: &[f32]) -> f32 {
     let mut acc = [f32::NEG_INFINITY; 16];
     let (groups, rest) = values.as_chunks::<16>();
     for g in groups {
@@ -81,41 +114,42 @@ fn lane_max(values: &[f32]) -> f32 {
 
 /// Draw from softmax(`logits` / `temperature`) with `u` in [0, 1): the logits with
 /// `repl` (token, value) put in first, each divided by the temperature in f32 as llama.cpp's
-/// temperature sampler does; `scaled` is a reused buffer. `None` when no value is finite.
+/// temperature sampler does (on the fly: one pass over the row for the span sums); `maxima`
+/// the row's span maxima when known, `row` a reused buffer. `None` when no value is finite.
 pub(super) fn temperature_draw(
     logits: &[f32],
+    maxima: &[f32],
     repl: &[(usize, f32)],
     temperature: f32,
     u: f64,
-    scaled: &mut Vec<f32>,
+    row: &mut Vec<f32>,
 ) -> Option<i32> {
-    scaled.clear();
-    scaled.extend(logits.iter().map(|&x| x / temperature));
-    for &(i, v) in repl {
-        if let Some(y) = scaled.get_mut(i) {
-            *y = v / temperature;
+    let values: &[f32] = if repl.is_empty() {
+        logits
+    } else {
+        row.clear();
+        row.extend_from_slice(logits);
+        for &(i, v) in repl {
+            if let Some(x) = row.get_mut(i) {
+                *x = v;
+            }
         }
-    }
-    let max = lane_max(scaled);
+        row
+    };
+    // Dividing by t > 0 keeps the order (rounding is monotonic): the largest x / t is the
+    // largest x divided by t.
+    let max_x = if repl.is_empty() && maxima.len() == values.len().div_ceil(crate::scan::SPAN) {
+        maxima.iter().copied().fold(f32::NEG_INFINITY, f32::max)
+    } else {
+        lane_max(values)
+    };
+    let t = temperature;
+    let max = max_x / t;
     if !max.is_finite() {
         return None;
     }
-    let weight = |y: f32| exp_nonpositive(f64::from(y - max));
-    let sums: Vec<f64> = scaled
-        .chunks(SPAN)
-        .map(|span| {
-            let mut acc = [0.0f64; LANES];
-            let (groups, rest) = span.as_chunks::<LANES>();
-            for group in groups {
-                let w = weights8(group, max);
-                for (a, w) in acc.iter_mut().zip(w) {
-                    *a += w;
-                }
-            }
-            let rest: f64 = rest.iter().map(|&y| weight(y)).sum();
-            acc.iter().sum::<f64>() + rest
-        })
-        .collect();
+    let (sums, weight_of) = span_sums(values, t, max);
+    let weight = |x: f32| weight_of(x, t, max);
     let total: f64 = sums.iter().sum();
     let mut target = u * total;
     let mut last = None;
@@ -129,8 +163,8 @@ pub(super) fn temperature_draw(
             continue;
         }
         // The draw falls in this span: walk its weights (the chain's walk, one span long).
-        for (j, &y) in scaled[s * SPAN..].iter().take(SPAN).enumerate() {
-            let w = weight(y);
+        for (j, &x) in values[s * SPAN..].iter().take(SPAN).enumerate() {
+            let w = weight(x);
             if w > 0.0 {
                 if target < w {
                     return Some((s * SPAN + j) as i32);
@@ -143,8 +177,8 @@ pub(super) fn temperature_draw(
     // Rounding carried the target past every weight: the last token with a weight, as the
     // chain's walk gives.
     let s = last?;
-    let span = &scaled[s * SPAN..(s * SPAN + SPAN).min(scaled.len())];
-    span.iter().rposition(|&y| weight(y) > 0.0).map(|j| (s * SPAN + j) as i32)
+    let span = &values[s * SPAN..(s * SPAN + SPAN).min(values.len())];
+    span.iter().rposition(|&x| weight(x) > 0.0).map(|j| (s * SPAN + j) as i32)
 }
 
 #[cfg(test)]
@@ -162,7 +196,7 @@ mod tests {
         let mut scaled = Vec::new();
         let t = std::time::Instant::now();
         for _ in 0..200 {
-            std::hint::black_box(temperature_draw(&logits, &[], 0.8, rng.next_f64(), &mut scaled));
+            std::hint::black_box(temperature_draw(&logits, &[], &[], 0.8, rng.next_f64(), &mut scaled));
         }
         println!("temperature_draw: {:.3} ms a row", t.elapsed().as_secs_f64() * 1e3 / 200.0);
     }
@@ -173,13 +207,17 @@ mod tests {
         let mut worst = 0.0f64;
         for i in 0..200_000 {
             let x = if i < 1000 { -(i as f64) * 0.708 } else { -rng.next_f64() * 708.0 };
-            let (a, b) = (exp_nonpositive(x), x.exp());
+            let (a, b) = (exp_nonpositive::<false>(x), x.exp());
+            let fused = exp_nonpositive::<true>(x);
+            worst = worst.max(((fused - b) / b).abs());
             worst = worst.max(((a - b) / b).abs());
         }
         assert!(worst < 5e-16, "relative error {worst:e}");
-        assert_eq!(exp_nonpositive(0.0), 1.0);
-        assert_eq!(exp_nonpositive(f64::NEG_INFINITY), 0.0);
-        assert_eq!(exp_nonpositive(-800.0), 0.0);
+        for f in [exp_nonpositive::<false>, exp_nonpositive::<true>] {
+            assert_eq!(f(0.0), 1.0);
+            assert_eq!(f(f64::NEG_INFINITY), 0.0);
+            assert_eq!(f(-800.0), 0.0);
+        }
     }
 
     /// The chain's draw: the candidates divided by the temperature, then `rng::draw`.
@@ -217,20 +255,28 @@ mod tests {
                 })
                 .collect();
             let repl = [(n / 2, f32::NEG_INFINITY), (n - 1, 9.0), (0, -3.0)];
+            let maxima: Vec<f32> = logits.chunks(crate::scan::SPAN).map(lane_max).collect();
             for _ in 0..300 {
                 let u = rng.next_f64();
                 let want = chain_draw(&logits, &repl, t, u);
-                assert_eq!(temperature_draw(&logits, &repl, t, u, &mut scaled), want, "n={n} t={t} u={u}");
+                assert_eq!(
+                    temperature_draw(&logits, &[], &repl, t, u, &mut scaled),
+                    want,
+                    "n={n} t={t} u={u}"
+                );
+                // the span maxima of a row with nothing replaced give its largest value
+                let plain = temperature_draw(&logits, &maxima, &[], t, u, &mut scaled);
+                assert_eq!(plain, chain_draw(&logits, &[], t, u), "n={n} t={t} u={u}");
             }
             // the ends of [0, 1): the first and the last token with a weight
             for u in [0.0, 1.0 - f64::EPSILON] {
                 assert_eq!(
-                    temperature_draw(&logits, &repl, t, u, &mut scaled),
+                    temperature_draw(&logits, &[], &repl, t, u, &mut scaled),
                     chain_draw(&logits, &repl, t, u)
                 );
             }
         }
         let banned = vec![f32::NEG_INFINITY; 100];
-        assert_eq!(temperature_draw(&banned, &[], 1.0, 0.5, &mut scaled), None);
+        assert_eq!(temperature_draw(&banned, &[], &[], 1.0, 0.5, &mut scaled), None);
     }
 }
