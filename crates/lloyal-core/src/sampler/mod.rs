@@ -16,7 +16,7 @@ use llama_cpp_sys_2 as sys;
 use crate::error::{LloyalError, Result};
 use crate::model::Model;
 use crate::sampling::{adjusted_replacements, SamplingParams};
-use candidates::{allowed_finite, best_allowed_in_windows, pad_to_k, token_data};
+use candidates::{allowed_finite, best_allowed_in_windows, greedy_token_in, pad_to_k, token_data};
 pub use candidates::{argmax, greedy_token, top_candidates, top_candidates_in};
 pub use rng::Rng;
 use rng::{draw, draw_index, rng_for};
@@ -375,7 +375,7 @@ impl Sampler {
         let repl = adjusted_replacements(logits, &self.history, &self.params, extra_bias);
         let p = &self.params;
         if p.is_greedy() && p.dry.is_none() {
-            return if repl.is_empty() { argmax() } else { greedy_token(logits, &repl) };
+            return if repl.is_empty() { argmax() } else { greedy_token_in(logits, maxima, &repl) };
         }
         if only_temperature(p) {
             // The chain would only divide by the temperature: drawn straight from the row.

@@ -16,6 +16,8 @@
 
 use multiversion::{multiversion, target::selected_target};
 
+use super::candidates::replaced_maxima;
+
 /// Weights summed to one span: the span sums are what the draw walks first.
 const SPAN: usize = 64;
 
@@ -138,10 +140,10 @@ pub(super) fn temperature_draw(
     };
     // Dividing by t > 0 keeps the order (rounding is monotonic): the largest x / t is the
     // largest x divided by t.
-    let max_x = if repl.is_empty() && maxima.len() == values.len().div_ceil(crate::scan::SPAN) {
-        maxima.iter().copied().fold(f32::NEG_INFINITY, f32::max)
-    } else {
+    let max_x = if maxima.is_empty() {
         lane_max(values)
+    } else {
+        replaced_maxima(values, maxima, repl).iter().copied().fold(f32::NEG_INFINITY, f32::max)
     };
     let t = temperature;
     let max = max_x / t;
@@ -264,7 +266,8 @@ mod tests {
                     want,
                     "n={n} t={t} u={u}"
                 );
-                // the span maxima of a row with nothing replaced give its largest value
+                // the span maxima of the row before its replacements, as a snapshot has them
+                assert_eq!(temperature_draw(&logits, &maxima, &repl, t, u, &mut scaled), want);
                 let plain = temperature_draw(&logits, &maxima, &[], t, u, &mut scaled);
                 assert_eq!(plain, chain_draw(&logits, &[], t, u), "n={n} t={t} u={u}");
             }

@@ -21,10 +21,9 @@
 
 use llama_cpp_sys_2 as sys;
 
-use super::candidates::token_data;
+use super::candidates::{replaced_maxima, token_data};
 use multiversion::multiversion;
 
-use crate::metrics::max_f32_lanes;
 use crate::scan::SPAN;
 
 /// llama.cpp's top-p sorts in place (not by buckets) at most this many candidates; rows this
@@ -38,9 +37,6 @@ const MOST_BEST: usize = 16_384;
 
 /// `expf(x)` is 0 (in f32) below `-ZERO_PROBABILITY`.
 const ZERO_PROBABILITY: f32 = 104.0;
-
-/// Accumulator lanes of a span's maximum, when the caller has no span maxima.
-const LANES: usize = 16;
 
 /// Bit `j` set for each `span[j]` with `x - max` not below `skip` (up to 64 values; NaN
 /// never).
@@ -120,13 +116,8 @@ pub(super) fn survivors(
         }
         row
     };
-    let owned: Vec<f32>;
-    let spans = if repl.is_empty() && maxima.len() == values.len().div_ceil(SPAN) {
-        maxima
-    } else {
-        owned = values.chunks(SPAN).map(max_f32_lanes::<LANES>).collect();
-        &owned
-    };
+    let spans = replaced_maxima(values, maxima, repl);
+    let spans = &spans[..];
     let max = spans.iter().copied().fold(f32::NEG_INFINITY, f32::max);
     if !max.is_finite() {
         return None;
@@ -224,7 +215,9 @@ mod tests {
 
     fn fast(logits: &[f32], repl: &[(usize, f32)], p: f32, t: f32) -> Option<(Vec<(i32, f32)>, Nucleus)> {
         let (mut row, mut out) = (Vec::new(), Vec::new());
-        let nucleus = survivors(logits, &[], repl, p, t, &mut row, &mut out)?;
+        // the span maxima of the row before its replacements, as a snapshot's summary has them
+        let maxima: Vec<f32> = logits.chunks(SPAN).map(crate::metrics::max_f32_lanes::<16>).collect();
+        let nucleus = survivors(logits, &maxima, repl, p, t, &mut row, &mut out)?;
         Some((out.iter().map(|c| (c.id, c.logit)).collect(), nucleus))
     }
 
@@ -305,7 +298,7 @@ mod tests {
     }
 
     fn sum_of(row: &[f32]) -> f32 {
-        let spans: Vec<f32> = row.chunks(SPAN).map(max_f32_lanes::<LANES>).collect();
+        let spans: Vec<f32> = row.chunks(SPAN).map(crate::metrics::max_f32_lanes::<16>).collect();
         softmax_sum(row, &spans, spans.iter().copied().fold(f32::NEG_INFINITY, f32::max))
     }
 
