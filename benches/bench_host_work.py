@@ -8,6 +8,8 @@ decoded. ``pytest benches`` runs it once at a small size;
 ``python benches/bench_host_work.py [STEPS B...]`` prints a table (default 64 steps, B = 1 8 16):
 the median of three rounds, each running every B on a context that keeps sampling perplexity
 (the default) and then on one made with ``sampling_perplexity=False``, with the ratio per round.
+``--sampler top-p`` (top-p 0.95 without top-k), ``temperature`` (OpenAI's default: the whole
+vocabulary) or ``greedy`` replaces the issue's sampler; the bias stays.
 """
 
 from __future__ import annotations
@@ -24,16 +26,24 @@ import pytest
 import lloyal
 
 SAMPLING = lloyal.SamplingParams(temperature=0.8, top_k=40, top_p=0.95, min_p=0.0)
+SAMPLERS = {
+    "issue": SAMPLING,
+    "top-p": lloyal.SamplingParams(temperature=0.8, top_k=0, top_p=0.95, min_p=0.0),
+    "temperature": lloyal.SamplingParams(temperature=0.8, top_k=0, top_p=1.0, min_p=0.0),
+    "greedy": lloyal.SamplingParams(temperature=0.0),
+}
 BIAS = {13: -2.0, 236764: 1.5}  # a newline pushed down, one more token pulled up
 
 
-def host_round(ctx: lloyal.Context, b: int, steps: int) -> dict[str, float]:
-    """``b`` threads, each generating ``steps`` sampled tokens on its own fork."""
-    root = lloyal.Branch.create(ctx, 0, SAMPLING)
+def host_round(
+    ctx: lloyal.Context, b: int, steps: int, sampling: lloyal.SamplingParams = SAMPLING
+) -> dict[str, float]:
+    """``b`` threads, each generating ``steps`` tokens drawn with ``sampling`` on its own fork."""
+    root = lloyal.Branch.create(ctx, 0, sampling)
     root.prefill(ctx.tokenize("The history of the harbour town of Aldermoor begins"))
     kids = [root.fork() for _ in range(b)]
     for i, k in enumerate(kids):
-        k.set_sampling(SAMPLING, seed=100 + i, logit_bias=BIAS)
+        k.set_sampling(sampling, seed=100 + i, logit_bias=BIAS)
     made = [0] * b
 
     def one(i: int) -> None:
@@ -81,11 +91,18 @@ def fmt(b: int, r: dict[str, float], ppl: str = "kept") -> str:
 
 
 def main() -> None:
-    args = [int(a) for a in sys.argv[1:]]
+    argv = sys.argv[1:]
+    name = "issue"
+    if "--sampler" in argv:
+        at = argv.index("--sampler")
+        name = argv[at + 1]
+        del argv[at : at + 2]
+    sampling = SAMPLERS[name]
+    args = [int(a) for a in argv]
     steps, bs = (args[0], args[1:]) if args else (64, [])
     bs = bs or [1, 8, 16]
     rounds = 3
-    print(f"{steps} steps, {rounds} interleaved rounds (median), {lloyal.system_info()}")
+    print(f"{steps} steps, {rounds} interleaved rounds (median), sampler {name}, {lloyal.system_info()}")
     print(
         "| B | sampling perplexity | rows/tick | host ms/tick | decode ms/tick | host ms/row "
         "| of it sampling ms/row |"
@@ -96,12 +113,13 @@ def main() -> None:
     with lloyal.Context(path, **opts) as on, lloyal.Context(path, **opts, sampling_perplexity=False) as off:
         runs: dict[tuple[int, bool], list[dict[str, float]]] = {}
         for ctx in (on, off):
-            host_round(ctx, max(bs), 4)  # warm-up
+            host_round(ctx, max(bs), 4, sampling)  # warm-up
         for _ in range(rounds):
             for b in bs:
                 for ctx in (on, off):
                     time.sleep(0.15)  # the other context's engine hands back its OpenMP team (idle 0.1 s)
-                    runs.setdefault((b, ctx.sampling_perplexity), []).append(host_round(ctx, b, steps))
+                    run = host_round(ctx, b, steps, sampling)
+                    runs.setdefault((b, ctx.sampling_perplexity), []).append(run)
         for b in bs:
             for kept in (True, False):
                 rs = runs[(b, kept)]
