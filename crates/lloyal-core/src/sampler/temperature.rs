@@ -90,6 +90,9 @@ fn span_sums_with<const FUSED: bool>(values: &[f32], t: f32, max: f32) -> Vec<f6
 /// A logit's weight: `(x, t, max)` to `exp(x / t - max)`.
 type Weight = fn(f32, f32, f32) -> f64;
 
+/// A row's span sums at `(t, max)` and the weight function they were made with.
+type SpanSums = fn(&[f32], f32, f32) -> (Vec<f64>, Weight);
+
 /// [`span_sums_with`], fused where the CPU has FMA, and the weight function that goes with it.
 #[multiversion(targets("x86_64+avx512f+avx512bw+avx512dq+avx512vl", "x86_64+avx2+fma"))]
 fn span_sums(values: &[f32], t: f32, max: f32) -> (Vec<f64>, Weight) {
@@ -126,6 +129,20 @@ pub(super) fn temperature_draw(
     u: f64,
     row: &mut Vec<f32>,
 ) -> Option<i32> {
+    draw_with(logits, maxima, repl, temperature, u, row, span_sums)
+}
+
+/// [`temperature_draw`] with the span sums (and the weight function that goes with them) from
+/// `sums_of` (the tests give the unfused ones of a CPU without FMA).
+fn draw_with(
+    logits: &[f32],
+    maxima: &[f32],
+    repl: &[(usize, f32)],
+    temperature: f32,
+    u: f64,
+    row: &mut Vec<f32>,
+    sums_of: SpanSums,
+) -> Option<i32> {
     let values: &[f32] = if repl.is_empty() {
         logits
     } else {
@@ -150,7 +167,7 @@ pub(super) fn temperature_draw(
     if !max.is_finite() {
         return None;
     }
-    let (sums, weight_of) = span_sums(values, t, max);
+    let (sums, weight_of) = sums_of(values, t, max);
     let weight = |x: f32| weight_of(x, t, max);
     let total: f64 = sums.iter().sum();
     let mut target = u * total;
@@ -268,6 +285,10 @@ mod tests {
                 );
                 // the span maxima of the row before its replacements, as a snapshot has them
                 assert_eq!(temperature_draw(&logits, &maxima, &repl, t, u, &mut scaled), want);
+                // a CPU without FMA: the polynomial's steps rounded twice
+                let unfused =
+                    |v: &[f32], t: f32, m: f32| (span_sums_with::<false>(v, t, m), weight::<false> as Weight);
+                assert_eq!(draw_with(&logits, &maxima, &repl, t, u, &mut scaled, unfused), want);
                 let plain = temperature_draw(&logits, &maxima, &[], t, u, &mut scaled);
                 assert_eq!(plain, chain_draw(&logits, &[], t, u), "n={n} t={t} u={u}");
             }
