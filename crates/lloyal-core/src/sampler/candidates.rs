@@ -1,8 +1,6 @@
 //! The candidates a draw chooses from: the top-k of a row (replacements substituted), the
 //! best tokens a grammar allows, the greedy token.
 
-use std::borrow::Cow;
-
 use llama_cpp_sys_2 as sys;
 use multiversion::multiversion;
 
@@ -276,29 +274,6 @@ impl TopHeap {
     }
 }
 
-/// The span maxima of `values` (`logits` with `replace` entries put in), from `maxima` (those
-/// of `logits`; empty: not known) with each span holding a replaced token read again: a
-/// logit bias or a penalty then costs a few spans, not a pass over the row. Every span is read
-/// when `maxima` are not known or most spans hold a replacement.
-pub(super) fn replaced_maxima<'a>(
-    values: &[f32],
-    maxima: &'a [f32],
-    replace: &[(usize, f32)],
-) -> Cow<'a, [f32]> {
-    let span_max = |s: usize| max_f32_lanes::<16>(&values[s * SPAN..((s + 1) * SPAN).min(values.len())]);
-    if maxima.len() != values.len().div_ceil(SPAN) || replace.len() > maxima.len() / 4 {
-        return Cow::Owned((0..values.len().div_ceil(SPAN)).map(span_max).collect());
-    }
-    if replace.is_empty() {
-        return Cow::Borrowed(maxima);
-    }
-    let mut own = maxima.to_vec();
-    for &(i, _) in replace.iter().filter(|(i, _)| *i < values.len()) {
-        own[i / SPAN] = span_max(i / SPAN);
-    }
-    Cow::Owned(own)
-}
-
 /// [`greedy_token`] with the span maxima of `logits` given (empty: not known).
 pub fn greedy_token_in(logits: &[f32], maxima: &[f32], replace: &[(usize, f32)]) -> i32 {
     if replace.is_empty() {
@@ -367,38 +342,5 @@ mod tests {
         assert_eq!(set_bits(0b10100).collect::<Vec<_>>(), vec![2, 4]);
         assert_eq!(set_bits(0).count(), 0);
         assert_eq!(set_bits(1 << 15).collect::<Vec<_>>(), vec![15]);
-    }
-
-    /// Patched span maxima equal those of the replaced row read whole, with a replacement
-    /// that raises, lowers, bans or NaNs a span's best value, out-of-range entries, no maxima
-    /// known, and most spans replaced.
-    #[test]
-    fn replaced_maxima_equal_a_reading_of_the_replaced_row() {
-        use super::{replaced_maxima, SPAN};
-        let mut next = super::super::tests::xorshift(0x2545_f491_4f6c_dd1d);
-        let logits: Vec<f32> = (0..10_000).map(|_| (next() % 1000) as f32 / 50.0 - 10.0).collect();
-        let whole = |v: &[f32]| {
-            v.chunks(SPAN).map(|c| c.iter().copied().fold(f32::NEG_INFINITY, f32::max)).collect::<Vec<_>>()
-        };
-        let maxima = whole(&logits);
-        let best = (0..SPAN).max_by(|&a, &b| logits[a].total_cmp(&logits[b])).unwrap();
-        let many: Vec<(usize, f32)> = (0..10_000).step_by(37).map(|i| (i, 3.0)).collect();
-        let cases: Vec<Vec<(usize, f32)>> = vec![
-            vec![],
-            vec![(best, -50.0), (700, 99.0), (9_999, f32::NEG_INFINITY), (20_000, 5.0)],
-            vec![(best, f32::NAN), (64, 11.0)],
-            many,
-        ];
-        for repl in cases {
-            let mut values = logits.clone();
-            for &(i, v) in &repl {
-                if let Some(x) = values.get_mut(i) {
-                    *x = v;
-                }
-            }
-            let want = whole(&values);
-            assert_eq!(replaced_maxima(&values, &maxima, &repl).into_owned(), want, "{repl:?}");
-            assert_eq!(replaced_maxima(&values, &[], &repl).into_owned(), want);
-        }
     }
 }

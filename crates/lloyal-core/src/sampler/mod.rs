@@ -3,6 +3,7 @@
 //! `rng.rs`, the choice of candidates from a row in `candidates.rs`.
 
 mod candidates;
+mod replaced;
 mod rng;
 mod temperature;
 mod top_p;
@@ -144,9 +145,6 @@ pub struct Sampler {
     history: Vec<i32>,
     rng: Rng,
     candidates: Vec<sys::llama_token_data>,
-    /// The row with its replacements put in, for the draws straight from it ([`temperature`],
-    /// [`top_p`]).
-    scaled: Vec<f32>,
 }
 
 /// Whether the chain of `params` is the temperature alone ([`plan_steps`] with every filter
@@ -273,7 +271,7 @@ impl Sampler {
     pub fn new(model: &Model, params: SamplingParams) -> Result<Self> {
         let chain = build_chain(model, &params)?;
         let rng = rng_for(&params);
-        Ok(Sampler { chain, params, history: Vec::new(), rng, candidates: Vec::new(), scaled: Vec::new() })
+        Ok(Sampler { chain, params, history: Vec::new(), rng, candidates: Vec::new() })
     }
 
     /// Rebuild a sampler from saved parts: parameters, accepted history (replayed into DRY /
@@ -380,20 +378,13 @@ impl Sampler {
         if only_temperature(p) {
             // The chain would only divide by the temperature: drawn straight from the row.
             let u = self.rng.next_f64();
-            return temperature::temperature_draw(logits, maxima, &repl, p.temperature, u, &mut self.scaled)
+            return temperature::temperature_draw(logits, maxima, &repl, p.temperature, u)
                 .unwrap_or_else(|| greedy_token(logits, &repl));
         }
         let mut drawn = None;
         if only_top_p(p) {
-            let nucleus = top_p::survivors(
-                logits,
-                maxima,
-                &repl,
-                p.top_p,
-                p.temperature,
-                &mut self.scaled,
-                &mut self.candidates,
-            );
+            let nucleus =
+                top_p::survivors(logits, maxima, &repl, p.top_p, p.temperature, &mut self.candidates);
             if let Some(nucleus) = nucleus {
                 // The chain's survivors, found without it: drawn as `draw_candidates` draws them,
                 // unless the draw lands on a token tied with a neighbour (the chain's order).
@@ -503,7 +494,6 @@ impl Sampler {
             history: self.history.clone(),
             rng: self.rng,
             candidates: Vec::new(),
-            scaled: Vec::new(),
         })
     }
 }

@@ -16,10 +16,11 @@
 
 use multiversion::{multiversion, target::selected_target};
 
-use super::candidates::replaced_maxima;
+use super::replaced::Replaced;
 
-/// Weights summed to one span: the span sums are what the draw walks first.
-const SPAN: usize = 64;
+/// Weights summed to one span (the snapshot's span): the span sums are what the draw walks
+/// first.
+use crate::scan::SPAN;
 
 /// Lanes of the per-span accumulators (independent adds the compiler can vectorise).
 const LANES: usize = 8;
@@ -68,11 +69,10 @@ fn weight<const FUSED: bool>(x: f32, t: f32, max: f32) -> f64 {
     exp_nonpositive::<FUSED>(f64::from(x / t - max))
 }
 
-/// The sum of the weights of each [`SPAN`] logits of `values`, in [`LANES`] accumulators.
+/// The sum of the weights of each [`SPAN`] logits of `row`, in [`LANES`] accumulators.
 #[inline(always)]
-fn span_sums_with<const FUSED: bool>(values: &[f32], t: f32, max: f32) -> Vec<f64> {
-    values
-        .chunks(SPAN)
+fn span_sums_with<const FUSED: bool>(row: &Replaced, t: f32, max: f32) -> Vec<f64> {
+    row.spans()
         .map(|span| {
             let mut acc = [0.0f64; LANES];
             let (groups, rest) = span.as_chunks::<LANES>();
@@ -91,45 +91,30 @@ fn span_sums_with<const FUSED: bool>(values: &[f32], t: f32, max: f32) -> Vec<f6
 type Weight = fn(f32, f32, f32) -> f64;
 
 /// A row's span sums at `(t, max)` and the weight function they were made with.
-type SpanSums = fn(&[f32], f32, f32) -> (Vec<f64>, Weight);
+type SpanSums = fn(&Replaced, f32, f32) -> (Vec<f64>, Weight);
 
 /// [`span_sums_with`], fused where the CPU has FMA, and the weight function that goes with it.
 #[multiversion(targets("x86_64+avx512f+avx512bw+avx512dq+avx512vl", "x86_64+avx2+fma"))]
-fn span_sums(values: &[f32], t: f32, max: f32) -> (Vec<f64>, Weight) {
+fn span_sums(row: &Replaced, t: f32, max: f32) -> (Vec<f64>, Weight) {
     if selected_target!().supports_feature_str("fma") {
-        (span_sums_with::<true>(values, t, max), weight::<true>)
+        (span_sums_with::<true>(row, t, max), weight::<true>)
     } else {
-        (span_sums_with::<false>(values, t, max), weight::<false>)
+        (span_sums_with::<false>(row, t, max), weight::<false>)
     }
-}
-
-/// The maximum of `values` (NaN-free), in 16 lanes: one running maximum would be a chain of
-/// 262,144 dependent steps.
-pub(super) fn lane_max(values: &[f32]) -> f32 {
-    let mut acc = [f32::NEG_INFINITY; 16];
-    let (groups, rest) = values.as_chunks::<16>();
-    for g in groups {
-        for (a, &v) in acc.iter_mut().zip(g) {
-            *a = if v > *a { v } else { *a };
-        }
-    }
-    let rest = rest.iter().copied().fold(f32::NEG_INFINITY, f32::max);
-    acc.iter().copied().fold(rest, f32::max)
 }
 
 /// Draw from softmax(`logits` / `temperature`) with `u` in [0, 1): the logits with
 /// `repl` (token, value) put in first, each divided by the temperature in f32 as llama.cpp's
 /// temperature sampler does (on the fly: one pass over the row for the span sums); `maxima`
-/// the row's span maxima when known, `row` a reused buffer. `None` when no value is finite.
+/// the row's span maxima when known. `None` when no value is finite.
 pub(super) fn temperature_draw(
     logits: &[f32],
     maxima: &[f32],
     repl: &[(usize, f32)],
     temperature: f32,
     u: f64,
-    row: &mut Vec<f32>,
 ) -> Option<i32> {
-    draw_with(logits, maxima, repl, temperature, u, row, span_sums)
+    draw_with(logits, maxima, repl, temperature, u, span_sums)
 }
 
 /// [`temperature_draw`] with the span sums (and the weight function that goes with them) from
@@ -140,34 +125,18 @@ fn draw_with(
     repl: &[(usize, f32)],
     temperature: f32,
     u: f64,
-    row: &mut Vec<f32>,
     sums_of: SpanSums,
 ) -> Option<i32> {
-    let values: &[f32] = if repl.is_empty() {
-        logits
-    } else {
-        row.clear();
-        row.extend_from_slice(logits);
-        for &(i, v) in repl {
-            if let Some(x) = row.get_mut(i) {
-                *x = v;
-            }
-        }
-        row
-    };
+    let row = Replaced::new(logits, repl);
     // Dividing by t > 0 keeps the order (rounding is monotonic): the largest x / t is the
     // largest x divided by t.
-    let max_x = if maxima.is_empty() {
-        lane_max(values)
-    } else {
-        replaced_maxima(values, maxima, repl).iter().copied().fold(f32::NEG_INFINITY, f32::max)
-    };
+    let max_x = row.maxima(maxima).iter().copied().fold(f32::NEG_INFINITY, f32::max);
     let t = temperature;
     let max = max_x / t;
     if !max.is_finite() {
         return None;
     }
-    let (sums, weight_of) = sums_of(values, t, max);
+    let (sums, weight_of) = sums_of(&row, t, max);
     let weight = |x: f32| weight_of(x, t, max);
     let total: f64 = sums.iter().sum();
     let mut target = u * total;
@@ -182,7 +151,7 @@ fn draw_with(
             continue;
         }
         // The draw falls in this span: walk its weights (the chain's walk, one span long).
-        for (j, &x) in values[s * SPAN..].iter().take(SPAN).enumerate() {
+        for (j, &x) in row.span(s).iter().enumerate() {
             let w = weight(x);
             if w > 0.0 {
                 if target < w {
@@ -196,8 +165,7 @@ fn draw_with(
     // Rounding carried the target past every weight: the last token with a weight, as the
     // chain's walk gives.
     let s = last?;
-    let span = &values[s * SPAN..(s * SPAN + SPAN).min(values.len())];
-    span.iter().rposition(|&x| weight(x) > 0.0).map(|j| (s * SPAN + j) as i32)
+    row.span(s).iter().rposition(|&x| weight(x) > 0.0).map(|j| (s * SPAN + j) as i32)
 }
 
 #[cfg(test)]
@@ -212,10 +180,9 @@ mod tests {
     fn temperature_draw_speed() {
         let mut rng = Rng::seeded(5);
         let logits: Vec<f32> = (0..262_144).map(|_| (rng.next_f64() * 20.0 - 10.0) as f32).collect();
-        let mut scaled = Vec::new();
         let t = std::time::Instant::now();
         for _ in 0..200 {
-            std::hint::black_box(temperature_draw(&logits, &[], &[], 0.8, rng.next_f64(), &mut scaled));
+            std::hint::black_box(temperature_draw(&logits, &[], &[], 0.8, rng.next_f64()));
         }
         println!("temperature_draw: {:.3} ms a row", t.elapsed().as_secs_f64() * 1e3 / 200.0);
     }
@@ -258,7 +225,6 @@ mod tests {
     #[test]
     fn draws_the_chains_token_for_the_same_random_number() {
         let mut rng = Rng::seeded(11);
-        let mut scaled = Vec::new();
         for (n, t) in [(262_144usize, 0.8f32), (1000, 1.0), (130, 1.7), (64, 0.3), (7, 1.0)] {
             // logits like a model's: a few large, a long tail, some banned
             let logits: Vec<f32> = (0..n)
@@ -274,33 +240,27 @@ mod tests {
                 })
                 .collect();
             let repl = [(n / 2, f32::NEG_INFINITY), (n - 1, 9.0), (0, -3.0)];
-            let maxima: Vec<f32> = logits.chunks(crate::scan::SPAN).map(lane_max).collect();
+            let maxima: Vec<f32> = logits.chunks(SPAN).map(crate::metrics::max_f32_lanes::<16>).collect();
             for _ in 0..300 {
                 let u = rng.next_f64();
                 let want = chain_draw(&logits, &repl, t, u);
-                assert_eq!(
-                    temperature_draw(&logits, &[], &repl, t, u, &mut scaled),
-                    want,
-                    "n={n} t={t} u={u}"
-                );
+                assert_eq!(temperature_draw(&logits, &[], &repl, t, u), want, "n={n} t={t} u={u}");
                 // the span maxima of the row before its replacements, as a snapshot has them
-                assert_eq!(temperature_draw(&logits, &maxima, &repl, t, u, &mut scaled), want);
+                assert_eq!(temperature_draw(&logits, &maxima, &repl, t, u), want);
                 // a CPU without FMA: the polynomial's steps rounded twice
-                let unfused =
-                    |v: &[f32], t: f32, m: f32| (span_sums_with::<false>(v, t, m), weight::<false> as Weight);
-                assert_eq!(draw_with(&logits, &maxima, &repl, t, u, &mut scaled, unfused), want);
-                let plain = temperature_draw(&logits, &maxima, &[], t, u, &mut scaled);
+                let unfused = |v: &Replaced, t: f32, m: f32| {
+                    (span_sums_with::<false>(v, t, m), weight::<false> as Weight)
+                };
+                assert_eq!(draw_with(&logits, &maxima, &repl, t, u, unfused), want);
+                let plain = temperature_draw(&logits, &maxima, &[], t, u);
                 assert_eq!(plain, chain_draw(&logits, &[], t, u), "n={n} t={t} u={u}");
             }
             // the ends of [0, 1): the first and the last token with a weight
             for u in [0.0, 1.0 - f64::EPSILON] {
-                assert_eq!(
-                    temperature_draw(&logits, &[], &repl, t, u, &mut scaled),
-                    chain_draw(&logits, &repl, t, u)
-                );
+                assert_eq!(temperature_draw(&logits, &[], &repl, t, u), chain_draw(&logits, &repl, t, u));
             }
         }
         let banned = vec![f32::NEG_INFINITY; 100];
-        assert_eq!(temperature_draw(&banned, &[], &[], 1.0, 0.5, &mut scaled), None);
+        assert_eq!(temperature_draw(&banned, &[], &[], 1.0, 0.5), None);
     }
 }

@@ -21,7 +21,8 @@
 
 use llama_cpp_sys_2 as sys;
 
-use super::candidates::{replaced_maxima, token_data};
+use super::candidates::token_data;
+use super::replaced::Replaced;
 use multiversion::multiversion;
 
 use crate::scan::SPAN;
@@ -56,13 +57,13 @@ fn kept_bits(span: &[f32], max: f32, skip: f32) -> u64 {
 /// is skipped whole, and so is each such value of the other spans; the terms left are added in
 /// order with libm's `expf`, the function the chain calls.
 #[multiversion(targets("x86_64+avx512f+avx512bw+avx512dq+avx512vl", "x86_64+avx2+fma"))]
-pub(super) fn softmax_sum(row: &[f32], maxima: &[f32], max: f32) -> f32 {
+pub(super) fn softmax_sum(row: &Replaced, maxima: &[f32], max: f32) -> f32 {
     let mut sum = 0.0f32;
     // Terms with `x - max` below `skip` round away; nothing does while the sum is 0.
     let mut skip = f32::NEG_INFINITY;
     // The sum's binade ends here: past it the ulp doubles and `skip` is recomputed.
     let mut binade_end = 0.0f32;
-    for (span, &span_max) in row.chunks(SPAN).zip(maxima) {
+    for (span, &span_max) in row.spans().zip(maxima) {
         if span_max - max < skip {
             continue;
         }
@@ -85,7 +86,7 @@ pub(super) fn softmax_sum(row: &[f32], maxima: &[f32], max: f32) -> f32 {
 /// Into `out`, the candidates that survive llama.cpp's top-p sampler (`min_keep` 1) over
 /// `logits` with `repl` (token, value) put in first, best first as the chain leaves them, each
 /// logit divided by `temperature` as the chain's temperature sampler then does; `maxima`: the
-/// row's span maxima when known; `row` a reused buffer. NaN counts as `-inf`.
+/// row's span maxima when known. NaN counts as `-inf`.
 ///
 /// Tokens with equal logits are in the chain's own order there, which only the chain knows: a
 /// draw that lands on one of them is the chain's to make ([`Nucleus::drawn_untied`]).
@@ -98,31 +99,19 @@ pub(super) fn survivors(
     repl: &[(usize, f32)],
     p: f32,
     temperature: f32,
-    row: &mut Vec<f32>,
     out: &mut Vec<sys::llama_token_data>,
 ) -> Option<Nucleus> {
     if logits.len() <= CHAIN_SORTS_IN_PLACE {
         return None;
     }
-    let values: &[f32] = if repl.is_empty() {
-        logits
-    } else {
-        row.clear();
-        row.extend_from_slice(logits);
-        for &(i, v) in repl {
-            if let Some(x) = row.get_mut(i) {
-                *x = v;
-            }
-        }
-        row
-    };
-    let spans = replaced_maxima(values, maxima, repl);
+    let row = Replaced::new(logits, repl);
+    let spans = row.maxima(maxima);
     let spans = &spans[..];
     let max = spans.iter().copied().fold(f32::NEG_INFINITY, f32::max);
     if !max.is_finite() {
         return None;
     }
-    let sum = softmax_sum(values, spans, max);
+    let sum = softmax_sum(&row, spans, max);
     if !sum.is_finite() || sum <= 0.0 {
         return None;
     }
@@ -147,10 +136,9 @@ pub(super) fn survivors(
         }
         let layer_start = best.len();
         for (s, _) in spans.iter().enumerate().filter(|&(_, &m)| m >= floor) {
-            let at = s * SPAN;
-            for (j, &x) in values[at..(at + SPAN).min(values.len())].iter().enumerate() {
+            for (j, &x) in row.span(s).iter().enumerate() {
                 if x >= floor && x < bound {
-                    best.push(((at + j) as i32, x));
+                    best.push(((s * SPAN + j) as i32, x));
                 }
             }
         }
@@ -214,10 +202,10 @@ mod tests {
     }
 
     fn fast(logits: &[f32], repl: &[(usize, f32)], p: f32, t: f32) -> Option<(Vec<(i32, f32)>, Nucleus)> {
-        let (mut row, mut out) = (Vec::new(), Vec::new());
+        let mut out = Vec::new();
         // the span maxima of the row before its replacements, as a snapshot's summary has them
         let maxima: Vec<f32> = logits.chunks(SPAN).map(crate::metrics::max_f32_lanes::<16>).collect();
-        let nucleus = survivors(logits, &maxima, repl, p, t, &mut row, &mut out)?;
+        let nucleus = survivors(logits, &maxima, repl, p, t, &mut out)?;
         Some((out.iter().map(|c| (c.id, c.logit)).collect(), nucleus))
     }
 
@@ -299,7 +287,7 @@ mod tests {
 
     fn sum_of(row: &[f32]) -> f32 {
         let spans: Vec<f32> = row.chunks(SPAN).map(crate::metrics::max_f32_lanes::<16>).collect();
-        softmax_sum(row, &spans, spans.iter().copied().fold(f32::NEG_INFINITY, f32::max))
+        softmax_sum(&Replaced::new(row, &[]), &spans, spans.iter().copied().fold(f32::NEG_INFINITY, f32::max))
     }
 
     #[test]
@@ -381,10 +369,10 @@ mod tests {
     fn top_p_speed() {
         let mut rng = Rng::seeded(5);
         let logits = row(&mut rng, 262_144, 14.0, 6.0);
-        let (mut buf, mut out) = (Vec::new(), Vec::new());
+        let mut out = Vec::new();
         let t = std::time::Instant::now();
         for _ in 0..200 {
-            assert!(survivors(&logits, &[], &[], 0.95, 0.8, &mut buf, &mut out).is_some());
+            assert!(survivors(&logits, &[], &[], 0.95, 0.8, &mut out).is_some());
         }
         println!(
             "top-p survivors: {:.3} ms a row ({} kept)",
