@@ -1,6 +1,9 @@
 //! A sampler chain owned at the llama.cpp sys level: built from SamplingParams, cloneable
 //! (RNG and DRY history included), applied to a logits snapshot. The final draw's RNG is in
-//! `rng.rs`, the choice of candidates from a row in `candidates.rs`.
+//! `rng.rs`, the choice of candidates from a row in `candidates.rs`; the chains that are the
+//! temperature alone (`temperature.rs`) or top-p alone (`top_p.rs`) are drawn from the row
+//! without the chain, with the same tokens, a row with replacements read through
+//! `replaced.rs`.
 
 mod candidates;
 mod replaced;
@@ -354,7 +357,9 @@ impl Sampler {
     ///
     /// With top-k active (and no DRY, which must see every candidate), the k best tokens
     /// are selected here in one O(n) pass and only they reach llama.cpp's chain, instead of
-    /// a 262k-entry candidate array that llama.cpp would partially sort.
+    /// a 262k-entry candidate array that llama.cpp would partially sort. A chain that is the
+    /// temperature alone, or top-p then the temperature, is not run at all: the same token is
+    /// drawn from the row ([`temperature`], [`top_p`]).
     pub fn sample(&mut self, logits: &[f32], extra_bias: &[(i32, f32)]) -> i32 {
         self.sample_with(logits, &[], extra_bias, || argmax(logits))
     }
