@@ -712,6 +712,10 @@ def test_set_sampling_replaces_params_seed_bias_and_grammar_at_once_or_not_at_al
         b.set_sampling(hot, grammar="root ::= (")
     with pytest.raises(ValueError):
         b.set_sampling(hot, seed=-1)
+    # a bias value that is not a number is refused before the grammar and params are put in
+    for bad in (float("nan"), float("inf")):
+        with pytest.raises(ValueError, match="must be finite or -inf"):
+            b.set_sampling(hot, logit_bias={5: bad}, grammar='root ::= "xyz"')
     assert b.produce().token == banned
     b.set_sampling(SamplingParams(temperature=0.0), grammar='root ::= "Hello"')
     assert "Hello".startswith(ctx.token_to_text(b.produce().token))

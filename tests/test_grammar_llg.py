@@ -164,6 +164,17 @@ def test_lark_and_regex_on_a_branch(ctx: lloyal.Context) -> None:
         assert re.fullmatch(r"[0-9]{3}-[0-9]{4}", ctx.detokenize(_run(b, 16)))
 
 
+@pytest.mark.parametrize("pattern", [" ", "\n", "\t", "  "], ids=["space", "newline", "tab", "two-spaces"])
+def test_a_regex_of_whitespace_alone_is_a_grammar(ctx: lloyal.Context, pattern: str) -> None:
+    rx = lloyal.Grammar.from_regex(ctx, pattern)
+    assert rx.source == pattern
+    with lloyal.Branch.create(ctx, 0, lloyal.SamplingParams(temperature=1.0, seed=3), grammar=rx) as b:
+        b.prefill(ctx.tokenize("Some whitespace:"))
+        assert ctx.detokenize(_run(b, 8)) == pattern
+    with pytest.raises(lloyal.GrammarError, match="empty"):
+        lloyal.Grammar.from_regex(ctx, "")
+
+
 def test_fork_mid_document_copies_the_parse_state(ctx4: lloyal.Context) -> None:
     with _person_branch(ctx4) as root:
         head = [t.token for t in root.generate(4)]

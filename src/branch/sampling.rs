@@ -32,7 +32,8 @@ pub(super) fn grammar_arg(
     Ok(Some(PyGrammar::parse(py, model, gbnf, "root".into(), Default::default())?))
 }
 
-/// Token ids (range-checked) and biases from a `{token: bias}` dict.
+/// Token ids and biases from a `{token: bias}` dict, both checked (ids in the vocabulary,
+/// values finite or `-inf`), so that a call taking one fails before it changes anything.
 fn bias_list(model: &lloyal_core::Model, bias: &Bound<'_, PyDict>) -> PyResult<Vec<(i32, f32)>> {
     let map: HashMap<TokenId, f32> = bias.extract()?;
     let mut v: Vec<(i32, f32)> = map
@@ -41,6 +42,7 @@ fn bias_list(model: &lloyal_core::Model, bias: &Bound<'_, PyDict>) -> PyResult<V
         .collect::<lloyal_core::Result<_>>()
         .py()?;
     v.sort_by_key(|x| x.0);
+    lloyal_core::branch::ops::check_bias(model, &v).py()?;
     Ok(v)
 }
 

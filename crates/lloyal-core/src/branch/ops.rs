@@ -237,16 +237,7 @@ impl ContextState {
     }
 
     fn check_bias(&self, bias: &[(i32, f32)]) -> Result<()> {
-        let model = self.model();
-        for &(t, b) in bias {
-            model.check_token(i64::from(t))?;
-            if b.is_nan() || b == f32::INFINITY {
-                return Err(LloyalError::invalid(format!(
-                    "bias for token {t} must be finite or -inf, got {b}"
-                )));
-            }
-        }
-        Ok(())
+        check_bias(&self.model(), bias)
     }
 
     /// Set the inherited logit bias (replaces the previous one).
@@ -336,4 +327,15 @@ fn bans_every_token(a: &[(i32, f32)], b: &[(i32, f32)], n_vocab: usize) -> bool 
         }
     }
     banned.iter().all(|&x| x)
+}
+
+/// A logit bias's tokens are in the vocabulary and its values finite or `-inf` (a ban).
+pub fn check_bias(model: &Model, bias: &[(i32, f32)]) -> Result<()> {
+    for &(t, b) in bias {
+        model.check_token(i64::from(t))?;
+        if b.is_nan() || b == f32::INFINITY {
+            return Err(LloyalError::invalid(format!("bias for token {t} must be finite or -inf, got {b}")));
+        }
+    }
+    Ok(())
 }

@@ -98,7 +98,9 @@ impl LlgEngine {
     /// Compile `text` as a `kind` grammar and compute its first mask, so that every compile
     /// error (including limits hit by the first mask) is raised here.
     pub(crate) fn compile(model: &Model, kind: GrammarKind, text: &str) -> Result<LlgEngine> {
-        if text.trim().is_empty() {
+        // A regex of whitespace alone matches that whitespace; other kinds need some text.
+        let blank = if kind == GrammarKind::Regex { text.is_empty() } else { text.trim().is_empty() };
+        if blank {
             return Err(LloyalError::Grammar(format!("the {} grammar is empty; pass its text", kind.name())));
         }
         let top = top_level(kind, text)?;
