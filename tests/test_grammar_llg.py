@@ -10,6 +10,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+import jsonschema
 import numpy as np
 import pytest
 from helpers import (
@@ -162,6 +163,46 @@ def test_lark_and_regex_on_a_branch(ctx: lloyal.Context) -> None:
     with lloyal.Branch.create(ctx, 0, lloyal.SamplingParams(temperature=1.0, seed=2), grammar=rx) as b:
         b.prefill(ctx.tokenize("Call me at"))
         assert re.fullmatch(r"[0-9]{3}-[0-9]{4}", ctx.detokenize(_run(b, 16)))
+
+
+INT = {"type": "integer", "minimum": 0, "maximum": 99}  # short values: the documents end
+STR = {"type": "string", "maxLength": 8}
+SHARED_KEYS = {
+    "properties-beside-allOf": {
+        "type": "object",
+        "properties": {"a": INT},
+        "required": ["a"],
+        "allOf": [{"properties": {"b": STR}, "required": ["b"]}],
+    },
+    "union-with-a-shared-field": {
+        "type": "object",
+        "properties": {"kind": {"enum": ["x", "y"]}},
+        "required": ["kind"],
+        "anyOf": [
+            {"properties": {"x": INT}, "required": ["x"]},
+            {"properties": {"y": {"type": "boolean"}}, "required": ["y"]},
+        ],
+    },
+    "base-extended-by-allOf": {
+        "$defs": {"base": {"type": "object", "properties": {"id": INT}, "required": ["id"]}},
+        "allOf": [{"$ref": "#/$defs/base"}, {"properties": {"name": STR}, "required": ["name"]}],
+    },
+}
+
+
+@pytest.mark.parametrize("name", list(SHARED_KEYS))
+def test_schemas_whose_keys_come_from_several_parts_compile(ctx: lloyal.Context, name: str) -> None:
+    """Objects are closed to keys they do not list, but not the parts of a whole: these were
+    refused as unsatisfiable when each part was closed to the others' keys."""
+    schema = SHARED_KEYS[name]
+    g = lloyal.Grammar.from_json_schema(ctx, schema)
+    for seed in range(3):
+        with lloyal.Branch.create(ctx, 0, lloyal.SamplingParams(temperature=1.0, seed=seed), grammar=g) as b:
+            b.prefill(ctx.tokenize("A JSON object:"))
+            doc = json.loads(ctx.detokenize(_run(b, 96)))
+            jsonschema.validate(doc, schema)
+            if name != "union-with-a-shared-field":  # merged into one object: no other keys
+                assert set(doc) <= {"a", "b", "id", "name"}, doc
 
 
 @pytest.mark.parametrize("pattern", [" ", "\n", "\t", "  "], ids=["space", "newline", "tab", "two-spaces"])

@@ -3,8 +3,13 @@
 //!
 //! - an object that lists `properties` and says nothing of other keys is closed to them
 //!   (`additionalProperties: false`): a schema names the keys it wants, and an open object lets a
-//!   model add keys until it runs out of tokens. Branches of an `allOf` stay open (each
-//!   names only part of the keys the whole allows);
+//!   model add keys until it runs out of tokens. Where keys come from several places, the parts
+//!   stay open (each names only some of the keys the whole allows): the branches of an `allOf`,
+//!   an object whose `properties` sit beside an `allOf`, `anyOf`, `oneOf` or `$ref` and that
+//!   combinator's branches (a union that shares a field), and the `$defs` an `allOf` refers to
+//!   (a base schema extended). Before that, an `allOf` whose parts are plain objects (properties,
+//!   required; a part may be a `$ref` to one) is merged into its object, as llama.cpp's converter
+//!   merges it, so the whole is closed to keys no part lists;
 //! - llguidance's options default to what those converters do: compact separators with no free
 //!   whitespace, `oneOf` read as `anyOf` (`coerce_one_of`), and keywords and formats it does not
 //!   implement ignored rather than refused (`lenient`: `uniqueItems`, `format: "password"`).
@@ -33,9 +38,16 @@ const LIST: [&str; 4] = ["anyOf", "oneOf", "prefixItems", "items"];
 /// Keywords whose value maps names to subschemas.
 const MAP: [&str; 4] = ["properties", "patternProperties", "$defs", "definitions"];
 
+/// Keywords that combine subschemas (keys may come from each).
+const COMBINE: [&str; 3] = ["allOf", "anyOf", "oneOf"];
+
 /// `schema` made ready for llguidance (see the module).
 pub fn prepare(mut schema: Value) -> Value {
-    close_objects(&mut schema, false);
+    let defs = definitions(&schema);
+    merge_all_of(&mut schema, &defs, 0);
+    let mut extended = Vec::new();
+    extended_refs(&schema, &mut extended);
+    close_objects(&mut schema, false, &extended);
     if let Some(obj) = schema.as_object_mut() {
         let options = obj.entry("x-guidance").or_insert_with(|| json!({}));
         if let Some(options) = options.as_object_mut() {
@@ -47,25 +59,142 @@ pub fn prepare(mut schema: Value) -> Value {
     schema
 }
 
-/// Close every object of `schema` that lists properties and says nothing of other keys, but
-/// not the branches of an `allOf` (`in_all_of`).
-fn close_objects(schema: &mut Value, in_all_of: bool) {
+/// Keys a plain object part of an `allOf` may have (besides `type: "object"`).
+const PLAIN: [&str; 6] = ["type", "properties", "required", "title", "description", "$comment"];
+
+/// How deep `allOf`s are merged inside each other (a base extending a base...).
+const MERGE_DEPTH: usize = 16;
+
+/// The root's `$defs` and `definitions`, by the `$ref` that names each.
+fn definitions(schema: &Value) -> Map<String, Value> {
+    let mut out = Map::new();
+    for key in ["$defs", "definitions"] {
+        if let Some(Value::Object(defs)) = schema.get(key) {
+            for (name, def) in defs {
+                out.insert(format!("#/{key}/{name}"), def.clone());
+            }
+        }
+    }
+    out
+}
+
+/// Merge into each object of `schema` an `allOf` whose parts are all plain objects (a `$ref`
+/// to one counts), their own `allOf`s merged first: one object with every part's properties
+/// (a property two parts give becomes the `allOf` of both) and required keys.
+fn merge_all_of(schema: &mut Value, defs: &Map<String, Value>, depth: usize) {
     let Some(obj) = schema.as_object_mut() else { return };
-    if !in_all_of && obj.contains_key("properties") && !OTHER_KEYS.iter().any(|k| obj.contains_key(*k)) {
+    obj.values_mut().for_each(|v| match v {
+        Value::Array(items) => items.iter_mut().for_each(|v| merge_all_of(v, defs, depth)),
+        v => merge_all_of(v, defs, depth),
+    });
+    let Some(Value::Array(parts)) = obj.get("allOf") else { return };
+    let mut plain = Vec::new();
+    for part in parts {
+        let mut part = match part.get("$ref").and_then(Value::as_str) {
+            Some(r) if part.as_object().is_some_and(|o| o.len() == 1) => match defs.get(r) {
+                Some(def) => def.clone(),
+                None => return,
+            },
+            _ => part.clone(),
+        };
+        if depth < MERGE_DEPTH {
+            merge_all_of(&mut part, defs, depth + 1);
+        }
+        let Some(o) = part.as_object() else { return };
+        let is_object = o.get("type").is_none_or(|t| t == "object");
+        if !is_object || !o.keys().all(|k| PLAIN.contains(&k.as_str())) {
+            return;
+        }
+        plain.push(part);
+    }
+    if obj.get("type").is_some_and(|t| t != "object") {
+        return;
+    }
+    obj.remove("allOf");
+    obj.insert("type".into(), json!("object"));
+    for part in plain {
+        if let Some(Value::Object(props)) = part.get("properties") {
+            let mine = obj.entry("properties").or_insert_with(|| json!({}));
+            if let Some(mine) = mine.as_object_mut() {
+                for (name, sub) in props {
+                    match mine.get_mut(name) {
+                        Some(have) if have != sub => *have = json!({"allOf": [have.clone(), sub.clone()]}),
+                        Some(_) => {}
+                        None => {
+                            mine.insert(name.clone(), sub.clone());
+                        }
+                    }
+                }
+            }
+        }
+        if let Some(Value::Array(req)) = part.get("required") {
+            let mine = obj.entry("required").or_insert_with(|| json!([]));
+            if let Some(mine) = mine.as_array_mut() {
+                for r in req {
+                    if !mine.contains(r) {
+                        mine.push(r.clone());
+                    }
+                }
+            }
+        }
+    }
+}
+
+/// Whether `obj` lists properties beside something else that may add keys (a combinator or a
+/// `$ref`).
+fn shares_keys(obj: &Map<String, Value>) -> bool {
+    obj.contains_key("properties")
+        && (obj.contains_key("$ref") || COMBINE.iter().any(|k| obj.contains_key(*k)))
+}
+
+/// Into `out`, the `$ref`s that extend or are extended: those of an `allOf`'s branches, and of
+/// the combinators' branches of an object that [`shares_keys`].
+fn extended_refs(schema: &Value, out: &mut Vec<String>) {
+    match schema {
+        Value::Object(obj) => {
+            let shares = shares_keys(obj);
+            for key in COMBINE {
+                if let Some(Value::Array(subs)) = obj.get(key) {
+                    for sub in subs.iter().filter(|_| key == "allOf" || shares) {
+                        if let Some(Value::String(r)) = sub.get("$ref") {
+                            out.push(r.clone());
+                        }
+                    }
+                }
+            }
+            obj.values().for_each(|v| extended_refs(v, out));
+        }
+        Value::Array(items) => items.iter().for_each(|v| extended_refs(v, out)),
+        _ => {}
+    }
+}
+
+/// Close every object of `schema` that lists properties and says nothing of other keys, but
+/// not one that is part of a whole (`part`: a branch of an `allOf`, or of a combinator beside
+/// properties), nor one that [`shares_keys`], nor a `$defs` entry `extended` names.
+fn close_objects(schema: &mut Value, part: bool, extended: &[String]) {
+    let Some(obj) = schema.as_object_mut() else { return };
+    let shares = shares_keys(obj);
+    if !part && !shares && obj.contains_key("properties") && !OTHER_KEYS.iter().any(|k| obj.contains_key(*k))
+    {
         obj.insert("additionalProperties".into(), Value::Bool(false));
     }
     for key in ONE {
         if let Some(sub) = obj.get_mut(key) {
-            close_objects(sub, false);
+            close_objects(sub, false, extended);
         }
     }
     for key in LIST {
-        each(obj, key, |sub| close_objects(sub, false));
+        each(obj, key, |sub| close_objects(sub, shares && key != "prefixItems" && key != "items", extended));
     }
-    each(obj, "allOf", |sub| close_objects(sub, true));
+    each(obj, "allOf", |sub| close_objects(sub, true, extended));
     for key in MAP {
         if let Some(Value::Object(subs)) = obj.get_mut(key) {
-            subs.values_mut().for_each(|sub| close_objects(sub, false));
+            for (name, sub) in subs.iter_mut() {
+                let named = format!("#/{key}/{name}");
+                let part = (key == "$defs" || key == "definitions") && extended.contains(&named);
+                close_objects(sub, part, extended);
+            }
         }
     }
 }
@@ -90,16 +219,16 @@ mod tests {
                 "list": {"type": "array", "items": {"properties": {"c": {}}}},
                 "open": {"type": "object"},
                 "said": {"properties": {"d": {}}, "additionalProperties": {"properties": {"e": {}}}},
-                "pattern": {"properties": {"f": {}}, "patternProperties": {"^x": {}}}
+                "pattern": {"properties": {"f": {}}, "patternProperties": {"^x": {}}},
+                "either": {"anyOf": [{"properties": {"g": {}}}, {"$ref": "#/$defs/node"}]},
+                "both": {"allOf": [{"properties": {"h": {}}}, {"properties": {"i": {}}}]}
             },
-            "$defs": {"node": {"properties": {"next": {"$ref": "#/$defs/node"}}}},
-            "anyOf": [{"properties": {"g": {}}}],
-            "allOf": [{"properties": {"h": {}}}, {"properties": {"i": {}}}]
+            "$defs": {"node": {"properties": {"next": {"$ref": "#/$defs/node"}}}}
         }));
         let closed = |v: &Value| v.get("additionalProperties") == Some(&json!(false));
         let p = &s["properties"];
         assert!(closed(&s) && closed(&p["a"]) && closed(&p["list"]["items"]));
-        assert!(closed(&s["$defs"]["node"]) && closed(&s["anyOf"][0]));
+        assert!(closed(&s["$defs"]["node"]) && closed(&p["either"]["anyOf"][0]), "alternatives are whole");
         assert!(!closed(&p["open"]), "no properties listed: any object");
         assert_eq!(
             p["said"]["additionalProperties"]["additionalProperties"],
@@ -107,7 +236,56 @@ mod tests {
             "said, and inside"
         );
         assert!(!closed(&p["pattern"]), "patternProperties say which other keys");
-        assert!(!closed(&s["allOf"][0]) && !closed(&s["allOf"][1]), "an allOf's parts stay open");
+        let both = &p["both"]["allOf"];
+        assert!(!closed(&both[0]) && !closed(&both[1]), "an allOf's parts stay open");
+    }
+
+    /// Keys from several places: a field shared by a union's branches, a base extended through
+    /// `allOf` and `$ref`, properties beside an `allOf` (the review's three schemas llguidance
+    /// found unsatisfiable when the parts were closed); the objects inside the parts are closed.
+    #[test]
+    fn the_parts_of_a_whole_stay_open() {
+        let closed = |v: &Value| v.get("additionalProperties") == Some(&json!(false));
+        let union = prepare(json!({
+            "type": "object",
+            "properties": {"kind": {"type": "string"}},
+            "required": ["kind"],
+            "anyOf": [
+                {"properties": {"a": {"type": "object", "properties": {"x": {}}}}, "required": ["a"]},
+                {"properties": {"b": {"type": "integer"}}, "required": ["b"]}
+            ]
+        }));
+        assert!(!closed(&union) && !closed(&union["anyOf"][0]) && !closed(&union["anyOf"][1]));
+        assert!(closed(&union["anyOf"][0]["properties"]["a"]), "an object inside a part is whole");
+        // plain parts are merged, then the whole is closed
+        let extended = prepare(json!({
+            "$defs": {
+                "base": {"type": "object", "properties": {"id": {"type": "integer"}}, "required": ["id"]},
+                "leaf": {"type": "object", "properties": {"v": {}}}
+            },
+            "allOf": [{"$ref": "#/$defs/base"}, {"properties": {"name": {"type": "string"}, "id": {"minimum": 1}}}],
+            "properties": {"leaf": {"$ref": "#/$defs/leaf"}}
+        }));
+        assert!(extended.get("allOf").is_none() && closed(&extended));
+        assert_eq!(extended["required"], json!(["id"]));
+        let props = &extended["properties"];
+        assert_eq!(props["id"], json!({"allOf": [{"type": "integer"}, {"minimum": 1}]}), "both parts' id");
+        assert!(props["name"].is_object() && props["leaf"].is_object());
+        assert!(closed(&extended["$defs"]["leaf"]) && closed(&extended["$defs"]["base"]));
+        let beside = prepare(json!({
+            "type": "object",
+            "properties": {"a": {"type": "integer"}},
+            "allOf": [{"properties": {"b": {"type": "integer"}}, "required": ["b"]}]
+        }));
+        assert!(closed(&beside) && beside["properties"]["b"].is_object());
+        // a part that is more than an object's keys: not merged, the parts and the base stay open
+        let conditional = prepare(json!({
+            "$defs": {"base": {"properties": {"id": {}}}},
+            "properties": {"a": {}},
+            "allOf": [{"$ref": "#/$defs/base"}, {"if": {"required": ["a"]}, "then": {"required": ["id"]}}]
+        }));
+        assert!(conditional.get("allOf").is_some() && !closed(&conditional));
+        assert!(!closed(&conditional["$defs"]["base"]), "a base an allOf extends");
     }
 
     #[test]
