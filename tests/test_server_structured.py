@@ -145,6 +145,58 @@ def test_required_calls_one_or_more_offered_tools(
     assert len({c.id for c in choice.message.tool_calls}) == len(calls)
 
 
+# What Pydantic's model_json_schema() gives: definitions in $defs, referred to from the root.
+PYDANTIC_WEATHER = {
+    "$defs": {"Unit": {"enum": ["celsius", "fahrenheit"]}, "Place": {"type": "string", "maxLength": 12}},
+    "type": "object",
+    "properties": {"city": {"$ref": "#/$defs/Place"}, "unit": {"$ref": "#/$defs/Unit"}},
+    "required": ["city", "unit"],
+}
+
+
+def test_required_calls_of_tools_whose_parameters_refer_to_their_own_defs(
+    client: openai.OpenAI, name: str
+) -> None:
+    """Inside the ``"required"`` array a tool's parameters are no longer the root, so its
+    ``#/$defs/...`` references are moved with its definitions (the request was a 400: "Pointer
+    '/$defs/Unit' does not exist"); a second tool's definitions of the same names stay apart."""
+    other = {
+        "$defs": {"Unit": {"enum": ["utc", "local"]}},
+        "type": "object",
+        "properties": {"zone": {"$ref": "#/$defs/Unit"}},
+        "required": ["zone"],
+    }
+    tools = [
+        {"type": "function", "function": {"name": "get_weather", "parameters": PYDANTIC_WEATHER}},
+        {"type": "function", "function": {"name": "get_time", "parameters": other}},
+    ]
+    r = client.chat.completions.create(
+        model=name,
+        messages=MESSAGES,
+        tools=tools,
+        tool_choice="required",
+        parallel_tool_calls=False,  # this model would call get_time until the budget ran out
+        max_tokens=96,
+        temperature=0,
+    )
+    calls = r.choices[0].message.tool_calls
+    assert r.choices[0].finish_reason == "tool_calls" and calls and len(calls) == 1
+    params = {"get_weather": PYDANTIC_WEATHER, "get_time": other}
+    for call in calls:
+        jsonschema.validate(json.loads(call.function.arguments), params[call.function.name])
+    schema = tool_choice(ChatRequest(messages=MESSAGES, tools=tools, tool_choice="required")).schema
+    assert schema is not None and set(schema["$defs"]) == {
+        "get_weather",
+        "get_weather.Unit",
+        "get_weather.Place",
+        "get_time",
+        "get_time.Unit",
+    }
+    jsonschema.validate([{"name": "get_time", "parameters": {"zone": "utc"}}], schema)
+    with pytest.raises(jsonschema.ValidationError):
+        jsonschema.validate([{"name": "get_time", "parameters": {"zone": "celsius"}}], schema)
+
+
 def test_required_without_parallel_calls_makes_exactly_one(client: openai.OpenAI, name: str) -> None:
     r = client.chat.completions.create(
         model=name,

@@ -98,8 +98,13 @@ def tool_choice(body: ChatRequest) -> ToolChoice:
         )
     functions = _functions(body.tools)
     if choice == "required":
-        calls: dict[str, Any] = {"anyOf": [_call_schema(name, params) for name, params in functions.items()]}
-        schema = {"type": "array", "items": calls, "minItems": 1}
+        defs: dict[str, Any] = {}
+        calls: dict[str, Any] = {
+            "anyOf": [_call_schema(name, _hoisted(name, params, defs)) for name, params in functions.items()]
+        }
+        schema: dict[str, Any] = {"type": "array", "items": calls, "minItems": 1}
+        if defs:
+            schema["$defs"] = defs
         if body.parallel_tool_calls is False:
             schema["maxItems"] = 1
         return ToolChoice(tools=body.tools, forced="required", schema=schema)
@@ -137,6 +142,40 @@ def _functions(tools: list[dict[str, Any]] | None) -> dict[str, dict[str, Any]]:
             raise ApiError(f"tools[{i}].function.parameters must be a JSON schema object", param="tools")
         out[name] = params
     return out
+
+
+def _hoisted(name: str, params: dict[str, Any], defs: dict[str, Any]) -> dict[str, Any]:
+    """``params`` as it reads inside the ``"required"`` array: a schema that refers within itself
+    (``$ref`` to its ``$defs``, ``definitions`` or root, as Pydantic's do) moves into the
+    array's ``$defs`` as ``name`` and its definitions as ``name.X``, its references rewritten;
+    nested where it was, ``#/$defs/X`` would point at the array's root. Other schemas stay."""
+    if "$ref" not in json.dumps(params):
+        return params
+    key = name.replace("~", "~0").replace("/", "~1")
+
+    def moved(ref: str) -> str:
+        for where in ("#/$defs/", "#/definitions/"):
+            if ref.startswith(where):
+                return f"#/$defs/{key}.{ref[len(where) :]}"
+        if ref == "#" or ref.startswith("#/"):
+            return f"#/$defs/{key}{ref[1:]}"
+        return ref  # not a reference within the schema
+
+    def rewrite(node: Any) -> Any:
+        if isinstance(node, dict):
+            return {
+                k: moved(v) if k == "$ref" and isinstance(v, str) else rewrite(v) for k, v in node.items()
+            }
+        if isinstance(node, list):
+            return [rewrite(v) for v in node]
+        return node
+
+    body = {k: v for k, v in params.items() if k not in ("$defs", "definitions")}
+    for where in ("$defs", "definitions"):
+        for def_name, sub in (params.get(where) or {}).items():
+            defs[f"{name}.{def_name}"] = rewrite(sub)
+    defs[name] = rewrite(body)
+    return {"$ref": f"#/$defs/{key}"}
 
 
 def _call_schema(name: str, params: dict[str, Any]) -> dict[str, Any]:
