@@ -190,6 +190,16 @@ SHARED_KEYS = {
 }
 
 
+def test_min_tokens_past_a_grammars_end_names_min_tokens(ctx: lloyal.Context) -> None:
+    g = lloyal.Grammar.from_gbnf(ctx, 'root ::= "yes" | "no"')
+    with lloyal.Branch.create(ctx, 0, GREEDY, grammar=g) as b:
+        b.prefill(ctx.tokenize("Answer:"))
+        got = []
+        with pytest.raises(lloyal.GrammarError, match="min_tokens"):
+            got.extend(t.text for t in b.generate(20, min_tokens=5))
+    assert "".join(got) in ("", "yes", "no")
+
+
 @pytest.mark.parametrize("name", list(SHARED_KEYS))
 def test_schemas_whose_keys_come_from_several_parts_compile(ctx: lloyal.Context, name: str) -> None:
     """Objects are closed to keys they do not list, but not the parts of a whole: these were

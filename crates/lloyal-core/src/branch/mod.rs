@@ -118,8 +118,9 @@ fn draw(
 ) -> Result<i32> {
     let nothing_allowed = || {
         LloyalError::Grammar(
-            "the grammar allows no token here (every allowed token is banned); change the logit \
-             bias or the grammar"
+            "the grammar allows no token here: every token it allows is banned (by a logit \
+             bias, or by min_tokens, which bans the end of generation where the grammar can only \
+             end); change the bias, min_tokens or the grammar"
                 .into(),
         )
     };
