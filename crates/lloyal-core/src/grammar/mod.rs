@@ -359,12 +359,14 @@ fn gbnf_engine(model: &Model, source: &GrammarSource) -> Result<(Engine, Option<
             None => e,
         })
     };
-    if source.engine == GbnfEngineChoice::LlamaCpp {
-        return Ok((llama()?, None));
-    }
+    // Whichever engine: a grammar that accepts no text is refused as it is made (llama.cpp's
+    // engine would only fail at the first token, blaming a logit bias).
     if let Some(reason) = syntax.as_ref().ok().and_then(|s| matches_nothing(s, &source.root)) {
         llama()?; // a grammar llama.cpp cannot read gets its reason first
         return Err(LloyalError::Grammar(reason));
+    }
+    if source.engine == GbnfEngineChoice::LlamaCpp {
+        return Ok((llama()?, None));
     }
     match syntax.and_then(|s| translate(model, &s, &source.root)) {
         Ok(engine) => Ok((engine, None)),
