@@ -21,6 +21,7 @@ differently from GBNF's characters.
 from __future__ import annotations
 
 import random
+import re
 import warnings
 from collections.abc import Iterator
 
@@ -212,3 +213,18 @@ def test_groups_nested_too_deep_are_refused_on_every_engine(ctx: lloyal.Context,
     deep = "root ::= " + "(" * 200_000 + '"a"' + ")" * 200_000
     with pytest.raises(lloyal.GrammarError, match="nests groups more than"):
         lloyal.Grammar.from_gbnf(ctx, deep, engine=engine)  # type: ignore[arg-type]
+
+
+def test_a_long_chain_of_plain_rules_stays_on_llguidance(ctx: lloyal.Context) -> None:
+    """Plain rules are inlined into one lexeme regex, at most 32 deep: a chain of 150 rules each
+    referring to the next used to nest past what llguidance's regex parser takes (from 82 rules),
+    and fell back to llama.cpp's engine ('cannot express')."""
+    n = 150
+    text = "\n".join(f"r{i} ::= r{i + 1} [a-c]?" for i in range(n)) + f'\nr{n} ::= "c"\nroot ::= r0 "c"'
+    g = lloyal.Grammar.from_gbnf(ctx, text, engine="llguidance")
+    assert g.engine == "llguidance"
+    params = lloyal.SamplingParams(temperature=1.0, seed=4)
+    with lloyal.Branch.create(ctx, 0, params, grammar=g) as b:
+        b.prefill(ctx.tokenize("Letters:"))
+        out = "".join(t.text for t in b.generate(200))
+    assert re.fullmatch(r"c[a-c]{0,150}c", out), out

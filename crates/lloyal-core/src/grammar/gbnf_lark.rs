@@ -29,6 +29,11 @@ use conflicts::conflicts;
 /// The longest lexeme regex written (regular rules are inlined where referenced).
 const MAX_LEXEME_REGEX: usize = 4 << 20;
 
+/// The deepest a regular rule's regex nests (rules inlined in rules, groups, repetitions): past
+/// it the rule stays a rule. llguidance refuses a lexeme regex nested some 80 deep (a chain of
+/// 82 rules each referring to the next).
+const MAX_INLINE_DEPTH: usize = 32;
+
 /// How to name a token reference for llguidance (`<[id]>`; text references resolved by the
 /// model's tokenizer to exactly one token).
 pub(crate) type ResolveToken<'a> = &'a dyn Fn(&str) -> Option<u32>;
@@ -91,7 +96,47 @@ fn regular_rules(syntax: &Syntax) -> HashSet<String> {
     for (name, _) in &syntax.rules {
         visit(name, syntax, &mut marks);
     }
-    marks.into_iter().filter(|(_, m)| *m == Mark::Regular).map(|(n, _)| n).collect()
+    let regular: HashSet<String> =
+        marks.into_iter().filter(|(_, m)| *m == Mark::Regular).map(|(n, _)| n).collect();
+    // How deep each regular rule's regex nests once its regular rules are inlined.
+    fn rule_depth(
+        name: &str,
+        syntax: &Syntax,
+        regular: &HashSet<String>,
+        memo: &mut HashMap<String, usize>,
+    ) -> usize {
+        if let Some(&d) = memo.get(name) {
+            return d;
+        }
+        let d = syntax.rule(name).map_or(0, |alts| {
+            alts.iter().flatten().map(|i| item_depth(i, syntax, regular, memo)).max().unwrap_or(0)
+        });
+        memo.insert(name.to_string(), d);
+        d
+    }
+    fn item_depth(
+        item: &Item,
+        syntax: &Syntax,
+        regular: &HashSet<String>,
+        memo: &mut HashMap<String, usize>,
+    ) -> usize {
+        match item {
+            Item::Literal(_) | Item::Class { .. } | Item::Any | Item::Token { .. } => 0,
+            Item::Rule(name) if regular.contains(name) => 1 + rule_depth(name, syntax, regular, memo),
+            Item::Rule(_) => 0,
+            Item::Group(alts) => {
+                1 + alts.iter().flatten().map(|i| item_depth(i, syntax, regular, memo)).max().unwrap_or(0)
+            }
+            Item::Repeat { item, .. } => 1 + item_depth(item, syntax, regular, memo),
+        }
+    }
+    let mut memo = HashMap::new();
+    let deep: Vec<String> = regular
+        .iter()
+        .filter(|n| rule_depth(n, syntax, &regular, &mut memo) > MAX_INLINE_DEPTH)
+        .cloned()
+        .collect();
+    regular.into_iter().filter(|n| !deep.contains(n)).collect()
 }
 
 /// Where lexemes are cut finer than the first translation (keys: an item's regex).
