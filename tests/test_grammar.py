@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import warnings
 from typing import Any
 
 import numpy as np
@@ -58,6 +59,18 @@ def test_a_schema_the_converter_cannot_use_says_why(schema: dict[str, object], r
     rules that match nothing; the error gives llguidance's reading of the schema."""
     with pytest.raises(lloyal.GrammarError, match=reason):
         lloyal.json_schema_to_grammar(schema)
+
+
+def test_keywords_the_converter_ignores_are_named_in_a_warning() -> None:
+    schema = {
+        "type": "object",
+        "properties": {"n": {"type": "integer", "multipleOf": 5}, "x": {"type": "number", "maximum": 2.5}},
+    }
+    with pytest.warns(UserWarning, match=r"does not enforce maximum of a number, multipleOf"):
+        lloyal.json_schema_to_grammar(schema)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        lloyal.json_schema_to_grammar({"type": "integer", "minimum": 0, "maximum": 9})  # enforced
 
 
 def test_unserialisable_schema_is_a_grammar_error() -> None:

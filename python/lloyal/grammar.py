@@ -10,6 +10,7 @@ Example:
 from __future__ import annotations
 
 import json
+import warnings
 from collections.abc import Mapping
 from typing import Any
 
@@ -26,7 +27,11 @@ def json_schema_to_grammar(schema: str | Mapping[str, Any]) -> str:
     so, as :meth:`Grammar.from_json_schema` reads it too).
 
     ``schema`` is a JSON Schema as a dict or as JSON text. An invalid schema raises
-    :class:`~lloyal.GrammarError`.
+    :class:`~lloyal.GrammarError`. The converter enforces less than
+    :meth:`Grammar.from_json_schema` (llguidance): it ignores ``multipleOf`` and the bounds of
+    non-integer numbers (a ``UserWarning`` names them) and drops a ``pattern`` it cannot
+    translate (llama.cpp prints that on stderr); the grammar then accepts documents the schema
+    does not.
     """
     if isinstance(schema, str):
         text = schema
@@ -35,4 +40,35 @@ def json_schema_to_grammar(schema: str | Mapping[str, Any]) -> str:
             text = json.dumps(schema)
         except (TypeError, ValueError) as exc:
             raise GrammarError(f"the JSON schema is not JSON-serialisable: {exc}") from exc
-    return _lloyal.json_schema_to_grammar(text)
+    gbnf = _lloyal.json_schema_to_grammar(text)
+    try:
+        unenforced = sorted(set(_unenforced(json.loads(text))))
+    except ValueError:
+        unenforced = []
+    if unenforced:
+        warnings.warn(
+            f"json_schema_to_grammar: llama.cpp's converter does not enforce {', '.join(unenforced)}; "
+            "the grammar accepts documents that break them (Grammar.from_json_schema enforces them)",
+            UserWarning,
+            stacklevel=2,
+        )
+    return gbnf
+
+
+_BOUNDS = ("minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum")
+
+
+def _unenforced(node: Any) -> list[str]:
+    """The keywords of ``node`` (a schema, walked whole) that llama.cpp's converter ignores."""
+    found: list[str] = []
+    if isinstance(node, dict):
+        if "multipleOf" in node:
+            found.append("multipleOf")
+        if node.get("type") == "number":
+            found += [f"{k} of a number" for k in _BOUNDS if k in node]
+        for value in node.values():
+            found += _unenforced(value)
+    elif isinstance(node, list):
+        for value in node:
+            found += _unenforced(value)
+    return found
