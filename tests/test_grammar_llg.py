@@ -190,6 +190,17 @@ SHARED_KEYS = {
 }
 
 
+def test_a_regex_or_lark_grammar_that_accepts_no_text_says_so(ctx: lloyal.Context) -> None:
+    # the message was llguidance's parser state, ending "it cannot be used any more"
+    for make in (
+        lambda: lloyal.Grammar.from_regex(ctx, r"[^\s\S]"),
+        lambda: lloyal.Grammar.from_lark(ctx, r"start: /[^\s\S]/"),
+    ):
+        with pytest.raises(lloyal.GrammarError, match="allows no first token: it accepts no text") as e:
+            make()
+        assert "any more" not in str(e.value) and len(str(e.value)) < 400
+
+
 def test_min_tokens_past_a_grammars_end_names_min_tokens(ctx: lloyal.Context) -> None:
     g = lloyal.Grammar.from_gbnf(ctx, 'root ::= "yes" | "no"')
     with lloyal.Branch.create(ctx, 0, GREEDY, grammar=g) as b:

@@ -110,7 +110,20 @@ impl LlgEngine {
             .map_err(|e| LloyalError::Grammar(format!("invalid {} grammar: {e}", kind.name())))?;
         let mut engine =
             LlgEngine { matcher: Matcher::new(Ok(parser)), mask: None, n_vocab: model.n_vocab() as usize };
-        engine.current_mask()?;
+        // A grammar that fails before its first token accepts no text (the regex `[^\s\S]`):
+        // said as such, not as a grammar that broke in use.
+        match engine.matcher.compute_mask_or_eos() {
+            Ok(mask) => engine.mask = Some(mask),
+            Err(e) => {
+                let said = e.to_string();
+                let said: String = said.lines().next().unwrap_or_default().chars().take(160).collect();
+                return Err(LloyalError::Grammar(format!(
+                    "the {} grammar allows no first token: it accepts no text (such as a character \
+                     class with no characters); llguidance said: {said}",
+                    kind.name()
+                )));
+            }
+        }
         Ok(engine)
     }
 
