@@ -9,7 +9,9 @@
 //!   combinator's branches (a union that shares a field), and the `$defs` an `allOf` refers to
 //!   (a base schema extended). Before that, an `allOf` whose parts are plain objects (properties,
 //!   required; a part may be a `$ref` to one) is merged into its object, as llama.cpp's converter
-//!   merges it, so the whole is closed to keys no part lists;
+//!   merges it, so the whole is closed to keys no part lists, and the properties of a plain object
+//!   beside an `anyOf`/`oneOf` of plain objects (a union sharing a field) are merged into each
+//!   branch;
 //! - llguidance's options default to what those converters do: compact separators with no free
 //!   whitespace, `oneOf` read as `anyOf` (`coerce_one_of`), and keywords and formats it does not
 //!   implement ignored rather than refused (`lenient`: `uniqueItems`, `format: "password"`).
@@ -80,60 +82,97 @@ fn definitions(schema: &Value) -> Map<String, Value> {
 
 /// Merge into each object of `schema` an `allOf` whose parts are all plain objects (a `$ref`
 /// to one counts), their own `allOf`s merged first: one object with every part's properties
-/// (a property two parts give becomes the `allOf` of both) and required keys.
+/// (a property two parts give becomes the `allOf` of both) and required keys. Then a plain
+/// object with an `anyOf` or `oneOf` of plain objects beside its properties (a union sharing a
+/// field) becomes the union of its own keys merged into each branch.
 fn merge_all_of(schema: &mut Value, defs: &Map<String, Value>, depth: usize) {
     let Some(obj) = schema.as_object_mut() else { return };
     obj.values_mut().for_each(|v| match v {
         Value::Array(items) => items.iter_mut().for_each(|v| merge_all_of(v, defs, depth)),
         v => merge_all_of(v, defs, depth),
     });
-    let Some(Value::Array(parts)) = obj.get("allOf") else { return };
+    let object = obj.get("type").is_none_or(|t| t == "object");
+    if let (true, Some(parts)) = (object, plain_parts(obj.get("allOf"), defs, depth)) {
+        obj.remove("allOf");
+        obj.insert("type".into(), json!("object"));
+        parts.iter().for_each(|part| merge_into(obj, part));
+    }
+    for key in ["anyOf", "oneOf"] {
+        // its own keys: plain ones, the union, and definitions or options that stay where they are
+        let own_keys_plain = obj.keys().all(|k| {
+            k == key
+                || PLAIN.contains(&k.as_str())
+                || k == "x-guidance"
+                || (k.starts_with('$') && k != "$ref")
+        });
+        if !object || !obj.contains_key("properties") || !own_keys_plain {
+            continue;
+        }
+        let Some(branches) = plain_parts(obj.get(key), defs, depth) else { continue };
+        let mut own = Map::new();
+        for k in ["properties", "required"] {
+            if let Some(v) = obj.remove(k) {
+                own.insert(k.into(), v);
+            }
+        }
+        let merged: Vec<Value> = branches
+            .iter()
+            .map(|branch| {
+                let mut whole = own.clone();
+                whole.insert("type".into(), json!("object"));
+                merge_into(&mut whole, branch);
+                Value::Object(whole)
+            })
+            .collect();
+        obj.insert(key.into(), Value::Array(merged));
+    }
+}
+
+/// The parts of a combinator list (`list`), each a plain object (a `$ref` to one resolved, its
+/// own `allOf`s merged), or `None` if one is not.
+fn plain_parts(list: Option<&Value>, defs: &Map<String, Value>, depth: usize) -> Option<Vec<Value>> {
+    let Some(Value::Array(parts)) = list else { return None };
     let mut plain = Vec::new();
     for part in parts {
         let mut part = match part.get("$ref").and_then(Value::as_str) {
-            Some(r) if part.as_object().is_some_and(|o| o.len() == 1) => match defs.get(r) {
-                Some(def) => def.clone(),
-                None => return,
-            },
+            Some(r) if part.as_object().is_some_and(|o| o.len() == 1) => defs.get(r)?.clone(),
             _ => part.clone(),
         };
         if depth < MERGE_DEPTH {
             merge_all_of(&mut part, defs, depth + 1);
         }
-        let Some(o) = part.as_object() else { return };
+        let o = part.as_object()?;
         let is_object = o.get("type").is_none_or(|t| t == "object");
         if !is_object || !o.keys().all(|k| PLAIN.contains(&k.as_str())) {
-            return;
+            return None;
         }
         plain.push(part);
     }
-    if obj.get("type").is_some_and(|t| t != "object") {
-        return;
-    }
-    obj.remove("allOf");
-    obj.insert("type".into(), json!("object"));
-    for part in plain {
-        if let Some(Value::Object(props)) = part.get("properties") {
-            let mine = obj.entry("properties").or_insert_with(|| json!({}));
-            if let Some(mine) = mine.as_object_mut() {
-                for (name, sub) in props {
-                    match mine.get_mut(name) {
-                        Some(have) if have != sub => *have = json!({"allOf": [have.clone(), sub.clone()]}),
-                        Some(_) => {}
-                        None => {
-                            mine.insert(name.clone(), sub.clone());
-                        }
+    Some(plain)
+}
+
+/// `part`'s properties and required keys added to `obj`'s.
+fn merge_into(obj: &mut Map<String, Value>, part: &Value) {
+    if let Some(Value::Object(props)) = part.get("properties") {
+        let mine = obj.entry("properties").or_insert_with(|| json!({}));
+        if let Some(mine) = mine.as_object_mut() {
+            for (name, sub) in props {
+                match mine.get_mut(name) {
+                    Some(have) if have != sub => *have = json!({"allOf": [have.clone(), sub.clone()]}),
+                    Some(_) => {}
+                    None => {
+                        mine.insert(name.clone(), sub.clone());
                     }
                 }
             }
         }
-        if let Some(Value::Array(req)) = part.get("required") {
-            let mine = obj.entry("required").or_insert_with(|| json!([]));
-            if let Some(mine) = mine.as_array_mut() {
-                for r in req {
-                    if !mine.contains(r) {
-                        mine.push(r.clone());
-                    }
+    }
+    if let Some(Value::Array(req)) = part.get("required") {
+        let mine = obj.entry("required").or_insert_with(|| json!([]));
+        if let Some(mine) = mine.as_array_mut() {
+            for r in req {
+                if !mine.contains(r) {
+                    mine.push(r.clone());
                 }
             }
         }
@@ -255,8 +294,19 @@ mod tests {
                 {"properties": {"b": {"type": "integer"}}, "required": ["b"]}
             ]
         }));
-        assert!(!closed(&union) && !closed(&union["anyOf"][0]) && !closed(&union["anyOf"][1]));
-        assert!(closed(&union["anyOf"][0]["properties"]["a"]), "an object inside a part is whole");
+        // the shared field merged into each branch, each branch whole
+        assert!(
+            union.get("properties").is_none() && closed(&union["anyOf"][0]) && closed(&union["anyOf"][1])
+        );
+        assert_eq!(union["anyOf"][0]["required"], json!(["kind", "a"]));
+        assert!(union["anyOf"][1]["properties"]["kind"].is_object());
+        assert!(closed(&union["anyOf"][0]["properties"]["a"]), "an object inside a branch is whole");
+        // a branch that is more than keys: left as it was, open
+        let mixed = prepare(json!({
+            "properties": {"kind": {}},
+            "anyOf": [{"properties": {"a": {}}}, {"not": {"required": ["b"]}}]
+        }));
+        assert!(!closed(&mixed) && !closed(&mixed["anyOf"][0]));
         // plain parts are merged, then the whole is closed
         let extended = prepare(json!({
             "$defs": {
