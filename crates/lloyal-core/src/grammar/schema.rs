@@ -46,7 +46,7 @@ const COMBINE: [&str; 3] = ["allOf", "anyOf", "oneOf"];
 /// `schema` made ready for llguidance (see the module).
 pub fn prepare(mut schema: Value) -> Value {
     let defs = definitions(&schema);
-    merge_all_of(&mut schema, &defs, 0);
+    merge_parts(&mut schema, &defs, 0);
     let mut extended = Vec::new();
     extended_refs(&schema, &mut extended);
     close_objects(&mut schema, false, &extended);
@@ -85,11 +85,11 @@ fn definitions(schema: &Value) -> Map<String, Value> {
 /// (a property two parts give becomes the `allOf` of both) and required keys. Then a plain
 /// object with an `anyOf` or `oneOf` of plain objects beside its properties (a union sharing a
 /// field) becomes the union of its own keys merged into each branch.
-fn merge_all_of(schema: &mut Value, defs: &Map<String, Value>, depth: usize) {
+fn merge_parts(schema: &mut Value, defs: &Map<String, Value>, depth: usize) {
     let Some(obj) = schema.as_object_mut() else { return };
     obj.values_mut().for_each(|v| match v {
-        Value::Array(items) => items.iter_mut().for_each(|v| merge_all_of(v, defs, depth)),
-        v => merge_all_of(v, defs, depth),
+        Value::Array(items) => items.iter_mut().for_each(|v| merge_parts(v, defs, depth)),
+        v => merge_parts(v, defs, depth),
     });
     let object = obj.get("type").is_none_or(|t| t == "object");
     if let (true, Some(parts)) = (object, plain_parts(obj.get("allOf"), defs, depth)) {
@@ -139,7 +139,7 @@ fn plain_parts(list: Option<&Value>, defs: &Map<String, Value>, depth: usize) ->
             _ => part.clone(),
         };
         if depth < MERGE_DEPTH {
-            merge_all_of(&mut part, defs, depth + 1);
+            merge_parts(&mut part, defs, depth + 1);
         }
         let o = part.as_object()?;
         let is_object = o.get("type").is_none_or(|t| t == "object");

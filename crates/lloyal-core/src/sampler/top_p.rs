@@ -10,14 +10,14 @@
 //!   running sum, read from its logit), which is most of a large vocabulary once the sum is
 //!   near 1;
 //! - the best tokens are taken in layers, each every value from the `k`-th largest span maximum
-//!   up to the last layer's (k = 256, then 4 times more while the probabilities fall short of
-//!   `p`), and only the layers are sorted;
+//!   up to the last layer's (k = 256, doubling while the probabilities fall short of `p`, then a
+//!   nat lower each time), and only the layers are sorted;
 //! - the running sum of probabilities is the chain's, term by term.
 //!
-//! So the prefix is the chain's whenever the best tokens are ordered the same: the chain's sort
-//! orders tied logits its own way, so a tie among the kept tokens or at the cut leaves the
-//! row to the chain ([`survivors`] answers `false`). A NaN logit counts as `-inf` here (the
-//! chain's softmax of such a row is NaN throughout, and its sort's order undefined).
+//! So the prefix is the chain's, in the chain's order except among tied logits, which the
+//! chain's sort orders its own way: a draw that lands on a tied token is left to the chain
+//! ([`Nucleus::drawn_untied`]). A NaN logit counts as `-inf` here (the chain's softmax of such a
+//! row is NaN throughout, and its sort's order undefined).
 
 use llama_cpp_sys_2 as sys;
 
@@ -74,7 +74,7 @@ pub(super) fn softmax_sum(row: &Replaced, maxima: &[f32], max: f32) -> f32 {
             sum += (span[j] - max).exp();
         }
         if sum >= binade_end && sum > 0.0 && sum.is_finite() {
-            let half_ulp = (f32::from_bits(sum.to_bits() + 1) - sum) / 2.0;
+            let half_ulp = (sum.next_up() - sum) / 2.0;
             // expf is within an ulp (1.2e-7 relative): 1e-4 below ln(half ulp) is safely under
             skip = (f64::from(half_ulp).ln() - 1e-4) as f32;
             binade_end = f32::from_bits((sum.to_bits() & 0x7f80_0000) + 0x0080_0000);
@@ -161,7 +161,7 @@ pub(super) fn survivors(
         }
         // Each value left is below `floor`: once such a probability is under half an ulp of the
         // running sum, nothing left can move it (the chain then keeps every token).
-        let ulp = f32::from_bits(cumulative.to_bits() + 1) - cumulative;
+        let ulp = cumulative.next_up() - cumulative;
         if !reached && (floor - max).exp() / sum < ulp / 4.0 {
             return None;
         }
