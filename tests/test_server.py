@@ -545,6 +545,27 @@ def test_errors_are_openai_shaped(server: str, client: openai.OpenAI, name: str)
             messages=[{"role": "user", "content": "x"}],
             response_format={"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "nope"}}},
         )
+    # text that is not Unicode (a lone surrogate: JSON's "\ud800" escape without its pair; the
+    # openai client cannot send one), wherever it is, refused before a stream opens
+    for body, said in [
+        (
+            '"messages": [{"role": "user", "content": "hi \\ud800"}]',
+            "messages.0.content: a {} (\\ud800) at character 3",
+        ),
+        (
+            '"messages": [{"role": "user", "content": "x"}], "stop": "\\udfff", "stream": true',
+            "stop: a {} (\\udfff) at",
+        ),
+    ]:
+        raw = httpx.post(
+            server + "/v1/chat/completions",
+            content=f'{{"model": "{name}", {body}}}'.encode(),
+            headers={"authorization": f"Bearer {KEY}", "content-type": "application/json"},
+        )
+        assert raw.status_code == 400, raw.text
+        error = raw.json()["error"]
+        assert error["message"].startswith(said.format("lone UTF-16 surrogate")), error
+        assert error["code"] == "invalid_schema"
     bad = openai.OpenAI(base_url=server + "/v1", api_key="wrong", max_retries=0)
     with pytest.raises(openai.AuthenticationError, match="API key"):
         bad.models.list()

@@ -49,7 +49,9 @@ async def validation_error(_r: Request, exc: RequestValidationError) -> JSONResp
     errs = exc.errors()
     first = errs[0] if errs else {}
     loc = ".".join(str(x) for x in first.get("loc", ()) if x != "body")
-    msg = f"{loc}: {first.get('msg', 'invalid request')}" if loc else str(first.get("msg", "invalid"))
+    # a model validator's own message, without pydantic's "Value error, " before it
+    said = str(first.get("msg", "invalid request")).removeprefix("Value error, ")
+    msg = f"{loc}: {said}" if loc else said
     if first.get("type") == "json_invalid":
         body = error_body(f"the body is not valid JSON ({msg})", "invalid_request_error", code="json_invalid")
         return JSONResponse(body, status_code=400)

@@ -52,8 +52,45 @@ def error_body(message: str, type: str, param: str | None = None, code: str | No
 _I32_MAX = 2**31 - 1  # the largest value the core's 32-bit fields take
 
 
+def _lone_surrogate(value: Any, path: str) -> str | None:
+    """Where ``value`` (parsed JSON) holds a lone UTF-16 surrogate (a ``\\ud800`` escape
+    without its pair: not Unicode text, so it has no UTF-8 to tokenize or match), as an error
+    message; ``None`` when it holds none."""
+    if isinstance(value, str):
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError as e:
+            return (
+                f"{path or 'the body'}: a lone UTF-16 surrogate ({ascii(value[e.start])[1:-1]}) at character "
+                f"{e.start} is not Unicode text; send valid UTF-8 (a \\u escape of a surrogate must be "
+                "one of a pair)"
+            )
+        return None
+    if isinstance(value, dict):
+        for key, item in value.items():
+            found = _lone_surrogate(key, f"{path}.{ascii(key)[1:-1]}".lstrip(".")) or _lone_surrogate(
+                item, f"{path}.{key}".lstrip(".")
+            )
+            if found:
+                return found
+    elif isinstance(value, list):
+        for i, item in enumerate(value):
+            if found := _lone_surrogate(item, f"{path}.{i}".lstrip(".")):
+                return found
+    return None
+
+
 class _Body(BaseModel):
     model_config = ConfigDict(extra="ignore")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _unicode_text(cls, data: Any) -> Any:
+        """Refuse text that is not Unicode (a lone surrogate) wherever it is, before any field
+        reads it: it would fail later, mid-stream, as the server's error."""
+        if found := _lone_surrogate(data, ""):
+            raise ValueError(found)
+        return data
 
 
 class StreamOptions(_Body):
