@@ -6,18 +6,18 @@ use std::sync::Arc;
 
 use lloyal_core::lora::{LoraAdapter, LoraUse};
 use lloyal_core::Model;
-use pyo3::exceptions::PyTypeError;
+use pyo3::exceptions::{PyTypeError, PyValueError};
 use pyo3::prelude::*;
-use pyo3::types::PyTuple;
+use pyo3::types::{PyMapping, PyTuple};
 
 use crate::detach::detached;
 
 /// A LoRA adapter loaded for one :class:`Model` (``model.load_lora(path)``); a context applies
 /// it to every token it decodes when created with ``Context(model, lora=[adapter])``.
 ///
-/// A path loaded twice for the same model gives the same adapter. It holds its model's weights
-/// alive, and the file's metadata (``meta``) can be read back. ``Context(model,
-/// lora=[(adapter, 0.5)])`` applies it at half its strength.
+/// A path loaded twice for the same model gives the same adapter (a new one when the file changed
+/// in between). It holds its model's weights alive, and the file's metadata (``meta``) can be
+/// read back. ``Context(model, lora=[(adapter, 0.5)])`` applies it at half its strength.
 #[pyclass(name = "LoraAdapter", module = "lloyal._lloyal", frozen)]
 pub struct PyLoraAdapter {
     pub(crate) inner: Arc<LoraAdapter>,
@@ -78,7 +78,10 @@ pub(crate) fn lora_uses(
     lora: Option<&Bound<'_, PyAny>>,
 ) -> PyResult<Vec<LoraUse>> {
     let Some(lora) = lora else { return Ok(Vec::new()) };
-    if lora.is_instance_of::<pyo3::types::PyString>() || lora.cast::<PyLoraAdapter>().is_ok() {
+    if lora.is_instance_of::<pyo3::types::PyString>()
+        || lora.cast::<PyLoraAdapter>().is_ok()
+        || lora.cast::<PyMapping>().is_ok()
+    {
         return Err(PyTypeError::new_err(
             "lora must be a list of adapters, paths or (adapter, scale) pairs, e.g. lora=[adapter] or \
              lora=[('adapter.gguf', 0.5)]",
@@ -88,12 +91,7 @@ pub(crate) fn lora_uses(
     for (i, item) in lora.try_iter()?.enumerate() {
         let item = item?;
         let (what, scale) = match item.cast::<PyTuple>() {
-            Ok(pair) if pair.len() == 2 => (
-                pair.get_item(0)?,
-                pair.get_item(1)?
-                    .extract::<f32>()
-                    .map_err(|_| PyTypeError::new_err(format!("lora[{i}]: the scale must be a number")))?,
-            ),
+            Ok(pair) if pair.len() == 2 => (pair.get_item(0)?, scale_of(i, &pair.get_item(1)?)?),
             Ok(_) => {
                 return Err(PyTypeError::new_err(format!(
                     "lora[{i}]: a pair is (adapter or path, scale), got a tuple of {} items",
@@ -117,4 +115,19 @@ pub(crate) fn lora_uses(
         out.push(LoraUse { adapter, scale });
     }
     Ok(out) // checked against the model by Context::new (lloyal_core::lora::check)
+}
+
+/// The scale of `lora[i]` as the context holds it (f32); a value beyond f32's range is refused
+/// with the value given (it would read as infinite).
+fn scale_of(i: usize, scale: &Bound<'_, PyAny>) -> PyResult<f32> {
+    let value: f64 = scale
+        .extract()
+        .map_err(|_| PyTypeError::new_err(format!("lora[{i}]: the scale must be a number")))?;
+    if value.is_finite() && value.abs() > f64::from(f32::MAX) {
+        return Err(PyValueError::new_err(format!(
+            "lora[{i}]: the scale {value:e} is beyond the range of a float32 (about ±3.4e38), which \
+             llama.cpp scales adapters with"
+        )));
+    }
+    Ok(value as f32) // NaN and infinities are refused with the adapter's path (lora::check)
 }

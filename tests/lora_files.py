@@ -48,18 +48,19 @@ def write_lora(
     b_factor: float = 1.0,
     alpha: float = 0.0,
     arch: str | None = None,
+    layers: int | None = None,
 ) -> Path:
     """Write a random LoRA adapter for ``model`` to ``out``: each layer's query and FFN up
     projections get float32 A and B (normal, ``std``; the same for the same ``seed`` and
     ``rank``), B multiplied by ``b_factor`` (0: an adapter that adds nothing). ``arch``
-    overrides the architecture the file declares."""
+    overrides the architecture the file declares; ``layers`` keeps the first layers only."""
     rng = np.random.default_rng(seed)
     writer = gguf.GGUFWriter(out, arch or model.architecture)
     writer.add_type(gguf.GGUFType.ADAPTER)
     writer.add_string(gguf.Keys.Adapter.TYPE, "lora")
     writer.add_float32(gguf.Keys.Adapter.LORA_ALPHA, alpha)
     shapes = _shapes(model)
-    for layer in range(model.n_layer):
+    for layer in range(model.n_layer if layers is None else layers):
         for target, (n_in, n_out) in shapes.items():
             a = rng.normal(0.0, std, size=(rank, n_in)).astype(np.float32)
             b = (rng.normal(0.0, std, size=(n_out, rank)) * b_factor).astype(np.float32)

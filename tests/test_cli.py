@@ -199,7 +199,14 @@ def test_serve_refuses_a_negative_cache_budget(model_path: Path, capsys: pytest.
         (["serve", "--port", "99999"], "--port must be in 0..65535"),
         (["serve", "-t", "0"], "--threads must be >= 1"),
         (["serve", "-ngl", "5", "--batch-invariant"], "--batch-invariant runs on the CPU"),
-        (["serve", "--lora", "/no/a.gguf"], '--lora: cannot load adapter "/no/a.gguf": No such file'),
+        (
+            ["serve", "--lora", "/no/a.gguf"],
+            'cannot load LoRA adapter "/no/a.gguf": No such file or directory',
+        ),
+        (
+            ["serve", "--lora-scaled", "a.gguf:1e300"],
+            "the scale of 'a.gguf:1e300' is beyond a float32's range",
+        ),
         (
             ["serve", "--lora-scaled", "a.gguf"],
             "--lora-scaled takes FNAME:SCALE (e.g. adapter.gguf:0.5), got 'a.gguf'",

@@ -3,6 +3,9 @@ the test model (``lora_files.write_lora``), whose effect on the logits is known 
 
 from __future__ import annotations
 
+import os
+import threading
+import time
 from pathlib import Path
 
 import numpy as np
@@ -86,6 +89,53 @@ def test_a_file_loads_once_per_model(model: lloyal.Model, files: dict[str, Path]
     assert repr(a).startswith("LoraAdapter(path=")
 
 
+def test_a_file_rewritten_in_place_loads_again(model: lloyal.Model, tmp_path: Path, base: np.ndarray) -> None:
+    """A training loop writing checkpoints to one path gets the new weights, not the first
+    file's (the cache of loaded adapters compares the file's size and modification time)."""
+    path = write_lora(model, tmp_path / "ckpt.gguf", seed=3)
+    first = model.load_lora(path)
+    changed = prompt_logits(model, lora=[first])
+    assert not np.array_equal(changed, base)
+    write_lora(model, path, seed=3, b_factor=0.0)  # the same size: only the time differs
+    os.utime(path, ns=(path.stat().st_atime_ns, path.stat().st_mtime_ns + 10**9))
+    second = model.load_lora(path)
+    assert second != first and model.load_lora(path) == second
+    assert np.array_equal(prompt_logits(model, lora=[second]), base)
+    assert np.array_equal(prompt_logits(model, lora=[first]), changed)  # the first still applies
+
+
+def test_adapters_load_and_free_from_many_threads(
+    model: lloyal.Model, files: dict[str, Path], tmp_path: Path
+) -> None:
+    """Loading and freeing change the model's set of adapters in llama.cpp (no lock there):
+    two threads doing both at once corrupted the heap before lloyal held a lock of its own around
+    them (a crash in about half of 20-second runs of this loop; a smoke test, not a proof)."""
+    paths = [write_lora(model, tmp_path / f"t{i}.gguf", seed=i, rank=1, layers=1) for i in range(16)]
+    errors: list[BaseException] = []
+    deadline = time.monotonic() + 3.0
+
+    def churn(k: int) -> None:
+        try:
+            while time.monotonic() < deadline:
+                for path in paths[k::2]:
+                    adapter = model.load_lora(path)  # the GIL released
+                    del adapter  # the last holder: freed here, beside the other thread's load
+                with lloyal.Context(model, n_ctx=64, lora=[paths[k]]):  # loaded and freed unheld
+                    pass
+        except BaseException as e:  # reported below
+            errors.append(e)
+
+    threads = [threading.Thread(target=churn, args=(k,)) for k in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert errors == []
+    assert np.array_equal(
+        prompt_logits(model, lora=[files["zero"]]), prompt_logits(model, batch_invariant=False)
+    )
+
+
 def test_engine_generation_runs_under_the_adapter(model: lloyal.Model, files: dict[str, Path]) -> None:
     """Branch generation (the engine's ticks) and the flat path decode under the adapter: the
     same prompt gives the same logits both ways, and greedy text changes with the adapter."""
@@ -127,6 +177,10 @@ def test_bad_lora_arguments_say_what_was_wrong(
         lloyal.Context(model, n_ctx=64, lora=str(files["a"]))  # type: ignore[arg-type]
     with pytest.raises(TypeError, match="a list of adapters"):
         lloyal.Context(model, n_ctx=64, lora=a)  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match="a list of adapters"):  # a dict's scales would be lost
+        lloyal.Context(model, n_ctx=64, lora={a: 0.5})  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match=r"lora\[0\]: the scale 1e300 is beyond the range of a float32"):
+        lloyal.Context(model, n_ctx=64, lora=[(a, 1e300)])
     with pytest.raises(TypeError, match=r"lora\[0\]: expected a LoraAdapter or a path, got int"):
         lloyal.Context(model, n_ctx=64, lora=[3])  # type: ignore[list-item]
     with pytest.raises(TypeError, match=r"lora\[0\]: a pair is"):

@@ -9,12 +9,13 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+import numpy as np
 import pytest
 from helpers import serving
 from lora_files import write_lora
 
 import lloyal
-from lloyal.cli import _lora_flags
+from lloyal.cli import _lora_flags, main
 
 pytest.importorskip("uvicorn", reason="the server extra: pip install 'lloyal[server]'")
 
@@ -33,7 +34,13 @@ def url(model_path: Path, adapters: tuple[Path, Path]) -> Iterator[str]:
 
     a, b = adapters
     cfg = ServerConfig(
-        model=model_path, n_ctx=512, parallel=2, n_threads=2, lora=((a, 1.0), (b, 0.5)), warmup=False
+        model=model_path,
+        n_ctx=512,
+        parallel=2,
+        n_threads=2,
+        lora=((a, 1.0), (b, 0.5)),
+        warmup=False,
+        embeddings=True,
     )
     with serving(create_app(cfg)) as u:
         yield u
@@ -90,6 +97,52 @@ def test_other_scales_are_refused_by_name(url: str, lora: list[dict[str, Any]], 
     assert error["param"] == "lora" and message in error["message"]
 
 
+def test_embeddings_run_under_the_adapters(url: str, model_path: Path, adapters: tuple[Path, Path]) -> None:
+    """As llama-server's --lora: the adapters apply to /v1/embeddings too, and its ``lora`` field
+    is checked as a completion's is."""
+    a, b = adapters
+    served = httpx.post(f"{url}/v1/embeddings", json={"input": "hello"}, timeout=120)
+    assert served.status_code == 200, served.text
+    vector = np.array(served.json()["data"][0]["embedding"])
+    model = lloyal.Model(model_path)
+
+    def library(lora: list[Any]) -> np.ndarray:
+        with lloyal.Context(model, n_ctx=512, embeddings=True, lora=lora) as ctx:
+            return np.array(ctx.embed("hello"))
+
+    np.testing.assert_allclose(vector, library([(a, 1.0), (b, 0.5)]), rtol=1e-5, atol=1e-6)
+    assert np.abs(vector - library([])).max() > 1e-3
+    asked = {"input": "hello", "lora": [{"id": 0, "scale": 7.0}]}
+    refused = httpx.post(f"{url}/v1/embeddings", json=asked, timeout=120)
+    assert refused.status_code == 400 and refused.json()["error"]["param"] == "lora"
+
+
+def test_a_scale_beyond_float32_is_refused_as_another_scale(url: str) -> None:
+    """(It was cast to float32 first: an overflow warning, an error under -W error.)"""
+    r = complete(url, lora=[{"id": 0, "scale": 1e300}, {"id": 1, "scale": 0.5}])
+    assert r.status_code == 400 and "per-request LoRA scales" in r.json()["error"]["message"]
+
+
+def test_serve_refuses_adapters_that_cannot_serve_in_one_line(
+    model: lloyal.Model,
+    model_path: Path,
+    adapters: tuple[Path, Path],
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """An adapter for another architecture, or one listed twice, fails as the command's error
+    (the weights are loaded before the server starts), not as a traceback in its startup."""
+    a, _ = adapters
+    other = write_lora(model, tmp_path / "llama.gguf", seed=1, arch="llama")
+    for flags, message in [
+        (["--lora", str(other)], "arch mismatch"),
+        (["--lora", str(a), "--lora-scaled", f"{a}:0.5"], "is listed twice"),
+    ]:
+        assert main(["--model", str(model_path), "serve", *flags]) == 1
+        err = capsys.readouterr().err
+        assert err.startswith("lloyal: error: ") and message in err and err.count("\n") == 1, err
+
+
 def test_lora_flags_read_as_llama_server_reads_them() -> None:
     assert _lora_flags(["a.gguf,b.gguf", "c.gguf"], ["d.gguf:0.5,e.gguf:-1", "/x:y/f.gguf:2"]) == (
         (Path("a.gguf"), 1.0),
@@ -102,3 +155,5 @@ def test_lora_flags_read_as_llama_server_reads_them() -> None:
     for bad in ("a.gguf", ":0.5", "a.gguf:inf", "a.gguf:"):
         with pytest.raises(ValueError, match="--lora-scaled takes FNAME:SCALE"):
             _lora_flags([], [bad])
+    with pytest.raises(ValueError, match="beyond a float32's range"):
+        _lora_flags([], ["a.gguf:1e300"])

@@ -160,9 +160,9 @@ class LoraAdapter:
     """A LoRA adapter loaded for one :class:`Model` (``model.load_lora(path)``); a context applies
     it to every token it decodes when created with ``Context(model, lora=[adapter])``.
 
-    A path loaded twice for the same model gives the same adapter. It holds its model's weights
-    alive, and the file's metadata (``meta``) can be read back. ``Context(model,
-    lora=[(adapter, 0.5)])`` applies it at half its strength.
+    A path loaded twice for the same model gives the same adapter (a new one when the file changed
+    in between). It holds its model's weights alive, and the file's metadata (``meta``) can be
+    read back. ``Context(model, lora=[(adapter, 0.5)])`` applies it at half its strength.
     """
 
     @property

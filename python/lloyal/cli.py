@@ -373,6 +373,9 @@ def _cpu_facts() -> dict[str, Any]:
     }
 
 
+_F32_MAX = 3.4028234663852886e38  # the largest float32: llama.cpp scales adapters in float32
+
+
 def _lora_flags(plain: list[str], scaled: list[str]) -> tuple[tuple[Path, float], ...]:
     """``--lora FNAME`` and ``--lora-scaled FNAME:SCALE`` (each comma-separated, repeatable) as
     ``(path, scale)`` pairs in the order given, ``--lora`` first (llama-server's syntax)."""
@@ -386,6 +389,10 @@ def _lora_flags(plain: list[str], scaled: list[str]) -> tuple[tuple[Path, float]
                 value = math.nan
             if not sep or not path or not math.isfinite(value):
                 raise ValueError(f"--lora-scaled takes FNAME:SCALE (e.g. adapter.gguf:0.5), got {item!r}")
+            if abs(value) > _F32_MAX:
+                raise ValueError(
+                    f"--lora-scaled: the scale of {item!r} is beyond a float32's range (~3.4e38)"
+                )
             out.append((Path(path), value))
     return tuple(out)
 
@@ -412,6 +419,7 @@ def serve(args: argparse.Namespace) -> int:
     try:
         from lloyal.server import ServerConfig
         from lloyal.server import serve as run_server
+        from lloyal.server.state import load_weights
     except ImportError as exc:
         raise ValueError(str(exc)) from None
     # Options whose ServerConfig field has the flag's name.
@@ -426,14 +434,8 @@ def serve(args: argparse.Namespace) -> int:
             "--batch-invariant cannot go with --lora: llama.cpp multiplies an adapter's float matrices "
             "with a batch-dependent kernel; drop one of them"
         )
-    if not args.ray:  # (on Ray the file is each node's) the server loads it as it starts: a traceback there
+    if not args.ray:  # (on Ray the file is each node's)
         _lloyal._check_model_file(model)
-        for path, _ in lora:
-            try:
-                _lloyal._check_model_file(path)
-            except lloyal.ModelLoadError as exc:
-                message = str(exc).replace("cannot load model", "cannot load adapter")
-                raise ValueError(f"--lora: {message}") from None
     cfg = ServerConfig(
         model=model,
         n_threads=args.threads,
@@ -453,7 +455,11 @@ def serve(args: argparse.Namespace) -> int:
             raise ValueError("--replicas must be >= 1")
         run_on_ray(cfg, replicas=args.replicas, host=args.host, port=args.port, num_cpus=args.replica_cpus)
         return 0
+    # The weights loaded here, as the server loads them, fail as this command's error (in the
+    # server's startup they would be a traceback); held while it runs, the server finds them.
+    weights = load_weights(cfg)
     run_server(cfg, host=args.host, port=args.port)
+    del weights
     return 0
 
 

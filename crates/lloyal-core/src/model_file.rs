@@ -14,21 +14,46 @@ fn load_error(path: &Path, reason: impl Into<String>) -> LloyalError {
     LloyalError::ModelLoad { path: path.display().to_string(), reason: reason.into() }
 }
 
+/// What a GGUF file is opened as: its check's messages name it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum GgufRole {
+    Model,
+    LoraAdapter,
+}
+
+impl GgufRole {
+    fn noun(self) -> &'static str {
+        match self {
+            GgufRole::Model => "model",
+            GgufRole::LoraAdapter => "LoRA adapter",
+        }
+    }
+}
+
 /// Verify that `path` names a readable GGUF file (v2 or v3) with a plausible header.
 ///
 /// This catches missing files, directories, empty or truncated files and foreign
 /// formats before llama.cpp sees them; deeper corruption is left to llama.cpp, which
 /// reports it as a load failure (not an abort).
 pub fn check_gguf_file(path: &Path) -> Result<()> {
-    let meta = std::fs::metadata(path)
-        .map_err(|e| load_error(path, format!("{e}; check the path (or set LLOYAL_MODEL)")))?;
+    check_gguf_as(path, GgufRole::Model)
+}
+
+/// [`check_gguf_file`] for a file opened as `role` (the messages' words and hints are its).
+pub fn check_gguf_as(path: &Path, role: GgufRole) -> Result<()> {
+    let hint = if role == GgufRole::Model { " (or set LLOYAL_MODEL)" } else { "" };
+    let meta = std::fs::metadata(path).map_err(|e| load_error(path, format!("{e}; check the path{hint}")))?;
     if meta.is_dir() {
         return Err(load_error(path, "it is a directory, not a .gguf file"));
     }
     if meta.len() < GGUF_HEADER_LEN {
         return Err(load_error(
             path,
-            format!("the file is {} bytes, too small to be a GGUF model (truncated or empty?)", meta.len()),
+            format!(
+                "the file is {} bytes, too small to be a GGUF {} (truncated or empty?)",
+                meta.len(),
+                role.noun()
+            ),
         ));
     }
     let mut header = [0u8; GGUF_HEADER_LEN as usize];

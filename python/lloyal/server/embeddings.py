@@ -15,7 +15,7 @@ import lloyal
 
 from .protocol import ApiError, EmbeddingRequest
 from .state import ServerState, StateGetter
-from .translate import check_model, token_lists
+from .translate import check_lora, check_model, token_lists
 
 __all__ = ["add_routes", "answer_embeddings"]
 
@@ -34,6 +34,7 @@ async def answer_embeddings(st: ServerState, body: EmbeddingRequest) -> dict[str
     if ectx is None:
         raise ApiError("embeddings are not enabled on this server: start it with --embeddings", status=400)
     check_model(body.model, st.cfg)
+    check_lora(ectx, body)
     inputs = _inputs(ectx, body)
     async with st.embed_lock:
         vecs = await asyncio.to_thread(_embed, ectx, inputs)

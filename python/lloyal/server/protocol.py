@@ -217,6 +217,8 @@ class EmbeddingRequest(_Body):
     encoding_format: Literal["float", "base64"] = "float"
     dimensions: int | None = None
     user: str | None = None
+    # llama-server's adapter scales: taken when they are the server's own (--lora), else refused
+    lora: list[LoraScale] | None = None
 
 
 class TokenizeRequest(_Body):

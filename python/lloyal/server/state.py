@@ -16,7 +16,34 @@ from ..scheduling.scheduler import Scheduler
 from . import metrics
 from .config import ServerConfig
 
-__all__ = ["ServerState", "StateGetter", "StateHolder"]
+__all__ = ["ServerState", "StateGetter", "StateHolder", "load_weights"]
+
+Adapters = list[tuple[lloyal.LoraAdapter, float]]
+
+
+def _invariant(cfg: ServerConfig) -> bool:
+    """Whether the server's contexts are batch-invariant (``--batch-invariant`` or its context
+    options)."""
+    return bool(cfg.batch_invariant or cfg.context_options.get("batch_invariant") is True)
+
+
+def load_weights(cfg: ServerConfig) -> tuple[lloyal.Model, Adapters]:
+    """The model and the adapters every request runs under (``--lora`` order: their ids on
+    ``/lora-adapters``), as the server loads them; ``lloyal serve`` loads them first, so a file
+    that cannot serve fails as a command-line error (the server then finds them loaded).
+    ``ModelLoadError`` for a file that does not load, ``ValueError`` for an adapter listed twice.
+    """
+    invariant = _invariant(cfg)
+    # An invariant server runs on the CPU (GPU kernels are not batch-invariant), whatever
+    # LLOYAL_N_GPU_LAYERS offloads by default; asked for both, its context refuses.
+    ngl = 0 if invariant and cfg.n_gpu_layers is None else cfg.n_gpu_layers
+    # Weights read into memory (not mapped) get huge pages: a faster decode (Model.huge_page_bytes).
+    model = lloyal.Model(cfg.model, repack=not invariant, n_gpu_layers=ngl, use_mmap=cfg.use_mmap)
+    lora = [(model.load_lora(path), float(scale)) for path, scale in cfg.lora]
+    for i, (adapter, _) in enumerate(lora):
+        if any(adapter == other for other, _ in lora[:i]):
+            raise ValueError(f"lora: {adapter.path} is listed twice; list each adapter once, with one scale")
+    return model, lora
 
 
 class ServerState:
@@ -30,14 +57,8 @@ class ServerState:
         options = {"sampling_perplexity": False, **cfg.context_options}
         if cfg.batch_invariant:
             options["batch_invariant"] = True
-        invariant = options.get("batch_invariant") is True
-        # An invariant server runs on the CPU (GPU kernels are not batch-invariant), whatever
-        # LLOYAL_N_GPU_LAYERS offloads by default; asked for both, its context refuses.
-        ngl = 0 if invariant and cfg.n_gpu_layers is None else cfg.n_gpu_layers
-        # Weights read into memory (not mapped) get huge pages: a faster decode (Model.huge_page_bytes).
-        self.model = lloyal.Model(cfg.model, repack=not invariant, n_gpu_layers=ngl, use_mmap=cfg.use_mmap)
-        # The adapters every request runs under, in --lora order (their ids on /lora-adapters).
-        self.lora = [(self.model.load_lora(path), float(scale)) for path, scale in cfg.lora]
+        self.model, self.lora = load_weights(cfg)
+        # The adapters every request runs under, embeddings' too (as llama-server's --lora).
         if self.lora:
             options["lora"] = self.lora
         # Per running choice: its own sequence, its request's prompt root, and the cached prefix
@@ -48,7 +69,9 @@ class ServerState:
         )
         self.ctx.engine_prefill_chunk = cfg.prefill_chunk
         self.embed_ctx = (
-            lloyal.Context(self.model, n_ctx=min(cfg.n_ctx, 2048), embeddings=True, n_seq_max=4)
+            lloyal.Context(
+                self.model, n_ctx=min(cfg.n_ctx, 2048), embeddings=True, n_seq_max=4, lora=self.lora or None
+            )
             if cfg.embeddings
             else None
         )

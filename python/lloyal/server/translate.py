@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import re
 from collections.abc import Sequence
 from typing import Any
@@ -16,7 +17,7 @@ import lloyal
 
 from ..scheduling.scheduler import GenSpec
 from .config import ServerConfig
-from .protocol import ApiError, ChatRequest, CompletionRequest
+from .protocol import ApiError, ChatRequest, CompletionRequest, EmbeddingRequest
 
 #: Most stop strings a request gives: OpenAI takes 4, vLLM and llama-server any number; each is
 #: looked for at every token, so the list is bounded.
@@ -25,6 +26,7 @@ MAX_STOP = 64
 __all__ = [
     "chat_prompt",
     "check_ids",
+    "check_lora",
     "check_model",
     "content_as_parts",
     "gen_spec",
@@ -86,7 +88,7 @@ def gen_spec(
     """One prompt of ``body`` as what the scheduler runs, refused if it does not fit the context.
     ``eog``: the model's end-of-generation tokens, banned when ``body.ignore_eos``."""
     _refuse_unimplemented(body)
-    _check_lora(ctx, body)
+    check_lora(ctx, body)
     if body.stream_options is not None and not body.stream:
         raise ApiError("stream_options is only allowed with stream=true", param="stream_options")
     if not prompt:
@@ -139,7 +141,10 @@ def gen_spec(
     )
 
 
-def _check_lora(ctx: lloyal.Context, body: CompletionRequest | ChatRequest) -> None:
+_F32_MAX = float(np.finfo(np.float32).max)
+
+
+def check_lora(ctx: lloyal.Context, body: CompletionRequest | ChatRequest | EmbeddingRequest) -> None:
     """A 400 unless the body's ``lora`` (llama-server's ``[{"id", "scale"}]``; an adapter left
     out has scale 0) asks for the adapters every request runs under: one context decodes every
     request, and its adapters are fixed."""
@@ -154,7 +159,8 @@ def _check_lora(ctx: lloyal.Context, body: CompletionRequest | ChatRequest) -> N
                 "(GET /lora-adapters)",
                 param="lora",
             )
-        asked[item.id] = float(np.float32(item.scale))  # as the context holds its scales
+        # as the context holds its scales (beyond float32's range: none of the server's)
+        asked[item.id] = float(np.float32(item.scale)) if abs(item.scale) <= _F32_MAX else math.inf
     if asked != ours:
         raise ApiError(
             f"per-request LoRA scales are not supported: every request runs under the server's "

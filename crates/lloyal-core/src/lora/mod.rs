@@ -3,7 +3,9 @@
 //! llama-server's `--lora`).
 //!
 //! An adapter is loaded once per (model, file): a path loaded twice for the same weights
-//! returns the same adapter, as a model path opened twice loads once. The adapters of a
+//! returns the same adapter, as a model path opened twice loads once, unless the file changed
+//! in between (its size or modification time: a training loop writing checkpoints to one
+//! path gets the new weights). The adapters of a
 //! context are fixed when it is created (`ContextOptions::lora`), so every KV cell it holds
 //! was computed under the same weights.
 
@@ -16,7 +18,7 @@ use std::sync::{Arc, Mutex, Weak};
 use crate::backend::{backend, clear_recent_errors, recent_errors_or};
 use crate::error::{LloyalError, Result};
 use crate::model::Model;
-use crate::model_file::check_gguf_file;
+use crate::model_file::{check_gguf_as, GgufRole};
 use ffi::RawLora;
 
 /// A LoRA adapter loaded for one model.
@@ -24,6 +26,17 @@ pub struct LoraAdapter {
     raw: Arc<RawLora>,
     path: PathBuf,
     model: Arc<Model>,
+    /// The file's size and modification time when it was loaded.
+    stamp: Option<FileStamp>,
+}
+
+/// A file's size and modification time: a file rewritten in place differs in one of them.
+type FileStamp = (u64, std::time::SystemTime);
+
+/// `path`'s [`FileStamp`] now (`None` where the file system keeps no modification time).
+fn stamp(path: &Path) -> Option<FileStamp> {
+    let meta = std::fs::metadata(path).ok()?;
+    Some((meta.len(), meta.modified().ok()?))
 }
 
 impl std::fmt::Debug for LoraAdapter {
@@ -42,23 +55,26 @@ impl LoraAdapter {
     /// made for another architecture or with tensors of the wrong shape for `model`, or an
     /// activated LoRA (aLoRA, which applies only after its invocation tokens).
     pub fn load(model: &Arc<Model>, path: &Path) -> Result<Arc<LoraAdapter>> {
-        check_gguf_file(path).map_err(|e| match e {
+        check_gguf_as(path, GgufRole::LoraAdapter).map_err(|e| match e {
             LloyalError::ModelLoad { path, reason } => LloyalError::LoraLoad { path, reason },
             other => other,
         })?;
         let canonical = path.canonicalize().unwrap_or_else(|_| path.to_path_buf());
+        let now = stamp(&canonical);
         let mut loaded = LOADED.lock().unwrap_or_else(|p| p.into_inner());
         loaded.retain(|w| w.strong_count() > 0);
-        let same = |a: &Arc<LoraAdapter>| Arc::ptr_eq(&a.model, model) && a.path == canonical;
+        let same = |a: &Arc<LoraAdapter>| {
+            Arc::ptr_eq(&a.model, model) && a.path == canonical && a.stamp.is_some() && a.stamp == now
+        };
         if let Some(adapter) = loaded.iter().filter_map(Weak::upgrade).find(same) {
             return Ok(adapter);
         }
-        let adapter = Arc::new(Self::load_uncached(model, canonical)?);
+        let adapter = Arc::new(Self::load_uncached(model, canonical, now)?);
         loaded.push(Arc::downgrade(&adapter));
         Ok(adapter)
     }
 
-    fn load_uncached(model: &Arc<Model>, path: PathBuf) -> Result<LoraAdapter> {
+    fn load_uncached(model: &Arc<Model>, path: PathBuf, stamp: Option<FileStamp>) -> Result<LoraAdapter> {
         let fail = |reason: String| LloyalError::LoraLoad { path: path.display().to_string(), reason };
         let text = path.to_str().ok_or_else(|| fail("the path is not valid UTF-8".into()))?;
         let cpath = CString::new(text).map_err(|_| fail("the path contains a NUL byte".into()))?;
@@ -78,7 +94,7 @@ impl LoraAdapter {
                     .into(),
             ));
         }
-        Ok(LoraAdapter { raw: Arc::new(raw), path, model: model.clone() })
+        Ok(LoraAdapter { raw: Arc::new(raw), path, model: model.clone(), stamp })
     }
 
     /// The adapter file (canonicalised).
