@@ -721,6 +721,36 @@ def test_set_sampling_replaces_params_seed_bias_and_grammar_at_once_or_not_at_al
     assert "Hello".startswith(ctx.token_to_text(b.produce().token))
 
 
+def test_set_sampling_fresh_forgets_the_penalty_history_and_perplexity(ctx):
+    """A fork of a branch that sampled, set up ``fresh``, samples as a new branch holding the
+    same tokens (prefilled: no history, no perplexity) does; without ``fresh`` it keeps the
+    parent's history, and its penalties see the parent's tokens."""
+    strict = SamplingParams(temperature=0.0, repeat_penalty=3.0, penalty_last_n=64)
+    parent = Branch.create(ctx, 0, strict)
+    prompt = ctx.tokenize("One, two, one, two, one,")
+    parent.prefill(prompt)
+    said = ctx.tokenize(" two, one, two,", add_special=False)
+    for t in said:
+        parent.commit(t)  # its history: the tokens the model goes on with
+    cold = Branch.create(ctx, 0, strict)
+    cold.prefill(prompt + said)
+
+    def run(br: Branch) -> list[int]:
+        out = []
+        for _ in range(6):
+            out.append(br.produce().token)
+            br.commit(out[-1])
+        return out
+
+    kept, fresh = parent.fork(), parent.fork()
+    fresh.set_sampling(strict, fresh=True)
+    kept.set_sampling(strict)
+    assert fresh.perplexity == cold.perplexity and kept.perplexity == parent.perplexity
+    want = run(cold)
+    assert run(fresh) == want != run(kept)
+    assert fresh.perplexity == cold.perplexity
+
+
 def test_create_and_fork_skip_sequences_holding_flat_cells(make_context) -> None:
     ctx = make_context(n_ctx=512, n_seq_max=3)
     flat = ctx.tokenize("Flat path tokens")

@@ -319,6 +319,19 @@ def test_shared_system_prompt_is_reused_across_users(
     assert r.choices[0].message.content == ref.detokenize(greedy_completion(ref, other, 6, fc.stop_tokens))
 
 
+def test_penalties_see_only_the_requests_own_tokens_when_its_prompt_is_cached(
+    client: openai.OpenAI, name: str
+) -> None:
+    """A request forked from a cached prompt penalises what it generates, as the same request run
+    cold does, not also the tokens of the request that left the prompt in the cache (its branch's
+    penalty history came with the fork: the text changed once the prompt was cached)."""
+    prompt = "Here is a long list of fruits people eat in summer: apples, bananas, cherries, apples, and"
+    ask = {"model": name, "prompt": prompt, "max_tokens": 10, "temperature": 0, "frequency_penalty": 1.5}
+    runs = [client.completions.create(**ask) for _ in range(3)]  # type: ignore[call-overload]
+    assert [r.usage.prompt_tokens_details.cached_tokens > 0 for r in runs] == [False, True, True]
+    assert runs[1].choices[0].text == runs[0].choices[0].text == runs[2].choices[0].text
+
+
 SCHEMA = person_schema()
 
 
@@ -495,6 +508,13 @@ def test_prefix_cache_metrics(server: str) -> None:
     ):
         assert key in text
     assert 0 < metric(server, "lloyal_prefix_cache_hit_rate") <= 1
+    # requests are counted by the route they matched: made-up paths are one "other" series
+    for i in range(3):
+        httpx.get(f"{server}/no/such/path/{i}", headers=AUTH)
+    text = httpx.get(server + "/metrics", headers=AUTH).text
+    assert "/no/such/path" not in text
+    assert 'lloyal_requests_total{path="other",status="404"}' in text
+    assert 'lloyal_requests_total{path="/v1/completions",status="200"}' in text
 
 
 # -- embeddings ------------------------------------------------------------------------------

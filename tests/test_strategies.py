@@ -119,3 +119,75 @@ def test_speculative_generate_equals_greedy(make_context: Callable[..., lloyal.C
         assert wrong.branch == b
     assert strategies.prompt_lookup_drafts([1, 2, 3, 9, 1, 2], 2) == [3, 9]
     assert strategies.prompt_lookup_drafts([1, 2, 3], 4) == []
+
+
+def test_beam_search_survives_a_step_that_drops_a_fork_and_its_parent(
+    make_context: Callable[..., lloyal.Context],
+) -> None:
+    """A step that drops a beam and the fork made from it last step (listed first) prunes the
+    parent as the fork's ancestor, then meets it again as a beam of its own: passed over now
+    (it raised BranchDisposedError, 43 tokens into a width-3 search on a non-invariant context)."""
+    ctx = make_context(n_ctx=256, n_seq_max=4)
+    root = lloyal.Branch.create(ctx, 0, GREEDY)
+    root.prefill(ctx.tokenize(PROMPT))
+    beam = root.fork()
+    beam.commit(beam.produce().token)
+    its_fork = beam.fork()
+    for dropped in (its_fork, beam):  # _advance's order: a beam's forks before the beam
+        strategies._prune_upwards(dropped, {root.handle})
+    assert beam.disposed and its_fork.disposed and root.is_leaf
+    root.prune()
+    result = strategies.beam_search(ctx, PROMPT, width=3, max_tokens=20)
+    with result.branch:
+        assert len(result.tokens) == 20
+    assert lloyal.BranchStore(ctx).available == 4
+
+
+def test_strategies_give_back_leases_and_cells_when_they_fail(
+    make_context: Callable[..., lloyal.Context],
+) -> None:
+    ctx = make_context(n_ctx=256, n_seq_max=4, n_batch=64)
+    store = lloyal.BranchStore(ctx)
+
+    def interrupt(_live: int) -> None:
+        raise KeyboardInterrupt
+
+    with pytest.raises(lloyal.KvCacheFullError):
+        strategies.best_of_n(ctx, PROMPT, n=3, max_tokens=200)
+    assert (store.available, store.kv_pressure.cells_used) == (4, 0)
+    with pytest.raises(KeyboardInterrupt):
+        strategies.best_of_n(ctx, PROMPT, n=2, max_tokens=5, on_step=interrupt)
+    assert (store.available, store.kv_pressure.cells_used) == (4, 0)
+
+    def failing(_history: list[int], _n: int) -> list[int]:
+        raise RuntimeError("the drafter failed")
+
+    with pytest.raises(RuntimeError, match="the drafter failed"):
+        strategies.speculative_generate(ctx, PROMPT, 8, draft=failing)
+    assert (store.available, store.kv_pressure.cells_used) == (4, 0)
+    with pytest.raises(ValueError, match="the prompt is empty"):
+        strategies.best_of_n(ctx, "", n=2)
+
+
+def test_speculative_generate_keeps_to_k_and_to_the_cells_left(
+    make_context: Callable[..., lloyal.Context],
+) -> None:
+    """At most ``k`` drafts a round, whatever the drafter offers; a full cache ends the run with
+    the tokens so far (plain decoding's tokens), not an error that loses them."""
+    ctx = make_context(n_ctx=256, n_seq_max=2, n_batch=64)
+    expected, _ = greedy_tokens(ctx, PROMPT, 256 - len(ctx.tokenize(PROMPT)))
+    offered = strategies.speculative_generate(ctx, PROMPT, 40, draft=lambda _h, _n: [5] * 200, k=2)
+    with offered.branch:
+        assert offered.drafted <= 2 * offered.rounds
+    full = strategies.speculative_generate(ctx, PROMPT, 400)
+    with full.branch:
+        prompt = len(ctx.tokenize(PROMPT))
+        assert full.branch.position == 256 and not full.stopped
+        assert list(full.tokens) == expected[: 256 - prompt]
+    # a branch given text goes on from where it is: no BOS mid-sequence, "" adds nothing
+    with lloyal.Branch.create(ctx, 0, GREEDY) as b:
+        b.prefill(ctx.tokenize(PROMPT))
+        on = strategies.speculative_generate(b, "", 3)
+        assert b.position == prompt + 3 and list(on.tokens) == expected[:3]
+        strategies.speculative_generate(b, " and", 1)
+        assert b.position == prompt + 3 + len(ctx.tokenize(" and", add_special=False)) + 1

@@ -1184,11 +1184,14 @@ class Branch:
         seed: int | None = None,
         logit_bias: Mapping[int, float] | None = None,
         grammar: str | Grammar | None = None,
+        fresh: bool = False,
     ) -> None:
         """Replace the whole sampling setup in one call (one wait for the context while the
         engine is busy, instead of one per setter): the parameters, the logit bias (None: no
         bias) and the grammar (GBNF text or a :class:`Grammar`; None: none); ``seed`` restarts
-        the RNG (None: kept). Everything is checked first: on an error nothing changes.
+        the RNG (None: kept). ``fresh``: also forget the penalty history and the perplexities,
+        as a new branch after its prefill has none (for a fork of a branch that sampled
+        before). Everything is checked first: on an error nothing changes.
 
         Example:
             >>> branch.set_sampling(SamplingParams(temperature=0.0), seed=7, logit_bias={})
@@ -1200,11 +1203,13 @@ class Branch:
         seed: int | None = None,
         logit_bias: Mapping[int, float] | None = None,
         grammar: str | Grammar | None = None,
+        fresh: bool = False,
     ) -> Coroutine[Any, Any, None]:
-        """Await ``set_sampling(params, seed=seed, logit_bias=logit_bias, grammar=grammar)``
-        without blocking the event loop: it runs at once when the engine is between ticks, else
-        the engine runs it before its next tick. GBNF text is compiled before that, on the
-        calling thread (a :class:`Grammar` made ahead, off the loop, keeps it free).
+        """Await ``set_sampling(params, seed=seed, logit_bias=logit_bias, grammar=grammar,
+        fresh=fresh)`` without blocking the event loop: it runs at once when the engine is
+        between ticks, else the engine runs it before its next tick. GBNF text is compiled
+        before that, on the calling thread (a :class:`Grammar` made ahead, off the loop, keeps
+        it free).
         """
     def set_logit_bias(self, bias: Mapping[int, float]) -> None:
         """Set ``{token: bias}`` added to the logits before sampling; inherited by forks; ``-inf`` bans."""

@@ -42,7 +42,8 @@ _GREEDY = SamplingParams(temperature=0)
 
 
 def _prompt_tokens(ctx: Context, prompt: str | Sequence[int]) -> list[int]:
-    tokens = ctx.tokenize(prompt) if isinstance(prompt, str) else list(prompt)
+    # "" is no text (its tokens would be the BOS alone)
+    tokens = (ctx.tokenize(prompt) if prompt else []) if isinstance(prompt, str) else list(prompt)
     if not tokens:
         raise ValueError("the prompt is empty: give at least one token to condition on")
     return tokens
@@ -155,29 +156,33 @@ def best_of_n(
     except BaseException:
         root.prune_subtree()
         raise
-    for i, b in enumerate(branches):
-        b.reseed_sampler(seed + 1 + i)
     out: list[list[int]] = [[] for _ in branches]
     stopped = [False] * n
     live = list(range(n))
     steps = 0
-    while live and steps < max_tokens:
-        produced = store.produce_all([branches[i] for i in live])
-        step = []
-        for i, p in zip(live, produced, strict=True):
-            if p.is_stop:
-                stopped[i] = True
-            else:
-                step.append((i, p.token))
-        live = [i for i, _ in step]
-        if not step:
-            break
-        store.commit([(branches[i], t) for i, t in step])
-        for i, t in step:
-            out[i].append(t)
-        steps += 1
-        if on_step is not None:
-            on_step(len(live))
+    try:  # an error or an interrupt gives back every candidate's lease and cells
+        for i, b in enumerate(branches):
+            b.reseed_sampler(seed + 1 + i)
+        while live and steps < max_tokens:
+            produced = store.produce_all([branches[i] for i in live])
+            step = []
+            for i, p in zip(live, produced, strict=True):
+                if p.is_stop:
+                    stopped[i] = True
+                else:
+                    step.append((i, p.token))
+            live = [i for i, _ in step]
+            if not step:
+                break
+            store.commit([(branches[i], t) for i, t in step])
+            for i, t in step:
+                out[i].append(t)
+            steps += 1
+            if on_step is not None:
+                on_step(len(live))
+    except BaseException:
+        root.prune_subtree()
+        raise
     perplexities = tuple(b.perplexity for b in branches)
     winner = min(range(n), key=lambda i: perplexities[i])
     store.retain_only(branches[winner])
@@ -365,7 +370,8 @@ def _advance(
 def _prune_upwards(branch: Branch, keep: set[int]) -> None:
     """Prune a dropped beam if it is a leaf, then every ancestor left a childless non-beam."""
     node: Branch | None = branch
-    while node is not None and node.handle not in keep and node.is_leaf:
+    # (a node pruned already, as the ancestor of an earlier dropped beam, is passed over)
+    while node is not None and not node.disposed and node.handle not in keep and node.is_leaf:
         parent = node.parent
         node.prune()
         node = parent
@@ -527,29 +533,45 @@ def speculative_generate(
     else:
         branch = target
         ctx = branch.context
-        tokens_in = ctx.tokenize(prompt) if isinstance(prompt, str) else list(prompt)
+        # text goes on from where the branch is: a BOS only at its start ("" is no tokens)
+        if isinstance(prompt, str):
+            tokens_in = ctx.tokenize(prompt, add_special=branch.position == 0) if prompt else []
+        else:
+            tokens_in = list(prompt)
         if tokens_in:
             branch.prefill(tokens_in)
     seen = [*history, *tokens_in]
     out: list[int] = []
     rounds = decodes = drafted = accepted = 0
     stopped = False
-    while len(out) < max_tokens and not stopped:
-        drafts = list(propose(seen, min(k, max_tokens - len(out) - 1)))[: max(0, max_tokens - len(out) - 1)]
-        n = branch.verify(drafts)
-        rounds += 1
-        decodes += 2 if drafts else 1
-        drafted += len(drafts)
-        accepted += n
-        bonus = branch.last_token
-        assert bonus is not None  # verify always commits one token
-        new = [*drafts[:n], bonus]
-        seen += new
-        for t in new:
-            if ctx.is_stop_token(t):
-                stopped = True
+    store = BranchStore(ctx)
+    try:
+        while len(out) < max_tokens and not stopped:
+            # a round takes its drafts and one more token: within what is left, and within the
+            # KV cells left (the tokens so far are returned when the cache is full)
+            room = store.kv_pressure.remaining
+            if room < 1:
                 break
-            out.append(t)
+            n = max(0, min(k, max_tokens - len(out) - 1, room - 1))
+            drafts = list(propose(seen, n))[:n]
+            n = branch.verify(drafts)
+            rounds += 1
+            decodes += 2 if drafts else 1
+            drafted += len(drafts)
+            accepted += n
+            bonus = branch.last_token
+            assert bonus is not None  # verify always commits one token
+            new = [*drafts[:n], bonus]
+            seen += new
+            for t in new:
+                if ctx.is_stop_token(t):
+                    stopped = True
+                    break
+                out.append(t)
+    except BaseException:
+        if branch is not target:  # the branch made here goes with its lease; a caller's stays
+            branch.prune()
+        raise
     return SpecResult(
         branch=branch,
         tokens=tuple(out),

@@ -95,11 +95,13 @@ impl PyBranch {
     /// Replace the whole sampling setup in one call (one wait for the context while the
     /// engine is busy, instead of one per setter): the parameters, the logit bias (None: no
     /// bias) and the grammar (GBNF text or a :class:`Grammar`; None: none); ``seed`` restarts
-    /// the RNG (None: kept). Everything is checked first: on an error nothing changes.
+    /// the RNG (None: kept). ``fresh``: also forget the penalty history and the perplexities,
+    /// as a new branch after its prefill has none (for a fork of a branch that sampled
+    /// before). Everything is checked first: on an error nothing changes.
     ///
     /// Example:
     ///     >>> branch.set_sampling(SamplingParams(temperature=0.0), seed=7, logit_bias={})
-    #[pyo3(signature = (params, *, seed=None, logit_bias=None, grammar=None))]
+    #[pyo3(signature = (params, *, seed=None, logit_bias=None, grammar=None, fresh=false))]
     fn set_sampling(
         &self,
         py: Python<'_>,
@@ -107,25 +109,28 @@ impl PyBranch {
         seed: Option<i64>,
         logit_bias: Option<&Bound<'_, PyDict>>,
         grammar: Option<&Bound<'_, PyAny>>,
+        fresh: bool,
     ) -> PyResult<()> {
-        let set = self.sampling_setup(py, (params, seed, logit_bias, grammar))?;
+        let set = self.sampling_setup(py, (params, seed, logit_bias, grammar), fresh)?;
         self.call(py, set)
     }
 
-    /// Await ``set_sampling(params, seed=seed, logit_bias=logit_bias, grammar=grammar)``
-    /// without blocking the event loop: it runs at once when the engine is between ticks, else
-    /// the engine runs it before its next tick. GBNF text is compiled before that, on the
-    /// calling thread (a :class:`Grammar` made ahead, off the loop, keeps it free).
-    #[pyo3(signature = (params, *, seed=None, logit_bias=None, grammar=None))]
+    /// Await ``set_sampling(params, seed=seed, logit_bias=logit_bias, grammar=grammar,
+    /// fresh=fresh)`` without blocking the event loop: it runs at once when the engine is
+    /// between ticks, else the engine runs it before its next tick. GBNF text is compiled
+    /// before that, on the calling thread (a :class:`Grammar` made ahead, off the loop, keeps
+    /// it free).
+    #[pyo3(signature = (params, *, seed=None, logit_bias=None, grammar=None, fresh=false))]
     fn aset_sampling<'py>(
         slf: &Bound<'py, Self>,
         params: &Bound<'py, PyAny>,
         seed: Option<i64>,
         logit_bias: Option<&Bound<'py, PyDict>>,
         grammar: Option<&Bound<'py, PyAny>>,
+        fresh: bool,
     ) -> PyResult<Bound<'py, PyAny>> {
         let (py, branch) = (slf.py(), slf.get());
-        let set = branch.sampling_setup(py, (params, seed, logit_bias, grammar))?;
+        let set = branch.sampling_setup(py, (params, seed, logit_bias, grammar), fresh)?;
         let h = branch.handle;
         engine::awaitable(py, branch.core(), move |s| set(s, h))
     }
@@ -189,6 +194,7 @@ impl PyBranch {
         &self,
         py: Python<'_>,
         (params, seed, logit_bias, grammar): SamplingArgs<'_, '_>,
+        fresh: bool,
     ) -> PyResult<impl FnOnce(&mut ContextState, Handle) -> lloyal_core::Result<()> + Send + 'static> {
         self.core().check_open().py()?;
         let params = extract_params(Some(params), None)?;
@@ -202,6 +208,9 @@ impl PyBranch {
             // Every argument is checked above: these fail only on a disposed branch, at the first.
             s.branch_set_grammar(h, grammar)?;
             s.branch_set_params(h, params)?;
+            if fresh {
+                s.branch_start_afresh(h)?;
+            }
             if let Some(seed) = seed {
                 s.branch_reseed_sampler(h, seed)?;
             }

@@ -520,13 +520,16 @@ class Scheduler:
     async def _setup(b: lloyal.Branch, spec: GenSpec, i: int, *, reseed: bool) -> None:
         """Give choice ``i``'s branch the request's sampler, seed, bias and grammar, replacing
         what a cached parent had, in one call (``reseed``: a random seed when the request gives
-        none, so forks of one parent differ)."""
+        none, so forks of one parent differ); a fork of a cached prefix forgets the penalty
+        history and perplexity of the request that left it (it samples as the request run cold)."""
         seed = None
         if spec.seed is not None:
             seed = (spec.seed + i) & 0xFFFFFFFF
         elif reseed:
             seed = int.from_bytes(np.random.bytes(4), "little")
-        await b.aset_sampling(spec.params, seed=seed, logit_bias=spec.logit_bias, grammar=spec.grammar)
+        await b.aset_sampling(
+            spec.params, seed=seed, logit_bias=spec.logit_bias, grammar=spec.grammar, fresh=True
+        )
 
     # -- the choices ----------------------------------------------------------------------------
     async def _run_choice(self, c: _Choice) -> None:

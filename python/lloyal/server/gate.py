@@ -20,7 +20,8 @@ from .protocol import error_body
 class Gate:
     """Refuses, in this order: any request while the server shuts down (503), a declared body
     over ``max_body_bytes`` (413), a missing or wrong ``Bearer`` key when ``api_key`` is set
-    (401, every path but ``/health``). Then ``count(path, status)`` when the response starts.
+    (401, every path but ``/health``). Then ``count(route, status)`` when the response starts
+    (the matched route's path, or ``"other"``).
     Refusals are not counted."""
 
     def __init__(
@@ -46,11 +47,12 @@ class Gate:
         if refusal is not None:
             await refusal(scope, receive, send)
             return
-        path = scope["path"]
 
         async def counted(message: Message) -> None:
             if message["type"] == "http.response.start":
-                self.count(path, message["status"])
+                # the route the router matched (FastAPI puts it in the scope), not the path
+                # asked for: a client's made-up paths add no series; those are "other"
+                self.count(getattr(scope.get("route"), "path", "other"), message["status"])
             await send(message)
 
         await self.app(scope, receive, counted)

@@ -223,6 +223,18 @@ impl ContextState {
         self.change_sampler(handle, |sampler, model| sampler.reseed(model, seed))
     }
 
+    /// Start a branch's sampling afresh, as a new branch after its prefill: no penalty history
+    /// (penalties, DRY, mirostat) and no perplexity so far; the parameters, RNG, bias, grammar,
+    /// KV and logits kept. A request that forks a cached prefix (whose branch holds an earlier
+    /// request's tokens) then samples as the same request run cold.
+    pub fn branch_start_afresh(&mut self, handle: Handle) -> Result<()> {
+        self.change_sampler(handle, |sampler, model| sampler.forget_history(model))?;
+        let b = self.branch_mut(handle)?;
+        b.model_ppl = Default::default();
+        b.sampling_ppl = Default::default();
+        Ok(())
+    }
+
     /// Apply `change` to a branch's sampler; its produced token is drawn again.
     fn change_sampler(
         &mut self,

@@ -335,6 +335,15 @@ impl Sampler {
         Ok(())
     }
 
+    /// Forget the accepted history: penalties, DRY and mirostat start as a new sampler's (the
+    /// parameters and the RNG kept). On error nothing changes.
+    pub fn forget_history(&mut self, model: &Model) -> Result<()> {
+        let chain = build_chain(model, &self.params)?;
+        self.chain = chain;
+        self.history.clear();
+        Ok(())
+    }
+
     /// A fresh llama.cpp chain for `params`, with the accepted history replayed into its
     /// stateful samplers (DRY, mirostat). On error nothing changes.
     fn rebuild(&mut self, model: &Model, params: SamplingParams) -> Result<()> {
