@@ -38,6 +38,19 @@ def test_correct_drafts_are_all_accepted_and_the_bonus_committed(ctx2: lloyal.Co
         assert 1.0 <= b.perplexity < 1000
 
 
+def test_an_end_of_generation_ends_the_walk_as_the_bonus(ctx2: lloyal.Context) -> None:
+    """Drafts after an end of generation are not kept, also when the end itself was drafted:
+    plain decoding stops there (drafts past it were accepted into KV, position and perplexity)."""
+    eos = ctx2.eog_tokens[0]
+    with lloyal.Branch.create(ctx2, 0, GREEDY) as b:
+        b.set_logit_bias({eos: 40.0})  # the branch's sampler wants to end now
+        prompt = ctx2.tokenize(PROMPT)
+        b.prefill(prompt)
+        assert b.verify([eos, eos, eos]) == 0
+        assert b.last_token == eos and b.position == len(prompt) + 1
+        assert ctx2.kv_seq_pos_max(b.seq_id) == len(prompt)
+
+
 def test_wrong_drafts_are_rolled_back(ctx2: lloyal.Context) -> None:
     expected = _greedy_tokens(ctx2, 3)
     with lloyal.Branch.create(ctx2, 0, GREEDY) as b:

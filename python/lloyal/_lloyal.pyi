@@ -1083,7 +1083,10 @@ class Branch:
 
         Keeps the longest prefix of the drafts that this branch's sampler agrees with, removes
         the rejected drafts' cells, and commits the sampler's own next token (the bonus, see
-        ``last_token``). Greedy output equals plain greedy decoding.
+        ``last_token``); an end-of-generation token ends the walk as the bonus, even when it was
+        drafted (no draft after it is kept). Greedy output equals plain greedy decoding (on a
+        batch-invariant context; the default kernels may round a batch of rows differently,
+        which can flip a near tie).
 
         Runs on the context's engine: the drafts decode in one tick and the bonus in the next,
         each sharing its ``llama_decode`` with other callers' rows; a failure (or Ctrl-C) leaves

@@ -492,8 +492,9 @@ def speculative_generate(
     (default: :func:`prompt_lookup_drafts`, which copies what followed the last bigram's
     previous occurrence); ``verify`` decodes them in one batch, keeps the prefix the
     branch's own sampler agrees with and commits the sampler's next token. With greedy
-    sampling the output equals plain greedy decoding token for token; with a seeded
-    sampler it is a valid sample of the same distribution.
+    sampling the output equals plain greedy decoding token for token (on a batch-invariant
+    context: see ``Branch.verify``); with a seeded sampler it is a valid sample of the same
+    distribution.
 
     Args:
         target: A context (a branch is created with ``params`` and the prompt prefilled;

@@ -139,10 +139,13 @@ impl ContextState {
             return Err(LloyalError::Backend(format!("verify decoded {} rows for {k} drafts", rows.len())));
         }
         let mut accepted = 0;
+        let model = self.model();
         let bonus = loop {
             let b = self.branch_mut(handle)?;
             let token = b.produce()?;
-            if accepted == k || token != drafts[accepted] {
+            // An end of generation ends the walk as the bonus, drafted or not: no draft after
+            // it is accepted (plain decoding stops there).
+            if accepted == k || token != drafts[accepted] || model.is_eog(token) {
                 break token;
             }
             let s = b.surprisals(token);
