@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Callable
 
 import pytest
@@ -120,3 +121,21 @@ def test_a_grammar_error_part_way_leaves_the_branch_exactly_as_before(ctx2: lloy
         assert b.produce().token == berlin
         b.commit(berlin)
         assert (b.position, b.last_token) == (before[0] + 1, berlin)
+
+
+def test_averify_is_verify_on_the_event_loop(ctx2: lloyal.Context) -> None:
+    """``averify`` (API.md's ``a*`` forms of ``verify``): the same acceptance, bonus and cells."""
+    expected = _greedy_tokens(ctx2, 6)
+    prompt = ctx2.tokenize(PROMPT)
+    store = lloyal.BranchStore(ctx2)
+
+    async def main() -> None:
+        with lloyal.Branch.create(ctx2, 0, GREEDY) as b:
+            b.prefill(prompt)
+            drafts = [*expected[:3], expected[3] + 1]  # three right, then a wrong one
+            assert await b.averify(drafts) == 3
+            assert b.last_token == expected[3] and b.position == len(prompt) + 4
+            assert store.kv_pressure.cells_used == b.position
+            assert await b.averify([]) == 0 and b.last_token == expected[4]
+
+    asyncio.run(main())

@@ -1116,6 +1116,9 @@ class Branch:
     def ascore(self, tokens: list[int], top_logprobs: int = 0) -> Coroutine[Any, Any, list[ScoredToken]]:
         """Await ``score(tokens, top_logprobs)``: queued on the context's engine, the event loop
         keeps running; cancelling the awaiting task withdraws it (one in flight is rolled back)."""
+    def averify(self, draft_tokens: list[int]) -> Coroutine[Any, Any, int]:
+        """Await ``verify(draft_tokens)``: queued on the context's engine, the event loop keeps
+        running; the number of drafts accepted."""
     def aprefill(self, tokens: list[int]) -> Coroutine[Any, Any, None]:
         """Await ``prefill(tokens)``: queued on the context's engine, the event loop keeps running."""
     def afork(

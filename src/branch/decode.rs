@@ -138,6 +138,30 @@ impl PyBranch {
         aio::Coroutine::EngineCall.call(slf.py(), slf.getattr("_submit_prefill")?, vec![tokens])
     }
 
+    /// Await ``verify(draft_tokens)``: queued on the context's engine, the event loop keeps
+    /// running; the number of drafts accepted.
+    fn averify<'py>(slf: &Bound<'py, Self>, draft_tokens: Bound<'py, PyAny>) -> PyResult<Bound<'py, PyAny>> {
+        aio::Coroutine::EngineValue.call(slf.py(), slf.getattr("_submit_verify")?, vec![draft_tokens])
+    }
+
+    fn _submit_verify<'py>(
+        &self,
+        py: Python<'py>,
+        lp: Bound<'py, PyAny>,
+        fut: Bound<'py, PyAny>,
+        draft_tokens: Tokens,
+    ) -> PyResult<(Bound<'py, PyAny>, Bound<'py, PyAny>)> {
+        let drafts = to_i32(self.core().model(), &draft_tokens)?;
+        let work = Arc::new(VerifyWork::new(self.handle, drafts));
+        let cancel = engine::submit_async(py, self.core(), Work::Verify(Arc::clone(&work)), lp, fut)?;
+        let take = PyCFunction::new_closure(py, None, None, move |_args, _kwargs| -> PyResult<usize> {
+            let missing =
+                || LloyalError::Backend("internal error: verify answered without its result".into());
+            work.result.take().map(|v| v.accepted).ok_or_else(missing).py()
+        })?;
+        Ok((cancel, take.into_any()))
+    }
+
     /// Await ``commit(token)``: queued on the context's engine, the event loop keeps running.
     fn acommit<'py>(slf: &Bound<'py, Self>, token: Bound<'py, PyAny>) -> PyResult<Bound<'py, PyAny>> {
         aio::Coroutine::EngineCall.call(slf.py(), slf.getattr("_submit_commit")?, vec![token])
