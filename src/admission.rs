@@ -141,13 +141,21 @@ impl PyAdmission {
     /// as another plan forks :attr:`AdmissionPlan.base`. Once per plan.
     fn arestore<'py>(&self, py: Python<'py>, plan: &PyPlan) -> PyResult<Bound<'py, PyAny>> {
         let id = plan.plan.id;
-        let (tokens, copy) = self.book().take_restore(id).map_err(to_py)?;
+        let (tokens, copy, bytes) = self.book().take_restore(id).map_err(to_py)?;
         let book = Arc::clone(&self.book);
         let make = Box::new(move |s: &mut ContextState| {
-            let handle = s.cache_restore(&tokens, copy)?;
             let index = Arc::clone(s.prefix_index());
-            lock_book(&book).restored(&mut cache::lock(&index), id, handle);
-            Ok(handle)
+            match s.cache_restore(&tokens, copy) {
+                Ok(handle) => {
+                    lock_book(&book).restored(&mut cache::lock(&index), id, handle);
+                    Ok(handle)
+                }
+                Err((e, copy)) => {
+                    // the copy is kept (the plan holds it again), not lost with the error
+                    lock_book(&book).restore_failed(&mut cache::lock(&index), id, (tokens, *copy, bytes));
+                    Err(e)
+                }
+            }
         });
         lease::awaitable_branch(py, &self.ctx, None, Some(0.0), make)
     }

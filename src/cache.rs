@@ -163,7 +163,7 @@ impl PyPrefixCache {
         engine::awaitable(py, &self.core, move |s| s.cache_ensure_room(leases, cells))
     }
 
-    /// Prune every entry and released branch (with their forks).
+    /// Prune every entry and released branch (with their forks), and drop the host tier's copies.
     fn clear(&self, py: Python<'_>) -> PyResult<()> {
         run(py, &self.core, |s| {
             s.cache_clear();

@@ -122,6 +122,37 @@ def test_a_copy_written_back_holds_the_cells_and_logits_the_entry_had(exact_mode
         assert cache.stats()["host_entries"] == cache.stats()["host_bytes"] == 0, "clear drops the copies"
 
 
+def test_a_copy_that_cannot_be_written_back_is_kept(exact_model: lloyal.Model) -> None:
+    """No lease (or no room) for the copy as it is written back: the specific error, nothing
+    taken, and the copy is not lost with it: the plan holds it again, its release puts it back
+    in host memory, and a later plan restores it (it was gone, uncounted)."""
+    with lloyal.Context(exact_model, n_ctx=512, n_seq_max=3, batch_invariant=True) as ctx:
+        cache = _lloyal.PrefixCache(ctx)
+        cache.host_budget = 64 * MIB
+        tokens = ctx.tokenize("A long time ago in a galaxy far, far away, there lived a small robot who")
+        cached(ctx, cache, tokens)
+        asyncio.run(cache.amake_room(cells=500))
+        store = lloyal.BranchStore(ctx)
+        book = _lloyal.Admission(ctx, 2)
+        plan = book.plan(tokens, 1)
+        assert plan is not None and plan.restores
+        book.reserve(plan)
+        hogs = [lloyal.Branch.create(ctx, 0, GREEDY) for _ in range(3)]  # every lease taken
+        with pytest.raises(lloyal.LeaseExhaustedError):
+            asyncio.run(book.arestore(plan))
+        assert (store.available, store.kv_pressure.cells_used) == (0, 0)
+        assert book.release(plan) and cache.stats()["host_entries"] == 1, "put back, never written"
+        for hog in hogs:
+            hog.prune()
+        plan = book.plan(tokens, 1)
+        assert plan is not None and plan.restores and plan.reused == len(tokens)
+        book.reserve(plan)
+        restored = asyncio.run(book.arestore(plan))
+        assert restored.position == len(tokens) and cache.stats()["host_restored"] == 1
+        book.admitted(plan)
+
+
+@pytest.mark.gemma
 @pytest.mark.gemma
 def test_a_copy_longer_than_the_sliding_window_is_forked_only_where_it_is_exact(
     exact_model: lloyal.Model,

@@ -654,7 +654,7 @@ class PrefixCache:
         cache would not make it.
         """
     def clear(self) -> None:
-        """Prune every entry and released branch (with their forks)."""
+        """Prune every entry and released branch (with their forks), and drop the host tier's copies."""
     def entries(self) -> list[tuple[Branch, list[int]]]:
         """Every entry: ``(branch, tokens)``, in no particular order."""
     def __len__(self) -> int: ...

@@ -117,7 +117,8 @@ class PrefixCache:
         return True
 
     def clear(self) -> None:
-        """Prune every entry (children first) and every released branch."""
+        """Prune every entry (children first) and every released branch, and drop the host
+        tier's copies."""
         self._native.clear()
 
     @property
@@ -127,5 +128,6 @@ class PrefixCache:
 
     def stats(self) -> dict[str, int | float]:
         """Counters: ``entries``, ``released`` (not pruned yet), ``hit_tokens``, ``lookup_tokens``,
-        ``evictions``, ``reuse`` (the share of recent prompts the cache served, or would have)."""
+        ``evictions``, ``reuse`` (the share of recent prompts the cache served, or would have),
+        and the host tier's ``host_*`` (``PrefixCache.stats`` of ``lloyal._lloyal``)."""
         return self._native.stats()

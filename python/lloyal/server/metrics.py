@@ -95,7 +95,7 @@ class Metrics(Collector):
         yield GaugeMetricFamily("lloyal_prefix_cache_entries", "Cached branches", value=cache["entries"])
         yield CounterMetricFamily(
             "lloyal_prefix_cache_hit_tokens",
-            "Prompt tokens served from the prefix cache",
+            "Prompt tokens served from the prefix cache (or shared with a prompt being written)",
             value=cache["hit_tokens"],
         )
         yield CounterMetricFamily(

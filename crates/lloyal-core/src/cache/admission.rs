@@ -344,15 +344,24 @@ impl Admission {
         Ok(())
     }
 
-    /// The host tier's copy a `Start::Restore` plan writes back, with the tokens it holds, taken
-    /// once (the caller writes it back: [`crate::ContextState::cache_restore`], then
-    /// [`Admission::restored`]).
-    pub fn take_restore(&mut self, plan: u64) -> Result<(Vec<i32>, Stowed)> {
+    /// The host tier's copy a `Start::Restore` plan writes back, with the tokens it holds and
+    /// its bytes, taken once (the caller writes it back: [`crate::ContextState::cache_restore`],
+    /// then [`Admission::restored`], or [`Admission::restore_failed`]).
+    pub fn take_restore(&mut self, plan: u64) -> Result<(Vec<i32>, Stowed, usize)> {
         let held = held(&mut self.plans, plan)?;
-        let (tokens, copy, _) = held.restore.take().ok_or_else(|| {
+        held.restore.take().ok_or_else(|| {
             LloyalError::invalid(format!("admission plan {plan} writes back no cached copy, or did already"))
-        })?;
-        Ok((tokens, copy))
+        })
+    }
+
+    /// The plan's copy could not be written back (no lease or room for it then): the plan holds
+    /// it again (a release puts it back in the host tier, where a later plan finds it), or, the
+    /// plan released meanwhile, the host tier does.
+    pub fn restore_failed(&mut self, index: &mut PrefixIndex, plan: u64, taken: (Vec<i32>, Stowed, usize)) {
+        match self.plans.get_mut(&plan) {
+            Some(held) if held.restore.is_none() => held.restore = Some(taken),
+            _ => index.host.put_back(&taken.0, taken.1, taken.2),
+        }
     }
 
     /// The plan's copy was written back as entry `handle`: pinned until the plan is admitted or

@@ -6,7 +6,7 @@ use std::fmt;
 use super::evict::lock;
 use crate::branch::BranchState;
 use crate::context::state::ContextState;
-use crate::error::{LloyalError, Result};
+use crate::error::LloyalError;
 use crate::tenancy::Handle;
 
 /// An evicted entry's copy: its branch (sampler, metrics, logits) and llama.cpp's serialised
@@ -21,6 +21,10 @@ pub struct Stowed {
     /// cells are saved from its last window on: `state::window`).
     exact_from: usize,
 }
+
+/// [`ContextState::cache_restore`]'s answer: the entry made, or why not with the copy given
+/// back.
+pub type RestoreResult = Result<Handle, (LloyalError, Box<Stowed>)>;
 
 impl fmt::Debug for Stowed {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
@@ -69,9 +73,10 @@ impl ContextState {
     }
 
     /// Write `stowed` back as a new root branch holding `tokens`, an entry of the prefix cache
-    /// again (takes a lease and its cells). On failure nothing is taken and the copy is lost.
-    pub fn cache_restore(&mut self, tokens: &[i32], stowed: Stowed) -> Result<Handle> {
-        let Stowed { mut state, kv, cells, pos_max, .. } = stowed;
+    /// again (takes a lease and its cells). On failure nothing is taken, and the copy comes back
+    /// with the error (for the host tier to keep).
+    pub fn cache_restore(&mut self, tokens: &[i32], stowed: Stowed) -> RestoreResult {
+        let Stowed { state, kv, cells, pos_max, exact_from } = stowed;
         let start = pos_max + 1 - cells as i32;
         let write = |s: &mut Self, seq| {
             s.write_seq_payload(seq, &kv, pos_max).map_err(|why| {
@@ -80,12 +85,11 @@ impl ContextState {
                 ))
             })
         };
-        let handle = self.new_root(cells, write, |seq| {
-            state.seq_id = seq;
-            state.fork_head = start;
-            state
-        })?;
-        let seq = self.branch(handle)?.seq_id;
+        let seq = match self.root_lease(cells, write) {
+            Ok(seq) => seq,
+            Err(e) => return Err((e, Box::new(Stowed { state, kv, cells, pos_max, exact_from }))),
+        };
+        let handle = self.root_insert(BranchState { seq_id: seq, fork_head: start, ..state }, cells);
         self.note_window(handle, seq, start);
         lock(&self.cache).add(handle, tokens);
         Ok(handle)

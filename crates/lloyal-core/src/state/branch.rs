@@ -345,6 +345,17 @@ impl ContextState {
         write: impl FnOnce(&mut Self, i32) -> Result<()>,
         branch: impl FnOnce(i32) -> BranchState,
     ) -> Result<Handle> {
+        let seq = self.root_lease(cells, write)?;
+        Ok(self.root_insert(branch(seq), cells))
+    }
+
+    /// [`Self::new_root`]'s first half: room made for `cells` cells, a free lease taken and its
+    /// cells written by `write`; on failure nothing is taken.
+    pub(crate) fn root_lease(
+        &mut self,
+        cells: usize,
+        write: impl FnOnce(&mut Self, i32) -> Result<()>,
+    ) -> Result<i32> {
         self.cache_make_room(1, cells, 0, &[]);
         self.check_room(cells)?;
         let seq = self.ledger.take_lease(&mut self.raw)?;
@@ -354,10 +365,16 @@ impl ContextState {
             self.ledger.return_lease(seq);
             return Err(e);
         }
-        let handle = self.branches.insert(branch(seq));
+        Ok(seq)
+    }
+
+    /// [`Self::new_root`]'s second half: `state` (on the lease [`Self::root_lease`] took) as a
+    /// root branch holding its `cells` cells.
+    pub(crate) fn root_insert(&mut self, state: BranchState, cells: usize) -> Handle {
+        let handle = self.branches.insert(state);
         self.topology.add(handle, None);
         self.ledger.grow_cells(cells);
-        Ok(handle)
+        handle
     }
 }
 
