@@ -211,9 +211,12 @@ class BeamResult:
             written).
         tokens: The hypothesis's tokens (stop token excluded).
         text: Their text.
-        score: Sum of the tokens' log-probabilities (nats, <= 0).
+        score: Sum of the tokens' log-probabilities (nats, <= 0), a finished hypothesis's
+            stop token's included (as Hugging Face's beam search scores it).
         perplexity: ``exp(-score / len(tokens))``, as ``Branch.perplexity`` defines it
-            (``inf`` when no token was generated).
+            (``inf`` when no token was generated). Over every token: after a compaction the
+            branch's own ``perplexity`` and penalty history count only the tokens committed
+            since (a rebuilt beam's earlier tokens are prefilled, as a prompt is).
         finished: Whether the hypothesis ended on a stop token (else it hit ``max_tokens``).
         compactions: How often the beams were rebuilt from the prompt to free leases.
     """
@@ -317,8 +320,8 @@ def beam_search(
             for cand in candidates:
                 if len(kept) == width:
                     break
-                if ctx.is_stop_token(cand[2]):
-                    finished.append((list(beams[cand[1]].tokens), beams[cand[1]].score))
+                if ctx.is_stop_token(cand[2]):  # scored with its stop token's log-probability
+                    finished.append((list(beams[cand[1]].tokens), cand[0]))
                 else:
                     kept.append(cand)
             if not kept:
