@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from collections.abc import Callable
 
 import pytest
@@ -124,7 +125,8 @@ def test_a_grammar_error_part_way_leaves_the_branch_exactly_as_before(ctx2: lloy
 
 
 def test_averify_is_verify_on_the_event_loop(ctx2: lloyal.Context) -> None:
-    """``averify`` (API.md's ``a*`` forms of ``verify``): the same acceptance, bonus and cells."""
+    """``averify`` (API.md's ``a*`` forms of ``verify``): the same acceptance, bonus and cells;
+    cancelled, the branch as it was or verified, never half-way."""
     expected = _greedy_tokens(ctx2, 6)
     prompt = ctx2.tokenize(PROMPT)
     store = lloyal.BranchStore(ctx2)
@@ -137,5 +139,19 @@ def test_averify_is_verify_on_the_event_loop(ctx2: lloyal.Context) -> None:
             assert b.last_token == expected[3] and b.position == len(prompt) + 4
             assert store.kv_pressure.cells_used == b.position
             assert await b.averify([]) == 0 and b.last_token == expected[4]
+        # cancelled at any point, the cancellation reaches the caller once the engine answered:
+        # the branch as it was or verified, never with the drafts walked and no bonus
+        for delay in range(6):
+            with lloyal.Branch.create(ctx2, 0, GREEDY) as c:
+                c.prefill(prompt)
+                task = asyncio.ensure_future(c.averify(expected[:5]))
+                for _ in range(delay):
+                    await asyncio.sleep(0)
+                task.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await task
+                assert c.position in (len(prompt), len(prompt) + 6), delay
+                assert store.kv_pressure.cells_used == c.position
+                assert ctx2.kv_seq_pos_max(c.seq_id) == c.position - 1
 
     asyncio.run(main())

@@ -51,9 +51,29 @@ async def engine_call(submit: Callable[..., Callable[[], None]], *args: Any) -> 
     raise here) and returns a canceller; the engine thread settles ``future`` through
     ``loop.call_soon_threadsafe``. Cancelling the awaiting task cancels the operation unless
     the engine has decoded it: a commit already in a decode is applied, a prefill still in
-    flight is rolled back; the task is cancelled either way.
+    flight is rolled back; the task is cancelled either way, once the engine has answered (at
+    once for an operation still queued, else as the tick running it ends), so the branches are
+    as that answer leaves them when the cancellation reaches the caller.
     """
-    await engine_start(submit, *args)
+    loop = asyncio.get_running_loop()
+    future: asyncio.Future[None] = loop.create_future()
+    cancel = submit(loop, future, *args)
+    await _settled(future, cancel)
+
+
+async def _settled(future: asyncio.Future[None], cancel: Callable[[], Any]) -> None:
+    """Await ``future``; cancelled meanwhile, cancel the operation and wait for the engine's
+    answer to it before raising ``CancelledError`` (every operation is answered: one withdrawn
+    from the queue at once, one in a tick as that tick ends). A second cancellation stops the
+    wait."""
+    try:
+        await asyncio.shield(future)
+    except asyncio.CancelledError:
+        cancel()  # (also when it was answered in the same instant: a lease granted then goes)
+        await asyncio.wait([future])  # the answer: Interrupted, the result or its error
+        if not future.cancelled():
+            future.exception()  # retrieved: the caller gets the cancellation
+        raise
 
 
 def engine_start(submit: Callable[..., Callable[[], None]], *args: Any) -> asyncio.Future[None]:
@@ -85,16 +105,13 @@ async def engine_value(
 
     ``submit(loop, future, *args)`` queues the call and returns ``(cancel, take)``; the engine
     thread settles ``future`` once it is done, and ``take()`` is the value. Cancelling the
-    awaiting task withdraws the call (a branch granted in the same instant is pruned).
+    awaiting task withdraws the call (a branch granted in the same instant is pruned), and the
+    cancellation reaches the caller once the engine has answered, as :func:`engine_call`'s.
     """
     loop = asyncio.get_running_loop()
     future: asyncio.Future[None] = loop.create_future()
     cancel, take = submit(loop, future, *args)
-    try:
-        await future
-    except asyncio.CancelledError:
-        cancel()
-        raise
+    await _settled(future, cancel)
     return take()
 
 
