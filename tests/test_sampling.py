@@ -107,6 +107,36 @@ def test_top_p_alone_draws_the_chains_tokens(ctx: lloyal.Context, top_p: float) 
     assert len(set(fast)) > 1
 
 
+def test_a_ban_bans_an_infinite_logit_on_every_path(ctx: lloyal.Context) -> None:
+    """A -inf bias on a +inf logit bans it (their sum was NaN: the draw over the whole row
+    treated it as banned, llama.cpp's chain as a weight that broke every draw into its last
+    token); banning every token the row leaves is an error, not the first banned token."""
+    row = np.random.default_rng(9).normal(0, 3, ctx.n_vocab).astype(np.float32)
+    row[777] = np.inf
+    noop = Xtc(probability=1.0, threshold=1.0)  # XTC off (threshold > 0.5): the chain runs
+
+    def run(**params: object) -> list[int]:
+        with lloyal.Branch.create(ctx, 0, SamplingParams(top_k=0, min_p=0.0, seed=1, **params)) as b:  # type: ignore[arg-type]
+            b.set_logits(row)
+            b.set_logit_bias({777: float("-inf")})
+            out = []
+            for _ in range(8):
+                out.append(b.produce().token)
+                b.accept(out[-1])
+            return out
+
+    for params in ({"temperature": 1.0, "top_p": 1.0}, {"temperature": 1.0, "top_p": 0.9}):
+        fast, chain = run(**params), run(**params, xtc=noop)
+        assert fast == chain and 777 not in fast and len(set(fast)) > 4, params
+    only = np.full(ctx.n_vocab, -np.inf, np.float32)
+    only[[5, 9]] = [0.0, -1.0]
+    with lloyal.Branch.create(ctx, 0, SamplingParams(temperature=1.0, seed=1)) as b:
+        b.set_logits(only)
+        b.set_logit_bias({5: float("-inf"), 9: float("-inf")})
+        with pytest.raises(ValueError, match="banned by the logit bias"):
+            b.produce()
+
+
 def test_tiny_top_p_min_p_1_and_tiny_typical_p_are_greedy(primed: lloyal.Context) -> None:
     best = ranked(primed)[0]
     hot = {"temperature": 3.0, "seed": 1}

@@ -239,10 +239,20 @@ pub fn adjusted_replacements(
                 None => continue,
             },
         };
-        out.push((t, run.iter().fold(base, |v, &(_, b)| v + b)));
+        out.push((t, run.iter().fold(base, |v, &(_, b)| biased(v, b))));
     }
     out.extend(penalised);
     out
+}
+
+/// `logit` with `bias` added: a ban (-inf) bans whatever the logit, +inf included (whose sum
+/// with -inf is NaN, which the samplers read differently).
+pub fn biased(logit: f32, bias: f32) -> f32 {
+    if bias == f32::NEG_INFINITY {
+        f32::NEG_INFINITY
+    } else {
+        logit + bias
+    }
 }
 
 /// Add `biases` to the replacements `repl` of `logits`, finding each token by a scan (the
@@ -251,9 +261,9 @@ fn add_biases_by_search(repl: &mut Vec<(usize, f32)>, logits: &[f32], biases: &[
     for &(t, b) in biases {
         let t = t as usize;
         if let Some(entry) = repl.iter_mut().find(|(i, _)| *i == t) {
-            entry.1 += b;
+            entry.1 = biased(entry.1, b);
         } else if let Some(&l) = logits.get(t) {
-            repl.push((t, l + b));
+            repl.push((t, biased(l, b)));
         }
     }
 }

@@ -108,6 +108,12 @@ enum Reset<'a> {
 /// One token from `logits` with `sampler`, honouring the grammar: llguidance masks before
 /// drawing; GBNF checks the unconstrained draw and, only when it is rejected, draws again from
 /// the masked logits with the sampler reset as before the first draw.
+/// Token `t`'s logit with `biases` added (a ban is -inf whatever the logit).
+fn biased_logit(logits: &[f32], biases: &[(i32, f32)], t: i32) -> f32 {
+    let base = logits.get(t as usize).copied().unwrap_or(f32::NEG_INFINITY);
+    biases.iter().filter(|b| b.0 == t).fold(base, |v, b| crate::sampling::biased(v, b.1))
+}
+
 fn draw(
     sampler: &mut Sampler,
     reset: Reset<'_>,
@@ -128,7 +134,17 @@ fn draw(
         sampler.sample_with(logits, logits.maxima(), biases, || logits.stats().argmax)
     };
     let Some(grammar) = grammar else {
-        return Ok(unconstrained(sampler));
+        let token = unconstrained(sampler);
+        // A -inf token is drawn only when nothing finite is left: the bias banned every token
+        // the row did not (the sampler's fallback would hand out the first banned one).
+        return if biased_logit(logits, biases, token) == f32::NEG_INFINITY {
+            Err(LloyalError::invalid(
+                "every token the logits leave is banned by the logit bias or steering: no token could be \
+                 sampled; ban fewer tokens",
+            ))
+        } else {
+            Ok(token)
+        };
     };
     if grammar.masks_first() {
         // llguidance: the mask is cheap, so apply it before drawing (one draw, exact), on the

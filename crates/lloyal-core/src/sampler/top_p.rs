@@ -128,7 +128,9 @@ pub(super) fn survivors(
         } else if bound == f32::INFINITY {
             order.iter().copied().fold(f32::INFINITY, f32::min) // a short row: every span's
         } else {
-            bound - 1.0
+            // a nat lower, or an ulp where a nat is below one (logits past ~2^24: the layer
+            // would be empty and the loop endless)
+            (bound - 1.0).min(bound.next_down())
         };
         // Below `max - 104` expf is 0: nothing there adds to the running sum.
         if floor <= max - ZERO_PROBABILITY {
@@ -361,6 +363,21 @@ mod tests {
             banned[i] = f32::NEG_INFINITY;
         }
         assert_eq!(fast(&logits, &[], 0.9, 1.0).unwrap().0, chain_survivors(&banned, &[], 0.9, 1.0));
+    }
+
+    #[test]
+    fn logits_too_large_for_a_nat_to_move_them_end_the_layers() {
+        // 4,096 tied tokens at 1e8 (a nat is below their ulp), p close to 1: each layer below
+        // the first was empty, and the loop never ended
+        for (value, p) in [(1e8f32, 0.9999f32), (4e7, 0.99999), (1e30, 0.9999)] {
+            let mut logits = vec![f32::NEG_INFINITY; 262_144];
+            for x in logits.iter_mut().step_by(64) {
+                *x = value;
+            }
+            if let Some((got, nucleus)) = fast(&logits, &[], p, 1.0) {
+                check(&logits, &[], p, 1.0, &got, &nucleus);
+            }
+        }
     }
 
     /// `cargo test --release -- --ignored --nocapture top_p_speed`
