@@ -62,8 +62,7 @@ impl PyBranch {
         let drafts = to_i32(self.core().model(), &draft_tokens)?;
         let work = Arc::new(VerifyWork::new(self.handle, drafts));
         engine::wait(py, self.core(), Work::Verify(Arc::clone(&work)))?;
-        let missing = || LloyalError::Backend("internal error: verify answered without its result".into());
-        work.result.take().map(|v| v.accepted).ok_or_else(missing).py()
+        accepted(&work)
     }
 
     /// The most recently accepted token (``None`` before any).
@@ -155,9 +154,7 @@ impl PyBranch {
         let work = Arc::new(VerifyWork::new(self.handle, drafts));
         let cancel = engine::submit_async(py, self.core(), Work::Verify(Arc::clone(&work)), lp, fut)?;
         let take = PyCFunction::new_closure(py, None, None, move |_args, _kwargs| -> PyResult<usize> {
-            let missing =
-                || LloyalError::Backend("internal error: verify answered without its result".into());
-            work.result.take().map(|v| v.accepted).ok_or_else(missing).py()
+            accepted(&work)
         })?;
         Ok((cancel, take.into_any()))
     }
@@ -224,4 +221,10 @@ fn scored_tokens(py: Python<'_>, work: &ScoreWork) -> PyResult<Vec<Py<PyAny>>> {
     let scored = work.result.take().ok_or_else(missing).py()?;
     let cls = py.import("lloyal.scored")?.getattr("ScoredToken")?;
     scored.into_iter().map(|s| Ok(cls.call1((s.logprob, s.top, s.rank))?.unbind())).collect()
+}
+
+/// How many drafts a verify that answered accepted (taken once).
+fn accepted(work: &VerifyWork) -> PyResult<usize> {
+    let missing = || LloyalError::Backend("internal error: verify answered without its result".into());
+    work.result.take().map(|v| v.accepted).ok_or_else(missing).py()
 }
