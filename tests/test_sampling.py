@@ -90,9 +90,10 @@ def test_temperature_is_honoured(primed: lloyal.Context) -> None:
 @pytest.mark.parametrize("top_p", [0.5, 0.9, 0.99])
 def test_top_p_alone_draws_the_chains_tokens(ctx: lloyal.Context, top_p: float) -> None:
     """Top-p with no other filter is cut straight from the row (sampler/top_p.rs replays the
-    chain's f32 softmax); a min-p too small to remove anything sends the same request through
-    llama.cpp's chain. The same seed must give the same tokens, on real rows, at a temperature
-    that spreads the draws over the whole nucleus, and with penalties (replaced logits)."""
+    chain's f32 softmax); XTC with a threshold above 0.5 (which removes nothing and draws no
+    random number) sends the same request through llama.cpp's chain. The same seed must give the
+    same tokens, on real rows, at a temperature that spreads the draws over the whole nucleus,
+    and with penalties (replaced logits)."""
     prompts = [PROMPT, "I think that", "The best way to learn a new language is"]
     settings = [{"temperature": 1.0}, {"temperature": 50.0}, {"temperature": 2.0, "repeat_penalty": 1.5}]
     for prompt in prompts:
@@ -101,7 +102,7 @@ def test_top_p_alone_draws_the_chains_tokens(ctx: lloyal.Context, top_p: float) 
         for extra in settings:
             params = {"top_k": 0, "top_p": top_p, "seed": 5, **extra}
             fast = draws(ctx, 60, **params, min_p=0.0)
-            chain = draws(ctx, 60, **params, min_p=1e-30)
+            chain = draws(ctx, 60, **params, min_p=0.0, xtc=Xtc(probability=1.0, threshold=1.0))
             assert fast == chain, (prompt, extra)
     # the spread draws met many tokens of the last row's nucleus, not only its best one
     assert len(set(fast)) > 1
