@@ -105,15 +105,15 @@ enum Reset<'a> {
     Clone(&'a Sampler),
 }
 
-/// One token from `logits` with `sampler`, honouring the grammar: llguidance masks before
-/// drawing; GBNF checks the unconstrained draw and, only when it is rejected, draws again from
-/// the masked logits with the sampler reset as before the first draw.
 /// Token `t`'s logit with `biases` added (a ban is -inf whatever the logit).
 fn biased_logit(logits: &[f32], biases: &[(i32, f32)], t: i32) -> f32 {
     let base = logits.get(t as usize).copied().unwrap_or(f32::NEG_INFINITY);
     biases.iter().filter(|b| b.0 == t).fold(base, |v, b| crate::sampling::biased(v, b.1))
 }
 
+/// One token from `logits` with `sampler`, honouring the grammar: llguidance masks before
+/// drawing; GBNF checks the unconstrained draw and, only when it is rejected, draws again from
+/// the masked logits with the sampler reset as before the first draw.
 fn draw(
     sampler: &mut Sampler,
     reset: Reset<'_>,
