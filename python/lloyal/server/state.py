@@ -21,19 +21,14 @@ __all__ = ["ServerState", "StateGetter", "StateHolder", "load_weights"]
 Adapters = list[tuple[lloyal.LoraAdapter, float]]
 
 
-def _invariant(cfg: ServerConfig) -> bool:
-    """Whether the server's contexts are batch-invariant (``--batch-invariant`` or its context
-    options)."""
-    return bool(cfg.batch_invariant or cfg.context_options.get("batch_invariant") is True)
-
-
 def load_weights(cfg: ServerConfig) -> tuple[lloyal.Model, Adapters]:
     """The model and the adapters every request runs under (``--lora`` order: their ids on
     ``/lora-adapters``), as the server loads them; ``lloyal serve`` loads them first, so a file
     that cannot serve fails as a command-line error (the server then finds them loaded).
     ``ModelLoadError`` for a file that does not load, ``ValueError`` for an adapter listed twice.
     """
-    invariant = _invariant(cfg)
+    # batch-invariant contexts (--batch-invariant or the context options) read unrepacked weights
+    invariant = cfg.batch_invariant or cfg.context_options.get("batch_invariant") is True
     # An invariant server runs on the CPU (GPU kernels are not batch-invariant), whatever
     # LLOYAL_N_GPU_LAYERS offloads by default; asked for both, its context refuses.
     ngl = 0 if invariant and cfg.n_gpu_layers is None else cfg.n_gpu_layers
