@@ -120,8 +120,6 @@ def test_adapters_load_and_free_from_many_threads(
                 for path in paths[k::2]:
                     adapter = model.load_lora(path)  # the GIL released
                     del adapter  # the last holder: freed here, beside the other thread's load
-                with lloyal.Context(model, n_ctx=64, lora=[paths[k]]):  # loaded and freed unheld
-                    pass
         except BaseException as e:  # reported below
             errors.append(e)
 
